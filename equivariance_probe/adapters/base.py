@@ -1,0 +1,172 @@
+"""What an adapter must provide: the seam between model frameworks and the statistics.
+
+An adapter is the only code that knows a framework (TransformerLens, Hugging Face,
+nnsight). It tells the probe the shape of the model's attention (layers, query heads,
+the real mask of every layer) and runs token windows through the model, handing each
+layer's post-softmax pattern to a callback *as soon as it exists*, so that the probe
+reduces it to sums and never keeps it.
+
+Shapes follow one order everywhere: ``pattern: [batch, head, query, key]``, rows sum to 1.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import AttentionCaptureError, InputError
+
+#: Callback an adapter calls once per layer and batch: ``on_pattern(layer, pattern)``
+#: with ``pattern: [batch, head, query, key]``.
+PatternCallback = Callable[[int, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """The attention geometry of a model, as the statistics need it.
+
+    Attributes:
+        n_layers: number of attention layers.
+        n_heads: number of query heads per layer (for grouped-query attention, the
+            query heads, not the key/value heads).
+        windows: per layer, ``None`` for full causal attention or the width ``w`` of a
+            sliding window, in which query ``q`` sees keys ``max(0, q-w+1) .. q``
+            (``|V(q)| = min(q+1, w)``; Gemma 3 local layers, Mistral).
+        max_context: the longest window the model accepts, or ``None`` if unbounded.
+    """
+
+    n_layers: int
+    n_heads: int
+    windows: tuple[int | None, ...]
+    max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.windows) != self.n_layers:
+            raise ValueError(
+                f"AttentionLayout: {len(self.windows)} windows given for {self.n_layers} layers"
+            )
+
+    def visible_keys(self, layer: int, query: int) -> int:
+        """``|V(q)|``: how many keys query ``query`` may see in ``layer`` (no padding)."""
+        window = self.windows[layer]
+        return query + 1 if window is None else min(query + 1, window)
+
+
+@dataclass
+class ModelInfo:
+    """What a result records about the model it was measured on."""
+
+    name: str
+    framework: str
+    dtype: str
+    device: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Adapter(ABC):
+    """Base class of the framework adapters.
+
+    Subclasses set :attr:`framework` and implement :meth:`layout`, :meth:`run_patterns`
+    and, when the model has one, :meth:`tokenizer`.
+    """
+
+    #: Short name of the framework, recorded in results (e.g. ``"huggingface"``).
+    framework: str = ""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    # -- geometry ---------------------------------------------------------------
+    @property
+    @abstractmethod
+    def layout(self) -> AttentionLayout:
+        """Layers, query heads and the real mask of every layer."""
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Size of the input vocabulary, used to reject out-of-range token ids."""
+        return None
+
+    @property
+    def tokenizer(self) -> Any | None:
+        """The model's tokenizer (Hugging Face style: callable, ``encode``), or ``None``."""
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        """Device the model's parameters live on; token windows are moved there."""
+        for parameter in self.model.parameters():
+            return parameter.device
+        return torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        for parameter in self.model.parameters():
+            return parameter.dtype
+        return torch.float32
+
+    def info(self) -> ModelInfo:
+        """Identity of the model for the result's metadata."""
+        return ModelInfo(
+            name=self.model_name(),
+            framework=self.framework,
+            dtype=str(self.dtype).replace("torch.", ""),
+            device=str(self.device),
+        )
+
+    def model_name(self) -> str:
+        return type(self.model).__name__
+
+    # -- running ----------------------------------------------------------------
+    @abstractmethod
+    def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback) -> None:
+        """Run ``tokens: [batch, query]`` through the model and stream attention out.
+
+        Calls ``on_pattern(layer, pattern)`` once per layer with the post-softmax
+        ``pattern: [batch, head, query, key]`` while the forward pass runs, skips the
+        projection to the vocabulary where the framework allows, keeps no gradients and
+        no pattern after the callback returns, and leaves the user's model as it found it.
+        Windows are right-padded; under a causal mask padding keys are never visible to
+        real queries, so no attention mask is passed.
+        """
+
+    def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
+        """Run a batch and add its attention to ``statistics`` (an ``AttentionStatistics``
+        on which ``begin_batch`` was called).
+
+        The default streams each layer's pattern to ``statistics.update``. Adapters that
+        cannot bring patterns home (remote nnsight) override this to reduce where the
+        model runs and add only the sums.
+        """
+        self.run_patterns(tokens, statistics.update)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the tokenizer's own special tokens (e.g. BOS)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise InputError(
+                f"this {self.framework} model has no tokenizer, so strings cannot be tokenised; "
+                "pass token ids instead (a LongTensor [n_docs, n_tokens]), or attach a tokenizer "
+                "to the model"
+            )
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    # -- shared checks ------------------------------------------------------------
+    def check_layers_seen(self, seen: Sequence[int]) -> None:
+        """Raise if a forward pass did not hand over every layer's pattern exactly once."""
+        expected = list(range(self.layout.n_layers))
+        if sorted(seen) != expected:
+            missing = sorted(set(expected) - set(seen))
+            raise AttentionCaptureError(
+                f"the {self.framework} adapter captured attention from layers {sorted(set(seen))} "
+                f"but the model has {self.layout.n_layers} layers (missing: {missing}). "
+                + self.capture_hint()
+            )
+
+    def capture_hint(self) -> str:
+        """How to make attention capturable for this framework (appended to errors)."""
+        return ""

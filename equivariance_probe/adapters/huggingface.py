@@ -1,0 +1,193 @@
+"""Adapter for plain Hugging Face causal LMs (``transformers.PreTrainedModel``).
+
+Attention is captured with a forward hook on every layer's attention module, whose
+output is ``(attn_output, attn_weights)``; ``attn_weights: [batch, head, query, key]``
+exists only under eager attention, so a model loaded with ``sdpa`` or flash attention is
+switched to eager for the duration of a run and switched back afterwards. The base model
+(``model.base_model``) is called instead of the causal LM, which skips the projection to
+the vocabulary: at context 1024 that is about half of a Gemma 3 270M forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..errors import AttentionCaptureError
+from .base import Adapter, AttentionLayout, PatternCallback
+
+#: Attribute names under which layer stacks and attention modules are found.
+_LAYER_LISTS = ("layers", "h", "blocks", "decoder.layers")
+_ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+
+
+def _get_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def text_config(config: Any) -> Any:
+    """The text part of a (possibly multimodal) config."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def layer_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
+    """Per layer, ``None`` (full causal) or the sliding window width, from a HF config.
+
+    Understands ``layer_types`` (``"sliding_attention"`` / ``"full_attention"``, Gemma 2/3,
+    Qwen 2 in recent transformers) and the older Mistral style, where ``sliding_window``
+    applies to every layer unless ``use_sliding_window`` is false.
+    """
+    config = text_config(config)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return tuple(
+            int(window) if (kind in ("sliding_attention", "chunked_attention") and window) else None
+            for kind in list(layer_types)[:n_layers]
+        )
+    if window and getattr(config, "use_sliding_window", True):
+        return (int(window),) * n_layers
+    return (None,) * n_layers
+
+
+class HuggingFaceAdapter(Adapter):
+    """Streams post-softmax attention out of a ``transformers`` causal LM.
+
+    Args:
+        model: a ``PreTrainedModel`` (e.g. ``AutoModelForCausalLM``), any attention
+            implementation.
+        tokenizer: its tokenizer, if strings are to be run.
+    """
+
+    framework = "huggingface"
+
+    def __init__(self, model: Any, tokenizer: Any | None = None) -> None:
+        super().__init__(model)
+        self._tokenizer = tokenizer
+        self.attention_modules = self._find_attention_modules()
+        config = text_config(model.config)
+        n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+        if n_heads is None:
+            raise AttentionCaptureError(
+                f"cannot tell the number of attention heads of {type(model).__name__}: its config has "
+                "neither num_attention_heads nor n_head"
+            )
+        max_context = (
+            getattr(config, "max_position_embeddings", None)
+            or getattr(config, "n_positions", None)
+            or getattr(config, "n_ctx", None)
+        )
+        self._layout = AttentionLayout(
+            n_layers=len(self.attention_modules),
+            n_heads=int(n_heads),
+            windows=layer_windows(model.config, len(self.attention_modules)),
+            max_context=int(max_context) if max_context else None,
+        )
+
+    def _find_attention_modules(self) -> list[torch.nn.Module]:
+        base = self.model.base_model
+        for path in _LAYER_LISTS:
+            layers = _get_path(base, path)
+            if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
+                modules = []
+                for layer in layers:
+                    attention = next((getattr(layer, n) for n in _ATTENTION_NAMES if hasattr(layer, n)), None)
+                    if attention is None:
+                        break
+                    modules.append(attention)
+                else:
+                    return modules
+        raise AttentionCaptureError(
+            f"cannot find the attention modules of {type(self.model).__name__}: looked for a layer list "
+            f"named one of {_LAYER_LISTS} whose layers have one of {_ATTENTION_NAMES}. Wrap the model with "
+            "TransformerLens (TransformerBridge.boot_transformers) or nnsight, or open an issue naming the "
+            "architecture"
+        )
+
+    @property
+    def layout(self) -> AttentionLayout:
+        return self._layout
+
+    @property
+    def tokenizer(self) -> Any | None:
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int | None:
+        embeddings = self.model.get_input_embeddings()
+        return int(embeddings.num_embeddings) if embeddings is not None else None
+
+    def model_name(self) -> str:
+        return str(getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__)
+
+    def info(self):  # type: ignore[override]
+        info = super().info()
+        info.extra["architecture"] = type(self.model).__name__
+        info.extra["attn_implementation"] = self._attn_implementation()
+        return info
+
+    def _attn_implementation(self) -> str | None:
+        return getattr(self.model.config, "_attn_implementation", None)
+
+    def capture_hint(self) -> str:
+        return (
+            "Load the model with attn_implementation='eager' "
+            "(AutoModelForCausalLM.from_pretrained(..., attn_implementation='eager'))."
+        )
+
+    @contextlib.contextmanager
+    def _eager_eval(self) -> Iterator[None]:
+        """Eager attention and eval mode for the run; the user's settings come back after."""
+        original = self._attn_implementation()
+        was_training = self.model.training
+        switched = False
+        try:
+            if original != "eager":
+                try:
+                    self.model.set_attn_implementation("eager")
+                    switched = True
+                except Exception as error:  # noqa: BLE001 - any refusal means the same thing to the user
+                    raise AttentionCaptureError(
+                        f"this model runs attention {original!r}, which does not expose attention weights, "
+                        f"and could not be switched to eager ({error}). " + self.capture_hint()
+                    ) from error
+            self.model.eval()
+            yield
+        finally:
+            if switched and original is not None:
+                self.model.set_attn_implementation(original)
+            self.model.train(was_training)
+
+    def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback) -> None:
+        seen: list[int] = []
+
+        def make_hook(layer: int):
+            def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+                weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+                if weights is None:
+                    raise AttentionCaptureError(
+                        f"layer {layer}'s attention module ({type(module).__name__}) returned no attention "
+                        f"weights under attn_implementation={self._attn_implementation()!r}. "
+                        + self.capture_hint()
+                    )
+                seen.append(layer)
+                on_pattern(layer, weights.detach())
+
+            return hook
+
+        with self._eager_eval(), torch.no_grad():
+            handles = [m.register_forward_hook(make_hook(i)) for i, m in enumerate(self.attention_modules)]
+            try:
+                self.model.base_model(input_ids=tokens.to(self.device), use_cache=False)
+            finally:
+                for handle in handles:
+                    handle.remove()
+        self.check_layers_seen(seen)

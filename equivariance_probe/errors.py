@@ -1,0 +1,60 @@
+"""One exception family for everything the probe refuses.
+
+Every error says what was wrong and how to fix it. Catch
+:class:`EquivarianceProbeError` to catch them all.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EquivarianceProbeError",
+    "UnsupportedModelError",
+    "AttentionCaptureError",
+    "InputError",
+    "EmptyCorpusError",
+    "ContextLengthError",
+    "NonFiniteAttentionError",
+    "NotRunError",
+    "IncompatibleResultsError",
+    "ResultFileError",
+]
+
+
+class EquivarianceProbeError(Exception):
+    """Base class of every error raised by equivariance_probe."""
+
+
+class UnsupportedModelError(EquivarianceProbeError, TypeError):
+    """The object given as a model is of a type no adapter supports."""
+
+
+class AttentionCaptureError(EquivarianceProbeError, RuntimeError):
+    """Attention weights could not be captured (no hook point, non-eager attention, empty capture)."""
+
+
+class InputError(EquivarianceProbeError, ValueError):
+    """Documents or token ids that cannot be run (wrong dtype, shape, ids outside the vocabulary)."""
+
+
+class EmptyCorpusError(InputError):
+    """No document produced a single token."""
+
+
+class ContextLengthError(InputError):
+    """A window is longer than the model's maximum context."""
+
+
+class NonFiniteAttentionError(EquivarianceProbeError, FloatingPointError):
+    """The model produced NaN or infinite attention weights."""
+
+
+class NotRunError(EquivarianceProbeError, RuntimeError):
+    """Results were asked for before any data was run."""
+
+
+class IncompatibleResultsError(EquivarianceProbeError, ValueError):
+    """Two results (or statistics) that were measured differently cannot be merged."""
+
+
+class ResultFileError(EquivarianceProbeError, ValueError):
+    """A saved result file is truncated, malformed, or of an unknown format version."""

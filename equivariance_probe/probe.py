@@ -1,0 +1,307 @@
+"""EquivarianceProbe: an adapter, streaming statistics and a run configuration.
+
+The probe turns documents into token windows, runs them through the model's adapter
+batch by batch, and feeds each layer's pattern to
+:class:`~equivariance_probe.stats.AttentionStatistics` as it is computed. It holds no
+maths of its own.
+
+Tokenisation of strings (the study's protocol): each document is tokenised with the
+model's tokenizer *including its special tokens* (Gemma and Llama prepend BOS; GPT-2
+adds nothing) and truncated to its first ``context_length`` tokens: one window per
+document. Documents shorter than that are kept at their own length (statistics count
+only the positions they have); documents with fewer than ``min_tokens`` tokens (e.g.
+empty strings) are skipped and counted in ``metadata["skipped_windows"]``. Token tensors
+are used as given, one row per window.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .adapters import Adapter, get_adapter
+from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError
+from .result import ProbeResult
+from .stats import AttentionStatistics
+
+__all__ = ["EquivarianceProbe", "DEFAULT_CONTEXT_LENGTH", "PATTERN_MEMORY_LIMIT"]
+
+#: Context length for strings when none is given (the study's), capped at the model's maximum.
+DEFAULT_CONTEXT_LENGTH = 1024
+#: ``keep_pattern=None`` keeps the summed pattern only if it needs at most this many bytes.
+PATTERN_MEMORY_LIMIT = 2**30
+
+
+class EquivarianceProbe:
+    """Measure how much a model's attention depends on absolute position.
+
+    Args:
+        model: a TransformerLens ``TransformerBridge`` or ``HookedTransformer``, an nnsight
+            ``LanguageModel``, or a Hugging Face causal LM (see ``adapters.SUPPORTED_MODELS``).
+        tokenizer: a tokenizer for models that do not carry one (plain Hugging Face models).
+        **adapter_options: passed to the adapter (e.g. ``remote=True`` for nnsight).
+
+    Example:
+        >>> probe = EquivarianceProbe(model, tokenizer=tokenizer)  # doctest: +SKIP
+        >>> result = probe.run(docs, context_length=1024, batch_size=4)  # doctest: +SKIP
+        >>> result.query_position_r2(scale="log", form="fitted")  # doctest: +SKIP
+    """
+
+    def __init__(self, model: Any, *, tokenizer: Any | None = None, **adapter_options: Any) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.adapter_options = adapter_options
+        self.adapter: Adapter = get_adapter(model, tokenizer=tokenizer, **adapter_options)
+        #: The statistics of the last run so far, kept even if the run stopped with an error.
+        self.last_result: ProbeResult | None = None
+
+    def __repr__(self) -> str:
+        layout = self.adapter.layout
+        return (
+            f"EquivarianceProbe({self.adapter.framework}: {self.adapter.model_name()!r}, "
+            f"{layout.n_layers} layers × {layout.n_heads} heads)"
+        )
+
+    # -- inputs -------------------------------------------------------------------------
+    def _context_length(self, docs: Any, context_length: int | None) -> int:
+        layout = self.adapter.layout
+        if context_length is None:
+            if isinstance(docs, torch.Tensor) and docs.dim() >= 1:
+                context_length = int(docs.shape[-1])
+            else:
+                context_length = min(DEFAULT_CONTEXT_LENGTH, layout.max_context or DEFAULT_CONTEXT_LENGTH)
+        if not isinstance(context_length, int) or isinstance(context_length, bool) or context_length < 1:
+            raise InputError(f"context_length must be a positive integer, not {context_length!r}")
+        if layout.max_context is not None and context_length > layout.max_context:
+            raise ContextLengthError(
+                f"context_length={context_length} is longer than this model's maximum context of "
+                f"{layout.max_context} tokens; pass context_length={layout.max_context} or less"
+            )
+        return context_length
+
+    def _rows(self, docs: Any, context_length: int) -> Iterator[list[int] | None]:
+        """One list of token ids per window (``None`` for a document that became empty)."""
+        if isinstance(docs, (str, bytes)):
+            raise InputError(
+                "docs is a single string; pass a list of documents (e.g. [text]) so that each is its own window"
+            )
+        if isinstance(docs, torch.Tensor):
+            yield from self._tensor_rows(docs, context_length)
+            return
+        try:
+            iterator = iter(docs)
+        except TypeError:
+            raise InputError(
+                f"docs must be a list of strings, a LongTensor [n_docs, n_tokens], or an iterable of either; "
+                f"got {type(docs).__name__}"
+            ) from None
+        for doc in iterator:
+            if isinstance(doc, str):
+                yield self._encode(doc, context_length)
+            elif isinstance(doc, torch.Tensor):
+                yield from self._tensor_rows(doc, context_length)
+            elif isinstance(doc, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in doc):
+                yield from self._tensor_rows(torch.tensor(doc, dtype=torch.long), context_length)
+            else:
+                raise InputError(
+                    f"a document of type {type(doc).__name__} cannot be run; each document must be a string, "
+                    "a 1-D or 2-D integer tensor of token ids, or a list of int token ids"
+                )
+
+    def _encode(self, text: str, context_length: int) -> list[int] | None:
+        if not text.strip():
+            return None
+        return self.adapter.encode(text)[:context_length]
+
+    def _tensor_rows(self, tokens: torch.Tensor, context_length: int) -> Iterator[list[int]]:
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise InputError(
+                f"token ids must be an integer tensor, got dtype {tokens.dtype}; convert with tokens.long()"
+            )
+        if tokens.dim() == 1:
+            tokens = tokens.unsqueeze(0)
+        if tokens.dim() != 2:
+            raise InputError(f"token ids must have shape [n_docs, n_tokens], got {tuple(tokens.shape)}")
+        if tokens.shape[1] > context_length:
+            raise ContextLengthError(
+                f"token windows have {tokens.shape[1]} tokens but context_length={context_length}; token tensors "
+                f"are used as given, so slice them (tokens[:, :{context_length}]) or raise context_length"
+            )
+        vocab = self.adapter.vocab_size
+        if tokens.numel() and (int(tokens.min()) < 0 or (vocab is not None and int(tokens.max()) >= vocab)):
+            raise InputError(
+                f"token ids must lie in 0..{(vocab or 0) - 1} (the model's vocabulary), got values from "
+                f"{int(tokens.min())} to {int(tokens.max())}; were they made with another tokenizer?"
+            )
+        for row in tokens.tolist():
+            yield row
+
+    # -- running ---------------------------------------------------------------------------
+    def run(
+        self,
+        docs: Iterable[str] | Iterable[torch.Tensor] | torch.Tensor,
+        *,
+        context_length: int | None = None,
+        batch_size: int = 4,
+        exclude_keys: Iterable[int] = (),
+        log_floor: float | None = None,
+        keep_pattern: bool | None = None,
+        min_tokens: int = 2,
+        max_windows: int | None = None,
+        progress: bool = True,
+        device: str | torch.device | None = None,
+    ) -> ProbeResult:
+        """Run documents through the model and return their attention statistics.
+
+        Args:
+            docs: a list of strings, a LongTensor ``[n_docs, n_tokens]`` of token ids, or any
+                iterable of strings or token tensors (streamed: only one batch is in memory).
+            context_length: window length ``T`` in tokens (default: 1024, capped at the
+                model's maximum; for a tensor, its width).
+            batch_size: windows per forward pass. Results do not depend on it.
+            exclude_keys: key positions left out of every statistic (e.g. ``[0]``, the
+                first token, which many heads use as an attention sink).
+            log_floor: ``eps`` of the log scale, ``log max(a, eps)``; default the smallest
+                normal number of the attention dtype (1.2e-38 for float32 and bfloat16).
+            keep_pattern: keep the pattern summed over windows (``8·L·H·T²`` bytes), needed for
+                ``toeplitz_r2(by="head")``; default: kept if at most 1 GiB.
+            min_tokens: windows with fewer tokens are skipped (and counted).
+            max_windows: stop after this many windows.
+            progress: show a progress bar.
+            device: where the float64 sums live (default: the model's device).
+
+        Returns:
+            A :class:`ProbeResult`. If the run stops with an error (or an interrupt), the
+            windows of complete batches so far are in ``probe.last_result`` and in the
+            error's ``partial_result`` attribute.
+        """
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise InputError(f"batch_size must be a positive integer, not {batch_size!r}")
+        context_length = self._context_length(docs, context_length)
+        layout = self.adapter.layout
+        exclude_keys = tuple(int(k) for k in exclude_keys)
+        if any(k < 0 for k in exclude_keys):
+            raise InputError(f"exclude_keys must be non-negative key positions, got {list(exclude_keys)}")
+        if keep_pattern is None:
+            keep_pattern = 8 * layout.n_layers * layout.n_heads * context_length**2 <= PATTERN_MEMORY_LIMIT
+        statistics = AttentionStatistics(
+            n_layers=layout.n_layers,
+            n_heads=layout.n_heads,
+            n_positions=context_length,
+            windows=layout.windows,
+            log_floor=log_floor,
+            excluded_keys=exclude_keys,
+            keep_pattern=keep_pattern,
+            device=device if device is not None else self.adapter.device,
+        )
+        metadata = self._metadata(context_length, batch_size, min_tokens)
+        result = ProbeResult(statistics, metadata)
+        self.last_result = result
+        total = len(docs) if hasattr(docs, "__len__") and not isinstance(docs, torch.Tensor) else None
+        if isinstance(docs, torch.Tensor):
+            total = 1 if docs.dim() == 1 else int(docs.shape[0])
+        bar = _progress(progress, total)
+        skipped = 0
+        try:
+            batch: list[list[int]] = []
+            for row in self._rows(docs, context_length):
+                bar.update(1)
+                if row is None or len(row) < min_tokens:
+                    skipped += 1
+                    continue
+                batch.append(row)
+                if max_windows is not None and statistics.n_windows + len(batch) >= max_windows:
+                    break
+                if len(batch) == batch_size:
+                    self._run_batch(batch, statistics)
+                    batch = []
+            if batch:
+                self._run_batch(batch, statistics)
+        except (EquivarianceProbeError, KeyboardInterrupt, RuntimeError) as error:
+            statistics.abort_batch()
+            metadata["skipped_windows"] = skipped
+            metadata["complete"] = False
+            error.partial_result = result  # type: ignore[attr-defined]
+            raise
+        finally:
+            bar.close()
+        metadata["skipped_windows"] = skipped
+        if statistics.n_windows == 0:
+            raise EmptyCorpusError(
+                f"no window had at least {min_tokens} tokens ({skipped} documents skipped as empty or too short); "
+                "pass non-empty documents, or lower min_tokens"
+            )
+        metadata["complete"] = True
+        if statistics.device.type != "cpu":
+            result.statistics = statistics.to("cpu")
+        return result
+
+    def _run_batch(self, rows: list[list[int]], statistics: AttentionStatistics) -> None:
+        lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        width = int(lengths.max())
+        # Right padding: under a causal mask no real query sees a padding key, so the pad
+        # id is irrelevant and no attention mask is needed.
+        tokens = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        statistics.begin_batch(lengths)
+        self.adapter.run_statistics(tokens, statistics)
+        statistics.end_batch()
+
+    def _metadata(self, context_length: int, batch_size: int, min_tokens: int) -> dict[str, Any]:
+        info = self.adapter.info()
+        layout = self.adapter.layout
+        return {
+            "run_id": uuid.uuid4().hex,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": {
+                "name": info.name,
+                "framework": info.framework,
+                "dtype": info.dtype,
+                "device": info.device,
+                **info.extra,
+            },
+            "layout": {
+                "n_layers": layout.n_layers,
+                "n_heads": layout.n_heads,
+                "windows": list(layout.windows),
+                "max_context": layout.max_context,
+            },
+            "context_length": context_length,
+            "batch_size": batch_size,
+            "min_tokens": min_tokens,
+            "tokenisation": "each document tokenised with the model's tokenizer including its special tokens, "
+            "truncated to its first context_length tokens; token tensors used as given",
+            "versions": _versions(),
+        }
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for package in ("equivariance-probe", "torch", "transformers", "transformer-lens", "nnsight"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(enabled: bool, total: int | None):
+    if not enabled:
+        return _NoProgress()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="documents", unit="doc")
