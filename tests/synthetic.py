@@ -1,0 +1,126 @@
+"""Test doubles: an adapter that emits hand-made attention patterns, and tiny HF models.
+
+Nothing here downloads anything: every model is built from a config with seeded
+random (or zero) weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from equivariance_probe.adapters.base import Adapter, AttentionLayout, PatternCallback
+
+#: pattern_fn(layer, tokens [batch, T]) -> pattern [batch, head, T, T]
+PatternFunction = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class SyntheticAdapter(Adapter):
+    """An adapter whose "model" is a function from token windows to attention patterns."""
+
+    framework = "synthetic"
+
+    def __init__(self, pattern_fn: PatternFunction, *, n_layers: int, n_heads: int,
+                 windows: Sequence[int | None] | None = None, max_context: int | None = None,
+                 vocab_size: int = 1000) -> None:
+        super().__init__(torch.nn.Linear(1, 1))
+        self.pattern_fn = pattern_fn
+        self._layout = AttentionLayout(n_layers, n_heads, tuple(windows or (None,) * n_layers), max_context)
+        self._vocab = vocab_size
+
+    @property
+    def layout(self) -> AttentionLayout:
+        return self._layout
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback) -> None:
+        for layer in range(self._layout.n_layers):
+            on_pattern(layer, self.pattern_fn(layer, tokens))
+
+
+def causal_mask(n: int, window: int | None = None) -> torch.Tensor:
+    """``[query, key]`` bool: ``k <= q`` and, for a window, ``q - k < window``."""
+    q = torch.arange(n).view(-1, 1)
+    k = torch.arange(n).view(1, -1)
+    mask = k <= q
+    if window is not None:
+        mask &= q - k < window
+    return mask
+
+
+def uniform_pattern(n: int, window: int | None = None) -> torch.Tensor:
+    """``a[q, k] = 1/|V(q)|`` on visible entries: ``[query, key]`` float32."""
+    mask = causal_mask(n, window).float()
+    return mask / mask.sum(-1, keepdim=True)
+
+
+def lag_only_pattern(n: int, rate: float = 0.7) -> torch.Tensor:
+    """``a[q, k] = rate^(q-k)`` for ``k <= q``: depends on ``q - k`` alone (not row-normalised)."""
+    q = torch.arange(n).view(-1, 1)
+    k = torch.arange(n).view(1, -1)
+    return torch.where(k <= q, rate ** (q - k).float(), torch.zeros(()))
+
+
+def random_causal_pattern(tokens: torch.Tensor, n_heads: int, window: int | None = None, seed: int = 0) -> torch.Tensor:
+    """A softmax of scores that depend on token ids and positions: ``[batch, head, T, T]``."""
+    batch, n = tokens.shape
+    generator = torch.Generator().manual_seed(seed)
+    table = torch.randn(n_heads, 64, 64, generator=generator)
+    ids = tokens % 64
+    scores = table[:, ids.unsqueeze(-1), ids.unsqueeze(-2)].permute(1, 0, 2, 3)  # [batch, head, T, T]
+    scores = scores + 0.05 * torch.arange(n).float().view(1, 1, 1, -1)
+    scores = scores.masked_fill(~causal_mask(n, window), float("-inf"))
+    return torch.softmax(scores, -1)
+
+
+def tiny_gpt2(seed: int = 0, n_layer: int = 2, n_head: int = 4, n_positions: int = 64, zero: bool = False):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=32, vocab_size=97, n_positions=n_positions,
+                        bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    if zero:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.zero_()
+    return model.eval()
+
+
+def tiny_gemma3(seed: int = 0, window: int = 8, zero: bool = False, max_positions: int = 128):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    config = Gemma3TextConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=window, max_position_embeddings=max_positions,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )
+    model = Gemma3ForCausalLM(config)
+    if zero:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.zero_()
+    return model.eval()
+
+
+def tiny_llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(config).eval()
+
+
+def collect_patterns(adapter: Adapter, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Every layer's full pattern (only for tests: the probe never does this)."""
+    patterns: dict[int, torch.Tensor] = {}
+    adapter.run_patterns(tokens, lambda layer, p: patterns.__setitem__(layer, p.detach().clone()))
+    return patterns

@@ -1,0 +1,105 @@
+"""Results save, load and merge exactly; bad files and bad merges are refused clearly."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from equivariance_probe import (
+    AttentionStatistics,
+    EquivarianceProbe,
+    IncompatibleResultsError,
+    NotRunError,
+    ProbeResult,
+    ResultFileError,
+)
+
+from synthetic import tiny_gemma3, tiny_gpt2
+
+
+@pytest.fixture(scope="module")
+def result():
+    tokens = torch.randint(3, 97, (4, 16), generator=torch.Generator().manual_seed(0))
+    return EquivarianceProbe(tiny_gemma3(window=6)).run(tokens, progress=False, exclude_keys=[0])
+
+
+def test_save_load_round_trip_is_exact(result, tmp_path):
+    path = result.save(tmp_path / "run.json")
+    loaded = ProbeResult.load(path)
+    for name, value in result.statistics.arrays.items():
+        assert torch.equal(loaded.statistics.arrays[name], value), name
+    assert loaded.n_windows == result.n_windows and loaded.excluded_keys == (0,)
+    assert loaded.query_position_r2("log", "eta2") == result.query_position_r2("log", "eta2")
+    assert np.array_equal(loaded.toeplitz_r2(), result.toeplitz_r2())
+    summary = json.loads(path.read_text())["summary"]
+    assert summary["query_position_r2"]["log"]["fitted"] == pytest.approx(result.query_position_r2("log", "fitted"))
+    assert not (tmp_path / "run.json.tmp").exists()
+
+
+def test_merge_of_saved_halves_equals_the_whole(tmp_path):
+    model = tiny_gpt2()
+    tokens = torch.randint(0, 97, (6, 20), generator=torch.Generator().manual_seed(1))
+    probe = EquivarianceProbe(model)
+    whole = probe.run(tokens, progress=False)
+    probe.run(tokens[:2], progress=False).save(tmp_path / "a.json")
+    probe.run(tokens[2:], progress=False).save(tmp_path / "b.json")
+    merged = ProbeResult.load(tmp_path / "a.json").merge(ProbeResult.load(tmp_path / "b.json"))
+    for name, value in whole.statistics.arrays.items():
+        assert torch.allclose(merged.statistics.arrays[name], value, rtol=1e-12, atol=1e-12), name
+
+
+def test_truncated_file_and_newer_version_are_refused(result, tmp_path):
+    path = result.save(tmp_path / "run.json")
+    text = path.read_text()
+    (tmp_path / "cut.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ResultFileError, match="not valid JSON"):
+        ProbeResult.load(tmp_path / "cut.json")
+    data = json.loads(text)
+    data["format_version"] = 99
+    (tmp_path / "new.json").write_text(json.dumps(data))
+    with pytest.raises(ResultFileError, match="format_version 99.*Upgrade"):
+        ProbeResult.load(tmp_path / "new.json")
+    data["format_version"] = 1
+    del data["statistics"]["arrays"]["raw_sum"]
+    (tmp_path / "missing.json").write_text(json.dumps(data))
+    with pytest.raises(ResultFileError, match="raw_sum"):
+        ProbeResult.load(tmp_path / "missing.json")
+    (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ResultFileError, match="not an equivariance_probe result"):
+        ProbeResult.load(tmp_path / "other.json")
+
+
+def test_incompatible_merges_are_refused(result):
+    tokens = torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(2))
+    no_exclusion = EquivarianceProbe(tiny_gemma3(window=6)).run(tokens, progress=False)
+    with pytest.raises(IncompatibleResultsError, match="excluded_keys"):
+        result.merge(no_exclusion)
+    shorter = EquivarianceProbe(tiny_gemma3(window=6)).run(tokens[:, :12], progress=False, exclude_keys=[0])
+    with pytest.raises(IncompatibleResultsError, match="n_positions"):
+        result + shorter
+    other_model = EquivarianceProbe(tiny_gpt2()).run(tokens, progress=False)
+    with pytest.raises(IncompatibleResultsError):
+        result + other_model
+
+
+def test_empty_result_says_which_method_to_call():
+    statistics = AttentionStatistics(n_layers=1, n_heads=1, n_positions=4, windows=[None])
+    with pytest.raises(NotRunError, match=r"EquivarianceProbe\(model\)\.run"):
+        ProbeResult(statistics).query_position_r2()
+    assert "empty" in repr(ProbeResult(statistics))
+
+
+def test_memory_does_not_grow_with_documents():
+    model = tiny_gpt2()
+    probe = EquivarianceProbe(model)
+    few = probe.run(torch.randint(0, 97, (2, 16)), progress=False)
+    many = probe.run(torch.randint(0, 97, (40, 16)), progress=False)
+    assert few.statistics.nbytes() == many.statistics.nbytes()
+
+
+def test_repr_and_html_show_headline_numbers(result):
+    text = repr(result)
+    assert "query-position R²" in text and "most position-bound head" in text
+    html = result._repr_html_()
+    assert "<table>" in html and "eta2" in html
