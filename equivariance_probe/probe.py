@@ -153,6 +153,8 @@ class EquivarianceProbe:
         keep_pattern: bool | None = None,
         min_tokens: int = 2,
         max_windows: int | None = None,
+        sample_size: int = 0,
+        sample_seed: int | None = None,
         progress: bool = True,
         device: str | torch.device | None = None,
     ) -> ProbeResult:
@@ -172,6 +174,9 @@ class EquivarianceProbe:
                 ``toeplitz_r2(by="head")``; default: kept if at most 1 GiB.
             min_tokens: windows with fewer tokens are skipped (and counted).
             max_windows: stop after this many windows.
+            sample_size: also keep a uniform sample of this many visible entries (for the
+                attention-vs-prior scatter plot); 0 keeps none.
+            sample_seed: seed of that sample (use different seeds for shards to be merged).
             progress: show a progress bar.
             device: where the float64 sums live (default: the model's device).
 
@@ -197,6 +202,8 @@ class EquivarianceProbe:
             log_floor=log_floor,
             excluded_keys=exclude_keys,
             keep_pattern=keep_pattern,
+            sample_size=sample_size,
+            sample_seed=sample_seed,
             device=device if device is not None else self.adapter.device,
         )
         metadata = self._metadata(context_length, batch_size, min_tokens)

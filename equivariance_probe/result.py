@@ -30,6 +30,7 @@ import torch
 
 from . import fitting, metrics
 from .errors import IncompatibleResultsError, NotRunError, ResultFileError
+from .sample import EntrySample
 from .stats import STATISTICS, AttentionStatistics
 
 __all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION"]
@@ -290,6 +291,18 @@ class ProbeResult:
             out[layer] = metrics.toeplitz_r2_key_lag(mean[layer], visible)
         return out
 
+    def entry_sample(self) -> dict[str, np.ndarray]:
+        """The uniform sample of visible entries kept during the run (``sample_size``).
+
+        Returns:
+            columns ``attention``, ``prior`` (``u(q)``), ``layer``, ``head``, ``query``,
+            ``key_position``, each ``[n_sampled]``.
+        """
+        sample = self.statistics.sample
+        if sample is None or len(sample) == 0:
+            raise NotRunError("this run kept no entry sample; run with sample_size=20000 (for example)")
+        return {c: v for c, v in sample.to_arrays().items() if c != "key"}
+
     def mean_pattern(self, layer: int, head: int) -> np.ndarray:
         """The document-averaged pattern of one head as a ``[query, key]`` matrix (0 where hidden)."""
         arrays = self._require_data()
@@ -394,6 +407,12 @@ class ProbeResult:
                 "n_windows": statistics.n_windows,
                 "n_tokens": statistics.n_tokens,
                 "arrays": {name: _encode(value) for name, value in statistics.arrays.items()},
+                "sample": None
+                if statistics.sample is None
+                else {
+                    "size": statistics.sample.size,
+                    "columns": {c: _encode(torch.from_numpy(v)) for c, v in statistics.sample.to_arrays().items()},
+                },
             },
             "summary": _jsonable(self.summary()),
         }
@@ -439,6 +458,10 @@ class ProbeResult:
             unknown = set(stats_data["arrays"]) - set(STATISTICS)
             if unknown:
                 raise ResultFileError(f"{source}: unknown statistics {sorted(unknown)}")
+            sample = stats_data.get("sample")
+            if sample is not None:
+                columns = {c: _decode(v).numpy() for c, v in sample["columns"].items()}
+                statistics.sample = EntrySample.from_arrays(int(sample["size"]), columns)
             statistics.n_windows = int(stats_data["n_windows"])
             statistics.n_tokens = int(stats_data["n_tokens"])
         except (KeyError, TypeError, ValueError) as error:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .errors import AttentionCaptureError, IncompatibleResultsError, NonFiniteAttentionError
+from .sample import EntrySample
 
 __all__ = [
     "AttentionStatistics",
@@ -235,6 +236,9 @@ class AttentionStatistics:
         excluded_keys: absolute key positions left out of every statistic.
         keep_pattern: keep the window-summed pattern ``[layer, head, T, T]`` (needed for
             the Toeplitz R² of the document-averaged pattern; 8·L·H·T² bytes).
+        sample_size: also keep a uniform sample of this many entries
+            (:class:`~equivariance_probe.sample.EntrySample`, for scatter plots); 0 for none.
+        sample_seed: seed of that sample.
         device: where the float64 sums live while streaming.
 
     All arrays are float64 and listed in :data:`STATISTICS`. ``a + b`` and
@@ -251,6 +255,8 @@ class AttentionStatistics:
         log_floor: float | None = None,
         excluded_keys: Sequence[int] = (),
         keep_pattern: bool = True,
+        sample_size: int = 0,
+        sample_seed: int | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
         self.n_layers = int(n_layers)
@@ -276,6 +282,8 @@ class AttentionStatistics:
         # exactly as they were after the last complete batch.
         self._pending: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
         self._lengths: torch.Tensor | None = None
+        self.sample = EntrySample(sample_size, sample_seed) if sample_size else None
+        self._sample_before: dict[str, Any] | None = None
 
     def _shape(self, spec: str) -> tuple[int, ...]:
         sizes = {"L": self.n_layers, "H": self.n_heads, "T": self.n_positions}
@@ -289,6 +297,8 @@ class AttentionStatistics:
             self._index = key_lag_index(self.n_positions, self.device)
         self.abort_batch()
         self._lengths = lengths
+        if self.sample is not None:
+            self._sample_before = self.sample.to_arrays()
 
     def _masks_for(self, window: int | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if window not in self._batch_masks:
@@ -331,6 +341,10 @@ class AttentionStatistics:
         if self.n_windows == 0:
             self._check_mask(layer, pattern)
         self._pending[layer] = (reduced, masks)
+        if self.sample is not None:
+            window = self.windows[layer]
+            sizes = torch.arange(1, self.n_positions + 1, device=self.device)
+            self.sample.update(layer, pattern, visible, sizes if window is None else sizes.clamp(max=window))
 
     def _check_mask(self, layer: int, pattern: torch.Tensor) -> None:
         """On the first batch: the model must put no attention outside the mask we read.
@@ -377,10 +391,14 @@ class AttentionStatistics:
         self.arrays["windows_covering"] += covering.sum(0, dtype=torch.float64)
         self.n_windows += int(lengths.numel())
         self.n_tokens += int(lengths.sum())
+        self._sample_before = None
         self.abort_batch()
 
     def abort_batch(self) -> None:
         """Forget the current batch: the sums stay as after the last complete batch."""
+        if self.sample is not None and self._sample_before is not None:
+            self.sample.columns = self._sample_before
+        self._sample_before = None
         self._pending = {}
         self._batch_masks = {}
         self._batch_visible = {}
@@ -419,6 +437,9 @@ class AttentionStatistics:
             merged.arrays[name] = merged.arrays[name] + value.to(merged.device)
         merged.n_windows += other.n_windows
         merged.n_tokens += other.n_tokens
+        if self.sample is not None or other.sample is not None:
+            samples = [s for s in (self.sample, other.sample) if s is not None]
+            merged.sample = samples[0].merge(samples[1]) if len(samples) == 2 else samples[0].merge(EntrySample(samples[0].size))
         return merged
 
     __add__ = merge
@@ -436,6 +457,8 @@ class AttentionStatistics:
         )
         new.arrays = {name: value.clone() for name, value in self.arrays.items()}
         new.n_windows, new.n_tokens = self.n_windows, self.n_tokens
+        if self.sample is not None:
+            new.sample = EntrySample.from_arrays(self.sample.size, self.sample.to_arrays())
         return new
 
     def to(self, device: torch.device | str) -> AttentionStatistics:

@@ -103,3 +103,26 @@ def test_repr_and_html_show_headline_numbers(result):
     assert "query-position R²" in text and "most position-bound head" in text
     html = result._repr_html_()
     assert "<table>" in html and "eta2" in html
+
+
+def test_entry_sample_is_uniform_bounded_saved_and_merged(tmp_path):
+    from equivariance_probe.sample import EntrySample
+
+    model = tiny_gpt2()
+    tokens = torch.randint(0, 97, (6, 16), generator=torch.Generator().manual_seed(3))
+    result = EquivarianceProbe(model).run(tokens, progress=False, sample_size=300, sample_seed=1)
+    sample = result.entry_sample()
+    assert len(sample["attention"]) == 300
+    assert np.all(sample["key_position"] <= sample["query"])
+    assert np.allclose(sample["prior"], 1.0 / (sample["query"] + 1))
+    loaded = ProbeResult.load(result.save(tmp_path / "r.json"))
+    assert np.array_equal(loaded.entry_sample()["attention"], sample["attention"])
+    # Uniformity: offered 100,000 entries in uneven chunks, keys below 0.5 are kept about equally often.
+    uniform = EntrySample(2000, seed=0)
+    visible = torch.ones((1, 100, 100), dtype=torch.bool)
+    for part in range(10):
+        uniform.update(part, torch.full((1, 10, 100, 100), float(part)), visible, torch.arange(1, 101))
+    counts = np.bincount(uniform.columns["layer"].astype(int), minlength=10)
+    assert counts.sum() == 2000 and counts.min() > 120 and counts.max() < 290
+    merged = uniform.merge(EntrySample(2000, seed=5))
+    assert len(merged) == 2000
