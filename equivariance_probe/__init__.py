@@ -21,8 +21,11 @@ from .errors import (
     EquivarianceProbeError,
     IncompatibleResultsError,
     InputError,
+    MissingAPIKeyError,
+    ModelNotFoundError,
     NonFiniteAttentionError,
     NotRunError,
+    RemoteExecutionError,
     ResultFileError,
     UnsupportedModelError,
 )
@@ -54,4 +57,7 @@ __all__ = [
     "NotRunError",
     "IncompatibleResultsError",
     "ResultFileError",
+    "ModelNotFoundError",
+    "RemoteExecutionError",
+    "MissingAPIKeyError",
 ]

@@ -214,10 +214,13 @@ def wikitext_to_text(wikitext: str) -> str:
                 break
             line = heading.group(2)
         line = re.sub(r"^[*#:;]+\s*", "", line)  # list and indentation markers
+        if line.startswith(("|", "{|")):
+            continue  # a stray row of a malformed table
         line = re.sub(r"\(\s*[,;]?\s*\)", "", line)  # parentheses emptied by removed templates
+        line = re.sub(r"\(\s*(?:[,;]\s*)+", "(", line)  # "(; Greek: ..." after a removed template
         line = re.sub(r"[ \t]{2,}", " ", line)
         line = re.sub(r" +([,.;:])", r"\1", line).strip()
-        if line and line not in ("|", "}", "{"):
+        if line and line not in ("}", "{"):
             paragraphs.append(line)
     return "\n\n".join(paragraphs)
 

@@ -17,6 +17,9 @@ __all__ = [
     "NotRunError",
     "IncompatibleResultsError",
     "ResultFileError",
+    "ModelNotFoundError",
+    "RemoteExecutionError",
+    "MissingAPIKeyError",
 ]
 
 
@@ -58,3 +61,15 @@ class IncompatibleResultsError(EquivarianceProbeError, ValueError):
 
 class ResultFileError(EquivarianceProbeError, ValueError):
     """A saved result file is truncated, malformed, or of an unknown format version."""
+
+
+class ModelNotFoundError(InputError, FileNotFoundError):
+    """A model name is neither packaged, nor a local folder, nor in the local Hugging Face cache."""
+
+
+class RemoteExecutionError(EquivarianceProbeError, RuntimeError):
+    """A remote (NDIF) run could not be started or did not complete."""
+
+
+class MissingAPIKeyError(RemoteExecutionError):
+    """``remote=True`` without an NDIF API key."""

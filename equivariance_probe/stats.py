@@ -132,6 +132,85 @@ def mask_statistics(visible: torch.Tensor, prior: torch.Tensor, index: torch.Ten
     }
 
 
+def entry_moments(
+    pattern: torch.Tensor, mask: torch.Tensor, row_count: torch.Tensor, log_floor: float
+) -> tuple[torch.Tensor, ...]:
+    """The per-entry work of :func:`reduce_layer`: one pass of elementwise maths and row sums.
+
+    Args:
+        pattern: ``[batch, head, query, key]`` float32 or float64.
+        mask: ``[batch, 1, query, key]`` bool, visible entries.
+        row_count: ``[batch, 1, query]`` float64, visible keys per row.
+        log_floor: ``eps`` of the log scale.
+
+    Returns:
+        ``visible_weights`` (pattern, 0 where hidden), per row ``Σa, Σa², Σlog, Σlog²``
+        (``[batch, head, query]`` float64), floored entries per head ``[head]`` and the
+        batch-summed pattern ``[head, query, key]`` float64.
+
+    This function is elementwise maths and reductions only, so ``torch.compile`` fuses it
+    into a few loops (about 10x fewer passes over memory than eager on CPU).
+    """
+    zero = torch.zeros((), dtype=pattern.dtype, device=pattern.device)
+    visible_weights = torch.where(mask, pattern, zero)
+    logs = torch.where(mask, torch.log(pattern.clamp_min(log_floor)), zero)
+    row_sum, row_sq = _row_moments(visible_weights, mask, row_count)
+    log_sum, log_sq = _row_moments(logs, mask, row_count)
+    floored = ((pattern < log_floor) & mask).sum((0, 2, 3), dtype=torch.float64)
+    batch_sum = visible_weights.sum(0, dtype=torch.float64)
+    return visible_weights, row_sum, row_sq, log_sum, log_sq, floored, batch_sum
+
+
+#: Patterns with at least this many entries go through the compiled ``entry_moments``.
+COMPILE_MIN_ENTRIES = 2**22
+_compiled_moments: Any = None
+_compile_failed = False
+
+
+def _moments_function(numel: int):
+    """``entry_moments``, compiled when worthwhile and possible, else eager.
+
+    Compilation costs ~20 s once per process (cached on disk by torch) and needs a C++
+    compiler; it is skipped for small patterns, when ``EQUIVARIANCE_PROBE_COMPILE=0``,
+    and after any failure (with a warning), so results never depend on it.
+    """
+    global _compiled_moments, _compile_failed
+    import os
+
+    if numel < COMPILE_MIN_ENTRIES or _compile_failed or os.environ.get("EQUIVARIANCE_PROBE_COMPILE", "1") == "0":
+        return entry_moments
+    if _compiled_moments is None:
+        _compiled_moments = torch.compile(entry_moments, dynamic=True)
+    return _compiled_moments
+
+
+def _entry_moments(pattern, mask, row_count, log_floor):
+    global _compile_failed
+    function = _moments_function(pattern.numel())
+    if function is entry_moments:
+        return entry_moments(pattern, mask, row_count, log_floor)
+    try:
+        return function(pattern, mask, row_count, log_floor)
+    except Exception as error:  # noqa: BLE001 - any compiler failure falls back to the same maths
+        import warnings
+
+        _compile_failed = True
+        warnings.warn(f"torch.compile of the attention reduction failed ({error!r:.200}); using eager torch", stacklevel=2)
+        return entry_moments(pattern, mask, row_count, log_floor)
+
+
+def diagonal_sums(visible_weights: torch.Tensor, max_lag: int) -> torch.Tensor:
+    """``D[b, h, dt] = Σ_t a[b, h, t+dt, t]`` for ``dt < max_lag`` (0 beyond): ``[batch, head, T]`` float64.
+
+    One strided view per lag: cheaper than gathering the whole pattern into key-lag layout.
+    """
+    batch, heads, n_positions, _ = visible_weights.shape
+    out = torch.zeros((batch, heads, n_positions), dtype=torch.float64, device=visible_weights.device)
+    for lag in range(min(max_lag, n_positions)):
+        out[..., lag] = torch.diagonal(visible_weights, offset=-lag, dim1=-2, dim2=-1).sum(-1, dtype=torch.float64)
+    return out
+
+
 def reduce_layer(
     pattern: torch.Tensor,
     visible: torch.Tensor,
@@ -139,16 +218,23 @@ def reduce_layer(
     log_floor: float,
     doc_lag_count: torch.Tensor,
     keep_pattern: bool = False,
+    max_lag: int | None = None,
+    moments: Any = None,
 ) -> dict[str, torch.Tensor]:
     """Reduce one layer's attention of one batch to per-head sums.
 
     Args:
-        pattern: ``[batch, head, query, key]`` post-softmax weights, any float dtype.
+        pattern: ``[batch, head, query, key]`` post-softmax weights, any float dtype
+            (bf16/fp16 are upcast to float32 first).
         visible: ``[batch, query, key]`` bool, the entries to read (:func:`visible_mask`).
         index: :func:`key_lag_index` for ``T``.
         log_floor: ``eps``; the log scale reads ``log max(a, eps)``.
         doc_lag_count: ``[batch, dt]`` visible entries per lag in each window.
         keep_pattern: also return the key-lag pattern summed over the batch.
+        max_lag: no visible entry has ``q - k >= max_lag`` (the sliding window); ``None``: ``T``.
+        moments: the function doing the per-entry work, :func:`entry_moments` by default;
+            local runs pass a compiled version of it. (Code that runs inside a remote
+            nnsight trace keeps the default: it must use plain torch.)
 
     Returns:
         float64 tensors: ``raw_sum, raw_sq, log_sum, log_sq, lag_sum: [head, T]``,
@@ -164,24 +250,23 @@ def reduce_layer(
     weights = pattern.to(work_dtype)
     mask = visible.unsqueeze(1)
     row_count = visible.sum(-1, dtype=torch.float64).unsqueeze(1)  # [batch, 1, query]
-    zero = torch.zeros((), dtype=work_dtype, device=weights.device)
-    visible_weights = torch.where(mask, weights, zero)
-    logs = torch.where(mask, torch.log(weights.clamp_min(log_floor)), zero)
-    row_sum, row_sq = _row_moments(visible_weights, mask, row_count)  # [batch, head, query]
-    log_sum, log_sq = _row_moments(logs, mask, row_count)
+    visible_weights, row_sum, row_sq, log_sum, log_sq, floored, batch_sum = (moments or entry_moments)(
+        weights, mask, row_count, log_floor
+    )
     out = {
         "raw_sum": row_sum.sum(0),
         "raw_sq": row_sq.sum(0),
         "log_sum": log_sum.sum(0),
         "log_sq": log_sq.sum(0),
-        "floored": ((weights < log_floor) & mask).sum((0, 2, 3), dtype=torch.float64),
+        "floored": floored,
     }
-    key_lag = visible_weights.reshape(batch, heads, -1)[:, :, index].view(batch, heads, n_positions, n_positions)
-    diagonal_sum = key_lag.sum(2, dtype=torch.float64)  # [batch, head, dt]
-    out["lag_sum"] = diagonal_sum.sum(0)
-    out["key_lag_sum"] = key_lag.sum((0, 1), dtype=torch.float64)
+    # Lag sums from the batch-summed pattern: one gather of [head, T, T], not [batch, head, T, T].
+    key_lag = batch_sum.reshape(heads, -1)[:, index].view(heads, n_positions, n_positions)  # [head, t, dt]
+    out["lag_sum"] = key_lag.sum(1)
+    out["key_lag_sum"] = key_lag.sum(0)
     if keep_pattern:
-        out["pattern_sum"] = key_lag.sum(0, dtype=torch.float64)
+        out["pattern_sum"] = key_lag
+    diagonal_sum = diagonal_sums(visible_weights, max_lag or n_positions)  # [batch, head, dt]
 
     # Per-window Toeplitz R².
     n_entries = doc_lag_count.sum(-1).unsqueeze(1)  # [batch, 1]
@@ -330,7 +415,14 @@ class AttentionStatistics:
             raise RuntimeError("AttentionStatistics.update called outside begin_batch/end_batch")
         visible, masks = self._masks_for(self.windows[layer])
         reduced = reduce_layer(
-            pattern, visible, self._index, self.log_floor, masks["doc_lag_count"], keep_pattern=self.keep_pattern
+            pattern,
+            visible,
+            self._index,
+            self.log_floor,
+            masks["doc_lag_count"],
+            keep_pattern=self.keep_pattern,
+            max_lag=self.windows[layer],
+            moments=_entry_moments,
         )
         if not bool(torch.isfinite(reduced["raw_sum"]).all() & torch.isfinite(reduced["log_sum"]).all()):
             raise NonFiniteAttentionError(
@@ -403,6 +495,45 @@ class AttentionStatistics:
         self._batch_masks = {}
         self._batch_visible = {}
         self._lengths = None
+
+    @property
+    def batch_lengths(self) -> torch.Tensor | None:
+        """``[batch]`` real tokens per window of the current batch (``None`` outside one).
+
+        Adapters that reduce elsewhere (inside a remote nnsight trace) need it to build
+        the same visible mask there.
+        """
+        return self._lengths
+
+    def add_reduced(self, layer: int, reduced: dict[str, torch.Tensor]) -> None:
+        """Add one layer's sums of the current batch, already reduced by :func:`reduce_layer`.
+
+        For adapters that cannot bring patterns home (remote nnsight): they run
+        :func:`reduce_layer` where the model runs, on this batch's visible mask, and add
+        the result here. The mask part is computed here, so the batch merges exactly
+        like one given to :meth:`update`. ``log_floor`` must be set before the
+        reduction ran, since the reduction used it.
+
+        Args:
+            layer: the layer the sums belong to.
+            reduced: the dict :func:`reduce_layer` returns for this batch with ``T`` =
+                :attr:`n_positions` (``key_lag_sum`` is summed over layers by
+                :meth:`end_batch` anyway, so it may hold several layers' sum on one
+                layer and zeros on the others).
+        """
+        if self._lengths is None:
+            raise RuntimeError("AttentionStatistics.add_reduced called outside begin_batch/end_batch")
+        if self.log_floor is None:
+            raise RuntimeError("AttentionStatistics.add_reduced needs log_floor set before the reduction ran")
+        reduced = {name: value.to(device=self.device, dtype=torch.float64) for name, value in reduced.items()}
+        if not bool(torch.isfinite(reduced["raw_sum"]).all() & torch.isfinite(reduced["log_sum"]).all()):
+            raise NonFiniteAttentionError(
+                f"layer {layer} produced NaN or infinite attention weights on visible entries; "
+                "check the model's weights for NaN/inf (e.g. a failed load or an fp16 overflow) "
+                "and run it in float32 or bfloat16. Statistics gathered before this batch are kept."
+            )
+        _, masks = self._masks_for(self.windows[layer])
+        self._pending[layer] = (reduced, masks)
 
     # -- merging --------------------------------------------------------------------
     def config(self) -> dict[str, Any]:

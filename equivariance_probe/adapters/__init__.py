@@ -50,7 +50,7 @@ def get_adapter(model: Any, *, tokenizer: Any | None = None, **options: Any) -> 
     if isinstance(model, Adapter):
         return model
     # nnsight first: its wrappers hold a Hugging Face model inside.
-    if _is_instance(model, "nnsight", "NNsight", "LanguageModel"):
+    if _is_instance(model, "nnsight", "NNsight", "LanguageModel", "TransformersModel", "Envoy"):
         from .nnsight import NNsightAdapter
 
         return NNsightAdapter(model, tokenizer=tokenizer, **options)

@@ -1,0 +1,171 @@
+"""The command-line program ``equivariance-probe``.
+
+Subcommands:
+
+* ``run``    — the whole study on a model and corpus (default: Gemma 3 270M on the
+  packaged Wikipedia articles, trained vs random-init vs zero), writing results, figures
+  and a summary table.
+* ``merge``  — add result files of shards of one study into one.
+* ``report`` — an offline HTML report from a results file.
+
+Bad arguments exit with status 2 and a message that names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .errors import EquivarianceProbeError
+
+__all__ = ["main", "build_parser"]
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers such as '0' or '0,1', got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .study import BASELINES, DEFAULT_STUDY
+
+    parser = argparse.ArgumentParser(
+        prog="equivariance-probe",
+        description="How much does attention depend on absolute position? Exact, streaming attention statistics.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="run the study on a model and corpus and write results and figures")
+    run.add_argument("--out", required=True, help="output folder (created if missing)")
+    run.add_argument("--model", default="gemma-3-270m",
+                     help="packaged model name, local model folder, or a hub name already cached (default: gemma-3-270m)")
+    run.add_argument("--backend", default="huggingface", choices=["huggingface", "transformer_lens", "nnsight"])
+    run.add_argument("--corpus", default=None,
+                     help="text file, folder of .txt, .jsonl, or a datasets save_to_disk folder (default: packaged Wikipedia articles)")
+    run.add_argument("--text-field", default="text", help="JSONL field / dataset column holding the text")
+    run.add_argument("--n-docs", type=_positive, default=DEFAULT_STUDY["n_docs"], help="documents, one window each")
+    run.add_argument("--context-length", type=_positive, default=DEFAULT_STUDY["context_length"], help="window length in tokens")
+    run.add_argument("--batch-size", type=_positive, default=DEFAULT_STUDY["batch_size"])
+    run.add_argument("--baselines", default=",".join(BASELINES),
+                     help=f"comma-separated baselines from {sorted(BASELINES)}, or 'none'")
+    run.add_argument("--exclude-keys", type=_int_list, default=[],
+                     help="key positions excluded from every statistic, e.g. '0' for the first token (attention sink)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the random-init baseline and the entry sample")
+    run.add_argument("--sample-size", type=int, default=20000, help="entries sampled for the scatter plot")
+    run.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    merge = commands.add_parser("merge", help="merge result files of shards into one")
+    merge.add_argument("inputs", nargs="+", help="results.json files to merge")
+    merge.add_argument("-o", "--output", required=True, help="merged results file")
+
+    report = commands.add_parser("report", help="write an offline HTML report from a results file")
+    report.add_argument("results", help="a results.json written by 'run'")
+    report.add_argument("-o", "--output", default=None, help="HTML file (default: next to the results, report.html)")
+    return parser
+
+
+def _check_writable(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe_file = folder / ".write_test"
+        probe_file.write_text("")
+        probe_file.unlink()
+    except OSError as error:
+        raise EquivarianceProbeError(
+            f"cannot write to the output folder {str(folder)!r} ({error.strerror or error}); choose a writable --out"
+        ) from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from .study import run_study
+
+    out = Path(args.out)
+    _check_writable(out)
+    baselines = [] if args.baselines.strip().lower() == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
+    corpus = args.corpus
+    if corpus is not None and not Path(corpus).exists():
+        raise EquivarianceProbeError(f"corpus {corpus!r} does not exist; pass a text file, a folder, a .jsonl file or a dataset folder")
+    if corpus is not None and args.text_field != "text":
+        from .corpus import load_corpus
+
+        corpus = load_corpus(corpus, text_field=args.text_field)
+    study = run_study(
+        args.model,
+        backend=args.backend,
+        corpus=corpus,
+        n_docs=args.n_docs,
+        context_length=args.context_length,
+        batch_size=args.batch_size,
+        baselines=baselines,
+        exclude_keys=args.exclude_keys,
+        seed=args.seed,
+        sample_size=args.sample_size,
+        cache_dir=args.cache_dir,
+        progress=not args.no_progress,
+    )
+    paths = study.save(out)
+    from .figures import heatmaps_figure, save_figures, study_figures
+
+    figures = save_figures(study_figures(study.trained, study.baselines()), out)
+    for name, result in study.baselines().items():
+        figures += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_")
+    print(study.table())
+    print(study.heads())
+    print(f"wrote {', '.join(str(p) for p in list(paths.values()) + figures)} and {out / 'summary.md'}")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from .result import ProbeResult
+
+    results = [ProbeResult.load(path) for path in args.inputs]
+    merged = results[0]
+    for other in results[1:]:
+        merged = merged + other
+    output = merged.save(args.output)
+    print(f"merged {len(results)} results ({merged.n_windows} windows, {merged.n_tokens} tokens) into {output}")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .result import ProbeResult
+
+    result = ProbeResult.load(args.results)
+    output = Path(args.output) if args.output else Path(args.results).with_name("report.html")
+    output.write_text(result.to_html(), encoding="utf-8")
+    print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 2 bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"run": _run, "merge": _merge, "report": _report}
+    try:
+        return handlers[args.command](args)
+    except EquivarianceProbeError as error:
+        print(f"equivariance-probe {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

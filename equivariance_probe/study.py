@@ -1,0 +1,180 @@
+"""The whole study on one model: trained weights and its untrained baselines.
+
+Runs the same documents through the model, through the same architecture at its own
+random initialisation (seeded, the model's own initialiser), and with all weights zero
+(every head exactly uniform), and collects one :class:`ProbeResult` per variant
+(METHODS.md section 5). This is orchestration only; the numbers come from the probe.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import InputError
+from .metrics import FORMS, SCALES
+from .probe import EquivarianceProbe
+from .result import ProbeResult
+
+__all__ = ["Study", "run_study", "BASELINES", "DEFAULT_STUDY"]
+
+#: Baselines: name -> what it is.
+BASELINES = {
+    "random_init": "the same architecture at its own random initialisation (seeded)",
+    "zero": "the same architecture with every weight zero (every head uniform)",
+}
+
+#: The default study, sized to finish in about 10 minutes on 2 CPU cores.
+DEFAULT_STUDY = {"n_docs": 24, "context_length": 1024, "batch_size": 4}
+
+
+@dataclass
+class Study:
+    """Results of one study: ``{"trained": ..., "random_init": ..., "zero": ...}``."""
+
+    results: dict[str, ProbeResult]
+    config: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def trained(self) -> ProbeResult:
+        return self.results["trained"]
+
+    def baselines(self) -> dict[str, ProbeResult]:
+        return {k: v for k, v in self.results.items() if k != "trained"}
+
+    def table(self) -> str:
+        """Markdown table: query-position R² in every form and scale, per variant."""
+        names = list(self.results)
+        lines = [
+            "| scale | form | " + " | ".join(names) + " |",
+            "|---|---|" + "---|" * len(names),
+        ]
+        for scale in SCALES:
+            for form in FORMS:
+                cells = [f"{self.results[n].query_position_r2(scale, form):.4f}" for n in names]
+                lines.append(f"| {scale} | {form} | " + " | ".join(cells) + " |")
+        persistence = {n: self.results[n].persistence() for n in names}
+        for fit in ("power", "exponential", "prior"):
+            cells = [f"{persistence[n].fits[fit].r2:.4f}" for n in names]
+            lines.append(f"| P(dt) | {fit} fit R² | " + " | ".join(cells) + " |")
+        cells = []
+        for n in names:
+            toeplitz = self.results[n].toeplitz_r2("head_per_doc")
+            cells.append(f"{float(toeplitz[~(toeplitz != toeplitz)].mean()):.4f}")
+        lines.append("| Toeplitz | mean per-window R² | " + " | ".join(cells) + " |")
+        lines.append("| | windows / tokens | " + " | ".join(f"{self.results[n].n_windows} / {self.results[n].n_tokens}" for n in names) + " |")
+        return "\n".join(lines)
+
+    def heads(self) -> str:
+        """The most and least position-bound heads of the trained model (log η²)."""
+        summary = self.trained.summary()
+        return (
+            f"most position-bound head: {summary['most_position_bound_head']}; "
+            f"least: {summary['least_position_bound_head']} (query-position η², log scale)"
+        )
+
+    def save(self, folder: str | os.PathLike) -> dict[str, Path]:
+        """Write ``results.json`` (trained) and ``baseline_<name>.json``, plus ``summary.md``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for name, result in self.results.items():
+            filename = "results.json" if name == "trained" else f"baseline_{name}.json"
+            paths[name] = result.save(folder / filename)
+        excluded = self.trained.excluded_keys
+        (folder / "summary.md").write_text(
+            f"# Equivariance probe: {self.config.get('model')}\n\n"
+            f"Query-position R² over all visible entries (log scale: y = log max(a, eps), "
+            f"eps = {self.trained.log_floor:.3g}; {self.trained.floored()} entries floored). "
+            f"Excluded key positions: {list(excluded) or 'none'}.\n\n{self.table()}\n\n{self.heads()}\n\n"
+            f"Configuration: `{json.dumps(self.config)}`\n\nTimings (s): `{json.dumps(self.timings)}`\n"
+        )
+        return paths
+
+
+def run_study(
+    model: str = "gemma-3-270m",
+    *,
+    backend: str = "huggingface",
+    corpus: Any = None,
+    n_docs: int = DEFAULT_STUDY["n_docs"],
+    context_length: int = DEFAULT_STUDY["context_length"],
+    batch_size: int = DEFAULT_STUDY["batch_size"],
+    baselines: Sequence[str] = tuple(BASELINES),
+    exclude_keys: Sequence[int] = (),
+    seed: int = 0,
+    sample_size: int = 20000,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    loaded: tuple[Any, Any] | None = None,
+) -> Study:
+    """Run the study: the trained model and each baseline on the same documents.
+
+    Args:
+        model: a packaged model name (``"gemma-3-270m"``), a local folder, or a cached hub name.
+        backend: ``"huggingface"``, ``"transformer_lens"`` or ``"nnsight"``.
+        corpus: anything :func:`equivariance_probe.corpus.load_corpus` reads (``None``: the
+            packaged default corpus).
+        n_docs: documents (one window each).
+        context_length: window length in tokens.
+        batch_size: windows per forward pass.
+        baselines: any of ``"random_init"``, ``"zero"``.
+        exclude_keys: key positions left out of every statistic (e.g. ``[0]``).
+        seed: seed of the random initialisation and of the entry sample.
+        sample_size: entries kept for the scatter plot.
+        cache_dir: where converted packaged models are cached.
+        progress: show progress bars.
+        loaded: an already loaded ``(model, tokenizer)``, to skip loading.
+    """
+    from .corpus import load_corpus
+    from .models import load_model, random_init_like, zero_like
+
+    unknown = sorted(set(baselines) - set(BASELINES))
+    if unknown:
+        raise InputError(f"unknown baselines {unknown}; choose from {sorted(BASELINES)}")
+    timings: dict[str, float] = {}
+    start = time.perf_counter()
+    docs = load_corpus(corpus, n_docs=n_docs)
+    timings["load_corpus"] = time.perf_counter() - start
+    start = time.perf_counter()
+    network, tokenizer = loaded if loaded is not None else load_model(model, backend, cache_dir=cache_dir)
+    timings["load_model"] = time.perf_counter() - start
+    config = {
+        "model": str(model),
+        "backend": backend,
+        "n_docs": len(docs),
+        "context_length": context_length,
+        "batch_size": batch_size,
+        "exclude_keys": list(exclude_keys),
+        "seed": seed,
+        "baselines": list(baselines),
+    }
+    run_options = dict(
+        context_length=context_length,
+        batch_size=batch_size,
+        exclude_keys=exclude_keys,
+        sample_size=sample_size,
+        progress=progress,
+    )
+    results: dict[str, ProbeResult] = {}
+    variants: list[tuple[str, Any]] = [("trained", lambda: network)]
+    if "random_init" in baselines:
+        variants.append(("random_init", lambda: random_init_like(network, seed=seed)))
+    if "zero" in baselines:
+        variants.append(("zero", lambda: zero_like(network)))
+    for index, (name, build) in enumerate(variants):
+        start = time.perf_counter()
+        variant = build()
+        result = EquivarianceProbe(variant, tokenizer=tokenizer).run(docs, sample_seed=seed + index, **run_options)
+        result.metadata["label"] = name
+        result.metadata["study"] = config
+        results[name] = result
+        timings[name] = time.perf_counter() - start
+        del variant
+    return Study(results, config, timings)
