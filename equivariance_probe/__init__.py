@@ -7,6 +7,9 @@ Table of contents (imports no model framework; each adapter imports its own when
   ``save``/``load``/``merge``.
 * :class:`AttentionStatistics` — the streaming float64 sums behind every number.
 * :func:`get_adapter` and :class:`Adapter` — the framework seam.
+* :func:`load_model`, :func:`random_init_like`, :func:`zero_like` — the packaged Gemma 3
+  270M (or any local model) and its untrained baselines; :func:`load_corpus` — documents.
+* :func:`run_study` / :class:`Study` — trained vs baselines in one call (the CLI's ``run``).
 * :mod:`equivariance_probe.metrics`, :mod:`equivariance_probe.fitting` — pure functions.
 * :mod:`equivariance_probe.errors` — the exception family.
 """
@@ -29,10 +32,13 @@ from .errors import (
     ResultFileError,
     UnsupportedModelError,
 )
+from .corpus import load_corpus
 from .metrics import toeplitz_r2
+from .models import load_model, random_init_like, zero_like
 from .probe import EquivarianceProbe
 from .result import PersistenceCurves, ProbeResult
 from .stats import AttentionStatistics
+from .study import Study, run_study
 
 __version__ = "0.1.0"
 
@@ -42,6 +48,12 @@ __all__ = [
     "ProbeResult",
     "PersistenceCurves",
     "AttentionStatistics",
+    "load_model",
+    "random_init_like",
+    "zero_like",
+    "load_corpus",
+    "run_study",
+    "Study",
     "Adapter",
     "AttentionLayout",
     "get_adapter",

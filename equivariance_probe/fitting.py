@@ -64,11 +64,14 @@ def _loglinear_start(x: np.ndarray, curve: np.ndarray) -> tuple[float, float]:
 def _least_squares(model, x: np.ndarray, curve: np.ndarray, start: tuple[float, float]) -> np.ndarray:
     from scipy.optimize import curve_fit
 
+    if len(x) <= len(start):
+        # Two parameters cannot be fitted to two points or fewer: no fit, not a perfect one.
+        return np.full(len(start), np.nan)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             params, _ = curve_fit(model, x, curve, p0=start, maxfev=20000)
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError, TypeError):
             params = np.asarray(start, dtype=np.float64)
     return np.asarray(params, dtype=np.float64)
 

@@ -124,3 +124,36 @@ def collect_patterns(adapter: Adapter, tokens: torch.Tensor) -> dict[int, torch.
     patterns: dict[int, torch.Tensor] = {}
     adapter.run_patterns(tokens, lambda layer, p: patterns.__setitem__(layer, p.detach().clone()))
     return patterns
+
+
+WORDS = "the a of and to in is was for on as with by at from that which it his an were are".split()
+
+
+def save_tiny_model_with_tokenizer(folder, kind: str = "gpt2", n_positions: int = 64) -> str:
+    """A tiny random model and a word-level tokenizer saved with ``save_pretrained`` (offline)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<bos>": 1, "<eos>": 2}
+    for word in WORDS + [f"w{i}" for i in range(60)]:
+        vocab.setdefault(word, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", bos_token="<bos>", eos_token="<eos>")
+    model = tiny_gpt2(n_positions=n_positions) if kind == "gpt2" else tiny_gemma3(window=8, max_positions=n_positions)
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return str(folder)
+
+
+def write_text_corpus(folder, n_docs: int = 4, words: int = 80) -> str:
+    """Plain-text documents, one per file, from the tiny tokenizer's vocabulary."""
+    import random
+
+    rng = random.Random(0)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        text = " ".join(rng.choice(WORDS + [f"w{j}" for j in range(60)]) for _ in range(words))
+        (folder / f"doc{i}.txt").write_text(text)
+    return str(folder)

@@ -31,3 +31,8 @@ def test_curve_r2_definition():
     y = np.array([1.0, 2.0, 3.0])
     assert curve_r2(y, np.array([1.0, 2.0, 4.0])) == pytest.approx(1 - 1 / 2)
     assert np.isnan(curve_r2(np.ones(4), np.ones(4)))
+
+
+def test_too_few_points_give_no_fit():
+    fit = fit_power(np.array([0.0, 1.0]), np.array([1.0, 0.5]))
+    assert np.isnan(fit.r2) and np.isnan(fit.params["alpha"])

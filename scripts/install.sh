@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs equivariance_probe and everything its tests need, offline but for the package
+# registries. Idempotent: re-running installs nothing new.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# A CPU build of torch 2.13.0 lies on this machine's disk; a bare `torch` would pull a
+# multi-GB CUDA build, so it is pinned and installed first.
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[test]"
+# TransformerLens 2.x (legacy HookedTransformer) needs transformers 4.x and numpy 1.x,
+# so its adapter is tested in a second environment.
+bash scripts/setup_legacy_env.sh
+# Headless Chromium for the browser test of the offline HTML report.
+if ! command -v chromium >/dev/null 2>&1; then
+    if command -v apt-get >/dev/null 2>&1; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+            || echo "chromium could not be installed: the browser test will be skipped" >&2
+    fi
+fi

@@ -1,0 +1,94 @@
+"""The command-line program end to end on a tiny model saved to disk, and its refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from equivariance_probe import ProbeResult
+from equivariance_probe.cli import main
+
+from synthetic import save_tiny_model_with_tokenizer, write_text_corpus
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    model = save_tiny_model_with_tokenizer(root / "model", kind="gemma3", n_positions=64)
+    corpus = write_text_corpus(root / "corpus", n_docs=5, words=60)
+    return root, model, corpus
+
+
+def test_run_writes_results_baselines_figures_and_summary(tiny, capsys):
+    root, model, corpus = tiny
+    out = root / "out"
+    status = main(["run", "--out", str(out), "--model", model, "--corpus", corpus, "--n-docs", "4",
+                   "--context-length", "32", "--batch-size", "3", "--exclude-keys", "0", "--no-progress",
+                   "--sample-size", "500"])
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "| log | eta2 |" in printed and "most position-bound head" in printed
+    for name in ("results.json", "baseline_random_init.json", "baseline_zero.json", "summary.md",
+                 "persistence.png", "head_curves.png", "fit_by_key.png", "scatter.png", "heatmaps.png",
+                 "baseline_zero_heatmaps.png"):
+        assert (out / name).stat().st_size > 0, name
+    trained = ProbeResult.load(out / "results.json")
+    assert trained.n_windows == 4 and trained.excluded_keys == (0,)
+    assert trained.metadata["study"]["context_length"] == 32
+    zero = ProbeResult.load(out / "baseline_zero.json")
+    for scale in ("log", "raw"):
+        for form in ("prior", "fitted", "eta2"):
+            assert zero.query_position_r2(scale, form) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_merge_command(tiny, tmp_path, capsys):
+    root, model, corpus = tiny
+    for shard, docs in (("a", "2"), ("b", "3")):
+        assert main(["run", "--out", str(tmp_path / shard), "--model", model, "--corpus", corpus, "--n-docs", docs,
+                     "--context-length", "16", "--baselines", "none", "--no-progress", "--sample-size", "0"]) == 0
+    status = main(["merge", str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json"),
+                   "-o", str(tmp_path / "all.json")])
+    assert status == 0
+    assert ProbeResult.load(tmp_path / "all.json").n_windows == 5
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["--model", "no-such-model-anywhere"], "no-such-model-anywhere"),
+        (["--context-length", "100"], "maximum context of 64"),
+        (["--corpus", "EMPTY"], "empty|no document"),
+        (["--corpus", "MISSING"], "does not exist"),
+        (["--baselines", "bogus"], "unknown baselines"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_clear_message(tiny, tmp_path, capsys, arguments, message):
+    root, model, corpus = tiny
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blank.txt").write_text("   \n")
+    arguments = [a.replace("EMPTY", str(empty)).replace("MISSING", str(tmp_path / "missing")) for a in arguments]
+    base = {"--model": model, "--corpus": corpus, "--context-length": "16"}
+    for flag, value in zip(arguments[::2], arguments[1::2]):
+        base[flag] = value
+    argv = ["run", "--out", str(tmp_path / "out"), "--no-progress", "--n-docs", "2"]
+    for flag, value in base.items():
+        argv += [flag, value]
+    assert main(argv) == 2
+    assert __import__("re").search(message, capsys.readouterr().err, flags=__import__("re").I)
+
+
+def test_unwritable_output_folder_exits_2(tiny, tmp_path, capsys):
+    root, model, corpus = tiny
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a folder")
+    assert main(["run", "--out", str(blocker / "out"), "--model", model, "--corpus", corpus]) == 2
+    assert "cannot write to the output folder" in capsys.readouterr().err
+
+
+def test_argument_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(["run", "--out", "x", "--n-docs", "0"])
+    assert caught.value.code == 2
+    assert "positive integer" in capsys.readouterr().err
