@@ -58,6 +58,10 @@ def layer_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
     return (None,) * n_layers
 
 
+class _LastPatternSeen(Exception):
+    """Raised from the last layer's hook to stop the forward pass early."""
+
+
 class HuggingFaceAdapter(Adapter):
     """Streams post-softmax attention out of a ``transformers`` causal LM.
 
@@ -168,6 +172,7 @@ class HuggingFaceAdapter(Adapter):
 
     def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback) -> None:
         seen: list[int] = []
+        last = len(self.attention_modules) - 1
 
         def make_hook(layer: int):
             def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -180,6 +185,9 @@ class HuggingFaceAdapter(Adapter):
                     )
                 seen.append(layer)
                 on_pattern(layer, weights.detach())
+                if layer == last:
+                    # Nothing after the last pattern is read: stop the forward pass here.
+                    raise _LastPatternSeen
 
             return hook
 
@@ -187,6 +195,8 @@ class HuggingFaceAdapter(Adapter):
             handles = [m.register_forward_hook(make_hook(i)) for i, m in enumerate(self.attention_modules)]
             try:
                 self.model.base_model(input_ids=tokens.to(self.device), use_cache=False)
+            except _LastPatternSeen:
+                pass
             finally:
                 for handle in handles:
                     handle.remove()
