@@ -68,6 +68,12 @@ def persistence_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
             ax.plot(dt + 1, fit.prediction, color=color, ls=style, label=f"{name} (R²={fit.r2:.3f})")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        # Fits may run far outside the data (an exponential can grow to meet an attention
+        # sink at the largest lag); the axes show the data's range.
+        values = np.concatenate([curves.curve[has], curves.prior[has]])
+        values = values[values > 0]
+        if values.size:
+            ax.set_ylim(values.min() / 3, values.max() * 3)
         ax.set_xlabel("distance dt + 1")
         ax.set_ylabel("mean attention")
         ax.set_title(label)

@@ -1,0 +1,36 @@
+"""The study command on the real packaged Gemma 3 270M (slow: CI runs it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from equivariance_probe import ProbeResult
+from equivariance_probe.cli import main
+
+
+@pytest.mark.slow
+def test_two_document_study_at_context_256_writes_every_output(tmp_path, capsys):
+    out = tmp_path / "study"
+    assert main(["run", "--out", str(out), "--n-docs", "2", "--context-length", "256", "--no-progress"]) == 0
+    for name in ("results.json", "baseline_random_init.json", "baseline_zero.json", "summary.md", "persistence.png",
+                 "head_curves.png", "fit_by_key.png", "scatter.png", "heatmaps.png"):
+        assert (out / name).stat().st_size > 0, name
+    trained = ProbeResult.load(out / "results.json")
+    assert (trained.n_layers, trained.n_heads) == (18, 4)
+    assert trained.statistics.windows.count(None) == 18  # sliding window 512 >= context 256: all full causal
+    zero = ProbeResult.load(out / "baseline_zero.json")
+    assert zero.query_position_r2("log", "eta2") == pytest.approx(1.0, abs=1e-9)
+    assert "| log | fitted |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_gemma_sliding_layers_at_context_above_the_window():
+    from equivariance_probe import EquivarianceProbe, load_corpus, load_model
+
+    model, tokenizer = load_model()
+    docs = [d for d in load_corpus(n_docs=20) if len(tokenizer(d)["input_ids"]) > 600][:1]
+    result = EquivarianceProbe(model, tokenizer=tokenizer).run(docs, context_length=600, progress=False)
+    windows = result.statistics.windows
+    assert windows.count(512) == 15 and windows.count(None) == 3  # Gemma 3: 5 local layers per global one
+    counts = result.statistics.arrays["query_count"]
+    assert float(counts[0, 599]) == 512 and float(counts[5, 599]) == 600
