@@ -48,6 +48,16 @@ def _pyplot():
     return plt
 
 
+def _log_log(ax, title: str) -> None:
+    """Persistence axes: log distance ``dt + 1`` against log mean attention."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("distance dt + 1")
+    ax.set_ylabel("mean attention")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
 def _label(result: ProbeResult) -> str:
     name = result.metadata.get("label") or result.metadata.get("model", {}).get("name", "model")
     return str(name)
@@ -66,18 +76,13 @@ def persistence_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
         for name, fit in curves.fits.items():
             color, style = _FIT_STYLE[name]
             ax.plot(dt + 1, fit.prediction, color=color, ls=style, label=f"{name} (R²={fit.r2:.3f})")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
         # Fits may run far outside the data (an exponential can grow to meet an attention
         # sink at the largest lag); the axes show the data's range.
         values = np.concatenate([curves.curve[has], curves.prior[has]])
         values = values[values > 0]
         if values.size:
             ax.set_ylim(values.min() / 3, values.max() * 3)
-        ax.set_xlabel("distance dt + 1")
-        ax.set_ylabel("mean attention")
-        ax.set_title(label)
-        ax.legend(fontsize=8)
+        _log_log(ax, label)
     fig.suptitle("Persistence: mean attention a[t+dt, t] over windows, t, layers and heads")
     fig.tight_layout()
     return fig
@@ -97,12 +102,7 @@ def head_curves_figure(result: ProbeResult) -> Figure:
             ax.plot(curves.dt[has] + 1, curves.curve[layer, head][has], color=cmap(layer / max(n_layers - 1, 1)), lw=0.6, alpha=0.6)
     has = overall.count > 0
     ax.plot(overall.dt[has] + 1, overall.prior[has], color="black", ls="-.", lw=1.5, label="uniform prior")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("distance dt + 1")
-    ax.set_ylabel("mean attention")
-    ax.set_title(f"{_label(result)}: per-head persistence (colour = layer 0..{n_layers - 1})")
-    ax.legend(fontsize=8)
+    _log_log(ax, f"{_label(result)}: per-head persistence (colour = layer 0..{n_layers - 1})")
     fig.tight_layout()
     return fig
 

@@ -70,21 +70,26 @@ class ModelInfo:
 class Adapter(ABC):
     """Base class of the framework adapters.
 
-    Subclasses set :attr:`framework` and implement :meth:`layout`, :meth:`run_patterns`
-    and, when the model has one, :meth:`tokenizer`.
+    Subclasses set :attr:`framework` and ``self._layout`` (an :class:`AttentionLayout`)
+    and implement :meth:`run_patterns`. ``self._tokenizer`` is the tokenizer given, else
+    the model's own ``tokenizer`` attribute (TransformerLens, nnsight), else ``None``.
     """
 
     #: Short name of the framework, recorded in results (e.g. ``"huggingface"``).
     framework: str = ""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, tokenizer: Any | None = None) -> None:
         self.model = model
+        self._tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        self._layout: AttentionLayout | None = None
 
     # -- geometry ---------------------------------------------------------------
     @property
-    @abstractmethod
     def layout(self) -> AttentionLayout:
         """Layers, query heads and the real mask of every layer."""
+        if self._layout is None:
+            raise NotImplementedError(f"{type(self).__name__} did not set its attention layout")
+        return self._layout
 
     @property
     def vocab_size(self) -> int | None:
@@ -94,7 +99,7 @@ class Adapter(ABC):
     @property
     def tokenizer(self) -> Any | None:
         """The model's tokenizer (Hugging Face style: callable, ``encode``), or ``None``."""
-        return None
+        return self._tokenizer
 
     @property
     def device(self) -> torch.device:

@@ -74,8 +74,7 @@ class HuggingFaceAdapter(Adapter):
     framework = "huggingface"
 
     def __init__(self, model: Any, tokenizer: Any | None = None) -> None:
-        super().__init__(model)
-        self._tokenizer = tokenizer
+        super().__init__(model, tokenizer)
         self.attention_modules = self._find_attention_modules()
         config = text_config(model.config)
         n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
@@ -115,14 +114,6 @@ class HuggingFaceAdapter(Adapter):
             "TransformerLens (TransformerBridge.boot_transformers) or nnsight, or open an issue naming the "
             "architecture"
         )
-
-    @property
-    def layout(self) -> AttentionLayout:
-        return self._layout
-
-    @property
-    def tokenizer(self) -> Any | None:
-        return self._tokenizer
 
     @property
     def vocab_size(self) -> int | None:

@@ -329,7 +329,7 @@ class NNsightAdapter(Adapter):
         remote: bool | str = False,
         pattern_source: str = "auto",
     ) -> None:
-        super().__init__(model)
+        super().__init__(model, tokenizer)
         if pattern_source not in PATTERN_SOURCES:
             raise InputError(f"pattern_source={pattern_source!r} is not one of {PATTERN_SOURCES}")
         if not isinstance(remote, (bool, str)):
@@ -351,7 +351,6 @@ class NNsightAdapter(Adapter):
         # The Hugging Face adapter knows how to find layers, heads and windows in a
         # transformers model; the envoys mirror the same module tree.
         self._hf = HuggingFaceAdapter(inner, tokenizer=tokenizer)
-        self._tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         paths = {id(module): name for name, module in inner.named_modules()}
         self.attention_paths = [paths[id(module)] for module in self._hf.attention_modules]
         if self.is_remote:
@@ -361,10 +360,6 @@ class NNsightAdapter(Adapter):
     @property
     def layout(self) -> AttentionLayout:
         return self._hf.layout
-
-    @property
-    def tokenizer(self) -> Any | None:
-        return self._tokenizer
 
     @property
     def vocab_size(self) -> int | None:

@@ -34,8 +34,7 @@ class _TransformerLensAdapter(Adapter):
     framework = "transformer_lens"
 
     def __init__(self, model: Any, tokenizer: Any | None = None) -> None:
-        super().__init__(model)
-        self._tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        super().__init__(model, tokenizer)
         n_layers = int(model.cfg.n_layers)
         missing = [PATTERN_HOOK.format(layer=i) for i in range(n_layers) if PATTERN_HOOK.format(layer=i) not in model.hook_dict]
         if missing:
@@ -53,14 +52,6 @@ class _TransformerLensAdapter(Adapter):
 
     def _windows(self, n_layers: int) -> tuple[int | None, ...]:
         raise NotImplementedError
-
-    @property
-    def layout(self) -> AttentionLayout:
-        return self._layout
-
-    @property
-    def tokenizer(self) -> Any | None:
-        return self._tokenizer
 
     @property
     def vocab_size(self) -> int | None:
