@@ -395,6 +395,13 @@ class ProbeResult:
             f"{_head_label(eta2, np.nanargmax)}, least {_head_label(eta2, np.nanargmin)} (log η²).</div>"
         )
 
+    def to_html(self) -> str:
+        """A self-contained HTML report (summary and figures), as ``equivariance-probe report`` writes."""
+        from .report import render_report
+
+        self._require_data()
+        return render_report(self)
+
     # -- files -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         statistics = self.statistics

@@ -92,3 +92,17 @@ def test_argument_errors_exit_2(capsys):
         main(["run", "--out", "x", "--n-docs", "0"])
     assert caught.value.code == 2
     assert "positive integer" in capsys.readouterr().err
+
+
+def test_report_command_writes_a_self_contained_html_file(tiny, tmp_path, capsys):
+    root, model, corpus = tiny
+    out = tmp_path / "run"
+    assert main(["run", "--out", str(out), "--model", model, "--corpus", corpus, "--n-docs", "2",
+                 "--context-length", "16", "--baselines", "none", "--no-progress", "--sample-size", "200"]) == 0
+    assert main(["report", str(out / "results.json")]) == 0
+    page = (out / "report.html").read_text()
+    assert "Query-position R²" in page and page.count("data:image/png;base64,") >= 4
+    assert "<script src=" not in page and "http://" not in page and "https://" not in page
+    (tmp_path / "broken.json").write_text('{"format_version": 1')
+    assert main(["report", str(tmp_path / "broken.json")]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
