@@ -17,6 +17,7 @@ remote nnsight trace.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -175,8 +176,6 @@ def _moments_function(numel: int):
     and after any failure (with a warning), so results never depend on it.
     """
     global _compiled_moments, _compile_failed
-    import os
-
     if numel < COMPILE_MIN_ENTRIES or _compile_failed or os.environ.get("EQUIVARIANCE_PROBE_COMPILE", "1") == "0":
         return entry_moments
     if _compiled_moments is None:

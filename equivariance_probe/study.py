@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .errors import InputError
 from .metrics import FORMS, SCALES
 from .probe import EquivarianceProbe
@@ -63,10 +65,7 @@ class Study:
         for fit in ("power", "exponential", "prior"):
             cells = [f"{persistence[n].fits[fit].r2:.4f}" for n in names]
             lines.append(f"| P(dt) | {fit} fit R² | " + " | ".join(cells) + " |")
-        cells = []
-        for n in names:
-            toeplitz = self.results[n].toeplitz_r2("head_per_doc")
-            cells.append(f"{float(toeplitz[~(toeplitz != toeplitz)].mean()):.4f}")
+        cells = [f"{float(np.nanmean(self.results[n].toeplitz_r2('head_per_doc'))):.4f}" for n in names]
         lines.append("| Toeplitz | mean per-window R² | " + " | ".join(cells) + " |")
         lines.append("| | windows / tokens | " + " | ".join(f"{self.results[n].n_windows} / {self.results[n].n_tokens}" for n in names) + " |")
         return "\n".join(lines)
