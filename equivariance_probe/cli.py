@@ -40,7 +40,18 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .checkpoint import DEFAULT_CHECKPOINT_EVERY
     from .study import BASELINES, DEFAULT_STUDY
 
     parser = argparse.ArgumentParser(
@@ -68,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sample-size", type=int, default=20000, help="entries sampled for the scatter plot")
     run.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    # -- issue 7: runs that survive --
+    run.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_CHECKPOINT_EVERY,
+                     help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
+    run.add_argument("--shard", default=None, metavar="I/N",
+                     help="run only shard I of N (contiguous slices of the documents, I from 0); merge the shards' results")
+    run.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
+    run.add_argument("--no-figures", action="store_true", help="write results and summary only (e.g. for shards)")
+    run.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                     help="the model's parameter dtype (default: as loaded, float32)")
 
     merge = commands.add_parser("merge", help="merge result files of shards into one")
     merge.add_argument("inputs", nargs="+", help="results.json files to merge")
@@ -92,6 +114,7 @@ def _check_writable(folder: Path) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .checkpoint import CHECKPOINT_FOLDER, clear_checkpoint
     from .study import run_study
 
     out = Path(args.out)
@@ -117,16 +140,27 @@ def _run(args: argparse.Namespace) -> int:
         sample_size=args.sample_size,
         cache_dir=args.cache_dir,
         progress=not args.no_progress,
+        checkpoint_dir=None if args.checkpoint_every == 0 else out / CHECKPOINT_FOLDER,
+        checkpoint_every=args.checkpoint_every or None,
+        resume=args.resume,
+        shard=args.shard,
+        device=args.device,
+        dtype=args.dtype,
     )
+    # results.json is written only here, after every variant finished (complete: true); a run that
+    # stops leaves only its checkpoint.
     paths = study.save(out)
-    from .figures import heatmaps_figure, save_figures, study_figures
+    figures: list = []
+    if not args.no_figures:
+        from .figures import heatmaps_figure, save_figures, study_figures
 
-    figures = save_figures(study_figures(study.trained, study.baselines()), out)
-    for name, result in study.baselines().items():
-        figures += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_")
+        figures = save_figures(study_figures(study.trained, study.baselines()), out)
+        for name, result in study.baselines().items():
+            figures += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_")
     print(study.table())
     print(study.heads())
     print(f"wrote {', '.join(str(p) for p in list(paths.values()) + figures)} and {out / 'summary.md'}")
+    clear_checkpoint(out / CHECKPOINT_FOLDER)  # only once the results are on disk
     return 0
 
 
@@ -134,11 +168,20 @@ def _merge(args: argparse.Namespace) -> int:
     from .result import ProbeResult
 
     results = [ProbeResult.load(path) for path in args.inputs]
+    for path, result in zip(args.inputs, results):
+        if not result.complete:
+            raise EquivarianceProbeError(
+                f"{path} is the partial result of a run that stopped (complete: false); finish it "
+                "(equivariance-probe run ... --resume) before merging"
+            )
     merged = results[0]
     for other in results[1:]:
         merged = merged + other
     output = merged.save(args.output)
-    print(f"merged {len(results)} results ({merged.n_windows} windows, {merged.n_tokens} tokens) into {output}")
+    shards = merged.metadata.get("shards")
+    missing = sorted(set(range(shards["count"])) - set(shards["indices"])) if shards else []
+    note = f"; shards {missing} of {shards['count']} are still missing" if missing else ""
+    print(f"merged {len(results)} results ({merged.n_windows} windows, {merged.n_tokens} tokens) into {output}{note}")
     return 0
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "ModelNotFoundError",
     "RemoteExecutionError",
     "MissingAPIKeyError",
+    "CheckpointError",
 ]
 
 
@@ -73,3 +74,8 @@ class RemoteExecutionError(EquivarianceProbeError, RuntimeError):
 
 class MissingAPIKeyError(RemoteExecutionError):
     """``remote=True`` without an NDIF API key."""
+
+
+class CheckpointError(EquivarianceProbeError, ValueError):
+    """A study checkpoint cannot be used: made by another model, corpus or configuration,
+    unreadable, or present where a fresh run would overwrite it."""

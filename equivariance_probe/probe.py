@@ -17,7 +17,6 @@ are used as given, one row per window.
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import uuid
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -26,6 +25,7 @@ import torch
 
 from .adapters import Adapter, get_adapter
 from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError
+from .provenance import library_versions
 from .result import ProbeResult
 from .stats import AttentionStatistics
 
@@ -284,18 +284,10 @@ class EquivarianceProbe:
             "min_tokens": min_tokens,
             "tokenisation": "each document tokenised with the model's tokenizer including its special tokens, "
             "truncated to its first context_length tokens; token tensors used as given",
-            "versions": _versions(),
+            "versions": library_versions(),
         }
 
 
-def _versions() -> dict[str, str]:
-    versions = {}
-    for package in ("equivariance-probe", "torch", "transformers", "transformer-lens", "nnsight"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions
 
 
 class _NoProgress:

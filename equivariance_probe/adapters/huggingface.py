@@ -127,6 +127,9 @@ class HuggingFaceAdapter(Adapter):
         info = super().info()
         info.extra["architecture"] = type(self.model).__name__
         info.extra["attn_implementation"] = self._attn_implementation()
+        from ..provenance import model_revision
+
+        info.extra["revision"] = model_revision(self.model)
         return info
 
     def _attn_implementation(self) -> str | None:
