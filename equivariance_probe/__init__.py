@@ -19,6 +19,7 @@ from __future__ import annotations
 from .adapters import SUPPORTED_MODELS, Adapter, AttentionLayout, get_adapter
 from .errors import (
     AttentionCaptureError,
+    CheckpointError,
     ContextLengthError,
     EmptyCorpusError,
     EquivarianceProbeError,
@@ -37,6 +38,7 @@ from .metrics import toeplitz_r2
 from .models import load_model, random_init_like, zero_like
 from .probe import EquivarianceProbe
 from .result import PersistenceCurves, ProbeResult
+from .sharding import Shard
 from .stats import AttentionStatistics
 from .study import Study, run_study
 
@@ -72,4 +74,6 @@ __all__ = [
     "ModelNotFoundError",
     "RemoteExecutionError",
     "MissingAPIKeyError",
+    "CheckpointError",
+    "Shard",
 ]
