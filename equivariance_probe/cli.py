@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", action="store_true",
                      help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
     run.add_argument("--shard", default=None, metavar="I/N",
-                     help="run only shard I of N (contiguous slices of the documents, I from 0); merge the shards' results")
+                     help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
+                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.json")
     run.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
     run.add_argument("--no-figures", action="store_true", help="write results and summary only (e.g. for shards)")
     run.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -115,9 +116,14 @@ def _check_writable(folder: Path) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     from .checkpoint import CHECKPOINT_FOLDER, clear_checkpoint
+    from .sharding import Shard
     from .study import run_study
 
     out = Path(args.out)
+    shard = None
+    if args.shard is not None:  # each shard writes its own subfolder, so all ranks can share one --out
+        shard = Shard.from_environment() if args.shard.strip() == "auto" else Shard.parse(args.shard)
+        out = out / f"shard-{shard.index}-of-{shard.count}"
     _check_writable(out)
     baselines = [] if args.baselines.strip().lower() == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
     corpus = args.corpus
@@ -143,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
         checkpoint_dir=None if args.checkpoint_every == 0 else out / CHECKPOINT_FOLDER,
         checkpoint_every=args.checkpoint_every or None,
         resume=args.resume,
-        shard=args.shard,
+        shard=shard,
         device=args.device,
         dtype=args.dtype,
     )

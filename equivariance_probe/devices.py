@@ -1,7 +1,7 @@
 """Where and in which precision a study runs: device and dtype names from the command line.
 
 Place in the seams: in front of the model loader. ``"auto"`` picks CUDA when torch sees a
-GPU and the CPU otherwise; the probe keeps its float64 sums on the model's device while a
+GPU (``cuda:LOCAL_RANK`` under torchrun or accelerate) and the CPU otherwise; the probe keeps its float64 sums on the model's device while a
 chunk of documents streams and moves them to the CPU at the end of each chunk (see
 :mod:`equivariance_probe.checkpoint`). bf16/fp16 models are probed as they are: their
 attention is upcast to float32 before the reduction, and the log floor defaults to the
@@ -10,6 +10,8 @@ entries below it are floored and counted: ``result.floored()``).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -22,13 +24,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """``"auto"`` (or ``None``) → ``cuda`` if available, else ``cpu``; other names are checked.
+    """``"auto"`` (or ``None``) → ``cuda`` (``cuda:LOCAL_RANK`` if set) if available, else ``cpu``; other names are checked.
 
     Raises:
         InputError: an unknown device name, or CUDA asked for where torch sees no GPU.
     """
     if device is None or str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        # One process per GPU under torchrun / accelerate: each takes the GPU of its local rank.
+        local_rank = os.environ.get("LOCAL_RANK")
+        return torch.device(f"cuda:{int(local_rank)}" if local_rank is not None else "cuda")
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as error:

@@ -49,9 +49,22 @@ class Shard:
     def parse(cls, text: str) -> Shard:
         """``"i/n"`` → ``Shard(i, n)``."""
         match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
-        if not match:
+        if match is None:
             raise InputError(f"--shard expects i/n such as 0/4 (shard i of n, zero-based), got {text!r}")
         return cls(int(match.group(1)), int(match.group(2)))
+
+    @classmethod
+    def from_environment(cls) -> Shard:
+        """``Shard(RANK, WORLD_SIZE)`` from the variables torchrun, accelerate and most launchers set."""
+        import os
+
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+        if rank is None or world is None:
+            raise InputError(
+                "--shard auto reads RANK and WORLD_SIZE, which are not set; launch with torchrun or accelerate, "
+                "or pass --shard i/n"
+            )
+        return cls.parse(f"{rank}/{world}")
 
     def bounds(self, n_docs: int) -> tuple[int, int]:
         """``(start, stop)``: this shard's documents are ``docs[start:stop]``."""

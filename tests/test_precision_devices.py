@@ -83,7 +83,10 @@ def test_device_selection(monkeypatch):
     with pytest.raises(InputError, match="not a torch device"):
         resolve_device("gpu0")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert resolve_device("auto") == torch.device("cuda") and resolve_device("cuda:1") == torch.device("cuda:1")
+    monkeypatch.setenv("LOCAL_RANK", "3")  # torchrun: one process per GPU
+    assert resolve_device("auto") == torch.device("cuda:3")
     assert parse_dtype("bfloat16") is torch.bfloat16 and parse_dtype(None) is torch.float32
     with pytest.raises(InputError, match="float64"):
         parse_dtype("float64")

@@ -68,7 +68,9 @@ def shard_files(tmp_path_factory):
         arguments = ["run", "--out", str(root / out), "--model", model, "--corpus", corpus, "--context-length", "16",
                      "--baselines", "zero", "--no-progress", "--no-figures", "--sample-size", "0", *extra]
         assert main(arguments) == 0
-        return root / out / "results.json"
+        shard = [a for a in extra if "/" in a]
+        subfolder = f"shard-{shard[0].replace('/', '-of-')}" if shard else ""
+        return root / out / subfolder / "results.json"
 
     return {
         "whole": run("whole", "--n-docs", "5"),
@@ -126,3 +128,18 @@ def test_overlapping_ranges_are_refused(shard_files):
     b.metadata["shards"] = {**b.metadata["shards"], "indices": [5], "count": 2, "ranges": [[1, 4]]}
     with pytest.raises(IncompatibleResultsError, match="shards overlap: documents 0..1 and 1..3"):
         a + b
+
+
+def test_shard_auto_takes_rank_and_world_size_from_the_launcher(shard_files, monkeypatch, capsys):
+    root = shard_files["root"]
+    model, corpus = str(root / "model"), str(root / "corpus")
+    arguments = ["run", "--out", str(root / "auto"), "--model", model, "--corpus", corpus, "--n-docs", "5",
+                 "--context-length", "16", "--baselines", "none", "--no-progress", "--no-figures", "--shard", "auto"]
+    monkeypatch.delenv("RANK", raising=False)
+    assert main(arguments) == 2
+    assert "RANK and WORLD_SIZE" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(arguments) == 0
+    result = ProbeResult.load(root / "auto" / "shard-1-of-2" / "results.json")
+    assert result.metadata["shards"]["ranges"] == [[2, 5]] and result.n_windows == 3
