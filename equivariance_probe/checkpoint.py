@@ -30,10 +30,11 @@ checkpoint whose identity differs from the resuming run's is refused, naming wha
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
-import shutil
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,11 +69,24 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(temporary, path)
 
 
+#: The files a checkpoint writes; nothing else in its folder is ever deleted.
+_OWN_FILE = re.compile(r"(state\.json|[A-Za-z0-9_]+-(\d{9}|done)\.json)(\.tmp)?")
+
+
+def _own_files(folder: Path) -> list[Path]:
+    return [path for path in folder.iterdir() if path.is_file() and _OWN_FILE.fullmatch(path.name)]
+
+
 def clear_checkpoint(folder: str | os.PathLike) -> None:
-    """Delete a checkpoint folder (after the finished study's results were saved)."""
+    """Delete a checkpoint's files (after the finished study's results were saved), and its
+    folder if nothing else is in it."""
     folder = Path(folder)
-    if (folder / _STATE).exists() or folder.is_dir():
-        shutil.rmtree(folder, ignore_errors=True)
+    if not folder.is_dir():
+        return
+    for path in _own_files(folder):
+        path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
 
 
 class CheckpointedRun:
@@ -170,7 +184,7 @@ class CheckpointedRun:
             },
         )
         keep = {_STATE, *self.done.values(), *([self.current["file"]] if self.current and self.current["file"] else [])}
-        for path in self.folder.iterdir():
+        for path in _own_files(self.folder):
             if path.name not in keep:
                 path.unlink(missing_ok=True)
 

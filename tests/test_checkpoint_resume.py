@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from equivariance_probe import CheckpointError, EquivarianceProbe, ProbeResult, run_study
+from equivariance_probe.checkpoint import clear_checkpoint
 from equivariance_probe.cli import main
 
 from synthetic import save_tiny_model_with_tokenizer, tiny_gemma3, write_text_corpus
@@ -166,6 +167,8 @@ class _WordTokenizer:
 def test_api_resume_equals_uninterrupted_and_keeps_the_partial_result(setup, tmp_path, monkeypatch):
     docs, network, tokenizer = setup
     options = dict(context_length=16, baselines=(), sample_size=30, progress=False)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "results.json").write_text("the user's own file")  # never touched by checkpoints
     error = _interrupted_study(tmp_path / "ck", docs, network, tokenizer, monkeypatch, stop_at=4, **options)
     assert error.partial_result.n_windows == 3 and not error.partial_result.complete
     resumed = run_study(corpus=docs, n_docs=6, loaded=(network, tokenizer), checkpoint_dir=tmp_path / "ck",
@@ -174,6 +177,9 @@ def test_api_resume_equals_uninterrupted_and_keeps_the_partial_result(setup, tmp
                       checkpoint_every=2, batch_size=1, **options)
     _assert_identical(resumed.trained, whole.trained)
     assert resumed.trained.metadata["checkpoint"]["resumed_from"]["current"]["position"] == 2
+    clear_checkpoint(tmp_path / "ck")
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["results.json"]
+    assert (tmp_path / "ck" / "results.json").read_text() == "the user's own file"
 
 
 def test_a_checkpoint_of_another_model_corpus_or_configuration_is_refused(setup, tmp_path, monkeypatch):
