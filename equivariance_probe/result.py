@@ -33,6 +33,7 @@ from . import fitting, metrics
 from .errors import IncompatibleResultsError, NotRunError, ResultFileError
 from .fileformat import FORMAT_VERSION, RESULT_KIND, check_schema, checksum, upgrade
 from .sample import EntrySample
+from .sharding import merged_provenance
 from .stats import STATISTICS, AttentionStatistics
 
 __all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION"]
@@ -337,8 +338,6 @@ class ProbeResult:
             raise IncompatibleResultsError(
                 f"cannot merge results of different models ({mine.get('name')!r} and {theirs.get('name')!r})"
             )
-        from .sharding import merged_provenance
-
         provenance = merged_provenance(self.metadata, other.metadata)  # refuses duplicates, other shards' corpora
         statistics = self.statistics.merge(other.statistics)
         metadata = dict(self.metadata)
