@@ -10,6 +10,9 @@ Table of contents (imports no model framework; each adapter imports its own when
 * :func:`load_model`, :func:`random_init_like`, :func:`zero_like` — the packaged Gemma 3
   270M (or any local model) and its untrained baselines; :func:`load_corpus` — documents.
 * :func:`run_study` / :class:`Study` — trained vs baselines in one call (the CLI's ``run``).
+* :func:`compare_models` / :class:`Comparison` — the study on several models over the same
+  windows, one table (the CLI's ``compare``); :data:`REGISTRY` / :class:`ModelSpec` — the
+  packaged models (Gemma 3 270M, SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct).
 * :mod:`equivariance_probe.metrics`, :mod:`equivariance_probe.fitting` — pure functions.
 * :mod:`equivariance_probe.errors` — the exception family.
 """
@@ -39,6 +42,12 @@ from .probe import EquivarianceProbe
 from .result import PersistenceCurves, ProbeResult
 from .stats import AttentionStatistics
 from .study import Study, run_study
+
+# issue 8: packaged-model registry and the comparison across models
+from .compare import Comparison, compare_models
+from .errors import InsufficientMemoryError, ModelFileError
+from .models import load_tokenizer
+from .registry import REGISTRY, ModelSpec
 
 __version__ = "0.1.0"
 
@@ -72,4 +81,12 @@ __all__ = [
     "ModelNotFoundError",
     "RemoteExecutionError",
     "MissingAPIKeyError",
+    # issue 8
+    "compare_models",
+    "Comparison",
+    "REGISTRY",
+    "ModelSpec",
+    "load_tokenizer",
+    "ModelFileError",
+    "InsufficientMemoryError",
 ]
