@@ -8,8 +8,11 @@ It does not convert or load anything: :func:`equivariance_probe.models.convert_p
 turns any entry's GGUF file into the cached float32 copy that ``load_model`` reads. It imports
 no framework, and no model package until a GGUF file is asked for.
 
-Every registered file is 4-bit (or mostly 4-bit) quantised; transformers dequantises it to
-float32 on load, so numbers measured on these models approximate the original checkpoints'.
+Every registered file is 4-bit quantised (Q4_K_M or Q4_1; the Q4_K_M files mix block types,
+most of their tensors in the 5-bit Q5_0 fallback since the widths 640 and 896 are not multiples
+of 256); transformers
+dequantises it to float32 on load, so numbers measured on these models approximate the
+original checkpoints'.
 
 Example:
     >>> from equivariance_probe.registry import REGISTRY, model_spec
@@ -179,7 +182,7 @@ _ENTRIES = (
         original="google/gemma-3-270m",
         instruction_tuned=False,
         n_parameters=268_098_176,
-        quantisation="Q4_K_M",
+        quantisation="Q4_K_M (GGUF file type 15; tensors: 81 Q5_0, 27 Q4_K, 9 Q6_K, 10 Q8_0, 109 F32)",
         gguf_name="gemma-3-270m-q4_k_m.gguf",
         gguf_size=253_113_024,
         gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
@@ -229,7 +232,7 @@ _ENTRIES = (
         original="Qwen/Qwen2.5-Coder-0.5B-Instruct (GGUF metadata: 'Qwen2.5 Coder 0.5B Instruct AWQ')",
         instruction_tuned=True,
         n_parameters=630_167_424,
-        quantisation="Q4_K_M (GGUF file type 15: tensors in Q5_0, Q4_K, Q6_K and Q8_0, norms and biases F32)",
+        quantisation="Q4_K_M (GGUF file type 15; tensors: 133 Q5_0, 12 Q4_K, 12 Q6_K, 13 Q8_0, 121 F32)",
         gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         gguf_size=491_400_064,
         gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",

@@ -34,14 +34,17 @@ __all__ = [
 ]
 
 #: Bytes of working memory per attention entry ``[batch, head, query, key]`` while one layer
-#: is captured and reduced: the eager scores and weights (float32, 8 B) and the reduction's
-#: float32 temporaries (weights, log weights, their squares and masked copies: about 6 × 4 B).
-ENTRY_BYTES = 32
+#: is captured and reduced: the eager scores and weights (float32) and the reduction's
+#: temporaries (weights, log weights, squares, masks, key-lag copies), plus what the allocator
+#: keeps between layers. Calibrated on the packaged models at T = 512, batch 4: the probe's
+#: peak rose by about 100 B per entry above weights and statistics (README, "Across architectures").
+ENTRY_BYTES = 128
 #: The probe keeps the window-summed pattern (``8·L·H·T²`` bytes) only up to this size
 #: (:data:`equivariance_probe.probe.PATTERN_MEMORY_LIMIT`, repeated to keep this module light).
 PATTERN_SUM_LIMIT = 2**30
-#: Interpreter, torch and transformers before any model is loaded (measured: about 0.6 GiB).
-BASE_BYTES = 2**29 + 2**27
+#: Interpreter, torch, transformers, tokenizers and corpus before a model is loaded (measured:
+#: 0.4 GiB), plus heap the allocator keeps from earlier models of a comparison (up to ~0.8 GiB).
+BASE_BYTES = 5 * 2**28
 
 
 @dataclass(frozen=True)

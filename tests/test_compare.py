@@ -150,7 +150,7 @@ def test_compare_command(tiny, tmp_path, capsys):
 def test_memory_estimate_and_peak():
     estimate = estimate_memory(n_parameters=1000, n_heads=3, n_layers=2, context_length=10, batch_size=2, copies=2)
     assert estimate.weights == 1000 * 4 * 2
-    assert estimate.attention == 2 * 3 * 10 * 10 * 32
+    assert estimate.attention == 2 * 3 * 10 * 10 * 128
     assert estimate.statistics == 3 * 8 * 100 + 8 * 2 * 3 * 100
     assert estimate.total == estimate.weights + estimate.attention + estimate.statistics + estimate.base
     assert "GiB = weights" in estimate.describe()
