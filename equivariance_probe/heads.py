@@ -38,7 +38,7 @@ from .metrics import FORMS, SCALES
 if TYPE_CHECKING:  # pragma: no cover
     from .result import ProbeResult
 
-__all__ = ["HeadRanking", "rank_heads", "RANKING_SCORES", "HIGHER_IS_MORE_POSITION_BOUND"]
+__all__ = ["HeadRanking", "rank_heads", "prior_fit_by_head", "RANKING_SCORES", "HIGHER_IS_MORE_POSITION_BOUND"]
 
 #: Score columns of a ranking, in display order, with what each one is.
 RANKING_SCORES: dict[str, str] = {
@@ -186,8 +186,29 @@ def _score_arrays(result: ProbeResult) -> dict[str, np.ndarray]:
     except NotRunError:  # the run kept no summed pattern: only the per-window score exists
         scores["toeplitz"] = np.full((result.n_layers, result.n_heads), np.nan)
     scores["toeplitz_per_doc"] = result.toeplitz_r2("head_per_doc")
-    scores["prior_fit"] = np.asarray(result.persistence(by="head").r2("prior"), dtype=np.float64)
+    scores["prior_fit"] = prior_fit_by_head(result)
     return {name: scores[name] for name in RANKING_SCORES}
+
+
+def prior_fit_by_head(result: ProbeResult) -> np.ndarray:
+    """``[layer, head]`` R² of the uniform prior on each head's persistence curve.
+
+    The same number as ``result.persistence(by="head").r2("prior")`` (a test checks it), without
+    the power and exponential fits of every head, which take seconds at long contexts:
+    ``P(dt) = lag_sum / lag_count`` and the prior curve ``lag_prior_sum / lag_count`` over the
+    lags that have entries, scored with :func:`~equivariance_probe.fitting.curve_r2`.
+    """
+    from .fitting import curve_r2
+
+    arrays = result.statistics.numpy()
+    count, prior_sum = arrays["lag_count"], arrays["lag_prior_sum"]  # [layer, lag]: shared by the heads
+    out = np.full((result.n_layers, result.n_heads), np.nan)
+    for layer in range(result.n_layers):
+        has = count[layer] > 0
+        prior = prior_sum[layer, has] / count[layer, has]
+        for head in range(result.n_heads):
+            out[layer, head] = curve_r2(arrays["lag_sum"][layer, head, has] / count[layer, has], prior)
+    return out
 
 
 def rank_heads(result: ProbeResult, by: str = "log_eta2", scores: Sequence[str] | None = None) -> HeadRanking:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import html
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -192,7 +193,13 @@ def _split_rendered(rendered: Any) -> _Figure:
 def _attention_heads(values: np.ndarray, tokens: list[str], names: list[str], **options: Any) -> _Figure:
     from circuitsvis.attention import attention_heads
 
-    return _split_rendered(attention_heads(values.tolist(), tokens, attention_head_names=names, **options))
+    nested = values.tolist()
+    figure = _split_rendered(attention_heads(nested, tokens, attention_head_names=names, **options))
+    # CircuitsVis writes the numbers with json.dumps' ", " separators and "0.0" for zeros (half of
+    # every causal pattern): the same array written compactly is ~30% smaller.
+    written = json.dumps(nested)
+    compact = re.sub(r"(?<=[\[,])(-?\d+)\.0(?=[,\]])", r"\1", json.dumps(nested, separators=(",", ":")))
+    return _Figure(figure.element_id, figure.call.replace(written, compact, 1))
 
 
 # -- the views ------------------------------------------------------------------------------------

@@ -74,6 +74,12 @@ def test_scores_are_the_results_own_numbers_and_the_known_values(result):
     assert ranking.scores["toeplitz"][row[PREVIOUS_TOKEN]] == pytest.approx(1 - rss / tss, rel=1e-9)
 
 
+def test_prior_fit_by_head_is_the_persistence_curves_prior_r2(result):
+    from equivariance_probe.heads import prior_fit_by_head
+
+    np.testing.assert_allclose(prior_fit_by_head(result), result.persistence(by="head").r2("prior"), rtol=1e-12)
+
+
 def test_default_order_is_descending_log_eta2_with_ties_in_head_order(result):
     ranking = result.rank_heads()
     assert ranking.key == "log_eta2" and ranking.descending
