@@ -6,7 +6,8 @@ Subcommands:
   packaged Wikipedia articles, trained vs random-init vs zero), writing results, figures
   and a summary table.
 * ``merge``  — add result files of shards of one study into one.
-* ``report`` — an offline HTML report from a results file.
+* ``report`` — an offline HTML report from a results file (``--views``: with CircuitsVis views
+  of the most and least position-bound heads, reloading the model the results name).
 
 Bad arguments exit with status 2 and a message that names the problem and the fix.
 """

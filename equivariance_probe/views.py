@@ -239,17 +239,19 @@ class HeadViews:
     def labels(self) -> list[str]:
         return [f"L{layer}H{head}" for layer, head in self.heads]
 
+    def _masks(self) -> list[int | None]:
+        """Per head, its window as the shown positions see it: a window at least as wide as
+        ``stop`` hides nothing there, so it is full causal (METHODS.md, η² groups)."""
+        return [None if w is None or w >= self.stop else w for w in self.windows]
+
     def priors(self) -> dict[int | None, np.ndarray]:
         """``window -> u[q, k]`` over the shown positions, one per distinct mask of the heads."""
-        out = {}
-        for window in dict.fromkeys(self.windows):
-            out[window] = prior_pattern(self.stop, window)[self.start :, self.start :]
-        return out
+        return {w: prior_pattern(self.stop, w)[self.start :, self.start :] for w in dict.fromkeys(self._masks())}
 
     def log_ratios(self) -> np.ndarray:
         """``[n_heads, n, n]`` ``log(max(a, eps)/u(q))`` on visible entries, 0 elsewhere."""
         priors = self.priors()
-        return np.stack([log_ratio(p, priors[w], self.log_floor) for p, w in zip(self.pattern, self.windows)])
+        return np.stack([log_ratio(p, priors[w], self.log_floor) for p, w in zip(self.pattern, self._masks())])
 
     def _round(self, values: np.ndarray, decimals: int | None) -> np.ndarray:
         values = np.asarray(values, dtype=np.float64)  # float32 would print 17 digits after rounding

@@ -87,6 +87,16 @@ def test_default_heads_are_the_most_and_least_position_bound_and_windows_slice_e
     assert views.stop == 20 and "positions 4..19" in repr(views)
 
 
+def test_a_window_wider_than_the_shown_positions_is_full_causal():
+    pattern = np.stack([uniform_pattern(6).double().numpy(), uniform_pattern(6, 3).double().numpy()])
+    views = HeadViews(tokens=list("abcdef"), heads=[(0, 0), (1, 0)], pattern=pattern, windows=[512, 3])
+    priors = views.priors()
+    assert list(priors) == [None, 3]  # window 512 >= 6 positions: the same mask as full causal
+    np.testing.assert_allclose(views.log_ratios(), 0.0, atol=1e-6)  # each uniform head matches its own prior
+    body = views.body_html()
+    assert "uniform prior (full causal)" in body and "uniform prior (window 3)" in body and "window 512" not in body
+
+
 def test_views_refuse_bad_requests(probe_and_result):
     probe, result, tokens = probe_and_result
     with pytest.raises(InputError, match="no heads to view"):
