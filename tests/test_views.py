@@ -205,3 +205,17 @@ def test_report_without_a_loadable_model_is_written_without_views(tiny_study, tm
     page = (tmp_path / "report.html").read_text()
     assert "Heads ranked" in page and circuitsvis_bundle() not in page
     assert main(["report", str(moved), "--views", "--heads", "nonsense"]) == 2
+
+
+@pytest.mark.parametrize("backend", ["transformer_lens", "nnsight"])
+def test_views_are_the_same_through_every_adapter(tiny_study, backend):
+    from equivariance_probe import load_model
+
+    folder = str(tiny_study / "model")
+    text = "the a of and to in is was for on as with by at from that which"
+    hf_model, hf_tokenizer = load_model(folder)
+    reference = head_views(hf_model, text, tokenizer=hf_tokenizer, heads="L0H1,L2H3")
+    model, tokenizer = load_model(folder, backend=backend)
+    views = head_views(model, text, tokenizer=tokenizer, heads="L0H1,L2H3")
+    assert views.tokens == reference.tokens and views.windows == reference.windows == [8, None]
+    np.testing.assert_allclose(views.pattern, reference.pattern, atol=1e-6)
