@@ -10,6 +10,9 @@ Table of contents (imports no model framework; each adapter imports its own when
 * :func:`load_model`, :func:`random_init_like`, :func:`zero_like` — the packaged Gemma 3
   270M (or any local model) and its untrained baselines; :func:`load_corpus` — documents.
 * :func:`run_study` / :class:`Study` — trained vs baselines in one call (the CLI's ``run``).
+* :func:`rank_heads` / :class:`HeadRanking` — heads from the most to the least position-bound;
+  :func:`head_views` / :class:`HeadViews` — offline CircuitsVis views of heads on one document;
+  :class:`ReportSection` — a section of the HTML report (issue 5).
 * :func:`compare_models` / :class:`Comparison` — the study on several models over the same
   windows, one table (the CLI's ``compare``); :data:`REGISTRY` / :class:`ModelSpec` — the
   packaged models (Gemma 3 270M, SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct).
@@ -42,6 +45,10 @@ from .probe import EquivarianceProbe
 from .result import PersistenceCurves, ProbeResult
 from .stats import AttentionStatistics
 from .study import Study, run_study
+# Looking at heads (issue 5); circuitsvis and pandas are imported when used.
+from .heads import HeadRanking, rank_heads
+from .report import ReportSection
+from .views import HeadViews, head_views
 
 # issue 8: packaged-model registry and the comparison across models
 from .compare import Comparison, compare_models
@@ -68,6 +75,11 @@ __all__ = [
     "get_adapter",
     "SUPPORTED_MODELS",
     "toeplitz_r2",
+    "rank_heads",
+    "HeadRanking",
+    "head_views",
+    "HeadViews",
+    "ReportSection",
     "EquivarianceProbeError",
     "UnsupportedModelError",
     "AttentionCaptureError",
