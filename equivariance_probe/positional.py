@@ -347,7 +347,13 @@ def _amplitudes(lags: np.ndarray, profile: np.ndarray, b: np.ndarray, c: np.ndar
 
 
 def fit_tisa_kernel(
-    lags: np.ndarray, profile: np.ndarray, n_kernels: int = 5, *, restarts: int = 6, seed: int = 0
+    lags: np.ndarray,
+    profile: np.ndarray,
+    n_kernels: int = 5,
+    *,
+    restarts: int = 10,
+    seed: int = 0,
+    max_evaluations: int = 120,
 ) -> KernelFit:
     """Least-squares fit of TISA's kernel ``f(k) = Σ_s a_s·exp(-|b_s|·(k - c_s)²)`` to a profile.
 
@@ -362,6 +368,7 @@ def fit_tisa_kernel(
         n_kernels: ``S`` (TISA's default 5).
         restarts: number of starts.
         seed: seed of the random starts.
+        max_evaluations: residual evaluations per start.
 
     Returns:
         :class:`KernelFit`, kernels sorted by centre.
@@ -381,6 +388,10 @@ def fit_tisa_kernel(
         b, c = np.exp(theta[:n_kernels]), theta[n_kernels:]
         return _amplitudes(x, y, b, c)[1]
 
+    # Widths between a tenth of a lag and ten times the lag range; centres within one range
+    # of the data (a kernel centred outside can still shape an edge).
+    lower = np.concatenate([np.full(n_kernels, np.log(1.0 / (10 * span) ** 2)), np.full(n_kernels, x.min() - span)])
+    upper = np.concatenate([np.full(n_kernels, np.log(100.0)), np.full(n_kernels, x.max() + span)])
     best = None
     for attempt in range(restarts):
         if attempt == 0:
@@ -389,8 +400,8 @@ def fit_tisa_kernel(
         else:
             centres = np.sort(rng.uniform(x.min(), x.max(), n_kernels))
             widths = span * np.exp(rng.uniform(np.log(0.01), np.log(1.0), n_kernels))
-        start = np.concatenate([np.log(1.0 / widths**2), centres])
-        solution = least_squares(residual, start, method="trf", max_nfev=400 * (2 * n_kernels))
+        start = np.clip(np.concatenate([np.log(1.0 / widths**2), centres]), lower, upper)
+        solution = least_squares(residual, start, bounds=(lower, upper), method="trf", max_nfev=max_evaluations)
         if best is None or solution.cost < best.cost:
             best = solution
     b, c = np.exp(best.x[:n_kernels]), best.x[n_kernels:]
@@ -425,7 +436,7 @@ class ScoreProfileFits:
         return cls([[KernelFit.from_dict(f) for f in layer] for layer in data["fits"]], data["n_kernels"])
 
 
-def fit_score_profiles(profile: ScoreProfile, n_kernels: int = 5, *, restarts: int = 4, seed: int = 0) -> ScoreProfileFits:
+def fit_score_profiles(profile: ScoreProfile, n_kernels: int = 5, *, restarts: int = 10, seed: int = 0) -> ScoreProfileFits:
     """Fit TISA's kernel to every head's mean-score profile (visible lags only)."""
     means = profile.mean()
 
