@@ -164,7 +164,12 @@ class PermutationSensitivity:
 
 def _last_outputs(hf: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Last-position logits ``[batch, vocab]`` and final hidden state ``[batch, d]``."""
-    output = hf(input_ids=tokens.to(next(hf.parameters()).device), output_hidden_states=True, use_cache=False)
+    import inspect
+
+    extra = {}
+    if "logits_to_keep" in inspect.signature(hf.forward).parameters:
+        extra["logits_to_keep"] = 1  # the vocabulary projection of the last position only
+    output = hf(input_ids=tokens.to(next(hf.parameters()).device), output_hidden_states=True, use_cache=False, **extra)
     return output.logits[:, -1], output.hidden_states[-1][:, -1]
 
 

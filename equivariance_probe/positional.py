@@ -351,22 +351,23 @@ def fit_tisa_kernel(
     profile: np.ndarray,
     n_kernels: int = 5,
     *,
-    restarts: int = 10,
+    restarts: int = 4,
     seed: int = 0,
-    max_evaluations: int = 120,
+    max_evaluations: int = 150,
 ) -> KernelFit:
     """Least-squares fit of TISA's kernel ``f(k) = Σ_s a_s·exp(-|b_s|·(k - c_s)²)`` to a profile.
 
     Variable projection: the amplitudes ``a`` are solved exactly for each trial of widths and
     centres, which are optimised with ``scipy.optimize.least_squares`` (widths through
-    ``log b``) from several starts (centres spread over the lags, widths from the lag range);
-    the best fit is kept.
+    ``log b``, bounded). Starts: one greedy (add the kernel of a grid of centres and widths that
+    best matches the residual, refine all, repeat ``S`` times) and ``restarts - 1`` random
+    ones; the best fit is kept.
 
     Args:
         lags: ``[K]`` the lags ``k = q - key`` where the profile is defined.
         profile: ``[K]`` values (e.g. mean pre-softmax scores); NaNs are dropped.
         n_kernels: ``S`` (TISA's default 5).
-        restarts: number of starts.
+        restarts: number of starts (the greedy one included).
         seed: seed of the random starts.
         max_evaluations: residual evaluations per start.
 
@@ -383,26 +384,43 @@ def fit_tisa_kernel(
         raise InputError(f"a {n_kernels}-kernel fit needs at least {3 * n_kernels} finite profile points, got {len(x)}")
     span = max(float(x.max() - x.min()), 1.0)
     rng = np.random.default_rng(seed)
-
-    def residual(theta: np.ndarray) -> np.ndarray:
-        b, c = np.exp(theta[:n_kernels]), theta[n_kernels:]
-        return _amplitudes(x, y, b, c)[1]
-
     # Widths between a tenth of a lag and ten times the lag range; centres within one range
     # of the data (a kernel centred outside can still shape an edge).
-    lower = np.concatenate([np.full(n_kernels, np.log(1.0 / (10 * span) ** 2)), np.full(n_kernels, x.min() - span)])
-    upper = np.concatenate([np.full(n_kernels, np.log(100.0)), np.full(n_kernels, x.max() + span)])
-    best = None
-    for attempt in range(restarts):
-        if attempt == 0:
-            centres = np.linspace(x.min(), x.max(), n_kernels)
-            widths = np.full(n_kernels, span / n_kernels)
-        else:
-            centres = np.sort(rng.uniform(x.min(), x.max(), n_kernels))
-            widths = span * np.exp(rng.uniform(np.log(0.01), np.log(1.0), n_kernels))
-        start = np.clip(np.concatenate([np.log(1.0 / widths**2), centres]), lower, upper)
-        solution = least_squares(residual, start, bounds=(lower, upper), method="trf", max_nfev=max_evaluations)
-        if best is None or solution.cost < best.cost:
+    lower_b, upper_b = np.log(1.0 / (10 * span) ** 2), np.log(100.0)
+    lower_c, upper_c = x.min() - span, x.max() + span
+
+    def refine(log_b: np.ndarray, c: np.ndarray) -> Any:
+        n = len(c)
+
+        def residual(theta: np.ndarray) -> np.ndarray:
+            return _amplitudes(x, y, np.exp(theta[:n]), theta[n:])[1]
+
+        lower = np.concatenate([np.full(n, lower_b), np.full(n, lower_c)])
+        upper = np.concatenate([np.full(n, upper_b), np.full(n, upper_c)])
+        start = np.clip(np.concatenate([log_b, c]), lower + 1e-9, upper - 1e-9)
+        return least_squares(residual, start, bounds=(lower, upper), method="trf", max_nfev=max_evaluations)
+
+    # Start 1, greedy: add the grid kernel that best explains what is left, refine all, repeat.
+    grid_c = np.linspace(x.min(), x.max(), min(len(x), 64))
+    grid_log_b = np.linspace(lower_b + np.log(100.0), upper_b - np.log(100.0), 16)
+    candidates = np.exp(-np.exp(grid_log_b)[None, :, None] * (x[:, None, None] - grid_c[None, None, :]) ** 2)
+    candidates = candidates.reshape(len(x), -1)
+    candidates = candidates / np.linalg.norm(candidates, axis=0)
+    log_b, centres = np.zeros(0), np.zeros(0)
+    rest = y - y.mean()
+    for _ in range(n_kernels):
+        pick = int(np.argmax(np.abs(candidates.T @ rest)))
+        log_b = np.append(log_b, grid_log_b[pick // len(grid_c)])
+        centres = np.append(centres, grid_c[pick % len(grid_c)])
+        solution = refine(log_b, centres)
+        log_b, centres = solution.x[: len(centres)], solution.x[len(centres):]
+        rest = _amplitudes(x, y, np.exp(log_b), centres)[1]
+    best = solution
+    # Further starts: centres drawn over the lags, widths log-uniform over the lag range.
+    for _ in range(restarts - 1):
+        widths = span * np.exp(rng.uniform(np.log(0.01), np.log(1.0), n_kernels))
+        solution = refine(np.log(1.0 / widths**2), np.sort(rng.uniform(x.min(), x.max(), n_kernels)))
+        if solution.cost < best.cost:
             best = solution
     b, c = np.exp(best.x[:n_kernels]), best.x[n_kernels:]
     a, rest = _amplitudes(x, y, b, c)
@@ -436,7 +454,7 @@ class ScoreProfileFits:
         return cls([[KernelFit.from_dict(f) for f in layer] for layer in data["fits"]], data["n_kernels"])
 
 
-def fit_score_profiles(profile: ScoreProfile, n_kernels: int = 5, *, restarts: int = 10, seed: int = 0) -> ScoreProfileFits:
+def fit_score_profiles(profile: ScoreProfile, n_kernels: int = 5, *, restarts: int = 4, seed: int = 0) -> ScoreProfileFits:
     """Fit TISA's kernel to every head's mean-score profile (visible lags only)."""
     means = profile.mean()
 

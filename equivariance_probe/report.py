@@ -9,6 +9,8 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .metrics import FORMS, SCALES
@@ -16,7 +18,7 @@ from .metrics import FORMS, SCALES
 if TYPE_CHECKING:  # pragma: no cover
     from .result import ProbeResult
 
-__all__ = ["render_report"]
+__all__ = ["render_report", "with_positional_section"]
 
 
 def _png(figure) -> str:
@@ -58,3 +60,16 @@ td,th{{border:1px solid #ccc;padding:3px 8px}}img{{max-width:100%}}</style></hea
 (query-position η², log scale). Mean per-window Toeplitz R²: {summary['toeplitz_r2_per_doc_mean']:.4f}.</p>
 <h2>Figures</h2>{figures}
 </body></html>"""
+
+
+# -- issue 6: the positional analyses' section, when a positional.json lies beside the results
+def with_positional_section(page: str, results_path: str | os.PathLike[str]) -> str:
+    """``page`` with the section of ``positional.json`` (next to ``results_path``) before ``</body>``, if there is one."""
+    positional = Path(results_path).with_name("positional.json")
+    if not positional.is_file():
+        return page
+    from .positional_report import render_positional_section
+    from .positional_study import PositionalStudy
+
+    section = render_positional_section(PositionalStudy.load(positional))
+    return page.replace("</body>", section + "\n</body>", 1)
