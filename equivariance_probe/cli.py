@@ -116,6 +116,8 @@ def _add_positional_parser(commands) -> None:
     positional.add_argument("--baseline", default="random_init", choices=["random_init", "none"],
                             help="shrinkage and correlations also at the model's own random initialisation")
     positional.add_argument("--batch-size", type=_positive, default=4)
+    positional.add_argument("--exclude-keys", type=_int_list, default=[],
+                            help="key positions left out of the tisa profiles, e.g. '0' (attention sink)")
     positional.add_argument("--seed", type=int, default=0)
     positional.add_argument("--cache-dir", default=None)
 
@@ -148,7 +150,8 @@ def _positional(args: argparse.Namespace) -> int:
         out, model_name=args.model, analyses=args.analyses, corpus=args.corpus, cache_dir=args.cache_dir,
         n_docs=args.n_docs, context_length=args.context_length, n_prompts=args.n_prompts,
         prompt_length=args.prompt_length, n_permutations=args.n_permutations, n_kernels=args.kernels,
-        baseline=None if args.baseline == "none" else args.baseline, batch_size=args.batch_size, seed=args.seed,
+        baseline=None if args.baseline == "none" else args.baseline, batch_size=args.batch_size,
+        exclude_keys=args.exclude_keys, seed=args.seed,
     )
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0

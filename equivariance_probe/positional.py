@@ -22,6 +22,7 @@ Conventions:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,13 +269,17 @@ class ScoreProfile:
         return cls(*(np.asarray(data[name], dtype=np.float64) for name in ("lags", "sums", "counts")))
 
 
-def score_profile(model: Any, tokens: torch.Tensor, *, batch_size: int = 4) -> ScoreProfile:
+def score_profile(
+    model: Any, tokens: torch.Tensor, *, batch_size: int = 4, exclude_keys: Sequence[int] = ()
+) -> ScoreProfile:
     """Diagonal profiles of each head's mean pre-softmax scores over token windows.
 
     Args:
         model: a ``transformers`` model (or wrapped; see module docstring).
         tokens: ``[n_windows, T]`` token ids (equal-length windows, no padding).
         batch_size: windows per forward pass.
+        exclude_keys: key positions left out (e.g. ``[0]``: a BOS attention sink, which
+            otherwise is the only key at the largest lags).
 
     Returns:
         :class:`ScoreProfile` over lags ``k = -(T-1) .. T-1`` (a causal model has counts only
@@ -290,6 +295,10 @@ def score_profile(model: Any, tokens: torch.Tensor, *, batch_size: int = 4) -> S
     def on_call(call) -> None:
         scores = call.scores()
         visible = visible_from_mask(call.attention_mask, scores.shape).to(scores.device)
+        if exclude_keys:
+            keep = torch.ones(scores.shape[-1], dtype=torch.bool, device=scores.device)
+            keep[[k for k in exclude_keys if 0 <= k < scores.shape[-1]]] = False
+            visible = visible & keep
         sums, counts = diagonal_profile_sums(scores, visible)
         if call.layer in per_layer:
             per_layer[call.layer][0] += sums

@@ -124,7 +124,8 @@ def shrinkage_figure(shrinkage: Any, baseline: Any | None = None) -> Figure:
         table = result.across_documents["attention"]
         for layer in range(n_layers):
             ax.plot(q, table[layer], color=cmap(layer / max(n_layers - 1, 1)), lw=1)
-        ax.plot(q, table[0, 0] / q, color="black", ls="--", lw=1, label="∝ 1/(q+1)")
+        anchor = shrinkage.q_min  # position 0 often holds the same BOS in every document (variance 0)
+        ax.plot(q[anchor:], table[0, anchor] * (anchor + 1) / q[anchor:], color="black", ls="--", lw=1, label="∝ 1/(q+1)")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("q + 1")

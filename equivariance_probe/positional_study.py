@@ -230,6 +230,7 @@ def run_positional(
     n_kernels: int = 5,
     baseline: str | None = "random_init",
     batch_size: int = 4,
+    exclude_keys: tuple[int, ...] | list[int] = (),
     seed: int = 0,
     progress: bool = True,
 ) -> PositionalStudy:
@@ -247,6 +248,7 @@ def run_positional(
         baseline: ``"random_init"`` (shrinkage and correlations also on the model's own random
             initialisation, seed ``seed``) or ``None``.
         batch_size: windows per forward pass.
+        exclude_keys: key positions left out of the ``tisa`` profiles (e.g. ``[0]``, a BOS sink).
         seed: seed of permutations and baseline.
         progress: print one line per analysis.
 
@@ -282,7 +284,7 @@ def run_positional(
         "analyses": list(analyses),
         "settings": {"n_docs": n_docs, "context_length": context_length, "n_prompts": n_prompts,
                      "prompt_length": prompt_length, "n_permutations": n_permutations, "n_kernels": n_kernels,
-                     "baseline": baseline, "seed": seed},
+                     "baseline": baseline, "seed": seed, "exclude_keys": list(exclude_keys)},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "conventions": "lag k = query - key position; Toeplitz R² 'whole' includes the main diagonal, "
                        "'off_diagonal' excludes it; permutations keep the first token and the last",
@@ -314,7 +316,7 @@ def run_positional(
     if windows is not None:
         study.metadata["windows"] = [int(windows.shape[0]), int(windows.shape[1])]
     if "tisa" in analyses:
-        profile = score_profile(hf, windows, batch_size=batch_size)
+        profile = score_profile(hf, windows, batch_size=batch_size, exclude_keys=exclude_keys)
         fits = fit_score_profiles(profile, n_kernels, seed=seed)
         study.parts["tisa"] = {"profile": profile, "fits": fits}
         say(f"tisa: kernel fit R² median {np.nanmedian(fits.r2()):.3f} over {fits.r2().size} heads")

@@ -134,6 +134,9 @@ def test_score_profile_respects_sliding_windows():
     sliding, full = profile.counts[0, 0], profile.counts[2, 0]
     assert np.all(sliding[(lags < 0) | (lags >= 5)] == 0) and np.all(sliding[(lags >= 0) & (lags < 5)] > 0)
     assert np.all(full[lags >= 0] == 3 * (16 - lags[lags >= 0])) and np.all(full[lags < 0] == 0)
+    # Without key 0 the largest lag (query 15, key 0) has no entry left; every other lag loses one per window.
+    without_sink = score_profile(model, tokens, batch_size=2, exclude_keys=[0]).counts[2, 0]
+    np.testing.assert_array_equal(without_sink[lags >= 0], full[lags >= 0] - 3)
 
 
 def test_kernel_fit_recovers_synthetic_parameters():
