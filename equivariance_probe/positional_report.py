@@ -7,26 +7,17 @@ results file); :func:`render_positional_page` wraps it in a standalone page.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from .report import _png
 
 if TYPE_CHECKING:  # pragma: no cover
     from .positional_study import PositionalStudy
 
 __all__ = ["render_positional_section", "render_positional_page"]
-
-
-def _png(figure) -> str:
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=90)
-    plt.close(figure)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _number(value: float) -> str:
