@@ -176,6 +176,13 @@ def intercept_attention(
             switched = True
         ALL_ATTENTION_FUNCTIONS["eager"] = intercepted
         yield seen
+        if not seen:
+            raise AttentionCaptureError(
+                f"no attention call of {type(model).__name__} went through transformers' eager attention "
+                "function in this block, so queries and keys could not be read (a TransformerBridge replaces "
+                "the attention modules with its own). Pass the Hugging Face model: load_model(name) or "
+                "load_model(name, backend='nnsight')"
+            )
     finally:
         if had_local:
             ALL_ATTENTION_FUNCTIONS["eager"] = previous
@@ -192,10 +199,12 @@ def rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 def position_embedding_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Learned absolute position-embedding tables (``nn.Embedding`` named ``wpe``, ``position_embeddings``
-    or ``embed_positions``)."""
+    or ``embed_positions``, also inside a TransformerBridge's wrapper)."""
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in _POSITION_TABLE_NAMES:
+        # A TransformerBridge wraps each module it replaces as `<name>._original_component`.
+        parts = [part for part in name.split(".") if part != "_original_component"]
+        if isinstance(module, torch.nn.Embedding) and parts and parts[-1] in _POSITION_TABLE_NAMES:
             found.append(module)
     return found
 

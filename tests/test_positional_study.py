@@ -103,3 +103,35 @@ def test_command_line_refuses_unknown_analyses(capsys):
     with pytest.raises(SystemExit):
         main(["positional", "--out", "x", "--analyses", "gram,wavelets"])
     assert "unknown analyses" in capsys.readouterr().err
+
+
+def test_wrapped_models_and_probes_use_the_raw_hugging_face_weights(tmp_path):
+    # TransformerLens' weight processing (centring) would change the Gram matrix: the analyses
+    # read the Hugging Face model inside a bridge, an nnsight model or a probe.
+    import copy
+
+    from equivariance_probe import EquivarianceProbe
+    from equivariance_probe.models import load_model
+    from equivariance_probe.positional import gram_toeplitz, position_embedding_table
+
+    path = save_tiny_model_with_tokenizer(tmp_path / "model", kind="gpt2", n_positions=64)
+    hf, tokenizer = load_model(path)
+    reference = gram_toeplitz(position_embedding_table(hf)[0])
+    wrapped = {backend: load_model(path, backend=backend)[0] for backend in ("transformer_lens", "nnsight")}
+    for backend, model in wrapped.items():
+        assert gram_toeplitz(position_embedding_table(model)[0]).r2_whole == reference.r2_whole, backend
+    # nnsight runs the Hugging Face modules; the bridge replaces the attention modules with its own,
+    # which bypass transformers' attention functions: a clear refusal instead of empty numbers.
+    from equivariance_probe.errors import AttentionCaptureError
+    from equivariance_probe.positional import score_profile
+
+    tokens = torch.randint(3, 60, (1, 8))
+    assert score_profile(wrapped["nnsight"], tokens).sums.shape == (2, 4, 15)
+    with pytest.raises(AttentionCaptureError, match="TransformerBridge replaces the attention modules"):
+        score_profile(wrapped["transformer_lens"], tokens)
+    probe = EquivarianceProbe(copy.deepcopy(hf), tokenizer=tokenizer)
+    study = run_positional(probe, docs=["the a of and to in is was for on as with by at from that " * 3] * 2,
+                           analyses=("gram", "permutation"), n_prompts=1, prompt_length=12, n_permutations=2,
+                           progress=False)
+    assert study.parts["gram"].r2_whole == reference.r2_whole
+    assert study.parts["permutation"].kl["none"].shape == (1, 2)
