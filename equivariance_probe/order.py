@@ -282,11 +282,22 @@ class RepresentationSums:
     def variance_across_documents(self) -> np.ndarray:
         """``[stream, layer, position]`` ``mean_d Var_doc(x[:, q, d])``."""
         mean = self.sum / self.count
-        return (self.sum_sq / self.count - mean * mean).clamp_min(0.0).mean(-1).numpy()
+        return _variance(self.sum_sq / self.count, mean * mean).mean(-1).numpy()
 
     def variance_across_dimensions(self) -> np.ndarray:
         """``[stream, layer, position]`` ``mean_doc Var_d(x[doc, q, :])``."""
         return (self.within_dims / self.count).numpy()
+
+
+#: A variance below this fraction of the second moment is float64 cancellation, not spread:
+#: a position that holds the same token in every document (a BOS) has variance exactly 0.
+_CANCELLATION = 1e-9
+
+
+def _variance(second_moment: torch.Tensor, squared_mean: torch.Tensor) -> torch.Tensor:
+    """``E[x²] - E[x]²``, exactly 0 where it is within float64 cancellation of 0."""
+    variance = second_moment - squared_mean
+    return torch.where(variance > _CANCELLATION * second_moment.abs(), variance, torch.zeros((), dtype=variance.dtype))
 
 
 def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4) -> RepresentationSums:
@@ -399,12 +410,16 @@ class VarianceShrinkage:
 
 
 def position_correlation(sums: RepresentationSums) -> np.ndarray:
-    """``[layer, position, position]`` correlation across documents of the residual stream (module docstring)."""
+    """``[layer, position, position]`` correlation across documents of the residual stream (module docstring).
+
+    NaN in the rows and columns of positions without variance across documents (undefined).
+    """
     n = sums.count
     if n < 2:
         raise InputError("position correlations need at least 2 documents")
     mean = sums.sum[1] / n  # [layer, position, dim]
     covariance = sums.cross / n - torch.einsum("lid,ljd->lij", mean, mean)
-    variance = torch.diagonal(covariance, dim1=-2, dim2=-1).clamp_min(0.0)
+    second = torch.diagonal(sums.cross / n, dim1=-2, dim2=-1)
+    variance = _variance(second, second - torch.diagonal(covariance, dim1=-2, dim2=-1))
     scale = torch.sqrt(variance[:, :, None] * variance[:, None, :])
     return torch.where(scale > 0, covariance / torch.where(scale > 0, scale, 1.0), torch.nan).numpy()

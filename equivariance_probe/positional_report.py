@@ -57,6 +57,10 @@ def render_positional_section(study: PositionalStudy) -> str:
             for stream, values in summary.get(key, {}).items():
                 rows.append([label, stream, ", ".join(_number(v) for v in values)])
         blocks.append("<h3>Variance shrinkage: exponent γ per layer</h3>" + _table(["model", "stream", "γ by layer"], rows))
+    if "correlation" in summary:
+        rows = [[label, ", ".join(_number(v) for v in summary[key]["mean_off_diagonal_by_layer"])]
+                for key, label in (("correlation", "trained"), ("correlation_baseline", "untrained")) if key in summary]
+        blocks.append("<h3>Position correlations: mean over i ≠ j per layer</h3>" + _table(["model", "by layer"], rows))
     if study.skipped:
         blocks.append("<p>Skipped: " + "; ".join(f"{html.escape(k)} ({html.escape(v)})" for k, v in study.skipped.items()) + "</p>")
     figures = "".join(

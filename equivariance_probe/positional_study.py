@@ -128,6 +128,9 @@ class PositionalStudy:
         for key in ("shrinkage", "shrinkage_baseline"):
             if key in self.parts:
                 out[key] = {stream: values.tolist() for stream, values in self.parts[key].exponent.items()}
+        for key in ("correlation", "correlation_baseline"):
+            if key in self.parts:
+                out[key] = {"mean_off_diagonal_by_layer": _mean_off_diagonal(self.parts[key]).tolist()}
         return out
 
     # -- files ---------------------------------------------------------------------------
@@ -193,6 +196,16 @@ class PositionalStudy:
         from .positional_report import render_positional_section
 
         return render_positional_section(self)
+
+
+def _mean_off_diagonal(correlation: np.ndarray) -> np.ndarray:
+    """``[layer]`` mean of ``C[i, j]`` over ``i != j``, ignoring undefined entries (a position with
+    no variance across documents, such as a BOS at position 0)."""
+    n_positions = correlation.shape[-1]
+    off_diagonal = ~np.eye(n_positions, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        return np.array([np.nanmean(layer[off_diagonal]) if np.isfinite(layer[off_diagonal]).any() else np.nan
+                         for layer in correlation])
 
 
 def _describe(values: np.ndarray) -> dict[str, float]:

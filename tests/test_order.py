@@ -150,3 +150,18 @@ def test_position_correlation_of_running_means_has_its_closed_form():
     expected = np.sqrt((np.minimum(i, j) + 1) / (np.maximum(i, j) + 1))
     np.testing.assert_allclose(correlation, expected, atol=0.02)
     np.testing.assert_allclose(np.diag(correlation), 1.0, atol=1e-12)
+
+
+def test_a_position_that_is_the_same_in_every_document_has_no_variance_and_no_correlation():
+    generator = torch.Generator().manual_seed(6)
+    x = torch.randn(50, 5, 7, generator=generator, dtype=torch.float64) * 3.0 + 11.0
+    x[:, 0] = torch.linspace(-40.0, 40.0, 7, dtype=torch.float64) + 1e3  # a BOS: identical in every document
+    sums = RepresentationSums.empty(1, 5, 7)
+    sums.add(1, 0, x)
+    sums.add_documents(50)
+    variance = sums.variance_across_documents()[1, 0]
+    assert variance[0] == 0.0
+    np.testing.assert_allclose(variance[1:], x[:, 1:].var(0, unbiased=False).mean(-1).numpy(), rtol=1e-9)
+    correlation = position_correlation(sums)[0]
+    assert np.isnan(correlation[0]).all() and np.isnan(correlation[:, 0]).all()
+    assert np.isfinite(correlation[1:, 1:]).all()
