@@ -10,6 +10,9 @@ Table of contents (imports no model framework; each adapter imports its own when
 * :func:`load_model`, :func:`random_init_like`, :func:`zero_like` — the packaged Gemma 3
   270M (or any local model) and its untrained baselines; :func:`load_corpus` — documents.
 * :func:`run_study` / :class:`Study` — trained vs baselines in one call (the CLI's ``run``).
+* :func:`rank_heads` / :class:`HeadRanking` — heads from the most to the least position-bound;
+  :func:`head_views` / :class:`HeadViews` — offline CircuitsVis views of heads on one document;
+  :class:`ReportSection` — a section of the HTML report (issue 5).
 * :mod:`equivariance_probe.metrics`, :mod:`equivariance_probe.fitting` — pure functions.
 * :mod:`equivariance_probe.errors` — the exception family.
 * :func:`run_positional` / :class:`PositionalStudy` — where order comes from (issue 6):
@@ -43,6 +46,10 @@ from .probe import EquivarianceProbe
 from .result import PersistenceCurves, ProbeResult
 from .stats import AttentionStatistics
 from .study import Study, run_study
+# Looking at heads (issue 5); circuitsvis and pandas are imported when used.
+from .heads import HeadRanking, rank_heads
+from .report import ReportSection
+from .views import HeadViews, head_views
 
 # issue 6: where order comes from
 from .order import permutation_sensitivity, position_correlation, representation_sums, VarianceShrinkage
@@ -68,6 +75,11 @@ __all__ = [
     "get_adapter",
     "SUPPORTED_MODELS",
     "toeplitz_r2",
+    "rank_heads",
+    "HeadRanking",
+    "head_views",
+    "HeadViews",
+    "ReportSection",
     "EquivarianceProbeError",
     "UnsupportedModelError",
     "AttentionCaptureError",

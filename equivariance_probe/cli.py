@@ -6,7 +6,8 @@ Subcommands:
   packaged Wikipedia articles, trained vs random-init vs zero), writing results, figures
   and a summary table.
 * ``merge``  — add result files of shards of one study into one.
-* ``report`` — an offline HTML report from a results file.
+* ``report`` — an offline HTML report from a results file (``--views``: with CircuitsVis views
+  of the most and least position-bound heads, reloading the model the results name).
 * ``positional`` — where order comes from (issue 6): position-embedding Gram matrices, TISA
   kernel fits, permutation sensitivity, variance shrinkage, position correlations.
 
@@ -83,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="write an offline HTML report from a results file")
     report.add_argument("results", help="a results.json written by 'run'")
     report.add_argument("-o", "--output", default=None, help="HTML file (default: next to the results, report.html)")
+    # Head views (issue 5): reload the model and one document to draw heads with CircuitsVis.
+    report.add_argument("--views", action="store_true",
+                        help="add CircuitsVis views of heads: reloads the model named in the results (offline) and one document")
+    report.add_argument("--heads", default=None, help="heads to view, e.g. 'L4H3,L5H1' (default: the 2 most and 2 least position-bound)")
+    report.add_argument("--document", type=int, default=0, help="index of the corpus document to view (default 0)")
+    report.add_argument("--corpus", default=None, help="corpus to take the document from (default: the study's)")
+    report.add_argument("--start", type=int, default=0, help="first position shown")
+    report.add_argument("--stop", type=int, default=None, help="position after the last shown (default: start + 128)")
+    report.add_argument("--decimals", type=int, default=3, help="round view values to this many decimals (default 3)")
     _add_positional_parser(commands)
     return parser
 
@@ -232,9 +242,21 @@ def _report(args: argparse.Namespace) -> int:
 
     result = ProbeResult.load(args.results)
     output = Path(args.output) if args.output else Path(args.results).with_name("report.html")
-    from .report import with_positional_section
+    views = None
+    if args.views:
+        from .errors import ModelNotFoundError
+        from .views import parse_heads, views_for_result
 
-    output.write_text(with_positional_section(result.to_html(), args.results), encoding="utf-8")
+        heads = parse_heads(args.heads) if args.heads else None  # bad heads: exit 2, not a silent report
+        try:
+            views, note = views_for_result(result, heads=heads, document=args.document, corpus=args.corpus,
+                                           start=args.start, stop=args.stop, decimals=args.decimals)
+            print(note)
+        except ModelNotFoundError as error:
+            print(f"writing the report without views: {error}", file=sys.stderr)
+    from .report import positional_sections  # issue 6: positional.json beside the results
+
+    output.write_text(result.to_html(views=views, extra_sections=positional_sections(args.results)), encoding="utf-8")
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB)")
     return 0
 

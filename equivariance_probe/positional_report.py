@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .report import _png
+from .report import ReportSection, _png
 
 if TYPE_CHECKING:  # pragma: no cover
     from .positional_study import PositionalStudy
 
-__all__ = ["render_positional_section", "render_positional_page"]
+__all__ = ["positional_report_section", "render_positional_body", "render_positional_section", "render_positional_page"]
 
 
 def _number(value: float) -> str:
@@ -30,11 +30,14 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def render_positional_section(study: PositionalStudy) -> str:
-    """One ``<section>`` of HTML: a table per analysis and every figure, embedded."""
+def _title(study: PositionalStudy) -> str:
+    return f"Where order comes from: {study.metadata.get('model', '?')}"
+
+
+def render_positional_body(study: PositionalStudy) -> str:
+    """The section's body (no heading): a table per analysis and every figure, embedded."""
     summary = study.summary()
-    blocks = [f"<h2>Where order comes from: {html.escape(str(study.metadata.get('model', '?')))}</h2>",
-              f"<p>Conventions: {html.escape(str(study.metadata.get('conventions', '')))}.</p>"]
+    blocks = [f"<p>Conventions: {html.escape(str(study.metadata.get('conventions', '')))}.</p>"]
     if "gram" in summary:
         gram = summary["gram"]
         blocks.append("<h3>Position-embedding Gram matrix</h3>" + _table(
@@ -67,7 +70,17 @@ def render_positional_section(study: PositionalStudy) -> str:
         f'<figure><img alt="{name}" src="data:image/png;base64,{_png(figure)}"><figcaption>{name}</figcaption></figure>'
         for name, figure in study.figures().items()
     )
-    return '<section class="positional">' + "".join(blocks) + figures + "</section>"
+    return "".join(blocks) + figures
+
+
+def positional_report_section(study: PositionalStudy) -> ReportSection:
+    """The study report's section for ``study``."""
+    return ReportSection(title=_title(study), html=render_positional_body(study))
+
+
+def render_positional_section(study: PositionalStudy) -> str:
+    """One ``<section class="positional">`` element: heading, tables, figures."""
+    return f'<section class="positional"><h2>{html.escape(_title(study))}</h2>{render_positional_body(study)}</section>'
 
 
 def render_positional_page(study: PositionalStudy) -> str:

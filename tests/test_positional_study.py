@@ -90,7 +90,7 @@ def test_command_line_writes_json_figures_and_the_report_section(tmp_path, capsy
         assert (out / name).stat().st_size > 0, name
     assert main(["report", str(out / "results.json")]) == 0
     report = (out / "report.html").read_text()
-    assert '<section class="positional">' in report and report.index("positional") < report.index("</body>")
+    assert "<h2>Where order comes from:" in report and "Permutation sensitivity" in report
 
     assert main(["positional", "--out", str(tmp_path / "p"), "--model", model, "--corpus", corpus,
                  "--analyses", "tisa,correlation", "--n-docs", "2", "--context-length", "12", "--kernels", "2",
