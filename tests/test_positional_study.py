@@ -130,8 +130,8 @@ def test_wrapped_models_and_probes_use_the_raw_hugging_face_weights(tmp_path):
     with pytest.raises(AttentionCaptureError, match="TransformerBridge replaces the attention modules"):
         score_profile(wrapped["transformer_lens"], tokens)
     probe = EquivarianceProbe(copy.deepcopy(hf), tokenizer=tokenizer)
-    study = run_positional(probe, docs=["the a of and to in is was for on as with by at from that " * 3] * 2,
-                           analyses=("gram", "permutation"), n_prompts=1, prompt_length=12, n_permutations=2,
-                           progress=False)
+    study = probe.positional(["the a of and to in is was for on as with by at from that " * 3] * 2,
+                             analyses=("gram", "permutation"), n_prompts=1, prompt_length=12, n_permutations=2,
+                             progress=False)
     assert study.parts["gram"].r2_whole == reference.r2_whole
     assert study.parts["permutation"].kl["none"].shape == (1, 2)
