@@ -18,6 +18,10 @@ Table of contents (imports no model framework; each adapter imports its own when
   packaged models (Gemma 3 270M, SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct).
 * :mod:`equivariance_probe.metrics`, :mod:`equivariance_probe.fitting` — pure functions.
 * :mod:`equivariance_probe.errors` — the exception family.
+* :func:`run_positional` / :class:`PositionalStudy` — where order comes from (issue 6):
+  position-embedding Gram matrices, positional logits, TISA kernel fits
+  (:mod:`~equivariance_probe.positional`), permutation sensitivity, variance shrinkage and
+  position correlations (:mod:`~equivariance_probe.order`).
 """
 
 from __future__ import annotations
@@ -55,6 +59,10 @@ from .compare import Comparison, compare_models
 from .errors import InsufficientMemoryError, ModelFileError
 from .models import load_tokenizer
 from .registry import REGISTRY, ModelSpec
+# issue 6: where order comes from
+from .order import permutation_sensitivity, position_correlation, representation_sums, VarianceShrinkage
+from .positional import fit_tisa_kernel, gram_toeplitz, positional_logits, score_profile
+from .positional_study import PositionalStudy, load_positional_model, run_positional
 
 __version__ = "0.1.0"
 
@@ -101,4 +109,16 @@ __all__ = [
     "load_tokenizer",
     "ModelFileError",
     "InsufficientMemoryError",
+    # issue 6
+    "run_positional",
+    "PositionalStudy",
+    "load_positional_model",
+    "gram_toeplitz",
+    "positional_logits",
+    "score_profile",
+    "fit_tisa_kernel",
+    "permutation_sensitivity",
+    "representation_sums",
+    "VarianceShrinkage",
+    "position_correlation",
 ]

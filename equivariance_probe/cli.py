@@ -10,6 +10,8 @@ Subcommands:
   of the most and least position-bound heads, reloading the model the results name).
 * ``compare`` — the study on several models over the same windows, in one table and figure
   (default: the three packaged models, trained vs their own random initialisation).
+* ``positional`` — where order comes from (issue 6): position-embedding Gram matrices, TISA
+  kernel fits, permutation sensitivity, variance shrinkage, position correlations.
 
 Bad arguments exit with status 2 and a message that names the problem and the fix.
 """
@@ -17,6 +19,7 @@ Bad arguments exit with status 2 and a message that names the problem and the fi
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -71,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sample-size", type=int, default=20000, help="entries sampled for the scatter plot")
     run.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    # issue 6: the positional analyses into the same folder (positional.json, the report's section)
+    run.add_argument("--analyses", type=_analyses, default=[],
+                     help="also run positional analyses (at most 8 windows of 256 tokens), comma-separated from "
+                     "gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all' (see 'positional')")
 
     merge = commands.add_parser("merge", help="merge result files of shards into one")
     merge.add_argument("inputs", nargs="+", help="results.json files to merge")
@@ -89,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--stop", type=int, default=None, help="position after the last shown (default: start + 128)")
     report.add_argument("--decimals", type=int, default=3, help="round view values to this many decimals (default 3)")
     _add_compare_parser(commands)
+    _add_positional_parser(commands)
     return parser
 
 
@@ -150,6 +158,76 @@ def _compare(args: argparse.Namespace) -> int:
 # --- end compare ------------------------------------------------------------------------
 
 
+# -- issue 6: the ``positional`` command ------------------------------------------------------
+def _analyses(text: str) -> list[str]:
+    from .positional_study import ANALYSES
+
+    names = list(ANALYSES) if text.strip().lower() == "all" else [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in names if a not in ANALYSES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown analyses {unknown}; choose from {', '.join(ANALYSES)} or 'all'")
+    return names
+
+
+def _add_positional_parser(commands) -> None:
+    positional = commands.add_parser(
+        "positional", help="where order comes from: Gram/TISA Toeplitzness, permutation symmetry, variance shrinkage")
+    positional.add_argument("--out", required=True, help="output folder: positional.json, positional.html, figures")
+    positional.add_argument("--model", default="gemma-3-270m",
+                            help="packaged model (gemma-3-270m, all-minilm-l6-v2), local folder, or cached hub name")
+    positional.add_argument("--analyses", type=_analyses, default="all",
+                            help="comma-separated from gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all'")
+    positional.add_argument("--corpus", default=None, help="text file, folder of .txt, .jsonl or dataset folder")
+    positional.add_argument("--n-docs", type=_positive, default=8, help="windows for tisa, shrinkage, correlation")
+    positional.add_argument("--context-length", type=_positive, default=256)
+    positional.add_argument("--n-prompts", type=_positive, default=4, help="prompts for the permutation analysis")
+    positional.add_argument("--prompt-length", type=_positive, default=64)
+    positional.add_argument("--n-permutations", type=_positive, default=8)
+    positional.add_argument("--kernels", type=_positive, default=5, help="S, kernels of the TISA fit")
+    positional.add_argument("--baseline", default="random_init", choices=["random_init", "none"],
+                            help="shrinkage and correlations also at the model's own random initialisation")
+    positional.add_argument("--batch-size", type=_positive, default=4)
+    positional.add_argument("--exclude-keys", type=_int_list, default=[],
+                            help="key positions left out of the tisa profiles, e.g. '0' (attention sink)")
+    positional.add_argument("--seed", type=int, default=0)
+    positional.add_argument("--cache-dir", default=None)
+
+
+def _positional_into(out: Path, *, model_name: str, analyses: list[str], corpus: str | None, cache_dir: str | None,
+                     **settings) -> list[Path]:
+    from .figures import save_figures
+    from .positional_report import render_positional_page
+    from .positional_study import load_positional_model, run_positional
+
+    model, tokenizer = load_positional_model(model_name, cache_dir=cache_dir)
+    docs = None
+    if corpus is not None:
+        from .corpus import load_corpus
+
+        docs = load_corpus(corpus)
+    study = run_positional(model, tokenizer, docs=docs, analyses=analyses, **settings)
+    paths = [study.save(out / "positional.json")]
+    paths += save_figures(study.figures(), out, prefix="positional_")
+    page = out / "positional.html"
+    page.write_text(render_positional_page(study), encoding="utf-8")
+    print(json.dumps(study.summary(), indent=1, default=float)[:4000])
+    return paths + [page]
+
+
+def _positional(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    _check_writable(out)
+    paths = _positional_into(
+        out, model_name=args.model, analyses=args.analyses, corpus=args.corpus, cache_dir=args.cache_dir,
+        n_docs=args.n_docs, context_length=args.context_length, n_prompts=args.n_prompts,
+        prompt_length=args.prompt_length, n_permutations=args.n_permutations, n_kernels=args.kernels,
+        baseline=None if args.baseline == "none" else args.baseline, batch_size=args.batch_size,
+        exclude_keys=args.exclude_keys, seed=args.seed,
+    )
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
+
+
 def _check_writable(folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -198,6 +276,13 @@ def _run(args: argparse.Namespace) -> int:
     print(study.table())
     print(study.heads())
     print(f"wrote {', '.join(str(p) for p in list(paths.values()) + figures)} and {out / 'summary.md'}")
+    if args.analyses:  # issue 6
+        written = _positional_into(
+            out, model_name=args.model, analyses=args.analyses, corpus=args.corpus, cache_dir=args.cache_dir,
+            n_docs=min(args.n_docs, 8), context_length=min(args.context_length, 256),
+            prompt_length=min(args.context_length, 64), seed=args.seed,
+        )
+        print(f"wrote {', '.join(str(p) for p in written)}")
     return 0
 
 
@@ -230,7 +315,9 @@ def _report(args: argparse.Namespace) -> int:
             print(note)
         except ModelNotFoundError as error:
             print(f"writing the report without views: {error}", file=sys.stderr)
-    output.write_text(result.to_html(views=views), encoding="utf-8")
+    from .report import positional_sections  # issue 6: positional.json beside the results
+
+    output.write_text(result.to_html(views=views, extra_sections=positional_sections(args.results)), encoding="utf-8")
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB)")
     return 0
 
@@ -239,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"run": _run, "merge": _merge, "report": _report, "compare": _compare}
+    handlers = {"run": _run, "merge": _merge, "report": _report, "compare": _compare, "positional": _positional}
     try:
         return handlers[args.command](args)
     except EquivarianceProbeError as error:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .metrics import FORMS, SCALES
@@ -23,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .result import ProbeResult
     from .views import HeadViews
 
-__all__ = ["render_report", "report_sections", "ReportSection"]
+__all__ = ["render_report", "report_sections", "ReportSection", "positional_sections"]
 
 
 @dataclass(frozen=True)
@@ -139,3 +141,15 @@ td,th{{border:1px solid #ccc;padding:3px 8px}}img{{max-width:100%}}caption{{text
 <h1>Equivariance probe: {model}</h1>
 {body}
 </body></html>"""
+
+
+# -- issue 6: the positional analyses' section, when a positional.json lies beside the results
+def positional_sections(results_path: str | os.PathLike[str]) -> list[ReportSection]:
+    """The section of the ``positional.json`` next to ``results_path``, or none if there is no such file."""
+    positional = Path(results_path).with_name("positional.json")
+    if not positional.is_file():
+        return []
+    from .positional_report import positional_report_section
+    from .positional_study import PositionalStudy
+
+    return [positional_report_section(PositionalStudy.load(positional))]
