@@ -6,7 +6,12 @@ Subcommands:
   packaged Wikipedia articles, trained vs random-init vs zero), writing results, figures
   and a summary table.
 * ``merge``  — add result files of shards of one study into one.
-* ``report`` — an offline HTML report from a results file.
+* ``report`` — an offline HTML report from a results file (``--views``: with CircuitsVis views
+  of the most and least position-bound heads, reloading the model the results name).
+* ``compare`` — the study on several models over the same windows, in one table and figure
+  (default: the three packaged models, trained vs their own random initialisation).
+* ``positional`` — where order comes from (issue 6): position-embedding Gram matrices, TISA
+  kernel fits, permutation sensitivity, variance shrinkage, position correlations.
 
 Bad arguments exit with status 2 and a message that names the problem and the fix.
 """
@@ -14,6 +19,7 @@ Bad arguments exit with status 2 and a message that names the problem and the fi
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--sample-size", type=int, default=20000, help="entries sampled for the scatter plot")
     run.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    # issue 6: the positional analyses into the same folder (positional.json, the report's section)
+    run.add_argument("--analyses", type=_analyses, default=[],
+                     help="also run positional analyses (at most 8 windows of 256 tokens), comma-separated from "
+                     "gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all' (see 'positional')")
     # -- issue 7: runs that survive --
     run.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_CHECKPOINT_EVERY,
                      help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
@@ -98,7 +108,146 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="write an offline HTML report from a results file")
     report.add_argument("results", help="a results.json written by 'run'")
     report.add_argument("-o", "--output", default=None, help="HTML file (default: next to the results, report.html)")
+    # Head views (issue 5): reload the model and one document to draw heads with CircuitsVis.
+    report.add_argument("--views", action="store_true",
+                        help="add CircuitsVis views of heads: reloads the model named in the results (offline) and one document")
+    report.add_argument("--heads", default=None, help="heads to view, e.g. 'L4H3,L5H1' (default: the 2 most and 2 least position-bound)")
+    report.add_argument("--document", type=int, default=0, help="index of the corpus document to view (default 0)")
+    report.add_argument("--corpus", default=None, help="corpus to take the document from (default: the study's)")
+    report.add_argument("--start", type=int, default=0, help="first position shown")
+    report.add_argument("--stop", type=int, default=None, help="position after the last shown (default: start + 128)")
+    report.add_argument("--decimals", type=int, default=3, help="round view values to this many decimals (default 3)")
+    _add_compare_parser(commands)
+    _add_positional_parser(commands)
     return parser
+
+
+# --- compare (issue 8) ------------------------------------------------------------------
+
+
+def _add_compare_parser(commands: argparse._SubParsersAction) -> None:
+    from .compare import DEFAULT_COMPARE_MODELS, DEFAULT_COMPARISON
+
+    compare = commands.add_parser("compare", help="run the study on several models over the same windows: one table and figure")
+    compare.add_argument("--out", required=True, help="output folder (created if missing)")
+    compare.add_argument("--models", default=",".join(DEFAULT_COMPARE_MODELS),
+                         help="comma-separated packaged model names or local model folders "
+                              f"(default: {','.join(DEFAULT_COMPARE_MODELS)})")
+    compare.add_argument("--corpus", default=None, help="text file, folder of .txt, .jsonl, or a datasets folder "
+                                                        "(default: packaged Wikipedia articles)")
+    compare.add_argument("--n-docs", type=_positive, default=DEFAULT_COMPARISON["n_docs"], help="windows, one per document")
+    compare.add_argument("--context-length", type=_positive, default=DEFAULT_COMPARISON["context_length"],
+                         help="tokens per window, the same for every model")
+    compare.add_argument("--batch-size", type=_positive, default=DEFAULT_COMPARISON["batch_size"])
+    compare.add_argument("--baselines", default=",".join(DEFAULT_COMPARISON["baselines"]),
+                         help="comma-separated baselines (random_init, zero), or 'none'")
+    compare.add_argument("--exclude-keys", type=_int_list, default=[], help="key positions excluded from every statistic")
+    compare.add_argument("--seed", type=int, default=0, help="seed of the random initialisations")
+    compare.add_argument("--memory-limit-gib", type=float, default=None,
+                         help="refuse models whose estimated need exceeds this (default: the memory available)")
+    compare.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
+    compare.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .compare import compare_models
+
+    out = Path(args.out)
+    _check_writable(out)
+    if args.corpus is not None and not Path(args.corpus).exists():
+        raise EquivarianceProbeError(f"corpus {args.corpus!r} does not exist; pass a text file, a folder, a .jsonl file or a dataset folder")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    baselines = [] if args.baselines.strip().lower() == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
+    comparison = compare_models(
+        models,
+        corpus=args.corpus,
+        n_docs=args.n_docs,
+        context_length=args.context_length,
+        batch_size=args.batch_size,
+        baselines=baselines,
+        exclude_keys=args.exclude_keys,
+        seed=args.seed,
+        cache_dir=args.cache_dir,
+        memory_limit=None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30),
+        progress=not args.no_progress,
+    )
+    paths = comparison.save(out)
+    print(comparison.table())
+    print(f"wrote {', '.join(str(p) for p in paths.values())} and per-model results under {out / 'models'}")
+    return 0
+
+
+# --- end compare ------------------------------------------------------------------------
+
+
+# -- issue 6: the ``positional`` command ------------------------------------------------------
+def _analyses(text: str) -> list[str]:
+    from .positional_study import ANALYSES
+
+    names = list(ANALYSES) if text.strip().lower() == "all" else [a.strip() for a in text.split(",") if a.strip()]
+    unknown = [a for a in names if a not in ANALYSES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown analyses {unknown}; choose from {', '.join(ANALYSES)} or 'all'")
+    return names
+
+
+def _add_positional_parser(commands) -> None:
+    positional = commands.add_parser(
+        "positional", help="where order comes from: Gram/TISA Toeplitzness, permutation symmetry, variance shrinkage")
+    positional.add_argument("--out", required=True, help="output folder: positional.json, positional.html, figures")
+    positional.add_argument("--model", default="gemma-3-270m",
+                            help="packaged model (gemma-3-270m, all-minilm-l6-v2), local folder, or cached hub name")
+    positional.add_argument("--analyses", type=_analyses, default="all",
+                            help="comma-separated from gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all'")
+    positional.add_argument("--corpus", default=None, help="text file, folder of .txt, .jsonl or dataset folder")
+    positional.add_argument("--n-docs", type=_positive, default=8, help="windows for tisa, shrinkage, correlation")
+    positional.add_argument("--context-length", type=_positive, default=256)
+    positional.add_argument("--n-prompts", type=_positive, default=4, help="prompts for the permutation analysis")
+    positional.add_argument("--prompt-length", type=_positive, default=64)
+    positional.add_argument("--n-permutations", type=_positive, default=8)
+    positional.add_argument("--kernels", type=_positive, default=5, help="S, kernels of the TISA fit")
+    positional.add_argument("--baseline", default="random_init", choices=["random_init", "none"],
+                            help="shrinkage and correlations also at the model's own random initialisation")
+    positional.add_argument("--batch-size", type=_positive, default=4)
+    positional.add_argument("--exclude-keys", type=_int_list, default=[],
+                            help="key positions left out of the tisa profiles, e.g. '0' (attention sink)")
+    positional.add_argument("--seed", type=int, default=0)
+    positional.add_argument("--cache-dir", default=None)
+
+
+def _positional_into(out: Path, *, model_name: str, analyses: list[str], corpus: str | None, cache_dir: str | None,
+                     **settings) -> list[Path]:
+    from .figures import save_figures
+    from .positional_report import render_positional_page
+    from .positional_study import load_positional_model, run_positional
+
+    model, tokenizer = load_positional_model(model_name, cache_dir=cache_dir)
+    docs = None
+    if corpus is not None:
+        from .corpus import load_corpus
+
+        docs = load_corpus(corpus)
+    study = run_positional(model, tokenizer, docs=docs, analyses=analyses, **settings)
+    paths = [study.save(out / "positional.json")]
+    paths += save_figures(study.figures(), out, prefix="positional_")
+    page = out / "positional.html"
+    page.write_text(render_positional_page(study), encoding="utf-8")
+    print(json.dumps(study.summary(), indent=1, default=float)[:4000])
+    return paths + [page]
+
+
+def _positional(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    _check_writable(out)
+    paths = _positional_into(
+        out, model_name=args.model, analyses=args.analyses, corpus=args.corpus, cache_dir=args.cache_dir,
+        n_docs=args.n_docs, context_length=args.context_length, n_prompts=args.n_prompts,
+        prompt_length=args.prompt_length, n_permutations=args.n_permutations, n_kernels=args.kernels,
+        baseline=None if args.baseline == "none" else args.baseline, batch_size=args.batch_size,
+        exclude_keys=args.exclude_keys, seed=args.seed,
+    )
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
 
 
 def _check_writable(folder: Path) -> None:
@@ -165,6 +314,13 @@ def _run(args: argparse.Namespace) -> int:
     print(study.table())
     print(study.heads())
     print(f"wrote {', '.join(str(p) for p in list(paths.values()) + figures)} and {out / 'summary.md'}")
+    if args.analyses:  # issue 6
+        written = _positional_into(
+            out, model_name=args.model, analyses=args.analyses, corpus=args.corpus, cache_dir=args.cache_dir,
+            n_docs=min(args.n_docs, 8), context_length=min(args.context_length, 256),
+            prompt_length=min(args.context_length, 64), seed=args.seed,
+        )
+        print(f"wrote {', '.join(str(p) for p in written)}")
     clear_checkpoint(out / CHECKPOINT_FOLDER)  # only once the results are on disk
     return 0
 
@@ -195,7 +351,21 @@ def _report(args: argparse.Namespace) -> int:
 
     result = ProbeResult.load(args.results)
     output = Path(args.output) if args.output else Path(args.results).with_name("report.html")
-    output.write_text(result.to_html(), encoding="utf-8")
+    views = None
+    if args.views:
+        from .errors import ModelNotFoundError
+        from .views import parse_heads, views_for_result
+
+        heads = parse_heads(args.heads) if args.heads else None  # bad heads: exit 2, not a silent report
+        try:
+            views, note = views_for_result(result, heads=heads, document=args.document, corpus=args.corpus,
+                                           start=args.start, stop=args.stop, decimals=args.decimals)
+            print(note)
+        except ModelNotFoundError as error:
+            print(f"writing the report without views: {error}", file=sys.stderr)
+    from .report import positional_sections  # issue 6: positional.json beside the results
+
+    output.write_text(result.to_html(views=views, extra_sections=positional_sections(args.results)), encoding="utf-8")
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB)")
     return 0
 
@@ -204,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 2 bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"run": _run, "merge": _merge, "report": _report}
+    handlers = {"run": _run, "merge": _merge, "report": _report, "compare": _compare, "positional": _positional}
     try:
         return handlers[args.command](args)
     except EquivarianceProbeError as error:

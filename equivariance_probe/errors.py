@@ -20,6 +20,10 @@ __all__ = [
     "ModelNotFoundError",
     "RemoteExecutionError",
     "MissingAPIKeyError",
+    # issue 8: packaged-model registry and the comparison
+    "ModelFileError",
+    "InsufficientMemoryError",
+    # issue 7: checkpoints
     "CheckpointError",
 ]
 
@@ -74,6 +78,20 @@ class RemoteExecutionError(EquivarianceProbeError, RuntimeError):
 
 class MissingAPIKeyError(RemoteExecutionError):
     """``remote=True`` without an NDIF API key."""
+
+
+# --- issue 8: packaged-model registry and the cross-model comparison
+
+
+class ModelFileError(EquivarianceProbeError, ValueError):
+    """A packaged model file has the wrong size or checksum (a damaged or partial install)."""
+
+
+class InsufficientMemoryError(EquivarianceProbeError, MemoryError):
+    """A model's estimated memory need exceeds the memory available; raised before loading it."""
+
+
+# --- issue 7: checkpoints
 
 
 class CheckpointError(EquivarianceProbeError, ValueError):

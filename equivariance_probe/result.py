@@ -402,15 +402,35 @@ class ProbeResult:
             f"{list(self.excluded_keys) or 'none'}<table><tr><th>scale</th>"
             + "".join(f"<th>{f}</th>" for f in metrics.FORMS)
             + f"</tr>{rows}</table>Query-position R² over all visible entries. Most position-bound head "
-            f"{_head_label(eta2, np.nanargmax)}, least {_head_label(eta2, np.nanargmin)} (log η²).</div>"
+            f"{_head_label(eta2, np.nanargmax)}, least {_head_label(eta2, np.nanargmin)} (log η²)."
+            + self.rank_heads().to_html(max_rows=10)
+            + "</div>"
         )
 
-    def to_html(self) -> str:
-        """A self-contained HTML report (summary and figures), as ``equivariance-probe report`` writes."""
+    def to_html(self, *, views: Any = None, extra_sections: Any = ()) -> str:
+        """A self-contained HTML report, as ``equivariance-probe report`` writes.
+
+        Args:
+            views: :class:`~equivariance_probe.views.HeadViews` (one or a list) to draw with
+                CircuitsVis (offline: the bundle is included once).
+            extra_sections: more :class:`~equivariance_probe.report.ReportSection` objects.
+        """
         from .report import render_report
 
         self._require_data()
-        return render_report(self)
+        return render_report(self, views=views, extra_sections=extra_sections)
+
+    # -- heads (issue 5) ---------------------------------------------------------------------------------
+    def rank_heads(self, by: str = "log_eta2", scores: Any = None) -> Any:
+        """Heads from the most to the least position-bound: a
+        :class:`~equivariance_probe.heads.HeadRanking` (``to_dataframe()``, ``to_records()``).
+
+        ``by`` is the ordering key (default ``"log_eta2"``); query-position R² and the prior
+        fit sort descending, Toeplitz R² ascending (see :mod:`equivariance_probe.heads`).
+        """
+        from .heads import rank_heads
+
+        return rank_heads(self, by=by, scores=scores)
 
     # -- files -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -174,6 +174,8 @@ def run_study(
     timings["load_model"] = time.perf_counter() - start
     config = {
         "model": str(model),
+        # Where the documents came from, so that a report can reload one to view heads (issue 5).
+        "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
         "backend": backend,
         "n_docs": len(all_docs),
         "context_length": context_length,

@@ -70,6 +70,7 @@ __all__ = [
     "MissingAPIKeyError",
     "PATTERN_SOURCES",
     "REMOTE_FUNCTIONS",
+    "attention_scores",
     "recompute_pattern",
     "reduce_batch_in_trace",
     "reply_nbytes",
@@ -98,6 +99,36 @@ _LEAK_TOLERANCE = 1e-3
 # module): in-trace failures raise builtins and the adapter translates them.
 
 
+def attention_scores(
+    query: torch.Tensor, key: torch.Tensor, scaling: float | None, softcap: float | None
+) -> torch.Tensor:
+    """Pre-softmax, pre-mask attention scores as eager attention computes them.
+
+    ``s = softcap(q·kᵀ·scaling)`` with ``softcap(s) = c·tanh(s/c)`` (Gemma 2) when ``softcap``
+    is given. Grouped-query attention: each key head serves ``H / H_kv`` consecutive query
+    heads (``repeat_kv`` in transformers). Float32 for half-precision inputs, float64 kept.
+
+    Args:
+        query: ``[batch, head, query, head_dim]``, after rotary embeddings and q-norm.
+        key: ``[batch, kv_head, key, head_dim]``, likewise.
+        scaling: the module's score scale (``head_dim**-0.5`` when ``None``, as eager).
+        softcap: logit soft-capping ``c``, or ``None``.
+
+    Returns:
+        ``[batch, head, query, key]`` scores.
+    """
+    n_heads, n_kv_heads = query.shape[1], key.shape[1]
+    if n_heads != n_kv_heads:
+        key = key.repeat_interleave(n_heads // n_kv_heads, dim=1)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    scores = torch.matmul(query.to(dtype), key.to(dtype).transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
+
+
 def recompute_pattern(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -122,14 +153,7 @@ def recompute_pattern(
     Returns:
         ``[batch, head, query, key]`` float32, rows sum to 1.
     """
-    n_heads, n_kv_heads = query.shape[1], key.shape[1]
-    if n_heads != n_kv_heads:
-        key = key.repeat_interleave(n_heads // n_kv_heads, dim=1)
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = attention_scores(query, key, scaling, softcap).float()
     n_query, n_key = scores.shape[-2], scores.shape[-1]
     q = torch.arange(n_query, device=scores.device).view(-1, 1)
     k = torch.arange(n_key, device=scores.device).view(1, -1)
@@ -240,6 +264,7 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
 
 #: The functions that run inside the trace, and so on the server (by value).
 REMOTE_FUNCTIONS = (
+    "equivariance_probe.adapters.nnsight.attention_scores",
     "equivariance_probe.adapters.nnsight.recompute_pattern",
     "equivariance_probe.adapters.nnsight.outside_mass",
     "equivariance_probe.adapters.nnsight.layer_pattern",

@@ -1,0 +1,183 @@
+"""Figures of the positional analyses (issue 6), drawn with matplotlib from a :class:`PositionalStudy`.
+
+Rendering only; matplotlib is imported when a figure is drawn (see :mod:`equivariance_probe.figures`).
+
+* ``gram``              — heatmap of the position-embedding Gram matrix ``E_P E_Pᵀ``.
+* ``positional_logits`` — per head, layer-0 positional logits (TISA Fig. 2).
+* ``tisa``              — per head, the mean pre-softmax score by lag ``k = q - key`` and its kernel fit.
+* ``permutation``       — KL and relative hidden-state change under permutations, per ablation.
+* ``shrinkage``         — variance by position (log-log) and the fitted exponent per layer, trained vs untrained.
+* ``correlation``       — position correlation matrices of the residual stream, selected layers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .figures import _pyplot
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.figure import Figure
+
+    from .positional_study import PositionalStudy
+
+__all__ = [
+    "gram_figure",
+    "positional_logits_figure",
+    "tisa_figure",
+    "permutation_figure",
+    "shrinkage_figure",
+    "correlation_figure",
+    "positional_figures",
+]
+
+
+def gram_figure(gram: Any, title: str = "") -> Figure:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 4.3))
+    image = ax.imshow(gram.gram, cmap="RdBu_r", vmin=-np.abs(gram.gram).max(), vmax=np.abs(gram.gram).max())
+    fig.colorbar(image, ax=ax)
+    ax.set_xlabel("position j")
+    ax.set_ylabel("position i")
+    ax.set_title(f"{title}Gram E_P E_Pᵀ: Toeplitz R² {gram.r2_whole:.3f} whole, {gram.r2_off_diagonal:.3f} off-diag.", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _grid(plt, n: int, columns: int, size: float = 2.2):
+    rows = int(np.ceil(n / columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(size * columns, size * rows), squeeze=False)
+    for ax in axes.ravel()[n:]:
+        ax.axis("off")
+    return fig, axes.ravel()
+
+
+def positional_logits_figure(logits: Any) -> Figure:
+    plt = _pyplot()
+    n_heads = logits.scores.shape[0]
+    fig, axes = _grid(plt, n_heads, min(n_heads, 6))
+    for head, ax in enumerate(axes[:n_heads]):
+        scores = np.where(logits.visible, logits.scores[head], np.nan)
+        ax.imshow(scores, cmap="viridis")
+        ax.set_title(f"H{head} R²={logits.toeplitz_r2[head]:.2f}", fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(f"Layer {logits.layer} positional logits (word embeddings = vocabulary mean)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def tisa_figure(tisa: dict[str, Any], max_panels: int = 24) -> Figure:
+    """Head profiles against their fits; at most ``max_panels`` heads, spread over the layers."""
+    plt = _pyplot()
+    profile, fits = tisa["profile"], tisa["fits"]
+    means = profile.mean()
+    n_layers, n_heads = means.shape[:2]
+    heads = [(layer, head) for layer in range(n_layers) for head in range(n_heads)]
+    if len(heads) > max_panels:
+        heads = [heads[i] for i in np.linspace(0, len(heads) - 1, max_panels).round().astype(int)]
+    fig, axes = _grid(plt, len(heads), min(len(heads), 6), size=2.4)
+    for ax, (layer, head) in zip(axes, heads):
+        curve = means[layer, head]
+        has = np.isfinite(curve)
+        fit = fits.fits[layer][head]
+        ax.plot(profile.lags[has], curve[has], color="tab:blue", lw=1)
+        if np.isfinite(fit.r2):
+            ax.plot(profile.lags[has], fit.predict(profile.lags[has]), color="tab:red", ls="--", lw=1)
+        ax.set_title(f"L{layer}H{head} R²={fit.r2:.2f}", fontsize=8)
+        ax.tick_params(labelsize=6)
+    fig.suptitle(f"Mean pre-softmax score by lag k = q - key (blue) and {fits.n_kernels}-kernel TISA fit (red)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def permutation_figure(permutation: Any) -> Figure:
+    plt = _pyplot()
+    names = list(permutation.kl)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (label, table) in zip(axes, (("KL(p ‖ p_π)", permutation.kl), ("total variation", permutation.total_variation),
+                                         ("‖h_π - h‖ / ‖h‖", permutation.hidden_change))):
+        data = [np.maximum(table[name].ravel(), 1e-18) for name in names]
+        ax.boxplot(data, showfliers=True)
+        ax.set_xticks(range(1, len(names) + 1), [n.replace("+", "+\n") for n in names], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(label, fontsize=9)
+    fig.suptitle(f"Permutation sensitivity ({permutation.n_tokens}-token prompts, tokens {permutation.keep_first}..n-2 permuted)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def shrinkage_figure(shrinkage: Any, baseline: Any | None = None) -> Figure:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    cmap = plt.get_cmap("viridis")
+    variance = shrinkage.across_documents["attention"]
+    n_layers, n_positions = variance.shape
+    q = np.arange(n_positions) + 1
+    for panel, (label, result) in enumerate((("trained", shrinkage), ("untrained", baseline))):
+        ax = axes[panel]
+        if result is None:
+            ax.axis("off")
+            continue
+        table = result.across_documents["attention"]
+        for layer in range(n_layers):
+            ax.plot(q, table[layer], color=cmap(layer / max(n_layers - 1, 1)), lw=1)
+        anchor = shrinkage.q_min  # position 0 often holds the same BOS in every document (variance 0)
+        ax.plot(q[anchor:], table[0, anchor] * (anchor + 1) / q[anchor:], color="black", ls="--", lw=1, label="∝ 1/(q+1)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("q + 1")
+        ax.set_ylabel("variance of attention output")
+        ax.set_title(f"{label} (colour: layer)", fontsize=9)
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    for label, result, style in (("trained", shrinkage, "-"), ("untrained", baseline, "--")):
+        if result is None:
+            continue
+        for stream, color in (("attention", "tab:blue"), ("residual", "tab:orange")):
+            ax.plot(result.exponent[stream], color=color, ls=style, marker="o", ms=3, label=f"{stream}, {label}")
+    ax.axhline(1.0, color="black", lw=0.8, ls=":")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("γ in var ∝ (q+1)^-γ")
+    ax.legend(fontsize=7)
+    ax.set_title(f"fitted exponent (q ≥ {shrinkage.q_min})", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def correlation_figure(correlation: np.ndarray, max_layers: int = 6, title: str = "") -> Figure:
+    plt = _pyplot()
+    n_layers = correlation.shape[0]
+    layers = np.unique(np.linspace(0, n_layers - 1, min(max_layers, n_layers)).round().astype(int))
+    fig, axes = _grid(plt, len(layers), len(layers), size=2.6)
+    for ax, layer in zip(axes, layers):
+        image = ax.imshow(correlation[layer], cmap="RdBu_r", vmin=-1, vmax=1)
+        ax.set_title(f"layer {layer}", fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.colorbar(image, ax=list(axes[: len(layers)]), shrink=0.8)
+    fig.suptitle(f"{title}Correlation across documents between positions i, j (residual stream)", fontsize=10)
+    return fig
+
+
+def positional_figures(study: PositionalStudy) -> dict[str, Figure]:
+    """Every figure of a study, by name (the analyses that ran)."""
+    parts = study.parts
+    figures: dict[str, Figure] = {}
+    if "gram" in parts:
+        figures["gram"] = gram_figure(parts["gram"])
+    if "positional_logits" in parts:
+        figures["positional_logits"] = positional_logits_figure(parts["positional_logits"])
+    if "tisa" in parts:
+        figures["tisa"] = tisa_figure(parts["tisa"])
+    if "permutation" in parts:
+        figures["permutation"] = permutation_figure(parts["permutation"])
+    if "shrinkage" in parts:
+        figures["shrinkage"] = shrinkage_figure(parts["shrinkage"], parts.get("shrinkage_baseline"))
+    if "correlation" in parts:
+        figures["correlation"] = correlation_figure(parts["correlation"])
+    if "correlation_baseline" in parts:
+        figures["correlation_baseline"] = correlation_figure(parts["correlation_baseline"], title="Untrained: ")
+    return figures

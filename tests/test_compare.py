@@ -1,0 +1,164 @@
+"""The comparison across models end to end on two tiny built models, and its refusals (fast).
+
+The two models have different tokenizers (one token per word vs one per character), so the
+same text gives them very different token counts: the windows must still hold exactly ``T``
+tokens for each. Known answers: the all-zero baseline gives query-position R² = 1 in every
+form and scale and a persistence curve equal to the prior, for every architecture.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from synthetic import save_tiny_model_with_tokenizer, tiny_gpt2, tiny_llama, write_text_corpus  # noqa: E402
+
+from equivariance_probe import EquivarianceProbe, ProbeResult, load_model  # noqa: E402
+from equivariance_probe.cli import main  # noqa: E402
+from equivariance_probe.compare import common_windows, compare_models  # noqa: E402
+from equivariance_probe.errors import EmptyCorpusError, InputError, InsufficientMemoryError  # noqa: E402
+from equivariance_probe.metrics import FORMS, SCALES  # noqa: E402
+from equivariance_probe.resources import PeakMemory, count_parameters, estimate_memory  # noqa: E402
+
+T = 24  # tokens per window
+
+
+def _char_tokenizer():
+    """One token per character (plus BOS): several times the word-level tokenizer's count."""
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<bos>": 1, "<eos>": 2}
+    for char in "abcdefghijklmnopqrstuvwxyz0123456789 ":
+        vocab[char] = len(vocab)
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
+    backend.post_processor = tokenizers.processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", bos_token="<bos>", eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Gemma 3 with a word-level tokenizer and a tiny Llama with a character-level one, on disk."""
+    root = tmp_path_factory.mktemp("compare")
+    gemma = save_tiny_model_with_tokenizer(root / "gemma", kind="gemma3", n_positions=64)
+    llama = root / "llama"
+    tiny_llama(seed=3).save_pretrained(llama)
+    _char_tokenizer().save_pretrained(llama)
+    corpus = write_text_corpus(root / "corpus", n_docs=4, words=60)
+    return root, gemma, str(llama), corpus
+
+
+def test_common_windows_give_every_tokenizer_at_least_t_tokens(tiny):
+    _, gemma, llama, corpus = tiny
+    from equivariance_probe.corpus import load_corpus
+    from equivariance_probe.models import load_tokenizer
+
+    toks = {"words": load_tokenizer(gemma), "chars": load_tokenizer(llama)}
+    docs = load_corpus(corpus)
+    windows = common_windows(docs, toks, T, n_docs=3)
+    assert len(windows) == 3
+    for window, doc in zip(windows, docs, strict=False):
+        assert doc.startswith(window)
+        counts = {name: len(tok(window)["input_ids"]) for name, tok in toks.items()}
+        assert min(counts.values()) >= T
+        # The cut is as short as the slower tokenizer needs: the word-level one (T words) sets it,
+        # so the character tokenizer gets several times T.
+        assert counts["words"] < T + 3 and counts["chars"] > 2 * T
+    with pytest.raises(EmptyCorpusError, match=r"only 4 documents .* at least 24 tokens .* n_docs=5"):
+        common_windows(docs, toks, T, n_docs=5)
+    with pytest.raises(EmptyCorpusError, match=r"only 0 documents"):
+        common_windows(docs, toks, 10_000, n_docs=1)
+
+
+def test_compare_two_tiny_models_end_to_end(tiny, tmp_path):
+    _, gemma, llama, corpus = tiny
+    comparison = compare_models({"gemma": gemma, "llama": llama}, corpus=corpus, n_docs=3, context_length=T,
+                                batch_size=2, baselines=("random_init", "zero"), progress=False)
+    rows = comparison.rows()
+    assert [(r["model"], r["variant"]) for r in rows] == [
+        (m, v) for m in ("gemma", "llama") for v in ("trained", "random_init", "zero")]
+    for row in rows:
+        assert (row["windows"], row["tokens"]) == (3, 3 * T)  # same windows, exactly T tokens each
+        assert row["windows_per_minute"] > 0 and row["seconds"] > 0
+        assert row["peak_memory_gib"] is None or row["peak_memory_gib"] > 0
+    # Known answer: every head of an all-zero model is uniform, whatever the architecture.
+    for row in (r for r in rows if r["variant"] == "zero"):
+        for scale in SCALES:
+            for form in FORMS:
+                assert row[f"{scale}_{form}"] == pytest.approx(1.0, abs=1e-9), (row["model"], scale, form)
+        assert row["persistence_prior_r2"] == pytest.approx(1.0, abs=1e-9)
+    assert (rows[0]["n_layers"], rows[0]["n_heads"]) == (3, 4) and (rows[3]["n_layers"], rows[3]["n_heads"]) == (2, 4)
+    assert rows[3]["n_parameters"] == count_parameters(tiny_llama())
+
+    # The table reports what the probe measures on those windows (no parallel computation).
+    model, tokenizer = load_model(llama)
+    from equivariance_probe.corpus import load_corpus
+
+    texts = common_windows(load_corpus(corpus), {"g": load_model(gemma)[1], "l": tokenizer}, T, 3)
+    direct = EquivarianceProbe(model, tokenizer=tokenizer).run(texts, context_length=T, progress=False)
+    assert rows[3]["log_eta2"] == pytest.approx(direct.query_position_r2("log", "eta2"), rel=1e-12)
+    assert rows[3]["toeplitz_r2"] == pytest.approx(float(direct.toeplitz_r2("head_per_doc").mean()), rel=1e-12)
+
+    paths = comparison.save(tmp_path)
+    with paths["csv"].open() as stream:
+        table = list(csv.DictReader(stream))
+    assert len(table) == 6 and float(table[0]["log_eta2"]) == pytest.approx(rows[0]["log_eta2"])
+    saved = json.loads(paths["json"].read_text())
+    assert saved["config"]["arguments"]["context_length"] == T and len(saved["rows"]) == 6
+    markdown = paths["markdown"].read_text()
+    assert "| QPVE log | eta2 |" in markdown and "windows per minute" in markdown and "3 / 72" in markdown
+    assert paths["figure"].stat().st_size > 10_000
+    reloaded = ProbeResult.load(tmp_path / "models" / "llama" / "results.json")
+    assert reloaded.query_position_r2("log", "eta2") == pytest.approx(rows[3]["log_eta2"], rel=1e-12)
+
+
+def test_compare_accepts_loaded_models_and_refuses_what_does_not_fit(tiny):
+    _, gemma, llama, corpus = tiny
+    loaded = load_model(llama)
+    with pytest.raises(InsufficientMemoryError, match=r"not enough memory for \['gemma', 'llama'\].*GiB = weights"):
+        compare_models({"gemma": gemma, "llama": loaded}, corpus=corpus, n_docs=1, context_length=T,
+                       memory_limit=1, progress=False)
+    with pytest.raises(InputError, match="unknown baselines"):
+        compare_models({"llama": loaded}, corpus=corpus, baselines=("shuffled",))
+    with pytest.raises(InputError, match="context_length must be a positive integer"):
+        compare_models({"llama": loaded}, corpus=corpus, context_length=0)
+    comparison = compare_models({"llama": loaded}, corpus=corpus, n_docs=2, context_length=T, baselines=(),
+                                progress=False)
+    assert [r["variant"] for r in comparison.rows()] == ["trained"]
+
+
+def test_compare_command(tiny, tmp_path, capsys):
+    _, gemma, llama, corpus = tiny
+    out = tmp_path / "out"
+    arguments = ["compare", "--out", str(out), "--models", f"{gemma},{llama}", "--corpus", corpus,
+                 "--n-docs", "2", "--context-length", str(T), "--no-progress"]
+    assert main(arguments) == 0
+    assert "| QPVE raw | prior |" in capsys.readouterr().out
+    for name in ("comparison.md", "comparison.csv", "comparison.json", "comparison.png"):
+        assert (out / name).stat().st_size > 0
+    assert main(arguments + ["--memory-limit-gib", "0.001"]) == 2
+    assert "not enough memory" in capsys.readouterr().err
+
+
+def test_memory_estimate_and_peak():
+    estimate = estimate_memory(n_parameters=1000, n_heads=3, n_layers=2, context_length=10, batch_size=2, copies=2)
+    assert estimate.weights == 1000 * 4 * 2
+    assert estimate.attention == 2 * 3 * 10 * 10 * 128
+    assert estimate.statistics == 3 * 8 * 100 + 8 * 2 * 3 * 100
+    assert estimate.total == estimate.weights + estimate.attention + estimate.statistics + estimate.base
+    assert "GiB = weights" in estimate.describe()
+    # Counting on the meta device (no weights allocated) gives the built model's count.
+    model = tiny_gpt2()
+    assert count_parameters(model.config) == count_parameters(model) == sum(p.numel() for p in model.parameters())
+    with PeakMemory() as peak:
+        block = torch.ones(2**25, dtype=torch.float64)  # 256 MiB, every page written
+        del block
+    assert peak.bytes is not None and peak.bytes >= 2**28
+

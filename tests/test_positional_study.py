@@ -1,0 +1,137 @@
+"""The positional study end to end on tiny models: files, figures, HTML section, command line, report."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from equivariance_probe.cli import main
+from equivariance_probe.errors import InputError, ResultFileError
+from equivariance_probe.positional_study import ANALYSES, PositionalStudy, run_positional
+
+from synthetic import WORDS, save_tiny_model_with_tokenizer, tiny_gpt2, write_text_corpus
+
+transformers = pytest.importorskip("transformers")
+
+
+def _windows(n: int = 4, length: int = 20) -> torch.Tensor:
+    return torch.randint(3, 90, (n, length), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def gpt2_study() -> PositionalStudy:
+    return run_positional(tiny_gpt2(), docs=_windows(), n_docs=4, context_length=20, n_prompts=2, prompt_length=12,
+                          n_permutations=2, n_kernels=2, progress=False)
+
+
+def test_every_analysis_runs_on_a_gpt2_and_round_trips(gpt2_study, tmp_path):
+    assert set(gpt2_study.parts) == set(ANALYSES) | {"shrinkage_baseline", "correlation_baseline"}
+    assert not gpt2_study.skipped
+    summary = gpt2_study.summary()
+    assert summary["gram"]["n_positions"] == 64 and len(summary["positional_logits"]["per_head"]) == 4
+    assert gpt2_study.parts["correlation"].shape == (2, 20, 20)
+    path = gpt2_study.save(tmp_path)
+    assert path.name == "positional.json"
+    loaded = PositionalStudy.load(path)
+    assert json.dumps(loaded.summary(), sort_keys=True) == json.dumps(summary, sort_keys=True)
+    np.testing.assert_array_equal(loaded.parts["correlation"], gpt2_study.parts["correlation"])
+    np.testing.assert_array_equal(loaded.parts["tisa"]["profile"].sums, gpt2_study.parts["tisa"]["profile"].sums)
+
+
+def test_figures_and_html_section(gpt2_study):
+    figures = gpt2_study.figures()
+    assert set(figures) == {"gram", "positional_logits", "tisa", "permutation", "shrinkage", "correlation",
+                            "correlation_baseline"}
+    import matplotlib.pyplot as plt
+
+    for figure in figures.values():
+        plt.close(figure)
+    section = gpt2_study.to_html()
+    assert section.startswith('<section class="positional">') and section.count("data:image/png;base64,") == 7
+    assert "Toeplitz R² (diagonal excluded)" in section and "no_mask+no_positions" in section
+
+
+def test_rotary_models_skip_the_gram_analyses_and_encoders_the_causal_ones():
+    gemma = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=97, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=8, layer_types=["full_attention"], max_position_embeddings=64)).eval()
+    study = run_positional(gemma, docs=_windows(), analyses=("gram", "positional_logits"), progress=False)
+    assert not study.parts and set(study.skipped) == {"gram", "positional_logits"}
+    bert = transformers.BertModel(transformers.BertConfig(
+        vocab_size=97, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        max_position_embeddings=30)).eval()
+    study = run_positional(bert, docs=_windows(3, 16), analyses=("gram", "tisa", "permutation"), context_length=16,
+                           n_kernels=2, progress=False)
+    assert set(study.parts) == {"gram", "tisa"} and "causal language model" in study.skipped["permutation"]
+    assert study.parts["tisa"]["profile"].counts[0, 0].min() > 0  # an encoder sees both sides
+
+
+def test_bad_arguments_and_files_are_refused(tmp_path):
+    with pytest.raises(InputError, match="unknown analyses"):
+        run_positional(tiny_gpt2(), docs=_windows(), analyses=("gram", "fourier"))
+    (tmp_path / "bad.json").write_text('{"format": "something else"}')
+    with pytest.raises(ResultFileError, match="not a positional results file"):
+        PositionalStudy.load(tmp_path / "bad.json")
+
+
+def test_command_line_writes_json_figures_and_the_report_section(tmp_path, capsys):
+    model = save_tiny_model_with_tokenizer(tmp_path / "model", kind="gpt2", n_positions=64)
+    corpus = write_text_corpus(tmp_path / "corpus", n_docs=4, words=40)
+    out = tmp_path / "out"
+    assert main(["run", "--out", str(out), "--model", model, "--corpus", corpus, "--n-docs", "3",
+                 "--context-length", "16", "--baselines", "none", "--no-progress", "--sample-size", "0",
+                 "--analyses", "gram,permutation,shrinkage"]) == 0
+    study = PositionalStudy.load(out / "positional.json")
+    assert set(study.parts) == {"gram", "permutation", "shrinkage", "shrinkage_baseline"}
+    for name in ("positional_gram.png", "positional_permutation.png", "positional_shrinkage.png", "positional.html"):
+        assert (out / name).stat().st_size > 0, name
+    assert main(["report", str(out / "results.json")]) == 0
+    report = (out / "report.html").read_text()
+    assert "<h2>Where order comes from:" in report and "Permutation sensitivity" in report
+
+    assert main(["positional", "--out", str(tmp_path / "p"), "--model", model, "--corpus", corpus,
+                 "--analyses", "tisa,correlation", "--n-docs", "2", "--context-length", "12", "--kernels", "2",
+                 "--baseline", "none"]) == 0
+    assert set(PositionalStudy.load(tmp_path / "p" / "positional.json").parts) == {"tisa", "correlation"}
+    assert len(WORDS) > 0
+
+
+def test_command_line_refuses_unknown_analyses(capsys):
+    with pytest.raises(SystemExit):
+        main(["positional", "--out", "x", "--analyses", "gram,wavelets"])
+    assert "unknown analyses" in capsys.readouterr().err
+
+
+def test_wrapped_models_and_probes_use_the_raw_hugging_face_weights(tmp_path):
+    # TransformerLens' weight processing (centring) would change the Gram matrix: the analyses
+    # read the Hugging Face model inside a bridge, an nnsight model or a probe.
+    import copy
+
+    from equivariance_probe import EquivarianceProbe
+    from equivariance_probe.models import load_model
+    from equivariance_probe.positional import gram_toeplitz, position_embedding_table
+
+    path = save_tiny_model_with_tokenizer(tmp_path / "model", kind="gpt2", n_positions=64)
+    hf, tokenizer = load_model(path)
+    reference = gram_toeplitz(position_embedding_table(hf)[0])
+    wrapped = {backend: load_model(path, backend=backend)[0] for backend in ("transformer_lens", "nnsight")}
+    for backend, model in wrapped.items():
+        assert gram_toeplitz(position_embedding_table(model)[0]).r2_whole == reference.r2_whole, backend
+    # nnsight runs the Hugging Face modules; the bridge replaces the attention modules with its own,
+    # which bypass transformers' attention functions: a clear refusal instead of empty numbers.
+    from equivariance_probe.errors import AttentionCaptureError
+    from equivariance_probe.positional import score_profile
+
+    tokens = torch.randint(3, 60, (1, 8))
+    assert score_profile(wrapped["nnsight"], tokens).sums.shape == (2, 4, 15)
+    with pytest.raises(AttentionCaptureError, match="TransformerBridge replaces the attention modules"):
+        score_profile(wrapped["transformer_lens"], tokens)
+    probe = EquivarianceProbe(copy.deepcopy(hf), tokenizer=tokenizer)
+    study = probe.positional(["the a of and to in is was for on as with by at from that " * 3] * 2,
+                             analyses=("gram", "permutation"), n_prompts=1, prompt_length=12, n_permutations=2,
+                             progress=False)
+    assert study.parts["gram"].r2_whole == reference.r2_whole
+    assert study.parts["permutation"].kl["none"].shape == (1, 2)

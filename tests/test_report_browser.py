@@ -1,0 +1,70 @@
+"""The report, opened offline in headless Chromium, draws its CircuitsVis views.
+
+Chromium runs with every host name unresolvable (``--host-resolver-rules``), so a page that
+needed the network would not draw. ``scripts/install.sh`` installs Debian's ``chromium`` where
+apt-get exists; elsewhere these tests are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from equivariance_probe import EquivarianceProbe, head_views
+
+from synthetic import SyntheticAdapter
+from test_heads import POSITIONAL, PREVIOUS_TOKEN, built_heads
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium; scripts/install.sh does it)"),
+]
+#: Rendered by CircuitsVis' AttentionHeads component (the bundle's own text has no closing tag after it).
+RENDERED = "Head Selector (hover to view, click to lock)</h3>"
+
+
+def chromium(page, profile, *extra: str) -> subprocess.CompletedProcess:
+    command = [
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
+        "--host-resolver-rules=MAP * ~NOTFOUND",  # offline: no host name resolves
+        "--virtual-time-budget=15000", *extra, page.as_uri(),
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("browser")
+    adapter = SyntheticAdapter(built_heads, n_layers=2, n_heads=4, max_context=64)
+    probe = EquivarianceProbe(adapter)
+    tokens = torch.randint(0, 1000, (4, 32), generator=torch.Generator().manual_seed(0))
+    result = probe.run(tokens, keep_pattern=True, progress=False)
+    views = head_views(probe, tokens[0], heads=[POSITIONAL, PREVIOUS_TOKEN], result=result)
+    path = folder / "report.html"
+    path.write_text(result.to_html(views=views), encoding="utf-8")
+    return folder, path
+
+
+def test_report_has_no_external_resources(report):
+    _, path = report
+    page = path.read_text()
+    assert not re.search(r"""<(script|link|img|iframe)[^>]*(src|href)\s*=\s*["']?(https?:)?//""", page, re.I)
+    assert "unpkg.com" not in page and not re.search(r"""from\s*["']https?://""", page)
+
+
+def test_report_draws_every_view_offline(report, tmp_path):
+    folder, path = report
+    dom = chromium(path, tmp_path / "profile", "--dump-dom").stdout
+    # one view = attention+prior and log-ratio: two AttentionHeads elements, each with a canvas per head
+    assert dom.count(RENDERED) == 2, "the CircuitsVis views did not draw"
+    assert len(re.findall(r"<canvas", dom)) >= 2 + 1 + 2
+    assert "L0H0 attention" in dom and "uniform prior (full causal)" in dom and "L0H1 log(a/u)" in dom
+    screenshot = folder / "report.png"
+    chromium(path, tmp_path / "profile2", "--window-size=1200,3000", f"--screenshot={screenshot}")
+    assert screenshot.stat().st_size > 10_000
