@@ -29,6 +29,7 @@ from __future__ import annotations
 from .adapters import SUPPORTED_MODELS, Adapter, AttentionLayout, get_adapter
 from .errors import (
     AttentionCaptureError,
+    CheckpointError,
     ContextLengthError,
     EmptyCorpusError,
     EquivarianceProbeError,
@@ -47,6 +48,7 @@ from .metrics import toeplitz_r2
 from .models import load_model, random_init_like, zero_like
 from .probe import EquivarianceProbe
 from .result import PersistenceCurves, ProbeResult
+from .sharding import Shard
 from .stats import AttentionStatistics
 from .study import Study, run_study
 # Looking at heads (issue 5); circuitsvis and pandas are imported when used.
@@ -121,4 +123,7 @@ __all__ = [
     "representation_sums",
     "VarianceShrinkage",
     "position_correlation",
+    # issue 7: runs that survive
+    "CheckpointError",
+    "Shard",
 ]

@@ -36,17 +36,27 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers such as '0' or '0,1', got {text!r}") from None
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _integer_at_least(minimum: int, name: str):
+    """An argparse type: an integer >= ``minimum``, else a message naming ``name``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {name}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {name}, got {value}")
+        return value
+
+    return parse
+
+
+_positive = _integer_at_least(1, "a positive integer")
+_non_negative = _integer_at_least(0, "a non-negative integer")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .checkpoint import DEFAULT_CHECKPOINT_EVERY
     from .study import BASELINES, DEFAULT_STUDY
 
     parser = argparse.ArgumentParser(
@@ -78,6 +88,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--analyses", type=_analyses, default=[],
                      help="also run positional analyses (at most 8 windows of 256 tokens), comma-separated from "
                      "gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all' (see 'positional')")
+    # -- issue 7: runs that survive --
+    run.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_CHECKPOINT_EVERY,
+                     help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
+    run.add_argument("--shard", default=None, metavar="I/N",
+                     help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
+                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.json")
+    run.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
+    run.add_argument("--no-figures", action="store_true", help="write results and summary only (e.g. for shards)")
+    run.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                     help="the model's parameter dtype (default: as loaded, float32)")
 
     merge = commands.add_parser("merge", help="merge result files of shards into one")
     merge.add_argument("inputs", nargs="+", help="results.json files to merge")
@@ -241,9 +263,15 @@ def _check_writable(folder: Path) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .checkpoint import CHECKPOINT_FOLDER, clear_checkpoint
+    from .sharding import Shard
     from .study import run_study
 
     out = Path(args.out)
+    shard = None
+    if args.shard is not None:  # each shard writes its own subfolder, so all ranks can share one --out
+        shard = Shard.from_environment() if args.shard.strip() == "auto" else Shard.parse(args.shard)
+        out = out / f"shard-{shard.index}-of-{shard.count}"
     _check_writable(out)
     baselines = [] if args.baselines.strip().lower() == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
     corpus = args.corpus
@@ -266,13 +294,23 @@ def _run(args: argparse.Namespace) -> int:
         sample_size=args.sample_size,
         cache_dir=args.cache_dir,
         progress=not args.no_progress,
+        checkpoint_dir=None if args.checkpoint_every == 0 else out / CHECKPOINT_FOLDER,
+        checkpoint_every=args.checkpoint_every or None,
+        resume=args.resume,
+        shard=shard,
+        device=args.device,
+        dtype=args.dtype,
     )
+    # results.json is written only here, after every variant finished (complete: true); a run that
+    # stops leaves only its checkpoint.
     paths = study.save(out)
-    from .figures import heatmaps_figure, save_figures, study_figures
+    figures: list = []
+    if not args.no_figures:
+        from .figures import heatmaps_figure, save_figures, study_figures
 
-    figures = save_figures(study_figures(study.trained, study.baselines()), out)
-    for name, result in study.baselines().items():
-        figures += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_")
+        figures = save_figures(study_figures(study.trained, study.baselines()), out)
+        for name, result in study.baselines().items():
+            figures += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_")
     print(study.table())
     print(study.heads())
     print(f"wrote {', '.join(str(p) for p in list(paths.values()) + figures)} and {out / 'summary.md'}")
@@ -283,6 +321,7 @@ def _run(args: argparse.Namespace) -> int:
             prompt_length=min(args.context_length, 64), seed=args.seed,
         )
         print(f"wrote {', '.join(str(p) for p in written)}")
+    clear_checkpoint(out / CHECKPOINT_FOLDER)  # only once the results are on disk
     return 0
 
 
@@ -290,11 +329,20 @@ def _merge(args: argparse.Namespace) -> int:
     from .result import ProbeResult
 
     results = [ProbeResult.load(path) for path in args.inputs]
+    for path, result in zip(args.inputs, results):
+        if not result.complete:
+            raise EquivarianceProbeError(
+                f"{path} is the partial result of a run that stopped (complete: false); finish it "
+                "(equivariance-probe run ... --resume) before merging"
+            )
     merged = results[0]
     for other in results[1:]:
         merged = merged + other
     output = merged.save(args.output)
-    print(f"merged {len(results)} results ({merged.n_windows} windows, {merged.n_tokens} tokens) into {output}")
+    shards = merged.metadata.get("shards")
+    missing = sorted(set(range(shards["count"])) - set(shards["indices"])) if shards else []
+    note = f"; shards {missing} of {shards['count']} are still missing" if missing else ""
+    print(f"merged {len(results)} results ({merged.n_windows} windows, {merged.n_tokens} tokens) into {output}{note}")
     return 0
 
 

@@ -23,6 +23,8 @@ __all__ = [
     # issue 8: packaged-model registry and the comparison
     "ModelFileError",
     "InsufficientMemoryError",
+    # issue 7: checkpoints
+    "CheckpointError",
 ]
 
 
@@ -87,3 +89,11 @@ class ModelFileError(EquivarianceProbeError, ValueError):
 
 class InsufficientMemoryError(EquivarianceProbeError, MemoryError):
     """A model's estimated memory need exceeds the memory available; raised before loading it."""
+
+
+# --- issue 7: checkpoints
+
+
+class CheckpointError(EquivarianceProbeError, ValueError):
+    """A study checkpoint cannot be used: made by another model, corpus or configuration,
+    unreadable, or present where a fresh run would overwrite it."""

@@ -17,15 +17,16 @@ are used as given, one row per window.
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from .adapters import Adapter, get_adapter
 from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError
+from .padding import check_not_left_padded, rows_from_encoding
+from .provenance import library_versions
 from .result import ProbeResult
 from .stats import AttentionStatistics
 
@@ -102,7 +103,13 @@ class EquivarianceProbe:
                 "docs is a single string; pass a list of documents (e.g. [text]) so that each is its own window"
             )
         if isinstance(docs, torch.Tensor):
+            if docs.dim() == 2:
+                check_not_left_padded(docs, self.adapter.tokenizer)
             yield from self._tensor_rows(docs, context_length)
+            return
+        if isinstance(docs, Mapping):  # a tokenizer's BatchEncoding: padding removed by its attention_mask
+            for row in rows_from_encoding(docs):
+                yield from self._tensor_rows(row, context_length)
             return
         try:
             iterator = iter(docs)
@@ -127,7 +134,14 @@ class EquivarianceProbe:
     def _encode(self, text: str, context_length: int) -> list[int] | None:
         if not text.strip():
             return None
-        return self.adapter.encode(text)[:context_length]
+        ids = self.adapter.encode(text)[:context_length]
+        vocab = self.adapter.vocab_size
+        if vocab is not None and ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise InputError(
+                f"the tokenizer produced token id {max(ids)} but the model's vocabulary has {vocab} ids: the "
+                "tokenizer does not belong to this model; pass the model's own tokenizer"
+            )
+        return ids
 
     def _tensor_rows(self, tokens: torch.Tensor, context_length: int) -> Iterator[list[int]]:
         if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
@@ -220,7 +234,7 @@ class EquivarianceProbe:
         metadata = self._metadata(context_length, batch_size, min_tokens)
         result = ProbeResult(statistics, metadata)
         self.last_result = result
-        total = len(docs) if hasattr(docs, "__len__") and not isinstance(docs, torch.Tensor) else None
+        total = len(docs) if hasattr(docs, "__len__") and not isinstance(docs, (torch.Tensor, Mapping)) else None
         if isinstance(docs, torch.Tensor):
             total = 1 if docs.dim() == 1 else int(docs.shape[0])
         bar = _progress(progress, total)
@@ -295,18 +309,10 @@ class EquivarianceProbe:
             "min_tokens": min_tokens,
             "tokenisation": "each document tokenised with the model's tokenizer including its special tokens, "
             "truncated to its first context_length tokens; token tensors used as given",
-            "versions": _versions(),
+            "versions": library_versions(),
         }
 
 
-def _versions() -> dict[str, str]:
-    versions = {}
-    for package in ("equivariance-probe", "torch", "transformers", "transformer-lens", "nnsight"):
-        try:
-            versions[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return versions
 
 
 class _NoProgress:

@@ -7,11 +7,12 @@ number is computed on demand from the sums by :mod:`~equivariance_probe.metrics`
 :mod:`~equivariance_probe.fitting`, so results merge exactly (``a + b``), and save and
 load without the model.
 
-File format (``format_version`` 1): one JSON object ``{"format_version", "kind",
-"metadata", "statistics": {"config", "n_windows", "n_tokens", "arrays": {name:
-{"dtype", "shape", "data"}}}, "summary"}`` where ``data`` is the base64 of the array's
-little-endian float64 bytes (exact), and ``summary`` repeats the headline numbers for
-readers who do not use Python.
+File format (``format_version`` 2, see :mod:`equivariance_probe.fileformat`, which also
+reads version 1): one JSON object ``{"format_version", "kind", "complete", "checksum",
+"metadata", "statistics": {"config", "n_windows", "n_tokens", "arrays": {name: {"dtype",
+"shape", "data"}}}, "summary"}`` where ``data`` is the base64 of the array's little-endian
+float64 bytes (exact), and ``summary`` repeats the headline numbers for readers who do not
+use Python.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ import torch
 
 from . import fitting, metrics
 from .errors import IncompatibleResultsError, NotRunError, ResultFileError
+from .fileformat import FORMAT_VERSION, RESULT_KIND, check_schema, checksum, upgrade
 from .sample import EntrySample
+from .sharding import merged_provenance
 from .stats import STATISTICS, AttentionStatistics
 
 __all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION"]
 
-FORMAT_VERSION = 1
-_KIND = "equivariance_probe.ProbeResult"
+_KIND = RESULT_KIND
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
@@ -174,6 +176,11 @@ class ProbeResult:
     @property
     def excluded_keys(self) -> tuple[int, ...]:
         return self.statistics.excluded_keys
+
+    @property
+    def complete(self) -> bool:
+        """False for the partial result of a run that stopped (``metadata["complete"]``)."""
+        return bool(self.metadata.get("complete", True))
 
     def _require_data(self) -> dict[str, np.ndarray]:
         if self.statistics.n_windows == 0:
@@ -331,9 +338,12 @@ class ProbeResult:
             raise IncompatibleResultsError(
                 f"cannot merge results of different models ({mine.get('name')!r} and {theirs.get('name')!r})"
             )
+        provenance = merged_provenance(self.metadata, other.metadata)  # refuses duplicates, other shards' corpora
         statistics = self.statistics.merge(other.statistics)
         metadata = dict(self.metadata)
         metadata["merged_from"] = [self.metadata.get("run_id"), other.metadata.get("run_id")]
+        metadata.update(provenance)
+        metadata["complete"] = self.complete and other.complete
         return ProbeResult(statistics, metadata)
 
     def __add__(self, other: ProbeResult) -> ProbeResult:
@@ -425,9 +435,10 @@ class ProbeResult:
     # -- files -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         statistics = self.statistics
-        return {
+        data = {
             "format_version": FORMAT_VERSION,
             "kind": _KIND,
+            "complete": self.complete,
             "metadata": self.metadata,
             "statistics": {
                 "config": statistics.config(),
@@ -443,6 +454,8 @@ class ProbeResult:
             },
             "summary": _jsonable(self.summary()),
         }
+        data["checksum"] = checksum(data["statistics"])
+        return data
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the result as JSON (exact float64 sums); written to a temporary file, then renamed."""
@@ -450,19 +463,16 @@ class ProbeResult:
         temporary = path.with_name(path.name + ".tmp")
         with open(temporary, "w", encoding="utf-8") as handle:
             json.dump(_jsonable(self.to_dict()), handle)
+            # On disk before the rename, so a crash never leaves a renamed but empty file (issue 7).
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(temporary, path)
         return path
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "result") -> ProbeResult:
-        if not isinstance(data, dict) or data.get("kind") != _KIND:
-            raise ResultFileError(f"{source} is not an equivariance_probe result (no kind {_KIND!r})")
-        version = data.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
-            raise ResultFileError(
-                f"{source} has format_version {version!r}; this equivariance_probe reads versions 1..{FORMAT_VERSION}. "
-                "Upgrade equivariance_probe to read newer files"
-            )
+        data = upgrade(data, source)
+        check_schema(data, source)
         try:
             stats_data = data["statistics"]
             config = stats_data["config"]
@@ -495,7 +505,9 @@ class ProbeResult:
             if isinstance(error, ResultFileError):
                 raise
             raise ResultFileError(f"{source} is missing or has a malformed field: {error!r}") from error
-        return cls(statistics, dict(data.get("metadata", {})))
+        metadata = dict(data.get("metadata", {}))
+        metadata["complete"] = data["complete"]
+        return cls(statistics, metadata)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProbeResult:

@@ -18,10 +18,14 @@ from typing import Any
 
 import numpy as np
 
+from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun
+from .devices import parse_dtype, resolve_device
 from .errors import InputError
 from .metrics import FORMS, SCALES
 from .probe import EquivarianceProbe
+from .provenance import config_fingerprint, corpus_fingerprint, model_identity
 from .result import ProbeResult
+from .sharding import Shard, shard_metadata
 
 __all__ = ["Study", "run_study", "BASELINES", "DEFAULT_STUDY"]
 
@@ -112,6 +116,12 @@ def run_study(
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
     loaded: tuple[Any, Any] | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY,
+    resume: bool = False,
+    shard: Shard | str | None = None,
+    device: str | None = "auto",
+    dtype: str | None = None,
 ) -> Study:
     """Run the study: the trained model and each baseline on the same documents.
 
@@ -130,6 +140,16 @@ def run_study(
         cache_dir: where converted packaged models are cached.
         progress: show progress bars.
         loaded: an already loaded ``(model, tokenizer)``, to skip loading.
+        checkpoint_dir: save a checkpoint there every ``checkpoint_every`` documents
+            (:mod:`equivariance_probe.checkpoint`); ``None``: no checkpoints.
+        checkpoint_every: documents between checkpoints (only with ``checkpoint_dir``).
+        resume: continue from the checkpoint in ``checkpoint_dir``; refused if it was made
+            with another model, corpus or configuration.
+        shard: ``Shard(i, n)`` or ``"i/n"``: run only the i-th of n contiguous slices of the
+            ``n_docs`` documents (:mod:`equivariance_probe.sharding`); merge the shards' results.
+        device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        dtype: the model's parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``);
+            ``None``: as loaded (float32).
     """
     from .corpus import load_corpus
     from .models import load_model, random_init_like, zero_like
@@ -138,24 +158,43 @@ def run_study(
     if unknown:
         raise InputError(f"unknown baselines {unknown}; choose from {sorted(BASELINES)}")
     timings: dict[str, float] = {}
+    # -- issue 7: shards, devices, provenance (the rest of run_study is unchanged) --
+    shard = Shard.parse(shard) if isinstance(shard, str) else shard
     start = time.perf_counter()
-    docs = load_corpus(corpus, n_docs=n_docs)
+    all_docs = load_corpus(corpus, n_docs=n_docs)
+    corpus_identity = corpus_fingerprint(all_docs)
+    docs = shard.select(all_docs) if shard is not None else all_docs
     timings["load_corpus"] = time.perf_counter() - start
     start = time.perf_counter()
-    network, tokenizer = loaded if loaded is not None else load_model(model, backend, cache_dir=cache_dir)
+    if loaded is not None:
+        network, tokenizer = loaded
+    else:
+        network, tokenizer = load_model(model, backend, cache_dir=cache_dir, device=resolve_device(device),
+                                        dtype=parse_dtype(dtype))
     timings["load_model"] = time.perf_counter() - start
     config = {
         "model": str(model),
         # Where the documents came from, so that a report can reload one to view heads (issue 5).
         "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
         "backend": backend,
-        "n_docs": len(docs),
+        "n_docs": len(all_docs),
         "context_length": context_length,
         "batch_size": batch_size,
         "exclude_keys": list(exclude_keys),
         "seed": seed,
         "baselines": list(baselines),
+        "sample_size": sample_size,
+        "checkpoint_every": checkpoint_every if checkpoint_dir is not None else None,
     }
+    identity = {"model": model_identity(network), "corpus": corpus_identity,
+                "config": {**config, "shard": None if shard is None else str(shard)}}
+    # What the numbers depend on (not batch size, sample size or checkpoints): results that differ
+    # in it never merge.
+    measured = {k: config[k] for k in ("backend", "context_length", "exclude_keys", "seed")}
+    provenance = {"model": identity["model"], "corpus": corpus_identity, "config_sha256": config_fingerprint(measured)}
+    runner = CheckpointedRun(checkpoint_dir, every=config["checkpoint_every"], identity=identity, resume=resume)
+    if shard is not None:
+        config["shard"] = str(shard)
     run_options = dict(
         context_length=context_length,
         batch_size=batch_size,
@@ -171,11 +210,18 @@ def run_study(
         variants.append(("zero", lambda: zero_like(network)))
     for index, (name, build) in enumerate(variants):
         start = time.perf_counter()
-        variant = build()
-        result = EquivarianceProbe(variant, tokenizer=tokenizer).run(docs, sample_seed=seed + index, **run_options)
+        result = runner.run_variant(
+            name,
+            lambda build=build: EquivarianceProbe(build(), tokenizer=tokenizer),
+            docs,
+            seed_parts=(seed, index, 0 if shard is None else shard.index + 1),
+            **run_options,
+        )
         result.metadata["label"] = name
         result.metadata["study"] = config
+        result.metadata["provenance"] = provenance
+        if shard is not None:
+            result.metadata["shards"] = shard_metadata(shard, len(all_docs), corpus_identity["sha256"])
         results[name] = result
         timings[name] = time.perf_counter() - start
-        del variant
     return Study(results, config, timings)

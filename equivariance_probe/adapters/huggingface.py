@@ -127,6 +127,9 @@ class HuggingFaceAdapter(Adapter):
         info = super().info()
         info.extra["architecture"] = type(self.model).__name__
         info.extra["attn_implementation"] = self._attn_implementation()
+        from ..provenance import model_revision
+
+        info.extra["revision"] = model_revision(self.model)
         return info
 
     def _attn_implementation(self) -> str | None:
@@ -158,7 +161,16 @@ class HuggingFaceAdapter(Adapter):
             yield
         finally:
             if switched and original is not None:
-                self.model.set_attn_implementation(original)
+                try:
+                    self.model.set_attn_implementation(original)
+                except Exception as error:  # noqa: BLE001 - e.g. flash_attention_2 flagged where flash-attn is absent
+                    # The statistics are complete; failing here would throw them away (issue 7).
+                    import warnings
+
+                    warnings.warn(
+                        f"could not switch the model back to attn_implementation={original!r} after the probe "
+                        f"({error!s:.200}); it stays 'eager'", stacklevel=3,
+                    )
             self.model.train(was_training)
 
     def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback) -> None:

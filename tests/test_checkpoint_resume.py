@@ -1,0 +1,227 @@
+"""Checkpoints: a study killed with SIGKILL at any moment and resumed gives the statistics of an
+uninterrupted run, bitwise; checkpoints of another model, corpus or configuration are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from equivariance_probe import CheckpointError, EquivarianceProbe, ProbeResult, run_study
+from equivariance_probe.checkpoint import clear_checkpoint
+from equivariance_probe.cli import main
+
+from synthetic import save_tiny_model_with_tokenizer, tiny_gemma3, write_text_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Kills its own process with SIGKILL (no cleanup, no finally blocks) at a chosen moment, then runs the CLI.
+KILLER = """
+import os, signal, sys
+where, when = sys.argv[1], int(sys.argv[2])
+calls = {"n": 0}
+def kill_on(n):
+    calls["n"] += 1
+    if calls["n"] == n:
+        os.kill(os.getpid(), signal.SIGKILL)
+if where == "batch":      # in the middle of a forward pass: the chunk's batches so far are lost
+    from equivariance_probe.probe import EquivarianceProbe
+    original = EquivarianceProbe._run_batch
+    def run_batch(self, *args, **kwargs):
+        kill_on(when)
+        return original(self, *args, **kwargs)
+    EquivarianceProbe._run_batch = run_batch
+else:                     # after state.json.tmp is written, before it is renamed over state.json
+    import equivariance_probe.checkpoint as checkpoint
+    replace = os.replace
+    class Os:
+        def __getattr__(self, name):
+            return getattr(os, name)
+        def replace(self, source, target):
+            if str(target).endswith("state.json"):
+                kill_on(when)
+            return replace(source, target)
+    checkpoint.os = Os()
+from equivariance_probe.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    model = save_tiny_model_with_tokenizer(root / "model", kind="gemma3", n_positions=64)
+    corpus = write_text_corpus(root / "corpus", n_docs=12, words=40)
+    (root / "corpus" / "doc5.txt").write_text("   ")  # a blank file: the corpus reader drops it
+    return root, model, corpus
+
+
+def _args(out, model, corpus, *extra):
+    # 12 documents, batches of 2, a checkpoint every 3 documents: 2 batches per chunk, 4 chunks per variant.
+    return ["run", "--out", str(out), "--model", model, "--corpus", corpus, "--n-docs", "12", "--context-length", "32",
+            "--batch-size", "2", "--checkpoint-every", "3", "--baselines", "zero", "--sample-size", "50",
+            "--no-progress", "--no-figures", *extra]
+
+
+def _assert_identical(a: ProbeResult, b: ProbeResult) -> None:
+    assert (a.n_windows, a.n_tokens) == (b.n_windows, b.n_tokens)
+    for name, value in a.statistics.arrays.items():
+        assert torch.equal(value, b.statistics.arrays[name]), name
+    for column, value in a.statistics.sample.to_arrays().items():
+        assert (value == b.statistics.sample.to_arrays()[column]).all(), column
+    assert a.metadata["skipped_windows"] == b.metadata["skipped_windows"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny):
+    root, model, corpus = tiny
+    out = root / "uninterrupted"
+    assert main(_args(out, model, corpus)) == 0
+    assert not (out / "checkpoint").exists()  # removed once the results are on disk
+    return {name: ProbeResult.load(out / name) for name in ("results.json", "baseline_zero.json")}
+
+
+@pytest.mark.parametrize(
+    "where, when",
+    [
+        ("batch", 7),  # trained model, 4th chunk, after checkpoints at documents 3, 6 and 9
+        ("state", 5),  # trained model finished; while writing the zero baseline's first checkpoint
+                       # (state.json.tmp written, not yet renamed)
+    ],
+)
+def test_a_killed_run_resumes_to_the_uninterrupted_statistics(tiny, uninterrupted, tmp_path, where, when):
+    root, model, corpus = tiny
+    out = tmp_path / "out"
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    killed = subprocess.run([sys.executable, "-c", KILLER, where, str(when), *_args(out, model, corpus)],
+                            env=environment, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (out / "results.json").exists()  # a killed run leaves no result that looks complete
+    state = json.loads((out / "checkpoint" / "state.json").read_text())
+    assert state["done"] or state["current"]["position"] > 0
+    assert main(_args(out, model, corpus, "--resume")) == 0
+    for name, expected in uninterrupted.items():
+        resumed = ProbeResult.load(out / name)
+        _assert_identical(resumed, expected)
+        assert resumed.complete
+    assert ProbeResult.load(out / "baseline_zero.json").metadata["checkpoint"]["resumed_from"] is not None
+    assert not (out / "checkpoint").exists()
+
+
+def test_checkpointing_changes_no_number(tiny, uninterrupted, tmp_path):
+    """Against a run without checkpoints (one chunk) the sums agree to float64 rounding."""
+    root, model, corpus = tiny
+    out = tmp_path / "plain"
+    assert main([a if a != "3" else "0" for a in _args(out, model, corpus)]) == 0
+    plain = ProbeResult.load(out / "results.json")
+    assert plain.metadata["checkpoint"]["every"] is None
+    checkpointed = uninterrupted["results.json"]
+    assert plain.n_windows == checkpointed.n_windows == 11  # the blank file is dropped by the corpus reader
+    for name, value in plain.statistics.arrays.items():
+        assert torch.allclose(checkpointed.statistics.arrays[name], value, rtol=1e-12, atol=1e-12), name
+
+
+class _Stop(Exception):
+    pass
+
+
+def _interrupted_study(folder, docs, network, tokenizer, monkeypatch, stop_at=3, **options):
+    """A study stopped by an error in its ``stop_at``-th batch, leaving its checkpoint in ``folder``."""
+    original = EquivarianceProbe._run_batch
+    calls = {"n": 0}
+
+    def run_batch(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == stop_at:
+            raise KeyboardInterrupt
+        return original(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(EquivarianceProbe, "_run_batch", run_batch)
+        with pytest.raises(KeyboardInterrupt) as caught:
+            run_study(corpus=docs, n_docs=len(docs), loaded=(network, tokenizer), checkpoint_dir=folder,
+                      checkpoint_every=2, batch_size=1, **options)
+    return caught.value
+
+
+@pytest.fixture()
+def setup():
+    from synthetic import WORDS
+
+    docs = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(6)]
+    return docs, tiny_gemma3(), _WordTokenizer()
+
+
+class _WordTokenizer:
+    pad_token_id = None
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1] + [3 + len(w) * 7 % 90 for w in text.split()]}
+
+
+def test_api_resume_equals_uninterrupted_and_keeps_the_partial_result(setup, tmp_path, monkeypatch):
+    docs, network, tokenizer = setup
+    options = dict(context_length=16, baselines=(), sample_size=30, progress=False)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "results.json").write_text("the user's own file")  # never touched by checkpoints
+    error = _interrupted_study(tmp_path / "ck", docs, network, tokenizer, monkeypatch, stop_at=4, **options)
+    assert error.partial_result.n_windows == 3 and not error.partial_result.complete
+    resumed = run_study(corpus=docs, n_docs=6, loaded=(network, tokenizer), checkpoint_dir=tmp_path / "ck",
+                        checkpoint_every=2, batch_size=1, resume=True, **options)
+    whole = run_study(corpus=docs, n_docs=6, loaded=(network, tokenizer), checkpoint_dir=tmp_path / "ck2",
+                      checkpoint_every=2, batch_size=1, **options)
+    _assert_identical(resumed.trained, whole.trained)
+    assert resumed.trained.metadata["checkpoint"]["resumed_from"]["current"]["position"] == 2
+    clear_checkpoint(tmp_path / "ck")
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["results.json"]
+    assert (tmp_path / "ck" / "results.json").read_text() == "the user's own file"
+
+
+def test_a_checkpoint_of_another_model_corpus_or_configuration_is_refused(setup, tmp_path, monkeypatch):
+    docs, network, tokenizer = setup
+    options = dict(context_length=16, baselines=(), sample_size=0, progress=False)
+    folder = tmp_path / "ck"
+    _interrupted_study(folder, docs, network, tokenizer, monkeypatch, **options)
+
+    def resume(**changes):
+        arguments = dict(corpus=docs, n_docs=6, loaded=(network, tokenizer), checkpoint_dir=folder,
+                         checkpoint_every=2, batch_size=1, resume=True, **options)
+        arguments.update(changes)
+        return run_study(**arguments)
+
+    with pytest.raises(CheckpointError, match="different model.*weights_sha256"):
+        resume(loaded=(tiny_gemma3(seed=1), tokenizer))
+    with pytest.raises(CheckpointError, match="different corpus"):
+        resume(corpus=list(reversed(docs)))
+    with pytest.raises(CheckpointError, match="different config.*context_length: 16 then, 12 now"):
+        resume(context_length=12)
+    with pytest.raises(CheckpointError, match="different config.*checkpoint_every"):
+        resume(checkpoint_every=3)
+    with pytest.raises(CheckpointError, match="unfinished run; pass --resume"):
+        resume(resume=False)
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        resume(checkpoint_dir=tmp_path / "nothing")
+    (folder / "state.json").write_text('{"kind": "equivariance_probe.StudyCheckpoint", "format_ver')
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        resume()
+
+
+def test_cli_refuses_a_foreign_checkpoint_with_status_2(tiny, tmp_path, capsys):
+    root, model, corpus = tiny
+    out = tmp_path / "out"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "state.json").write_text(json.dumps({
+        "kind": "equivariance_probe.StudyCheckpoint", "format_version": 1, "fingerprint": "0" * 64,
+        "identity": {"model": {"weights_sha256": "f" * 64}, "corpus": {}, "config": {}}, "every": 3,
+        "done": {}, "current": None}))
+    assert main(_args(out, model, corpus, "--resume")) == 2
+    error = capsys.readouterr().err
+    assert "different model and corpus and config" in error and "another --out folder" in error
+    assert main(_args(out, model, corpus)) == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert not (out / "results.json").exists()
