@@ -46,6 +46,9 @@ class Study:
     results: dict[str, ProbeResult]
     config: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    #: The run's :class:`~equivariance_probe.checkpoint.CheckpointedRun`, whose finished-variant
+    #: files :meth:`save` links instead of writing the same bytes again.
+    checkpoint: CheckpointedRun | None = field(default=None, repr=False, compare=False)
 
     @property
     def trained(self) -> ProbeResult:
@@ -89,7 +92,10 @@ class Study:
         paths = {}
         for name, result in self.results.items():
             filename = "results.json" if name == "trained" else f"baseline_{name}.json"
-            paths[name] = result.save(folder / filename)
+            finished = self.checkpoint.finished_file(name, result) if self.checkpoint is not None else None
+            if finished is None or not _link(finished, folder / filename):
+                result.save(folder / filename)
+            paths[name] = folder / filename
         excluded = self.trained.excluded_keys
         (folder / "summary.md").write_text(
             f"# Equivariance probe: {self.config.get('model')}\n\n"
@@ -99,6 +105,19 @@ class Study:
             f"Configuration: `{json.dumps(self.config)}`\n\nTimings (s): `{json.dumps(self.timings)}`\n"
         )
         return paths
+
+
+def _link(source: Path, destination: Path) -> bool:
+    """Make ``destination`` a hard link to ``source`` (atomically); ``False`` where links are refused."""
+    temporary = destination.with_name(destination.name + ".tmp")
+    try:
+        temporary.unlink(missing_ok=True)
+        os.link(source, temporary)
+        os.replace(temporary, destination)
+    except OSError:  # another file system, or one without hard links: write the file instead
+        temporary.unlink(missing_ok=True)
+        return False
+    return True
 
 
 def run_study(
@@ -210,18 +229,16 @@ def run_study(
         variants.append(("zero", lambda: zero_like(network)))
     for index, (name, build) in enumerate(variants):
         start = time.perf_counter()
-        result = runner.run_variant(
+        metadata = {"label": name, "study": config, "provenance": provenance}
+        if shard is not None:
+            metadata["shards"] = shard_metadata(shard, len(all_docs), corpus_identity["sha256"])
+        results[name] = runner.run_variant(
             name,
             lambda build=build: EquivarianceProbe(build(), tokenizer=tokenizer),
             docs,
             seed_parts=(seed, index, 0 if shard is None else shard.index + 1),
+            metadata=metadata,
             **run_options,
         )
-        result.metadata["label"] = name
-        result.metadata["study"] = config
-        result.metadata["provenance"] = provenance
-        if shard is not None:
-            result.metadata["shards"] = shard_metadata(shard, len(all_docs), corpus_identity["sha256"])
-        results[name] = result
         timings[name] = time.perf_counter() - start
-    return Study(results, config, timings)
+    return Study(results, config, timings, checkpoint=runner)

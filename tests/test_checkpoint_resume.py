@@ -225,3 +225,29 @@ def test_cli_refuses_a_foreign_checkpoint_with_status_2(tiny, tmp_path, capsys):
     assert main(_args(out, model, corpus)) == 2
     assert "pass --resume" in capsys.readouterr().err
     assert not (out / "results.json").exists()
+
+
+def test_saving_a_checkpointed_study_links_the_finished_files_instead_of_rewriting_them(setup, tmp_path):
+    docs, network, tokenizer = setup
+    study = run_study(corpus=docs, n_docs=6, loaded=(network, tokenizer), checkpoint_dir=tmp_path / "ck",
+                      checkpoint_every=4, batch_size=2, context_length=16, baselines=("zero",), sample_size=30,
+                      progress=False)
+    study.save(tmp_path / "out")
+    for name, filename in (("trained", "results.json"), ("zero", "baseline_zero.json")):
+        written, finished = tmp_path / "out" / filename, tmp_path / "ck" / f"{name}-done.json"
+        assert os.path.samefile(written, finished)  # one file on disk, not a second encoding
+        # ...holding exactly what ProbeResult.save writes for the study's result, final metadata included
+        study.results[name].save(tmp_path / f"direct-{name}.json")
+        assert written.read_bytes() == (tmp_path / f"direct-{name}.json").read_bytes()
+        assert ProbeResult.load(written).metadata["label"] == name
+    clear_checkpoint(tmp_path / "ck")
+    assert ProbeResult.load(tmp_path / "out" / "results.json").complete  # the link outlives the checkpoint
+
+    # A result changed after the run no longer matches its checkpoint copy: it is written anew.
+    study2 = run_study(corpus=docs, n_docs=6, loaded=(network, tokenizer), checkpoint_dir=tmp_path / "ck2",
+                       checkpoint_every=4, batch_size=2, context_length=16, baselines=(), sample_size=30,
+                       progress=False)
+    study2.trained.metadata["note"] = "edited"
+    study2.save(tmp_path / "out2")
+    assert not os.path.samefile(tmp_path / "out2" / "results.json", tmp_path / "ck2" / "trained-done.json")
+    assert ProbeResult.load(tmp_path / "out2" / "results.json").metadata["note"] == "edited"
