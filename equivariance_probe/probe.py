@@ -313,8 +313,6 @@ class EquivarianceProbe:
         }
 
 
-
-
 class _NoProgress:
     def update(self, n: int = 1) -> None:
         pass
