@@ -154,10 +154,9 @@ def _compare(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     _check_writable(out)
-    if args.corpus is not None and not Path(args.corpus).exists():
-        raise EquivarianceProbeError(f"corpus {args.corpus!r} does not exist; pass a text file, a folder, a .jsonl file or a dataset folder")
+    _check_corpus(args.corpus)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    baselines = [] if args.baselines.strip().lower() == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
+    baselines = _baselines(args.baselines)
     comparison = compare_models(
         models,
         corpus=args.corpus,
@@ -239,6 +238,7 @@ def _positional_into(out: Path, *, model_name: str, analyses: list[str], corpus:
 def _positional(args: argparse.Namespace) -> int:
     out = Path(args.out)
     _check_writable(out)
+    _check_corpus(args.corpus)
     paths = _positional_into(
         out, model_name=args.model, analyses=args.analyses, corpus=args.corpus, cache_dir=args.cache_dir,
         n_docs=args.n_docs, context_length=args.context_length, n_prompts=args.n_prompts,
@@ -248,6 +248,16 @@ def _positional(args: argparse.Namespace) -> int:
     )
     print(f"wrote {', '.join(str(p) for p in paths)}")
     return 0
+
+
+def _baselines(text: str) -> list[str]:
+    """``--baselines``: comma-separated names, or ``none``."""
+    return [] if text.strip().lower() == "none" else [b.strip() for b in text.split(",") if b.strip()]
+
+
+def _check_corpus(corpus: str | None) -> None:
+    if corpus is not None and not Path(corpus).exists():
+        raise EquivarianceProbeError(f"corpus {corpus!r} does not exist; pass a text file, a folder, a .jsonl file or a dataset folder")
 
 
 def _check_writable(folder: Path) -> None:
@@ -273,10 +283,9 @@ def _run(args: argparse.Namespace) -> int:
         shard = Shard.from_environment() if args.shard.strip() == "auto" else Shard.parse(args.shard)
         out = out / f"shard-{shard.index}-of-{shard.count}"
     _check_writable(out)
-    baselines = [] if args.baselines.strip().lower() == "none" else [b.strip() for b in args.baselines.split(",") if b.strip()]
+    baselines = _baselines(args.baselines)
     corpus = args.corpus
-    if corpus is not None and not Path(corpus).exists():
-        raise EquivarianceProbeError(f"corpus {corpus!r} does not exist; pass a text file, a folder, a .jsonl file or a dataset folder")
+    _check_corpus(corpus)
     if corpus is not None and args.text_field != "text":
         from .corpus import load_corpus
 
