@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from .errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError
+from .fileformat import write_json_atomically
 from .provenance import config_fingerprint
 from .probe import _progress
 from .result import ProbeResult
@@ -58,15 +59,6 @@ _STATE = "state.json"
 def chunk_seed(seed: int, *parts: int) -> int:
     """An independent 63-bit seed for the entry sample of one chunk: ``SeedSequence([seed, *parts])``."""
     return int(np.random.SeedSequence([int(seed), *(int(p) for p in parts)]).generate_state(1, np.uint64)[0] >> 1)
-
-
-def _write_json(path: Path, data: Any) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(data, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
 
 
 #: The files a checkpoint writes; nothing else in its folder is ever deleted.
@@ -172,7 +164,7 @@ class CheckpointedRun:
 
     def _save_state(self) -> None:
         assert self.folder is not None
-        _write_json(
+        write_json_atomically(
             self.folder / _STATE,
             {
                 "kind": _KIND,

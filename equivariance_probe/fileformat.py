@@ -23,11 +23,14 @@ checks every field the loader reads before it reads it, so a malformed file gets
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 from .errors import ResultFileError
 
-__all__ = ["FORMAT_VERSION", "RESULT_KIND", "checksum", "upgrade", "check_schema"]
+__all__ = ["FORMAT_VERSION", "RESULT_KIND", "checksum", "upgrade", "check_schema", "write_json_atomically"]
 
 #: The version this equivariance_probe writes; it reads 1..FORMAT_VERSION.
 FORMAT_VERSION = 2
@@ -44,6 +47,22 @@ _CONFIG_TYPES: dict[str, tuple[type, ...]] = {
     "excluded_keys": (list,),
     "keep_pattern": (bool,),
 }
+
+
+def write_json_atomically(path: str | os.PathLike, data: Any) -> Path:
+    """Write ``data`` as JSON to a temporary file, flush it to disk, then rename it over ``path``.
+
+    A crash or SIGKILL at any moment leaves either the previous file or the new one, never a
+    truncated or renamed-but-empty file (issue 7).
+    """
+    path = Path(path)
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(data, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    return path
 
 
 def checksum(statistics: dict[str, Any]) -> str:

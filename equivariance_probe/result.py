@@ -31,7 +31,7 @@ import torch
 
 from . import fitting, metrics
 from .errors import IncompatibleResultsError, NotRunError, ResultFileError
-from .fileformat import FORMAT_VERSION, RESULT_KIND, check_schema, checksum, upgrade
+from .fileformat import FORMAT_VERSION, RESULT_KIND, check_schema, checksum, upgrade, write_json_atomically
 from .sample import EntrySample
 from .sharding import merged_provenance
 from .stats import STATISTICS, AttentionStatistics
@@ -459,15 +459,7 @@ class ProbeResult:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the result as JSON (exact float64 sums); written to a temporary file, then renamed."""
-        path = Path(path)
-        temporary = path.with_name(path.name + ".tmp")
-        with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(_jsonable(self.to_dict()), handle)
-            # On disk before the rename, so a crash never leaves a renamed but empty file (issue 7).
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-        return path
+        return write_json_atomically(path, _jsonable(self.to_dict()))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "result") -> ProbeResult:

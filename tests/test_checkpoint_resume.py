@@ -37,7 +37,7 @@ if where == "batch":      # in the middle of a forward pass: the chunk's batches
         return original(self, *args, **kwargs)
     EquivarianceProbe._run_batch = run_batch
 else:                     # after state.json.tmp is written, before it is renamed over state.json
-    import equivariance_probe.checkpoint as checkpoint
+    import equivariance_probe.fileformat as fileformat  # where every atomic JSON write renames
     replace = os.replace
     class Os:
         def __getattr__(self, name):
@@ -46,7 +46,7 @@ else:                     # after state.json.tmp is written, before it is rename
             if str(target).endswith("state.json"):
                 kill_on(when)
             return replace(source, target)
-    checkpoint.os = Os()
+    fileformat.os = Os()
 from equivariance_probe.cli import main
 sys.exit(main(sys.argv[3:]))
 """
