@@ -43,13 +43,19 @@ class CurveFit:
 def curve_r2(curve: np.ndarray, prediction: np.ndarray) -> float:
     """``1 - Σ(y - ŷ)² / Σ(y - ȳ)²``; NaN if the curve is constant or has < 2 points."""
     curve = np.asarray(curve, dtype=np.float64)
-    prediction = np.asarray(prediction, dtype=np.float64)
+    return residual_r2(curve, curve - np.asarray(prediction, dtype=np.float64))
+
+
+def residual_r2(curve: np.ndarray, residual: np.ndarray) -> float:
+    """``1 - Σr² / Σ(y - ȳ)²`` from the residuals ``r = y - ŷ`` of a fit (for fits that already
+    have them); NaN if the curve is constant or has < 2 points."""
+    curve = np.asarray(curve, dtype=np.float64)
     if curve.size < 2:
         return float("nan")
     total = float(np.sum((curve - curve.mean()) ** 2))
     if total <= 0.0:
         return float("nan")
-    return 1.0 - float(np.sum((curve - prediction) ** 2)) / total
+    return 1.0 - float(np.sum(np.asarray(residual, dtype=np.float64) ** 2)) / total
 
 
 def _loglinear_start(x: np.ndarray, curve: np.ndarray) -> tuple[float, float]:

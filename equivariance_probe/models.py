@@ -67,6 +67,7 @@ __all__ = [
     "load_config",
     "load_model",
     "load_tokenizer",
+    "hf_model_of",
     "model_cache_dir",
     "random_init_like",
     "zero_like",
@@ -429,6 +430,19 @@ def _unwrap(model: Any) -> tuple[PreTrainedModel, str]:
         "transformers PreTrainedModel, a TransformerLens TransformerBridge, or an nnsight "
         "TransformersModel/LanguageModel (as returned by load_model)."
     )
+
+
+def hf_model_of(model: Any) -> PreTrainedModel:
+    """The Hugging Face model inside ``model``: itself, a TransformerBridge's or nnsight model's,
+    or an :class:`~equivariance_probe.EquivarianceProbe`'s (its raw weights, no TransformerLens
+    processing).
+
+    Raises:
+        UnsupportedModelError: there is no Hugging Face model inside.
+    """
+    from .probe import EquivarianceProbe
+
+    return _unwrap(model.model if isinstance(model, EquivarianceProbe) else model)[0]
 
 
 def _rewrap(original: Any, hf_model: PreTrainedModel, backend: str) -> Any:

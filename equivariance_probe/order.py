@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from .errors import AttentionCaptureError, InputError
+from .fitting import curve_r2
+from .models import hf_model_of
 
 __all__ = [
     "PermutationSensitivity",
@@ -79,12 +81,6 @@ def token_windows(docs: Any, tokenizer: Any, length: int, n_windows: int | None 
     if not rows:
         raise InputError(f"no document has {length} tokens; pass longer documents or a shorter length")
     return torch.tensor(rows, dtype=torch.long)
-
-
-def _hf_model(model: Any) -> Any:
-    from .positional import _hf_model as unwrap
-
-    return unwrap(model)
 
 
 # -- permutation sensitivity ----------------------------------------------------------------
@@ -199,7 +195,7 @@ def permutation_sensitivity(
     """
     from .attention_internals import ablate
 
-    hf = _hf_model(model)
+    hf = hf_model_of(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     kl: dict[str, list] = {}
     tv: dict[str, list] = {}
@@ -308,7 +304,7 @@ def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4
     """
     from .adapters.huggingface import HuggingFaceAdapter
 
-    hf = _hf_model(model)
+    hf = hf_model_of(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     attention = HuggingFaceAdapter(hf).attention_modules
     layers = [_parent_layer(hf, module) for module in attention]
@@ -357,9 +353,7 @@ def fit_shrinkage_exponent(variance: np.ndarray, q_min: int = 1) -> tuple[float,
         return float("nan"), float("nan"), float("nan")
     x, y = np.log(q[keep] + 1.0), np.log(variance[keep])
     slope, intercept = np.polyfit(x, y, 1)
-    residual = y - (intercept + slope * x)
-    tss = float(np.sum((y - y.mean()) ** 2))
-    return float(-slope), float(np.exp(intercept)), 1.0 - float(np.sum(residual**2)) / tss if tss > 0 else float("nan")
+    return float(-slope), float(np.exp(intercept)), curve_r2(y, intercept + slope * x)
 
 
 @dataclass

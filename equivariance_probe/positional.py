@@ -30,7 +30,9 @@ import numpy as np
 import torch
 
 from .errors import InputError, UnsupportedModelError
+from .fitting import residual_r2
 from .metrics import toeplitz_r2
+from .models import hf_model_of
 
 __all__ = [
     "GramToeplitz",
@@ -67,13 +69,6 @@ def sinusoidal_position_embeddings(n_positions: int, dim: int, base: float = 100
     return table
 
 
-def _hf_model(model: Any) -> Any:
-    """The Hugging Face model inside a model, a TransformerBridge, an nnsight model or a probe."""
-    from .models import _unwrap
-
-    return _unwrap(getattr(model, "model", model) if type(model).__name__ == "EquivarianceProbe" else model)[0]
-
-
 def position_embedding_table(model: Any) -> tuple[torch.Tensor, int]:
     """The learned absolute position embeddings of a model, raw, without offset rows.
 
@@ -93,7 +88,7 @@ def position_embedding_table(model: Any) -> tuple[torch.Tensor, int]:
     """
     from .attention_internals import position_embedding_modules
 
-    hf = _hf_model(model)
+    hf = hf_model_of(model)
     tables = position_embedding_modules(hf)
     if not tables:
         raise UnsupportedModelError(
@@ -196,7 +191,7 @@ def positional_logits(model: Any, n_positions: int | None = None, layer: int = 0
     """
     from .attention_internals import intercept_attention, visible_from_mask
 
-    hf = _hf_model(model)
+    hf = hf_model_of(model)
     table, _ = position_embedding_table(hf)
     n_positions = min(len(table), 512) if n_positions is None else int(n_positions)
     if not 2 <= n_positions <= len(table):
@@ -287,7 +282,7 @@ def score_profile(
     """
     from .attention_internals import intercept_attention, visible_from_mask
 
-    hf = _hf_model(model)
+    hf = hf_model_of(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     n_positions = tokens.shape[-1]
     per_layer: dict[int, list[torch.Tensor]] = {}
@@ -433,8 +428,7 @@ def fit_tisa_kernel(
             best = solution
     b, c = np.exp(best.x[:n_kernels]), best.x[n_kernels:]
     a, rest = _amplitudes(x, y, b, c)
-    tss = float(np.sum((y - y.mean()) ** 2))
-    r2 = 1.0 - float(np.sum(rest**2)) / tss if tss > 0 else float("nan")
+    r2 = residual_r2(y, rest)
     order = np.argsort(c)
     return KernelFit(a[order], b[order], c[order], r2)
 

@@ -268,9 +268,9 @@ def run_positional(
     Returns:
         :class:`PositionalStudy`.
     """
+    from .models import hf_model_of
     from .order import permutation_sensitivity, token_windows
     from .positional import (
-        _hf_model,
         fit_score_profiles,
         gram_toeplitz,
         position_embedding_table,
@@ -284,7 +284,7 @@ def run_positional(
         raise InputError(f"unknown analyses {unknown}; choose from {list(ANALYSES)}")
     if baseline not in (None, "none", "random_init"):
         raise InputError(f"baseline must be 'random_init' or None, got {baseline!r}")
-    hf = _hf_model(model)
+    hf = hf_model_of(model)
     if tokenizer is None:  # a probe's adapter knows the tokenizer; TransformerLens and nnsight models carry one
         tokenizer = getattr(getattr(model, "adapter", None), "tokenizer", None) or getattr(model, "tokenizer", None)
     if docs is None:

@@ -64,9 +64,9 @@ def corpus_fingerprint(docs: Iterable[Any]) -> dict[str, Any]:
 
 def _hf_model(model: Any) -> Any | None:
     try:
-        from .models import _unwrap
+        from .models import hf_model_of
 
-        return _unwrap(model)[0]
+        return hf_model_of(model)
     except Exception:  # noqa: BLE001 - not a Hugging Face model: no config to describe
         return None
 
