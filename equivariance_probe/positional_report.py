@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .report import ReportSection, _png
+from .report import ReportSection, figures_html, html_page
 
 if TYPE_CHECKING:  # pragma: no cover
     from .positional_study import PositionalStudy
@@ -66,11 +66,7 @@ def render_positional_body(study: PositionalStudy) -> str:
         blocks.append("<h3>Position correlations: mean over i ≠ j per layer</h3>" + _table(["model", "by layer"], rows))
     if study.skipped:
         blocks.append("<p>Skipped: " + "; ".join(f"{html.escape(k)} ({html.escape(v)})" for k, v in study.skipped.items()) + "</p>")
-    figures = "".join(
-        f'<figure><img alt="{name}" src="data:image/png;base64,{_png(figure)}"><figcaption>{name}</figcaption></figure>'
-        for name, figure in study.figures().items()
-    )
-    return "".join(blocks) + figures
+    return "".join(blocks) + figures_html(study.figures())
 
 
 def positional_report_section(study: PositionalStudy) -> ReportSection:
@@ -85,10 +81,5 @@ def render_positional_section(study: PositionalStudy) -> str:
 
 def render_positional_page(study: PositionalStudy) -> str:
     """A standalone HTML page holding only the positional section."""
-    title = html.escape(str(study.metadata.get("model", "?")))
-    return f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>equivariance_probe positional analyses: {title}</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:auto}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:3px 8px}}img{{max-width:100%}}</style></head><body>
-{render_positional_section(study)}
-</body></html>"""
+    return html_page(f"equivariance_probe positional analyses: {study.metadata.get('model', '?')}",
+                     render_positional_section(study))

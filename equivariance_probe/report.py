@@ -17,7 +17,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .metrics import FORMS, SCALES
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .result import ProbeResult
     from .views import HeadViews
 
-__all__ = ["render_report", "report_sections", "ReportSection", "positional_sections"]
+__all__ = ["render_report", "report_sections", "ReportSection", "positional_sections", "figures_html", "html_page"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,25 @@ def _png(figure) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
+def figures_html(figures: dict[str, Any]) -> str:
+    """matplotlib figures (name -> figure) as captioned ``<figure>`` elements with embedded PNG (closes them)."""
+    return "".join(
+        f'<figure><img alt="{name}" src="data:image/png;base64,{_png(figure)}"><figcaption>{name}</figcaption></figure>'
+        for name, figure in figures.items()
+    )
+
+
+def html_page(title: str, body: str, head: str = "") -> str:
+    """A standalone page in the report's style; ``title`` is escaped, ``body`` and ``head`` are trusted HTML."""
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:auto}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px}}img{{max-width:100%}}caption{{text-align:left;padding:4px 0}}</style>
+{head}</head><body>
+{body}
+</body></html>"""
+
+
 def summary_section(result: ProbeResult) -> ReportSection:
     """Run facts, query-position R² in every scale and form, persistence fits."""
     summary = result.summary()
@@ -75,11 +94,7 @@ def figures_section(result: ProbeResult) -> ReportSection:
     """The study's figures for this result, as embedded PNG."""
     from .figures import study_figures
 
-    figures = "".join(
-        f'<figure><img alt="{name}" src="data:image/png;base64,{_png(figure)}"><figcaption>{name}</figcaption></figure>'
-        for name, figure in study_figures(result).items()
-    )
-    return ReportSection("Figures", figures)
+    return ReportSection("Figures", figures_html(study_figures(result)))
 
 
 def ranking_section(result: ProbeResult) -> ReportSection:
@@ -126,21 +141,14 @@ def render_report(
         extra_sections: more :class:`ReportSection` objects, appended after the standard ones.
     """
     sections = report_sections(result, views=views) + list(extra_sections)
-    model = html.escape(str(result.metadata.get("model", {}).get("name", "?")))
+    model = str(result.metadata.get("model", {}).get("name", "?"))
     bundle = ""
     if any(section.uses_circuitsvis for section in sections):
         from .views import circuitsvis_bundle_script
 
         bundle = circuitsvis_bundle_script()
     body = "".join(f"<section><h2>{html.escape(s.title)}</h2>{s.html}</section>" for s in sections)
-    return f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>equivariance_probe report: {model}</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:auto}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:3px 8px}}img{{max-width:100%}}caption{{text-align:left;padding:4px 0}}</style>
-{bundle}</head><body>
-<h1>Equivariance probe: {model}</h1>
-{body}
-</body></html>"""
+    return html_page(f"equivariance_probe report: {model}", f"<h1>Equivariance probe: {html.escape(model)}</h1>\n{body}", bundle)
 
 
 # -- issue 6: the positional analyses' section, when a positional.json lies beside the results
