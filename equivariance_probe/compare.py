@@ -41,7 +41,7 @@ import numpy as np
 from .errors import EmptyCorpusError, InputError, InsufficientMemoryError
 from .metrics import FORMS, SCALES
 from .resources import MemoryEstimate, PeakMemory, available_memory, count_parameters, estimate_memory
-from .study import BASELINES, Study, run_study
+from .study import Study, check_baselines, run_study
 
 __all__ = [
     "Comparison",
@@ -314,9 +314,7 @@ def compare_models(
     entries: dict[str, Any] = dict(models) if isinstance(models, Mapping) else {str(m): str(m) for m in models}
     if not entries:
         raise InputError("models is empty; pass at least one model name, e.g. ['gemma-3-270m'].")
-    unknown = sorted(set(baselines) - set(BASELINES))
-    if unknown:
-        raise InputError(f"unknown baselines {unknown}; choose from {sorted(BASELINES)}")
+    check_baselines(baselines)
     for name, value in (("n_docs", n_docs), ("context_length", context_length), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive integer, got {value!r}")

@@ -107,6 +107,13 @@ class Study:
         return paths
 
 
+def check_baselines(baselines: Sequence[str]) -> None:
+    """Raise :class:`InputError` for a baseline name not in :data:`BASELINES`."""
+    unknown = sorted(set(baselines) - set(BASELINES))
+    if unknown:
+        raise InputError(f"unknown baselines {unknown}; choose from {sorted(BASELINES)}")
+
+
 def _link(source: Path, destination: Path) -> bool:
     """Make ``destination`` a hard link to ``source`` (atomically); ``False`` where links are refused."""
     temporary = destination.with_name(destination.name + ".tmp")
@@ -173,9 +180,7 @@ def run_study(
     from .corpus import load_corpus
     from .models import load_model, random_init_like, zero_like
 
-    unknown = sorted(set(baselines) - set(BASELINES))
-    if unknown:
-        raise InputError(f"unknown baselines {unknown}; choose from {sorted(BASELINES)}")
+    check_baselines(baselines)
     timings: dict[str, float] = {}
     # -- issue 7: shards, devices, provenance (the rest of run_study is unchanged) --
     shard = Shard.parse(shard) if isinstance(shard, str) else shard
