@@ -202,6 +202,11 @@ def _attention_heads(values: np.ndarray, tokens: list[str], names: list[str], **
     return _Figure(figure.element_id, figure.call.replace(written, compact, 1))
 
 
+def _figure_div(caption: str, figure: _Figure) -> str:
+    """A figure's heading and the empty ``<div>`` its render call draws into."""
+    return f"<h4>{html.escape(caption)}</h4><div id=\"{figure.element_id}\" class=\"circuitsvis-view\"></div>"
+
+
 # -- the views ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HeadViews:
@@ -297,10 +302,7 @@ class HeadViews:
         decimals = self.decimals if decimals is ... else decimals
         parts = [self._caption(decimals)]
         for caption, figure in self._figures(decimals):
-            parts.append(
-                f"<h4>{html.escape(caption)}</h4><div id=\"{figure.element_id}\" class=\"circuitsvis-view\"></div>"
-                f"<script>{figure.call}</script>"
-            )
+            parts.append(_figure_div(caption, figure) + f"<script>{figure.call}</script>")
         return f'<div class="head-views">{"".join(parts)}</div>'
 
     def to_html(self, decimals: Any = ...) -> str:
@@ -309,10 +311,7 @@ class HeadViews:
         ``decimals`` overrides :attr:`decimals` (``None``: not rounded)."""
         decimals = self.decimals if decimals is ... else decimals
         figures = self._figures(decimals)
-        divs = "".join(
-            f"<h4>{html.escape(caption)}</h4><div id=\"{figure.element_id}\" class=\"circuitsvis-view\"></div>"
-            for caption, figure in figures
-        )
+        divs = "".join(_figure_div(caption, figure) for caption, figure in figures)
         # One module script, as CircuitsVis' own inline HTML: the bundle's CircuitsVis stays in the
         # module's scope, so several views in one notebook do not clash.
         calls = "\n".join(figure.call for _, figure in figures)
@@ -348,9 +347,9 @@ def _token_strings(adapter: Any, ids: list[int]) -> list[str]:
     return [tokenizer.decode([i]) for i in ids]
 
 
-def _document_ids(adapter: Any, document: Any, context_length: int | None) -> list[int]:
+def _document_ids(probe: EquivarianceProbe, document: Any, context_length: int | None) -> list[int]:
     if isinstance(document, str):
-        ids = adapter.encode(document)
+        ids = probe.adapter.encode(document)
     elif isinstance(document, torch.Tensor) and document.dim() == 1 and not document.is_floating_point():
         ids = document.tolist()
     elif isinstance(document, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in document):
@@ -364,10 +363,8 @@ def _document_ids(adapter: Any, document: Any, context_length: int | None) -> li
         ids = ids[:context_length]
     if not ids:
         raise InputError("the document has no tokens; pass a non-empty document")
-    vocab = adapter.vocab_size
-    if vocab is not None and (min(ids) < 0 or max(ids) >= vocab):
-        raise InputError(f"token ids must lie in 0..{vocab - 1} (the model's vocabulary); were they made with another tokenizer?")
-    return ids
+    # The probe's own checks of token ids (integer dtype, ids inside the model's vocabulary).
+    return next(probe._tensor_rows(torch.tensor(ids, dtype=torch.long), len(ids)))
 
 
 def default_view_heads(ranking: HeadRanking, n_each: int = 2) -> list[tuple[int, int]]:
@@ -438,7 +435,7 @@ def head_views(
         raise InputError("heads is empty; pass at least one (layer, head)")
     if context_length is None and result is not None:
         context_length = result.metadata.get("context_length")
-    ids = _document_ids(adapter, document, context_length)
+    ids = _document_ids(probe, document, context_length)
     stop = min(len(ids), start + DEFAULT_VIEW_POSITIONS) if stop is None else stop
     if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= len(ids)):
         raise InputError(
