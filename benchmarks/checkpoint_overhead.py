@@ -73,7 +73,7 @@ def main() -> None:
           f"({100 * sum(writes) / checkpointed_s:.2f} % of it)")
 
     if not args.no_1024_write:
-        layout = dict(n_layers=18, n_heads=4, n_positions=1024, windows=[512] * 18)
+        layout = dict(n_layers=18, n_heads=4, n_positions=1024, sliding_windows=[512] * 18)
         big = ProbeResult(AttentionStatistics(**layout, keep_pattern=True), {"complete": False})
         # Empty sums: the file's size does not depend on the values (and an empty result has no summary to fit).
         with tempfile.TemporaryDirectory() as folder:

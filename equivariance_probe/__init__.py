@@ -1,32 +1,51 @@
 """equivariance_probe: how much does attention depend on where a text sits in the window?
 
-Table of contents (imports no model framework; each adapter imports its own when used):
+Table of contents (importing it imports no model framework, matplotlib or circuitsvis; each
+part imports its own when used). The folders are the architecture, from the ground up:
+
+* ``errors`` — one exception family; ``maths`` — pure functions from sums to numbers and fits;
+  ``statistics`` — what streams and merges (float64 sums, torch-only kernels);
+  ``adapters`` — which framework (TransformerLens, nnsight, Hugging Face);
+  ``sources`` — models, packaged registry, corpora, devices, memory;
+  ``records`` — file format, provenance, shards; ``analyses`` — head ranking and where order
+  comes from; ``result`` and ``probe`` — the two core classes; ``runs`` — studies, comparisons,
+  checkpoints; ``display`` — figures, CircuitsVis views, the HTML report; ``cli`` — the program.
+
+Measure:
 
 * :class:`EquivarianceProbe` — wrap a model, ``run`` documents, get a :class:`ProbeResult`.
 * :class:`ProbeResult` — query-position R², persistence curves and fits, Toeplitz R²;
-  ``save``/``load``/``merge``.
+  ``save``/``load``/``merge``; :class:`PersistenceCurves`.
 * :class:`AttentionStatistics` — the streaming float64 sums behind every number.
-* :func:`get_adapter` and :class:`Adapter` — the framework seam.
-* :func:`load_model`, :func:`random_init_like`, :func:`zero_like` — the packaged Gemma 3
-  270M (or any local model) and its untrained baselines; :func:`load_corpus` — documents.
-* :func:`run_study` / :class:`Study` — trained vs baselines in one call (the CLI's ``run``).
-* :func:`rank_heads` / :class:`HeadRanking` — heads from the most to the least position-bound;
-  :func:`head_views` / :class:`HeadViews` — offline CircuitsVis views of heads on one document;
-  :class:`ReportSection` — a section of the HTML report (issue 5).
-* :func:`compare_models` / :class:`Comparison` — the study on several models over the same
-  windows, one table (the CLI's ``compare``); :data:`REGISTRY` / :class:`ModelSpec` — the
-  packaged models (Gemma 3 270M, SmolLM2-135M-Instruct, Qwen2.5-Coder-0.5B-Instruct).
-* :mod:`equivariance_probe.metrics`, :mod:`equivariance_probe.fitting` — pure functions.
-* :mod:`equivariance_probe.errors` — the exception family.
-* :func:`run_positional` / :class:`PositionalStudy` — where order comes from (issue 6):
-  position-embedding Gram matrices, positional logits, TISA kernel fits
-  (:mod:`~equivariance_probe.positional`), permutation sensitivity, variance shrinkage and
-  position correlations (:mod:`~equivariance_probe.order`).
+* :func:`get_adapter`, :class:`Adapter`, :class:`AttentionLayout`, :data:`SUPPORTED_MODELS` —
+  the framework seam.
+
+Models and documents: :func:`load_model`, :func:`load_tokenizer`, :func:`random_init_like`,
+:func:`zero_like`, :func:`load_corpus`, :data:`REGISTRY` / :class:`ModelSpec` (the packaged
+models), :func:`load_positional_model`.
+
+Studies: :func:`run_study` / :class:`Study` (trained vs baselines; checkpoints, shards:
+:class:`Shard`), :func:`compare_models` / :class:`Comparison` (several models on the same
+windows), :func:`run_positional` / :class:`PositionalStudy` (where order comes from).
+
+Heads and reports: :func:`rank_heads` / :class:`HeadRanking`, :func:`head_views` /
+:class:`HeadViews` (offline CircuitsVis), :func:`render_report` / :class:`ReportSection`.
+
+Further analyses: :func:`toeplitz_r2`, :func:`gram_toeplitz`, :func:`positional_logits`,
+:func:`score_profile`, :func:`fit_tisa_kernel`, :func:`permutation_sensitivity`,
+:func:`representation_sums`, :class:`VarianceShrinkage`, :func:`position_correlation`.
+
+Errors: :class:`EquivarianceProbeError` and its subclasses (:mod:`equivariance_probe.errors`).
 """
 
 from __future__ import annotations
 
 from .adapters import SUPPORTED_MODELS, Adapter, AttentionLayout, get_adapter
+from .analyses.heads import HeadRanking, rank_heads
+from .analyses.order import VarianceShrinkage, permutation_sensitivity, position_correlation, representation_sums
+from .analyses.positional import gram_toeplitz, positional_logits, score_profile
+from .display.report import ReportSection, render_report
+from .display.views import HeadViews, head_views
 from .errors import (
     AttentionCaptureError,
     CheckpointError,
@@ -35,7 +54,9 @@ from .errors import (
     EquivarianceProbeError,
     IncompatibleResultsError,
     InputError,
+    InsufficientMemoryError,
     MissingAPIKeyError,
+    ModelFileError,
     ModelNotFoundError,
     NonFiniteAttentionError,
     NotRunError,
@@ -43,78 +64,59 @@ from .errors import (
     ResultFileError,
     UnsupportedModelError,
 )
-from .corpus import load_corpus
-from .metrics import toeplitz_r2
-from .models import load_model, random_init_like, zero_like
+from .maths.fitting import fit_tisa_kernel
+from .maths.metrics import toeplitz_r2
 from .probe import EquivarianceProbe
+from .records.sharding import Shard
 from .result import PersistenceCurves, ProbeResult
-from .sharding import Shard
-from .stats import AttentionStatistics
-from .study import Study, run_study
-# Looking at heads (issue 5); circuitsvis and pandas are imported when used.
-from .heads import HeadRanking, rank_heads
-from .report import ReportSection
-from .views import HeadViews, head_views
-
-# issue 8: packaged-model registry and the comparison across models
-from .compare import Comparison, compare_models
-from .errors import InsufficientMemoryError, ModelFileError
-from .models import load_tokenizer
-from .registry import REGISTRY, ModelSpec
-# issue 6: where order comes from
-from .order import permutation_sensitivity, position_correlation, representation_sums, VarianceShrinkage
-from .positional import fit_tisa_kernel, gram_toeplitz, positional_logits, score_profile
-from .positional_study import PositionalStudy, load_positional_model, run_positional
+from .runs.compare import Comparison, compare_models
+from .runs.positional import PositionalStudy, run_positional
+from .runs.study import Study, run_study
+from .sources.baselines import random_init_like, zero_like
+from .sources.corpus import load_corpus
+from .sources.models import load_model, load_positional_model, load_tokenizer
+from .sources.registry import REGISTRY, ModelSpec
+from .statistics import AttentionStatistics
 
 __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    # measure
     "EquivarianceProbe",
     "ProbeResult",
     "PersistenceCurves",
     "AttentionStatistics",
-    "load_model",
-    "random_init_like",
-    "zero_like",
-    "load_corpus",
-    "run_study",
-    "Study",
     "Adapter",
     "AttentionLayout",
     "get_adapter",
     "SUPPORTED_MODELS",
-    "toeplitz_r2",
+    # models and documents
+    "load_model",
+    "load_tokenizer",
+    "random_init_like",
+    "zero_like",
+    "load_corpus",
+    "REGISTRY",
+    "ModelSpec",
+    "load_positional_model",
+    # studies
+    "run_study",
+    "Study",
+    "Shard",
+    "compare_models",
+    "Comparison",
+    "run_positional",
+    "PositionalStudy",
+    # heads and reports
     "rank_heads",
     "HeadRanking",
     "head_views",
     "HeadViews",
+    "render_report",
     "ReportSection",
-    "EquivarianceProbeError",
-    "UnsupportedModelError",
-    "AttentionCaptureError",
-    "InputError",
-    "EmptyCorpusError",
-    "ContextLengthError",
-    "NonFiniteAttentionError",
-    "NotRunError",
-    "IncompatibleResultsError",
-    "ResultFileError",
-    "ModelNotFoundError",
-    "RemoteExecutionError",
-    "MissingAPIKeyError",
-    # issue 8
-    "compare_models",
-    "Comparison",
-    "REGISTRY",
-    "ModelSpec",
-    "load_tokenizer",
-    "ModelFileError",
-    "InsufficientMemoryError",
-    # issue 6
-    "run_positional",
-    "PositionalStudy",
-    "load_positional_model",
+    # further analyses
+    "toeplitz_r2",
     "gram_toeplitz",
     "positional_logits",
     "score_profile",
@@ -123,7 +125,21 @@ __all__ = [
     "representation_sums",
     "VarianceShrinkage",
     "position_correlation",
-    # issue 7: runs that survive
+    # errors
+    "EquivarianceProbeError",
+    "InputError",
+    "EmptyCorpusError",
+    "ContextLengthError",
+    "UnsupportedModelError",
+    "ModelNotFoundError",
+    "ModelFileError",
+    "AttentionCaptureError",
+    "NonFiniteAttentionError",
+    "InsufficientMemoryError",
+    "RemoteExecutionError",
+    "MissingAPIKeyError",
+    "NotRunError",
+    "IncompatibleResultsError",
+    "ResultFileError",
     "CheckpointError",
-    "Shard",
 ]

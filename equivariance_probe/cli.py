@@ -1,19 +1,22 @@
 """The command-line program ``equivariance-probe``.
 
-Subcommands:
+Place in the seams: the top floor, argparse only. Each subcommand composes a run
+(:mod:`equivariance_probe.runs`) with its display (:mod:`equivariance_probe.display`), prints a
+short human summary (a table; ``--json`` prints the numbers for machines instead) and says which
+files it wrote.
 
-* ``run``    — the whole study on a model and corpus (default: Gemma 3 270M on the
-  packaged Wikipedia articles, trained vs random-init vs zero), writing results, figures
-  and a summary table.
-* ``merge``  — add result files of shards of one study into one.
-* ``report`` — an offline HTML report from a results file (``--views``: with CircuitsVis views
-  of the most and least position-bound heads, reloading the model the results name).
-* ``compare`` — the study on several models over the same windows, in one table and figure
-  (default: the three packaged models, trained vs their own random initialisation).
-* ``positional`` — where order comes from (issue 6): position-embedding Gram matrices, TISA
-  kernel fits, permutation sensitivity, variance shrinkage, position correlations.
+* ``run``        — the whole study on a model and corpus (default: Gemma 3 270M on the packaged
+  Wikipedia articles, trained vs random init vs zero), writing results, figures and a summary.
+* ``merge``      — add result files of shards of one study into one.
+* ``report``     — an offline HTML report from a results file (``--views``: with CircuitsVis
+  views of the most and least position-bound heads, reloading the model the results name).
+* ``compare``    — the study on several models over the same windows, one table and figure.
+* ``positional`` — where order comes from: position-embedding Gram matrices, TISA kernel fits,
+  permutation sensitivity, variance shrinkage, position correlations.
 
-Bad arguments exit with status 2 and a message that names the problem and the fix.
+Options shared by several commands are declared once, in parent parsers. Bad arguments exit with
+status 2 and a message that names the problem and the fix in this program's flags
+(:data:`FLAGS` tells :func:`~equivariance_probe.errors.option` how the API's arguments are spelt here).
 """
 
 from __future__ import annotations
@@ -23,12 +26,41 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from .errors import EquivarianceProbeError
+from .errors import EquivarianceProbeError, InputError, ModelNotFoundError, command_line_options
+from .records.fileformat import jsonable
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "FLAGS"]
+
+#: API argument -> the flag that sets it here, so that error messages name the flag.
+FLAGS = {
+    "model": "--model",
+    "models": "--models",
+    "source": "--corpus",
+    "corpus": "--corpus",
+    "text_field": "--text-field",
+    "n_docs": "--n-docs",
+    "context_length": "--context-length",
+    "batch_size": "--batch-size",
+    "baselines": "--baselines",
+    "exclude_keys": "--exclude-keys",
+    "seed": "--seed",
+    "sample_size": "--sample-size",
+    "checkpoint_dir": "--out",
+    "checkpoint_every": "--checkpoint-every",
+    "resume": "--resume",
+    "shard": "--shard",
+    "device": "--device",
+    "dtype": "--dtype",
+    "analyses": "--analyses",
+    "memory_limit": "--memory-limit-gib",
+    "heads": "--heads",
+    "document": "--document",
+}
 
 
+# -- argument types ----------------------------------------------------------------------------
 def _int_list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
@@ -55,133 +87,8 @@ _positive = _integer_at_least(1, "a positive integer")
 _non_negative = _integer_at_least(0, "a non-negative integer")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .checkpoint import DEFAULT_CHECKPOINT_EVERY
-    from .study import BASELINES, DEFAULT_STUDY
-
-    parser = argparse.ArgumentParser(
-        prog="equivariance-probe",
-        description="How much does attention depend on absolute position? Exact, streaming attention statistics.",
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    run = commands.add_parser("run", help="run the study on a model and corpus and write results and figures")
-    run.add_argument("--out", required=True, help="output folder (created if missing)")
-    run.add_argument("--model", default="gemma-3-270m",
-                     help="packaged model name, local model folder, or a hub name already cached (default: gemma-3-270m)")
-    run.add_argument("--backend", default="huggingface", choices=["huggingface", "transformer_lens", "nnsight"])
-    run.add_argument("--corpus", default=None,
-                     help="text file, folder of .txt, .jsonl, or a datasets save_to_disk folder (default: packaged Wikipedia articles)")
-    run.add_argument("--text-field", default="text", help="JSONL field / dataset column holding the text")
-    run.add_argument("--n-docs", type=_positive, default=DEFAULT_STUDY["n_docs"], help="documents, one window each")
-    run.add_argument("--context-length", type=_positive, default=DEFAULT_STUDY["context_length"], help="window length in tokens")
-    run.add_argument("--batch-size", type=_positive, default=DEFAULT_STUDY["batch_size"])
-    run.add_argument("--baselines", default=",".join(BASELINES),
-                     help=f"comma-separated baselines from {sorted(BASELINES)}, or 'none'")
-    run.add_argument("--exclude-keys", type=_int_list, default=[],
-                     help="key positions excluded from every statistic, e.g. '0' for the first token (attention sink)")
-    run.add_argument("--seed", type=int, default=0, help="seed of the random-init baseline and the entry sample")
-    run.add_argument("--sample-size", type=int, default=20000, help="entries sampled for the scatter plot")
-    run.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
-    run.add_argument("--no-progress", action="store_true", help="no progress bars")
-    # issue 6: the positional analyses into the same folder (positional.json, the report's section)
-    run.add_argument("--analyses", type=_analyses, default=[],
-                     help="also run positional analyses (at most 8 windows of 256 tokens), comma-separated from "
-                     "gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all' (see 'positional')")
-    # -- issue 7: runs that survive --
-    run.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_CHECKPOINT_EVERY,
-                     help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
-    run.add_argument("--resume", action="store_true",
-                     help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
-    run.add_argument("--shard", default=None, metavar="I/N",
-                     help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
-                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.json")
-    run.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
-    run.add_argument("--no-figures", action="store_true", help="write results and summary only (e.g. for shards)")
-    run.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                     help="the model's parameter dtype (default: as loaded, float32)")
-
-    merge = commands.add_parser("merge", help="merge result files of shards into one")
-    merge.add_argument("inputs", nargs="+", help="results.json files to merge")
-    merge.add_argument("-o", "--output", required=True, help="merged results file")
-
-    report = commands.add_parser("report", help="write an offline HTML report from a results file")
-    report.add_argument("results", help="a results.json written by 'run'")
-    report.add_argument("-o", "--output", default=None, help="HTML file (default: next to the results, report.html)")
-    # Head views (issue 5): reload the model and one document to draw heads with CircuitsVis.
-    report.add_argument("--views", action="store_true",
-                        help="add CircuitsVis views of heads: reloads the model named in the results (offline) and one document")
-    report.add_argument("--heads", default=None, help="heads to view, e.g. 'L4H3,L5H1' (default: the 2 most and 2 least position-bound)")
-    report.add_argument("--document", type=int, default=0, help="index of the corpus document to view (default 0)")
-    report.add_argument("--corpus", default=None, help="corpus to take the document from (default: the study's)")
-    report.add_argument("--start", type=int, default=0, help="first position shown")
-    report.add_argument("--stop", type=int, default=None, help="position after the last shown (default: start + 128)")
-    report.add_argument("--decimals", type=int, default=3, help="round view values to this many decimals (default 3)")
-    _add_compare_parser(commands)
-    _add_positional_parser(commands)
-    return parser
-
-
-# --- compare (issue 8) ------------------------------------------------------------------
-
-
-def _add_compare_parser(commands: argparse._SubParsersAction) -> None:
-    from .compare import DEFAULT_COMPARE_MODELS, DEFAULT_COMPARISON
-
-    compare = commands.add_parser("compare", help="run the study on several models over the same windows: one table and figure")
-    compare.add_argument("--out", required=True, help="output folder (created if missing)")
-    compare.add_argument("--models", default=",".join(DEFAULT_COMPARE_MODELS),
-                         help="comma-separated packaged model names or local model folders "
-                              f"(default: {','.join(DEFAULT_COMPARE_MODELS)})")
-    compare.add_argument("--corpus", default=None, help="text file, folder of .txt, .jsonl, or a datasets folder "
-                                                        "(default: packaged Wikipedia articles)")
-    compare.add_argument("--n-docs", type=_positive, default=DEFAULT_COMPARISON["n_docs"], help="windows, one per document")
-    compare.add_argument("--context-length", type=_positive, default=DEFAULT_COMPARISON["context_length"],
-                         help="tokens per window, the same for every model")
-    compare.add_argument("--batch-size", type=_positive, default=DEFAULT_COMPARISON["batch_size"])
-    compare.add_argument("--baselines", default=",".join(DEFAULT_COMPARISON["baselines"]),
-                         help="comma-separated baselines (random_init, zero), or 'none'")
-    compare.add_argument("--exclude-keys", type=_int_list, default=[], help="key positions excluded from every statistic")
-    compare.add_argument("--seed", type=int, default=0, help="seed of the random initialisations")
-    compare.add_argument("--memory-limit-gib", type=float, default=None,
-                         help="refuse models whose estimated need exceeds this (default: the memory available)")
-    compare.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
-    compare.add_argument("--no-progress", action="store_true", help="no progress bars")
-
-
-def _compare(args: argparse.Namespace) -> int:
-    from .compare import compare_models
-
-    out = Path(args.out)
-    _check_writable(out)
-    _check_corpus(args.corpus)
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    baselines = _baselines(args.baselines)
-    comparison = compare_models(
-        models,
-        corpus=args.corpus,
-        n_docs=args.n_docs,
-        context_length=args.context_length,
-        batch_size=args.batch_size,
-        baselines=baselines,
-        exclude_keys=args.exclude_keys,
-        seed=args.seed,
-        cache_dir=args.cache_dir,
-        memory_limit=None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30),
-        progress=not args.no_progress,
-    )
-    paths = comparison.save(out)
-    print(comparison.table())
-    print(f"wrote {', '.join(str(p) for p in paths.values())} and per-model results under {out / 'models'}")
-    return 0
-
-
-# --- end compare ------------------------------------------------------------------------
-
-
-# -- issue 6: the ``positional`` command ------------------------------------------------------
 def _analyses(text: str) -> list[str]:
-    from .positional_study import ANALYSES
+    from .runs.positional import ANALYSES
 
     names = list(ANALYSES) if text.strip().lower() == "all" else [a.strip() for a in text.split(",") if a.strip()]
     unknown = [a for a in names if a not in ANALYSES]
@@ -190,74 +97,145 @@ def _analyses(text: str) -> list[str]:
     return names
 
 
-def _add_positional_parser(commands) -> None:
+def _names(text: str) -> list[str]:
+    """Comma-separated names; ``none`` for none."""
+    return [] if text.strip().lower() == "none" else [part.strip() for part in text.split(",") if part.strip()]
+
+
+# -- the parser ----------------------------------------------------------------------------------
+def _parent(*arguments: tuple[tuple[str, ...], dict[str, Any]]) -> argparse.ArgumentParser:
+    parent = argparse.ArgumentParser(add_help=False)
+    for flags, options in arguments:
+        parent.add_argument(*flags, **options)
+    return parent
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
+    from .runs.compare import DEFAULT_COMPARE_MODELS, DEFAULT_COMPARISON
+    from .runs.study import BASELINES, DEFAULT_STUDY
+
+    # One function per shared option group: argparse shares a parent's actions with every child,
+    # so each subcommand gets its own copy (its defaults differ).
+    def output() -> argparse.ArgumentParser:
+        return _parent((("--out",), {"required": True, "help": "output folder (created if missing)"}))
+
+    def model() -> argparse.ArgumentParser:
+        return _parent(
+            (("--model",), {"default": "gemma-3-270m",
+                            "help": "packaged model name, local model folder, or a hub name already cached (default: gemma-3-270m)"}),
+            (("--cache-dir",), {"default": None, "help": "where converted packaged models are cached"}),
+        )
+
+    def corpus() -> argparse.ArgumentParser:
+        return _parent(
+            (("--corpus",), {"default": None, "help": "text file, folder of .txt, .jsonl, or a datasets save_to_disk folder "
+                                                      "(default: the packaged Wikipedia articles)"}),
+            (("--text-field",), {"default": "text", "help": "JSONL field / dataset column holding the text"}),
+        )
+
+    def windows(n_docs: int, context_length: int, batch_size: int) -> argparse.ArgumentParser:
+        return _parent(
+            (("--n-docs",), {"type": _positive, "default": n_docs, "help": "documents, one window each (default %(default)s)"}),
+            (("--context-length",), {"type": _positive, "default": context_length,
+                                     "help": "window length in tokens (default %(default)s)"}),
+            (("--batch-size",), {"type": _positive, "default": batch_size, "help": "windows per forward pass (default %(default)s)"}),
+        )
+
+    def measured() -> argparse.ArgumentParser:
+        return _parent(
+            (("--exclude-keys",), {"type": _int_list, "default": [],
+                                   "help": "key positions left out of every statistic, e.g. '0' for the first token (attention sink)"}),
+            (("--seed",), {"type": int, "default": 0, "help": "seed of random initialisations, samples and permutations"}),
+        )
+
+    def baselines(default: Sequence[str]) -> argparse.ArgumentParser:
+        return _parent((("--baselines",), {"type": _names, "default": list(default),
+                                           "help": f"comma-separated baselines from {sorted(BASELINES)}, or 'none' "
+                                                   f"(default: {','.join(default)})"}))
+
+    def display() -> argparse.ArgumentParser:
+        return _parent(
+            (("--no-progress",), {"action": "store_true", "help": "no progress bars"}),
+            (("--json",), {"action": "store_true", "help": "print the numbers as JSON instead of a table"}),
+        )
+
+    parser = argparse.ArgumentParser(
+        prog="equivariance-probe",
+        description="How much does attention depend on absolute position? Exact, streaming attention statistics.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", parents=[output(), model(), corpus(), windows(**DEFAULT_STUDY), baselines(BASELINES),
+                                              measured(), display()],
+                              help="run the study on a model and corpus and write results and figures")
+    run.set_defaults(handler=_run)
+    run.add_argument("--backend", default="huggingface", choices=["huggingface", "transformer_lens", "nnsight"])
+    run.add_argument("--sample-size", type=_non_negative, default=20000, help="entries sampled for the scatter plot")
+    run.add_argument("--analyses", type=_analyses, default=[],
+                     help="also run positional analyses (at most 8 windows of 256 tokens), comma-separated from "
+                     "gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all' (see 'positional')")
+    run.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_CHECKPOINT_EVERY,
+                     help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
+    run.add_argument("--shard", default=None, metavar="I/N",
+                     help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
+                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.json")
+    run.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
+    run.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                     help="the model's parameter dtype (default: as loaded, float32)")
+    run.add_argument("--no-figures", action="store_true", help="write results and summary only (e.g. for shards)")
+
+    merge = commands.add_parser("merge", parents=[display()], help="merge result files of shards into one")
+    merge.set_defaults(handler=_merge)
+    merge.add_argument("inputs", nargs="+", help="results.json files to merge")
+    merge.add_argument("-o", "--output", required=True, help="merged results file")
+
+    report = commands.add_parser("report", help="write an offline HTML report from a results file")
+    report.set_defaults(handler=_report)
+    report.add_argument("results", help="a results.json written by 'run'")
+    report.add_argument("-o", "--output", default=None, help="HTML file (default: next to the results, report.html)")
+    report.add_argument("--views", action="store_true",
+                        help="add CircuitsVis views of heads: reloads the model named in the results (offline) and one document")
+    report.add_argument("--heads", default=None, help="heads to view, e.g. 'L4H3,L5H1' (default: the 2 most and 2 least position-bound)")
+    report.add_argument("--document", type=_non_negative, default=0, help="index of the corpus document to view (default 0)")
+    report.add_argument("--corpus", default=None, help="corpus to take the document from (default: the study's)")
+    report.add_argument("--start", type=_non_negative, default=0, help="first position shown")
+    report.add_argument("--stop", type=_positive, default=None, help="position after the last shown (default: start + 128)")
+    report.add_argument("--decimals", type=int, default=3, help="round view values to this many decimals (default 3)")
+
+    sizes = {key: DEFAULT_COMPARISON[key] for key in ("n_docs", "context_length", "batch_size")}
+    compare = commands.add_parser("compare", parents=[output(), corpus(), windows(**sizes), baselines(DEFAULT_COMPARISON["baselines"]),
+                                                      measured(), display()],
+                                  help="run the study on several models over the same windows: one table and figure")
+    compare.set_defaults(handler=_compare)
+    compare.add_argument("--models", type=_names, default=list(DEFAULT_COMPARE_MODELS),
+                         help=f"comma-separated packaged model names or local model folders (default: {','.join(DEFAULT_COMPARE_MODELS)})")
+    compare.add_argument("--memory-limit-gib", type=float, default=None,
+                         help="refuse models whose estimated need exceeds this (default: the memory available)")
+    compare.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
+
     positional = commands.add_parser(
-        "positional", help="where order comes from: Gram/TISA Toeplitzness, permutation symmetry, variance shrinkage")
-    positional.add_argument("--out", required=True, help="output folder: positional.json, positional.html, figures")
-    positional.add_argument("--model", default="gemma-3-270m",
-                            help="packaged model (gemma-3-270m, all-minilm-l6-v2), local folder, or cached hub name")
+        "positional", parents=[output(), model(), corpus(), windows(n_docs=8, context_length=256, batch_size=4), measured(),
+                               display()],
+        help="where order comes from: Gram/TISA Toeplitzness, permutation symmetry, variance shrinkage")
+    positional.set_defaults(handler=_positional)
     positional.add_argument("--analyses", type=_analyses, default="all",
                             help="comma-separated from gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all'")
-    positional.add_argument("--corpus", default=None, help="text file, folder of .txt, .jsonl or dataset folder")
-    positional.add_argument("--n-docs", type=_positive, default=8, help="windows for tisa, shrinkage, correlation")
-    positional.add_argument("--context-length", type=_positive, default=256)
     positional.add_argument("--n-prompts", type=_positive, default=4, help="prompts for the permutation analysis")
     positional.add_argument("--prompt-length", type=_positive, default=64)
     positional.add_argument("--n-permutations", type=_positive, default=8)
     positional.add_argument("--kernels", type=_positive, default=5, help="S, kernels of the TISA fit")
     positional.add_argument("--baseline", default="random_init", choices=["random_init", "none"],
                             help="shrinkage and correlations also at the model's own random initialisation")
-    positional.add_argument("--batch-size", type=_positive, default=4)
-    positional.add_argument("--exclude-keys", type=_int_list, default=[],
-                            help="key positions left out of the tisa profiles, e.g. '0' (attention sink)")
-    positional.add_argument("--seed", type=int, default=0)
-    positional.add_argument("--cache-dir", default=None)
+    return parser
 
 
-def _positional_into(out: Path, *, model_name: str, analyses: list[str], corpus: str | None, cache_dir: str | None,
-                     **settings) -> list[Path]:
-    from .figures import save_figures
-    from .positional_report import render_positional_page
-    from .positional_study import load_positional_model, run_positional
-
-    model, tokenizer = load_positional_model(model_name, cache_dir=cache_dir)
-    docs = None
-    if corpus is not None:
-        from .corpus import load_corpus
-
-        docs = load_corpus(corpus)
-    study = run_positional(model, tokenizer, docs=docs, analyses=analyses, **settings)
-    paths = [study.save(out / "positional.json")]
-    paths += save_figures(study.figures(), out, prefix="positional_")
-    page = out / "positional.html"
-    page.write_text(render_positional_page(study), encoding="utf-8")
-    print(json.dumps(study.summary(), indent=1, default=float)[:4000])
-    return paths + [page]
-
-
-def _positional(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    _check_writable(out)
-    _check_corpus(args.corpus)
-    paths = _positional_into(
-        out, model_name=args.model, analyses=args.analyses, corpus=args.corpus, cache_dir=args.cache_dir,
-        n_docs=args.n_docs, context_length=args.context_length, n_prompts=args.n_prompts,
-        prompt_length=args.prompt_length, n_permutations=args.n_permutations, n_kernels=args.kernels,
-        baseline=None if args.baseline == "none" else args.baseline, batch_size=args.batch_size,
-        exclude_keys=args.exclude_keys, seed=args.seed,
-    )
-    print(f"wrote {', '.join(str(p) for p in paths)}")
-    return 0
-
-
-def _baselines(text: str) -> list[str]:
-    """``--baselines``: comma-separated names, or ``none``."""
-    return [] if text.strip().lower() == "none" else [b.strip() for b in text.split(",") if b.strip()]
-
-
+# -- shared checks -------------------------------------------------------------------------------
 def _check_corpus(corpus: str | None) -> None:
     if corpus is not None and not Path(corpus).exists():
-        raise EquivarianceProbeError(f"corpus {corpus!r} does not exist; pass a text file, a folder, a .jsonl file or a dataset folder")
+        raise InputError(f"corpus {corpus!r} does not exist; pass a text file, a folder, a .jsonl file or a dataset folder")
 
 
 def _check_writable(folder: Path) -> None:
@@ -267,15 +245,33 @@ def _check_writable(folder: Path) -> None:
         probe_file.write_text("")
         probe_file.unlink()
     except OSError as error:
-        raise EquivarianceProbeError(
+        raise InputError(
             f"cannot write to the output folder {str(folder)!r} ({error.strerror or error}); choose a writable --out"
         ) from None
 
 
+def _documents(args: argparse.Namespace) -> Any:
+    """The corpus the command reads: ``None`` (the packaged one), a path, or texts read with ``--text-field``."""
+    _check_corpus(args.corpus)
+    if args.corpus is not None and args.text_field != "text":
+        from .sources.corpus import load_corpus
+
+        return load_corpus(args.corpus, text_field=args.text_field)
+    return args.corpus
+
+
+def _print(args: argparse.Namespace, table: str, numbers: Any, wrote: Sequence[Path]) -> None:
+    print(json.dumps(jsonable(numbers), indent=1) if args.json else table)
+    if wrote:
+        print(f"wrote {', '.join(str(path) for path in wrote)}", file=sys.stderr if args.json else sys.stdout)
+
+
+# -- the commands --------------------------------------------------------------------------------
 def _run(args: argparse.Namespace) -> int:
-    from .checkpoint import CHECKPOINT_FOLDER, clear_checkpoint
-    from .sharding import Shard
-    from .study import run_study
+    from .display.figures import heatmaps_figure, save_figures, study_figures
+    from .records.sharding import Shard
+    from .runs.checkpoint import CHECKPOINT_FOLDER, clear_checkpoint
+    from .runs.study import run_study
 
     out = Path(args.out)
     shard = None
@@ -283,21 +279,15 @@ def _run(args: argparse.Namespace) -> int:
         shard = Shard.from_environment() if args.shard.strip() == "auto" else Shard.parse(args.shard)
         out = out / f"shard-{shard.index}-of-{shard.count}"
     _check_writable(out)
-    baselines = _baselines(args.baselines)
-    corpus = args.corpus
-    _check_corpus(corpus)
-    if corpus is not None and args.text_field != "text":
-        from .corpus import load_corpus
-
-        corpus = load_corpus(corpus, text_field=args.text_field)
+    documents = _documents(args)
     study = run_study(
         args.model,
         backend=args.backend,
-        corpus=corpus,
+        corpus=documents,
         n_docs=args.n_docs,
         context_length=args.context_length,
         batch_size=args.batch_size,
-        baselines=baselines,
+        baselines=args.baselines,
         exclude_keys=args.exclude_keys,
         seed=args.seed,
         sample_size=args.sample_size,
@@ -312,24 +302,21 @@ def _run(args: argparse.Namespace) -> int:
     )
     # results.json is written only here, after every variant finished (complete: true); a run that
     # stops leaves only its checkpoint.
-    paths = study.save(out)
-    figures: list = []
+    wrote = list(study.save(out).values()) + [out / "summary.md"]
     if not args.no_figures:
-        from .figures import heatmaps_figure, save_figures, study_figures
-
-        figures = save_figures(study_figures(study.trained, study.baselines()), out)
+        wrote += save_figures(study_figures(study.trained, study.baselines()), out)
         for name, result in study.baselines().items():
-            figures += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_")
-    print(study.table())
-    print(study.heads())
-    print(f"wrote {', '.join(str(p) for p in list(paths.values()) + figures)} and {out / 'summary.md'}")
-    if args.analyses:  # issue 6
-        written = _positional_into(
-            out, model_name=args.model, analyses=args.analyses, corpus=args.corpus, cache_dir=args.cache_dir,
+            wrote += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_")
+    numbers = {name: result.summary() for name, result in study.results.items()}
+    if args.analyses:
+        positional = _positional_into(
+            out, args, model_name=args.model, analyses=args.analyses, documents=documents,
             n_docs=min(args.n_docs, 8), context_length=min(args.context_length, 256),
-            prompt_length=min(args.context_length, 64), seed=args.seed,
+            prompt_length=min(args.context_length, 64),
         )
-        print(f"wrote {', '.join(str(p) for p in written)}")
+        wrote += positional["wrote"]
+        numbers["positional"] = positional["study"].summary()
+    _print(args, f"{study.table()}\n\n{study.heads()}", numbers, wrote)
     clear_checkpoint(out / CHECKPOINT_FOLDER)  # only once the results are on disk
     return 0
 
@@ -351,20 +338,22 @@ def _merge(args: argparse.Namespace) -> int:
     shards = merged.metadata.get("shards")
     missing = sorted(set(range(shards["count"])) - set(shards["indices"])) if shards else []
     note = f"; shards {missing} of {shards['count']} are still missing" if missing else ""
-    print(f"merged {len(results)} results ({merged.n_windows} windows, {merged.n_tokens} tokens) into {output}{note}")
+    table = f"merged {len(results)} results ({merged.n_windows} windows, {merged.n_tokens} tokens){note}"
+    _print(args, table, {"summary": merged.summary(), "missing_shards": missing}, [output])
     return 0
 
 
 def _report(args: argparse.Namespace) -> int:
+    from .display.positional import positional_report_section
+    from .display.report import render_report
+    from .display.views import parse_heads, views_for_result
     from .result import ProbeResult
+    from .runs.positional import PositionalStudy
 
     result = ProbeResult.load(args.results)
     output = Path(args.output) if args.output else Path(args.results).with_name("report.html")
     views = None
     if args.views:
-        from .errors import ModelNotFoundError
-        from .views import parse_heads, views_for_result
-
         heads = parse_heads(args.heads) if args.heads else None  # bad heads: exit 2, not a silent report
         try:
             views, note = views_for_result(result, heads=heads, document=args.document, corpus=args.corpus,
@@ -372,20 +361,78 @@ def _report(args: argparse.Namespace) -> int:
             print(note)
         except ModelNotFoundError as error:
             print(f"writing the report without views: {error}", file=sys.stderr)
-    from .report import positional_sections  # issue 6: positional.json beside the results
-
-    output.write_text(result.to_html(views=views, extra_sections=positional_sections(args.results)), encoding="utf-8")
+    # The positional analyses' section, when the study wrote them beside its results.
+    positional = Path(args.results).with_name("positional.json")
+    extra = [positional_report_section(PositionalStudy.load(positional))] if positional.is_file() else []
+    output.write_text(render_report(result, views=views, extra_sections=extra), encoding="utf-8")
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB)")
     return 0
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from .display.comparison import save_comparison
+    from .runs.compare import compare_models
+
+    out = Path(args.out)
+    _check_writable(out)
+    comparison = compare_models(
+        args.models,
+        corpus=_documents(args),
+        n_docs=args.n_docs,
+        context_length=args.context_length,
+        batch_size=args.batch_size,
+        baselines=args.baselines,
+        exclude_keys=args.exclude_keys,
+        seed=args.seed,
+        cache_dir=args.cache_dir,
+        memory_limit=None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30),
+        progress=not args.no_progress,
+    )
+    paths = save_comparison(comparison, out)
+    _print(args, comparison.table(), comparison.rows(), list(paths.values()) + [out / "models"])
+    return 0
+
+
+def _positional_into(out: Path, args: argparse.Namespace, *, model_name: str, analyses: list[str], documents: Any,
+                     **settings: Any) -> dict[str, Any]:
+    """Run the positional analyses into ``out``: ``positional.json``, one PNG per analysis, ``positional.html``."""
+    from .display.figures import save_figures
+    from .display.positional import positional_figures, render_positional_page
+    from .runs.positional import run_positional
+    from .sources.corpus import load_corpus
+    from .sources.models import load_positional_model
+
+    model, tokenizer = load_positional_model(model_name, cache_dir=args.cache_dir)
+    docs = load_corpus(documents) if isinstance(documents, (str, Path)) else documents
+    study = run_positional(model, tokenizer, docs=docs, analyses=analyses, batch_size=args.batch_size,
+                           exclude_keys=args.exclude_keys, seed=args.seed, progress=not args.no_progress, **settings)
+    wrote = [study.save(out / "positional.json")]
+    wrote += save_figures(positional_figures(study), out, prefix="positional_")
+    page = out / "positional.html"
+    page.write_text(render_positional_page(study), encoding="utf-8")
+    return {"study": study, "wrote": wrote + [page]}
+
+
+def _positional(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    _check_writable(out)
+    positional = _positional_into(
+        out, args, model_name=args.model, analyses=args.analyses, documents=_documents(args),
+        n_docs=args.n_docs, context_length=args.context_length, n_prompts=args.n_prompts,
+        prompt_length=args.prompt_length, n_permutations=args.n_permutations, n_kernels=args.kernels,
+        baseline=None if args.baseline == "none" else args.baseline,
+    )
+    study = positional["study"]
+    _print(args, study.table(), study.summary(), positional["wrote"])
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 2 bad input)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    handlers = {"run": _run, "merge": _merge, "report": _report, "compare": _compare, "positional": _positional}
+    """Entry point; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    args = build_parser().parse_args(argv)
     try:
-        return handlers[args.command](args)
+        with command_line_options(FLAGS):
+            return args.handler(args)
     except EquivarianceProbeError as error:
         print(f"equivariance-probe {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -1,30 +1,48 @@
 """One exception family for everything the probe refuses.
 
-Every error says what was wrong and how to fix it. Catch
-:class:`EquivarianceProbeError` to catch them all.
+Place in the seams: the ground floor; every other module may import it, and it imports
+nothing of the package. Every error says what was wrong and how to fix it. Catch
+:class:`EquivarianceProbeError` to catch them all; each subclass also derives from the
+builtin exception a caller would expect (``ValueError`` for bad values, ``TypeError`` for
+unsupported types, ...), so code written against builtins keeps working.
+
+A fix names the argument to change in the words of whoever called: :func:`option` writes
+``resume=True`` for a Python caller and ``--resume`` while the command-line program runs
+(it declares its flags with :func:`command_line_options`), so no message is ever rewritten
+after the fact.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from contextvars import ContextVar
+from typing import Any
+
 __all__ = [
     "EquivarianceProbeError",
-    "UnsupportedModelError",
-    "AttentionCaptureError",
+    # what was given
     "InputError",
     "EmptyCorpusError",
     "ContextLengthError",
+    "UnsupportedModelError",
+    "ModelNotFoundError",
+    "ModelFileError",
+    # what the model did
+    "AttentionCaptureError",
     "NonFiniteAttentionError",
+    # what a run needs
+    "InsufficientMemoryError",
+    "RemoteExecutionError",
+    "MissingAPIKeyError",
+    # results, files and checkpoints
     "NotRunError",
     "IncompatibleResultsError",
     "ResultFileError",
-    "ModelNotFoundError",
-    "RemoteExecutionError",
-    "MissingAPIKeyError",
-    # issue 8: packaged-model registry and the comparison
-    "ModelFileError",
-    "InsufficientMemoryError",
-    # issue 7: checkpoints
     "CheckpointError",
+    "check_choice",
+    "option",
+    "command_line_options",
 ]
 
 
@@ -32,16 +50,9 @@ class EquivarianceProbeError(Exception):
     """Base class of every error raised by equivariance_probe."""
 
 
-class UnsupportedModelError(EquivarianceProbeError, TypeError):
-    """The object given as a model is of a type no adapter supports."""
-
-
-class AttentionCaptureError(EquivarianceProbeError, RuntimeError):
-    """Attention weights could not be captured (no hook point, non-eager attention, empty capture)."""
-
-
+# -- what was given ------------------------------------------------------------------------------
 class InputError(EquivarianceProbeError, ValueError):
-    """Documents or token ids that cannot be run (wrong dtype, shape, ids outside the vocabulary)."""
+    """An argument that cannot be used: documents, token ids, an option outside its allowed values."""
 
 
 class EmptyCorpusError(InputError):
@@ -52,24 +63,30 @@ class ContextLengthError(InputError):
     """A window is longer than the model's maximum context."""
 
 
-class NonFiniteAttentionError(EquivarianceProbeError, FloatingPointError):
-    """The model produced NaN or infinite attention weights."""
-
-
-class NotRunError(EquivarianceProbeError, RuntimeError):
-    """Results were asked for before any data was run."""
-
-
-class IncompatibleResultsError(EquivarianceProbeError, ValueError):
-    """Two results (or statistics) that were measured differently cannot be merged."""
-
-
-class ResultFileError(EquivarianceProbeError, ValueError):
-    """A saved result file is truncated, malformed, or of an unknown format version."""
+class UnsupportedModelError(EquivarianceProbeError, TypeError):
+    """The object given as a model is of a type no adapter supports."""
 
 
 class ModelNotFoundError(InputError, FileNotFoundError):
     """A model name is neither packaged, nor a local folder, nor in the local Hugging Face cache."""
+
+
+class ModelFileError(EquivarianceProbeError, ValueError):
+    """A packaged model file has the wrong size or checksum (a damaged or partial install)."""
+
+
+# -- what the model did -----------------------------------------------------------------------------
+class AttentionCaptureError(EquivarianceProbeError, RuntimeError):
+    """Attention could not be read (no hook point, no weights, a mask the adapter does not know)."""
+
+
+class NonFiniteAttentionError(EquivarianceProbeError, FloatingPointError):
+    """The model produced NaN or infinite attention weights."""
+
+
+# -- what a run needs -------------------------------------------------------------------------------
+class InsufficientMemoryError(EquivarianceProbeError, MemoryError):
+    """A model's estimated memory need exceeds the memory available; raised before loading it."""
 
 
 class RemoteExecutionError(EquivarianceProbeError, RuntimeError):
@@ -80,20 +97,60 @@ class MissingAPIKeyError(RemoteExecutionError):
     """``remote=True`` without an NDIF API key."""
 
 
-# --- issue 8: packaged-model registry and the cross-model comparison
+# -- results, files and checkpoints -----------------------------------------------------------------
+class NotRunError(EquivarianceProbeError, RuntimeError):
+    """Results were asked for before any data was run, or from state a run did not keep."""
 
 
-class ModelFileError(EquivarianceProbeError, ValueError):
-    """A packaged model file has the wrong size or checksum (a damaged or partial install)."""
+class IncompatibleResultsError(EquivarianceProbeError, ValueError):
+    """Two results (or statistics) that were measured differently cannot be merged."""
 
 
-class InsufficientMemoryError(EquivarianceProbeError, MemoryError):
-    """A model's estimated memory need exceeds the memory available; raised before loading it."""
-
-
-# --- issue 7: checkpoints
+class ResultFileError(EquivarianceProbeError, ValueError):
+    """A saved result file is truncated, malformed, or of an unknown format version."""
 
 
 class CheckpointError(EquivarianceProbeError, ValueError):
     """A study checkpoint cannot be used: made by another model, corpus or configuration,
     unreadable, or present where a fresh run would overwrite it."""
+
+
+def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
+    """Raise :class:`InputError` naming ``value`` and the allowed values unless ``value`` is one of them."""
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise InputError(f"{name}={value!r} is not one of {allowed}; pass one of these")
+
+
+#: While the command-line program runs: API argument name -> its flag (see :func:`option`).
+_FLAGS: ContextVar[Mapping[str, str] | None] = ContextVar("equivariance_probe_flags", default=None)
+
+
+def option(name: str, value: Any = ...) -> str:
+    """How the caller sets the argument ``name`` (to ``value``), for the fix an error message gives.
+
+    From Python: ``name=value`` (``repr`` of the value), or ``name`` alone. While the command-line
+    program runs, the flag it declared for ``name``: ``--flag value``, ``--flag`` for ``True`` and
+    when no value is given, and ``no --flag`` for ``None`` (the flag's default).
+
+    Example:
+        >>> option("resume", True)
+        'resume=True'
+    """
+    flags = _FLAGS.get()
+    if flags is not None and name in flags:
+        flag = flags[name]
+        if value is None:
+            return f"no {flag}"
+        return flag if value is ... or value is True else f"{flag} {value}"
+    return name if value is ... else f"{name}={value!r}"
+
+
+@contextlib.contextmanager
+def command_line_options(flags: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, :func:`option` names the given API arguments by their command-line flags."""
+    token = _FLAGS.set(dict(flags))
+    try:
+        yield
+    finally:
+        _FLAGS.reset(token)

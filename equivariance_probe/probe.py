@@ -1,8 +1,9 @@
-"""EquivarianceProbe: an adapter, streaming statistics and a run configuration.
+"""EquivarianceProbe: documents → windows → adapter → statistics.
 
-The probe turns documents into token windows, runs them through the model's adapter
-batch by batch, and feeds each layer's pattern to
-:class:`~equivariance_probe.stats.AttentionStatistics` as it is computed. It holds no
+Place in the seams: the core class, above the adapters, the statistics and the result. The
+probe turns documents into token windows, runs them through the model's adapter batch by
+batch, and feeds each layer's attention to
+:class:`~equivariance_probe.statistics.AttentionStatistics` as it is computed. It holds no
 maths of its own.
 
 Tokenisation of strings (the study's protocol): each document is tokenised with the
@@ -25,12 +26,12 @@ import torch
 
 from .adapters import Adapter, get_adapter
 from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError
-from .padding import check_not_left_padded, rows_from_encoding
-from .provenance import library_versions
+from .records.provenance import library_versions, model_revision
 from .result import ProbeResult
-from .stats import AttentionStatistics
+from .sources.padding import check_not_left_padded, rows_from_encoding
+from .statistics import AttentionStatistics
 
-__all__ = ["EquivarianceProbe", "DEFAULT_CONTEXT_LENGTH", "PATTERN_MEMORY_LIMIT"]
+__all__ = ["EquivarianceProbe", "DEFAULT_CONTEXT_LENGTH", "PATTERN_MEMORY_LIMIT", "progress_bar"]
 
 #: Context length for strings when none is given (the study's), capped at the model's maximum.
 DEFAULT_CONTEXT_LENGTH = 1024
@@ -67,17 +68,6 @@ class EquivarianceProbe:
             f"EquivarianceProbe({self.adapter.framework}: {self.adapter.model_name()!r}, "
             f"{layout.n_layers} layers × {layout.n_heads} heads)"
         )
-
-    # -- issue 6: where order comes from, on the same model -----------------------------
-    def positional(self, docs: Any = None, **options: Any) -> Any:
-        """Run the positional analyses on this probe's model (see :func:`~equivariance_probe.run_positional`).
-
-        Example:
-            >>> study = probe.positional(docs, analyses=("permutation", "shrinkage"))  # doctest: +SKIP
-        """
-        from .positional_study import run_positional
-
-        return run_positional(self, docs=docs, **options)
 
     # -- inputs -------------------------------------------------------------------------
     def _context_length(self, docs: Any, context_length: int | None) -> int:
@@ -223,7 +213,7 @@ class EquivarianceProbe:
             n_layers=layout.n_layers,
             n_heads=layout.n_heads,
             n_positions=context_length,
-            windows=layout.windows,
+            sliding_windows=layout.sliding_windows,
             log_floor=log_floor,
             excluded_keys=exclude_keys,
             keep_pattern=keep_pattern,
@@ -237,7 +227,7 @@ class EquivarianceProbe:
         total = len(docs) if hasattr(docs, "__len__") and not isinstance(docs, (torch.Tensor, Mapping)) else None
         if isinstance(docs, torch.Tensor):
             total = 1 if docs.dim() == 1 else int(docs.shape[0])
-        bar = _progress(progress, total)
+        bar = progress_bar(progress, total)
         skipped = 0
         try:
             batch: list[list[int]] = []
@@ -297,11 +287,12 @@ class EquivarianceProbe:
                 "dtype": info.dtype,
                 "device": info.device,
                 **info.extra,
+                "revision": model_revision(self.adapter.model),
             },
             "layout": {
                 "n_layers": layout.n_layers,
                 "n_heads": layout.n_heads,
-                "windows": list(layout.windows),
+                "windows": list(layout.sliding_windows),
                 "max_context": layout.max_context,
             },
             "context_length": context_length,
@@ -321,9 +312,10 @@ class _NoProgress:
         pass
 
 
-def _progress(enabled: bool, total: int | None):
+def progress_bar(enabled: bool, total: int | None, description: str = "documents") -> Any:
+    """A tqdm progress bar over ``total`` documents, or one that shows nothing when not ``enabled``."""
     if not enabled:
         return _NoProgress()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="documents", unit="doc")
+    return tqdm(total=total, desc=description, unit="doc")

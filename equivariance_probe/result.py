@@ -1,26 +1,17 @@
 """The result of a probe run: statistics plus how they were measured.
 
-A :class:`ProbeResult` holds the float64 sums of
-:class:`~equivariance_probe.stats.AttentionStatistics` and the metadata of the run
-(model, adapter, context length, log floor, excluded keys, library versions). Every
-number is computed on demand from the sums by :mod:`~equivariance_probe.metrics` and
-:mod:`~equivariance_probe.fitting`, so results merge exactly (``a + b``), and save and
-load without the model.
-
-File format (``format_version`` 2, see :mod:`equivariance_probe.fileformat`, which also
-reads version 1): one JSON object ``{"format_version", "kind", "complete", "checksum",
-"metadata", "statistics": {"config", "n_windows", "n_tokens", "arrays": {name: {"dtype",
-"shape", "data"}}}, "summary"}`` where ``data`` is the base64 of the array's little-endian
-float64 bytes (exact), and ``summary`` repeats the headline numbers for readers who do not
-use Python.
+Place in the seams: above the statistics, the maths and the records. A :class:`ProbeResult`
+holds the float64 sums of :class:`~equivariance_probe.statistics.AttentionStatistics` and the
+metadata of the run (model, adapter, context length, log floor, excluded keys, library
+versions). Every number is computed on demand from the sums by
+:mod:`~equivariance_probe.maths`, so results merge exactly (``a + b``), and save and load
+without the model (:mod:`~equivariance_probe.records.fileformat` holds the file format).
 """
 
 from __future__ import annotations
 
-import base64
 import html
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,111 +20,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import fitting, metrics
-from .errors import IncompatibleResultsError, NotRunError, ResultFileError
-from .fileformat import FORMAT_VERSION, RESULT_KIND, check_schema, checksum, upgrade, write_json_atomically
-from .sample import EntrySample
-from .sharding import merged_provenance
-from .stats import STATISTICS, AttentionStatistics
+from .analyses.heads import HeadRanking, rank_heads
+from .errors import IncompatibleResultsError, InputError, NotRunError, ResultFileError, check_choice
+from .maths import fitting, metrics
+from .maths.persistence import PersistenceCurves, persistence_curves
+from .records.fileformat import (
+    FORMAT_VERSION,
+    RESULT_KIND,
+    check_schema,
+    checksum,
+    decode_array,
+    encode_array,
+    jsonable,
+    upgrade,
+    write_json_atomically,
+)
+from .records.sharding import merged_provenance
+from .statistics import STATISTICS, AttentionStatistics, EntrySample
 
 __all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION"]
-
-_KIND = RESULT_KIND
-
-
-def _check_choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not one of {allowed}")
-
-
-@dataclass
-class PersistenceCurves:
-    """Mean attention by distance, ``P(dt)``, with its three fits (METHODS.md section 2).
-
-    ``P(dt)`` is the mean of ``a[l, h, t+dt, t]`` over windows, key positions ``t`` and
-    (unless split) layers and heads. ``prior`` is the mean of ``u(t+dt) = 1/|V(t+dt)|`` over
-    exactly the same entries, the curve a uniform head would give.
-
-    Attributes:
-        by: ``None``, ``"layer"``, ``"head"`` or ``"key_position"``.
-        dt: lags ``[n_lag]``.
-        curve: ``[*shape, n_lag]`` mean attention (NaN where no entry has that lag).
-        prior: ``[*shape, n_lag]`` mean uniform prior over the same entries.
-        count: ``[*shape, n_lag]`` entries behind each point.
-        fits: ``[*shape]`` nested lists of ``{"power", "exponential", "prior"}`` → CurveFit.
-        key_bins: for ``by="key_position"``, bin edges ``[n_bins + 1]`` (bin ``i`` holds
-            keys ``key_bins[i] <= t < key_bins[i+1]``).
-    """
-
-    by: str | None
-    dt: np.ndarray
-    curve: np.ndarray
-    prior: np.ndarray
-    count: np.ndarray
-    fits: Any
-    key_bins: np.ndarray | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.curve.shape[:-1]
-
-    def r2(self, fit: str) -> np.ndarray | float:
-        """R² of ``fit`` (one of ``power``, ``exponential``, ``prior``) for every curve."""
-        _check_choice("fit", fit, fitting.FIT_NAMES)
-        return self._collect(lambda fits: fits[fit].r2)
-
-    def params(self, fit: str, name: str) -> np.ndarray | float:
-        """A fitted parameter (``c``, ``alpha`` for power; ``c``, ``lambda`` for exponential)."""
-        _check_choice("fit", fit, ("power", "exponential"))
-        return self._collect(lambda fits: fits[fit].params[name])
-
-    def _collect(self, get) -> np.ndarray | float:
-        if not self.shape:
-            return float(get(self.fits))
-        flat = [get(f) for f in np.asarray(self.fits, dtype=object).ravel()]
-        return np.asarray(flat, dtype=np.float64).reshape(self.shape)
-
-    def summary(self) -> dict[str, Any]:
-        """Fit parameters and R² of a single curve (``by=None``)."""
-        if self.shape:
-            return {name: self.r2(name) for name in fitting.FIT_NAMES}
-        return {name: fit.as_dict() for name, fit in self.fits.items()}
-
-    def __repr__(self) -> str:
-        if not self.shape:
-            parts = [f"{n} R²={self.fits[n].r2:.3f}" for n in fitting.FIT_NAMES]
-            return f"PersistenceCurves(lags={len(self.dt)}, " + ", ".join(parts) + ")"
-        return f"PersistenceCurves(by={self.by!r}, curves={self.shape}, lags={len(self.dt)})"
-
-
-def _fit_curve(dt: np.ndarray, curve: np.ndarray, prior: np.ndarray, count: np.ndarray) -> dict[str, fitting.CurveFit]:
-    has = count > 0
-    x, y, p = dt[has], curve[has], prior[has]
-    return {
-        "power": fitting.fit_power(x, y),
-        "exponential": fitting.fit_exponential(x, y),
-        "prior": fitting.fit_prior(y, p),
-    }
-
-
-def _persistence(sums: np.ndarray, prior_sums: np.ndarray, counts: np.ndarray, by, key_bins=None) -> PersistenceCurves:
-    shape = sums.shape[:-1]
-    n_lag = sums.shape[-1]
-    dt = np.arange(n_lag, dtype=np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        curve = np.where(counts > 0, sums / np.where(counts > 0, counts, 1), np.nan)
-        prior = np.where(counts > 0, prior_sums / np.where(counts > 0, counts, 1), np.nan)
-    if not shape:
-        fits: Any = _fit_curve(dt, curve, prior, counts)
-    else:
-        flat = [
-            _fit_curve(dt, c, p, n)
-            for c, p, n in zip(curve.reshape(-1, n_lag), prior.reshape(-1, n_lag), counts.reshape(-1, n_lag))
-        ]
-        fits = np.empty(len(flat), dtype=object)
-        fits[:] = flat
-        fits = fits.reshape(shape).tolist()
-    return PersistenceCurves(by, dt, curve, prior, counts, fits, key_bins)
 
 
 @dataclass
@@ -203,9 +108,9 @@ class ProbeResult:
             by: ``None`` for one number over all entries, ``"layer"`` for ``[layer]``,
                 ``"head"`` for ``[layer, head]``.
         """
-        _check_choice("scale", scale, metrics.SCALES)
-        _check_choice("form", form, metrics.FORMS)
-        _check_choice("by", by, (None, "total", "layer", "head"))
+        check_choice("scale", scale, metrics.SCALES)
+        check_choice("form", form, metrics.FORMS)
+        check_choice("by", by, (None, "total", "layer", "head"))
         arrays = self._require_data()
         prefix = "log" if scale == "log" else "raw"
         values = metrics.query_position_r2(
@@ -225,7 +130,7 @@ class ProbeResult:
 
     def floored(self, by: str | None = None) -> Any:
         """Visible entries below ``eps`` (floored on the log scale): total, ``[layer]`` or ``[layer, head]``."""
-        _check_choice("by", by, (None, "layer", "head"))
+        check_choice("by", by, (None, "layer", "head"))
         floored = self._require_data()["floored"]
         if by == "head":
             return floored.astype(np.int64)
@@ -247,27 +152,27 @@ class ProbeResult:
                 grouped into ``bins`` equal-width bins).
             bins: number of key-position bins for ``by="key_position"``.
         """
-        _check_choice("by", by, (None, "layer", "head", "key_position"))
+        check_choice("by", by, (None, "layer", "head", "key_position"))
         arrays = self._require_data()
         heads = self.n_heads
         if by == "head":
             counts = np.broadcast_to(arrays["lag_count"][:, None, :], arrays["lag_sum"].shape)
             priors = np.broadcast_to(arrays["lag_prior_sum"][:, None, :], arrays["lag_sum"].shape)
-            return _persistence(arrays["lag_sum"], priors, counts, by)
+            return persistence_curves(arrays["lag_sum"], priors, counts, by)
         if by == "layer":
-            return _persistence(arrays["lag_sum"].sum(1), heads * arrays["lag_prior_sum"], heads * arrays["lag_count"], by)
+            return persistence_curves(arrays["lag_sum"].sum(1), heads * arrays["lag_prior_sum"], heads * arrays["lag_count"], by)
         if by == "key_position":
             n_positions = self.statistics.n_positions
             if not isinstance(bins, int) or not 1 <= bins <= n_positions:
-                raise ValueError(f"bins={bins!r} must be an integer from 1 to the context length {n_positions}")
+                raise InputError(f"bins={bins!r} must be an integer from 1 to the context length {n_positions}")
             edges = np.unique(np.linspace(0, n_positions, bins + 1).round().astype(np.int64))
             which = np.searchsorted(edges, np.arange(n_positions), side="right") - 1
             def binned(name: str) -> np.ndarray:
                 out = np.zeros((len(edges) - 1, n_positions))
                 np.add.at(out, which, arrays[name])
                 return out
-            return _persistence(binned("key_lag_sum"), binned("key_lag_prior_sum"), binned("key_lag_count"), by, edges)
-        return _persistence(
+            return persistence_curves(binned("key_lag_sum"), binned("key_lag_prior_sum"), binned("key_lag_count"), by, edges)
+        return persistence_curves(
             arrays["lag_sum"].sum((0, 1)), heads * arrays["lag_prior_sum"].sum(0), heads * arrays["lag_count"].sum(0), None
         )
 
@@ -279,7 +184,7 @@ class ProbeResult:
             by: ``"head"`` on the document-averaged pattern (needs ``keep_pattern``), or
                 ``"head_per_doc"`` for the mean of per-window scores.
         """
-        _check_choice("by", by, ("head", "head_per_doc"))
+        check_choice("by", by, ("head", "head_per_doc"))
         arrays = self._require_data()
         if by == "head_per_doc":
             with np.errstate(invalid="ignore", divide="ignore"):
@@ -293,7 +198,7 @@ class ProbeResult:
         covering = arrays["windows_covering"]
         mean = metrics.mean_pattern_key_lag(arrays["pattern_sum"], covering)
         out = np.empty((self.n_layers, self.n_heads))
-        for layer, window in enumerate(self.statistics.windows):
+        for layer, window in enumerate(self.statistics.sliding_windows):
             visible = metrics.key_lag_visible(self.statistics.n_positions, window, covering, self.excluded_keys)
             out[layer] = metrics.toeplitz_r2_key_lag(mean[layer], visible)
         return out
@@ -317,7 +222,7 @@ class ProbeResult:
             raise NotRunError("this run did not keep the summed pattern; run with keep_pattern=True")
         n = self.statistics.n_positions
         key_lag = metrics.mean_pattern_key_lag(arrays["pattern_sum"][layer, head], arrays["windows_covering"])
-        visible = metrics.key_lag_visible(n, self.statistics.windows[layer], arrays["windows_covering"], self.excluded_keys)
+        visible = metrics.key_lag_visible(n, self.statistics.sliding_windows[layer], arrays["windows_covering"], self.excluded_keys)
         out = np.zeros((n, n))
         t, dt = np.nonzero(visible)
         out[t + dt, t] = key_lag[t, dt]
@@ -332,7 +237,7 @@ class ProbeResult:
                 excluded keys or kept pattern.
         """
         if not isinstance(other, ProbeResult):
-            raise TypeError(f"can only merge a ProbeResult, not {type(other).__name__}")
+            raise IncompatibleResultsError(f"can only merge a ProbeResult with another ProbeResult, not a {type(other).__name__}")
         mine, theirs = self.metadata.get("model", {}), other.metadata.get("model", {})
         if mine.get("name") and theirs.get("name") and mine.get("name") != theirs.get("name"):
             raise IncompatibleResultsError(
@@ -407,29 +312,14 @@ class ProbeResult:
             + "</div>"
         )
 
-    def to_html(self, *, views: Any = None, extra_sections: Any = ()) -> str:
-        """A self-contained HTML report, as ``equivariance-probe report`` writes.
-
-        Args:
-            views: :class:`~equivariance_probe.views.HeadViews` (one or a list) to draw with
-                CircuitsVis (offline: the bundle is included once).
-            extra_sections: more :class:`~equivariance_probe.report.ReportSection` objects.
-        """
-        from .report import render_report
-
-        self._require_data()
-        return render_report(self, views=views, extra_sections=extra_sections)
-
-    # -- heads (issue 5) ---------------------------------------------------------------------------------
-    def rank_heads(self, by: str = "log_eta2", scores: Any = None) -> Any:
+    # -- heads ------------------------------------------------------------------------------------------
+    def rank_heads(self, by: str = "log_eta2", scores: Any = None) -> HeadRanking:
         """Heads from the most to the least position-bound: a
-        :class:`~equivariance_probe.heads.HeadRanking` (``to_dataframe()``, ``to_records()``).
+        :class:`~equivariance_probe.analyses.heads.HeadRanking` (``to_dataframe()``, ``to_records()``).
 
         ``by`` is the ordering key (default ``"log_eta2"``); query-position R² and the prior
-        fit sort descending, Toeplitz R² ascending (see :mod:`equivariance_probe.heads`).
+        fit sort descending, Toeplitz R² ascending (see :mod:`equivariance_probe.analyses.heads`).
         """
-        from .heads import rank_heads
-
         return rank_heads(self, by=by, scores=scores)
 
     # -- files -------------------------------------------------------------------------------------------
@@ -437,29 +327,29 @@ class ProbeResult:
         statistics = self.statistics
         data = {
             "format_version": FORMAT_VERSION,
-            "kind": _KIND,
+            "kind": RESULT_KIND,
             "complete": self.complete,
             "metadata": self.metadata,
             "statistics": {
                 "config": statistics.config(),
                 "n_windows": statistics.n_windows,
                 "n_tokens": statistics.n_tokens,
-                "arrays": {name: _encode(value) for name, value in statistics.arrays.items()},
+                "arrays": {name: encode_array(value) for name, value in statistics.arrays.items()},
                 "sample": None
                 if statistics.sample is None
                 else {
                     "size": statistics.sample.size,
-                    "columns": {c: _encode(torch.from_numpy(v)) for c, v in statistics.sample.to_arrays().items()},
+                    "columns": {c: encode_array(torch.from_numpy(v)) for c, v in statistics.sample.to_arrays().items()},
                 },
             },
-            "summary": _jsonable(self.summary()),
+            "summary": jsonable(self.summary()),
         }
         data["checksum"] = checksum(data["statistics"])
         return data
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the result as JSON (exact float64 sums); written to a temporary file, then renamed."""
-        return write_json_atomically(path, _jsonable(self.to_dict()))
+        return write_json_atomically(path, jsonable(self.to_dict()))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "result") -> ProbeResult:
@@ -472,13 +362,13 @@ class ProbeResult:
                 n_layers=config["n_layers"],
                 n_heads=config["n_heads"],
                 n_positions=config["n_positions"],
-                windows=config["windows"],
+                sliding_windows=config["windows"],
                 log_floor=config["log_floor"],
                 excluded_keys=config["excluded_keys"],
                 keep_pattern=config["keep_pattern"],
             )
             for name, expected in statistics.arrays.items():
-                array = _decode(stats_data["arrays"][name])
+                array = decode_array(stats_data["arrays"][name])
                 if tuple(array.shape) != tuple(expected.shape):
                     raise ResultFileError(
                         f"{source}: array {name!r} has shape {tuple(array.shape)}, expected {tuple(expected.shape)}"
@@ -489,7 +379,7 @@ class ProbeResult:
                 raise ResultFileError(f"{source}: unknown statistics {sorted(unknown)}")
             sample = stats_data.get("sample")
             if sample is not None:
-                columns = {c: _decode(v).numpy() for c, v in sample["columns"].items()}
+                columns = {c: decode_array(v).numpy() for c, v in sample["columns"].items()}
                 statistics.sample = EntrySample.from_arrays(int(sample["size"]), columns)
             statistics.n_windows = int(stats_data["n_windows"])
             statistics.n_tokens = int(stats_data["n_tokens"])
@@ -523,34 +413,3 @@ def _head_label(values: np.ndarray, pick) -> str:
     layer, head = np.unravel_index(pick(values), values.shape)
     return f"L{layer}H{head} ({values[layer, head]:.3f})"
 
-
-def _encode(tensor: torch.Tensor) -> dict[str, Any]:
-    # No copies of float64 arrays before base64 (a Gemma-sized summed pattern is 600 MB).
-    array = np.ascontiguousarray(tensor.detach().cpu().numpy(), dtype="<f8")
-    return {"dtype": "float64", "shape": list(array.shape), "data": base64.b64encode(memoryview(array)).decode("ascii")}
-
-
-def _decode(encoded: dict[str, Any]) -> torch.Tensor:
-    if encoded.get("dtype") != "float64":
-        raise ResultFileError(f"unsupported array dtype {encoded.get('dtype')!r}")
-    raw = base64.b64decode(encoded["data"], validate=True)
-    shape = tuple(int(s) for s in encoded["shape"])
-    if len(raw) != 8 * math.prod(shape):
-        raise ResultFileError(f"array data of {len(raw)} bytes does not match shape {shape}")
-    return torch.from_numpy(np.frombuffer(raw, dtype="<f8").reshape(shape).copy())
-
-
-def _jsonable(value: Any) -> Any:
-    """Replace NaN/inf (not valid JSON) with None and numpy scalars with Python ones."""
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, np.ndarray):
-        return _jsonable(value.tolist())
-    if isinstance(value, (np.floating, float)):
-        value = float(value)
-        return value if math.isfinite(value) else None
-    if isinstance(value, np.integer):
-        return int(value)
-    return value

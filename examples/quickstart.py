@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from equivariance_probe import EquivarianceProbe, ProbeResult
-from equivariance_probe.corpus import load_corpus
-from equivariance_probe.models import load_model
+from equivariance_probe.sources.corpus import load_corpus
+from equivariance_probe.sources.models import load_model
 
 
 def main() -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from equivariance_probe.figures import save_figures, study_figures
-from equivariance_probe.study import run_study
+from equivariance_probe.display.figures import save_figures, study_figures
+from equivariance_probe.runs.study import run_study
 
 
 def main() -> None:

@@ -22,11 +22,11 @@ class SyntheticAdapter(Adapter):
     framework = "synthetic"
 
     def __init__(self, pattern_fn: PatternFunction, *, n_layers: int, n_heads: int,
-                 windows: Sequence[int | None] | None = None, max_context: int | None = None,
+                 sliding_windows: Sequence[int | None] | None = None, max_context: int | None = None,
                  vocab_size: int = 1000) -> None:
         super().__init__(torch.nn.Linear(1, 1))
         self.pattern_fn = pattern_fn
-        self._layout = AttentionLayout(n_layers, n_heads, tuple(windows or (None,) * n_layers), max_context)
+        self._layout = AttentionLayout(n_layers, n_heads, tuple(sliding_windows or (None,) * n_layers), max_context)
         self._vocab = vocab_size
 
     @property

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from equivariance_probe import CheckpointError, EquivarianceProbe, ProbeResult, run_study
-from equivariance_probe.checkpoint import clear_checkpoint
+from equivariance_probe.runs.checkpoint import clear_checkpoint
 from equivariance_probe.cli import main
 
 from synthetic import save_tiny_model_with_tokenizer, tiny_gemma3, write_text_corpus
@@ -37,7 +37,7 @@ if where == "batch":      # in the middle of a forward pass: the chunk's batches
         return original(self, *args, **kwargs)
     EquivarianceProbe._run_batch = run_batch
 else:                     # after state.json.tmp is written, before it is renamed over state.json
-    import equivariance_probe.fileformat as fileformat  # where every atomic JSON write renames
+    import equivariance_probe.records.fileformat as fileformat  # where every atomic JSON write renames
     replace = os.replace
     class Os:
         def __getattr__(self, name):
@@ -202,7 +202,7 @@ def test_a_checkpoint_of_another_model_corpus_or_configuration_is_refused(setup,
         resume(context_length=12)
     with pytest.raises(CheckpointError, match="different config.*checkpoint_every"):
         resume(checkpoint_every=3)
-    with pytest.raises(CheckpointError, match="unfinished run; pass --resume"):
+    with pytest.raises(CheckpointError, match="unfinished run; pass resume=True"):
         resume(resume=False)
     with pytest.raises(CheckpointError, match="no checkpoint"):
         resume(checkpoint_dir=tmp_path / "nothing")

@@ -22,10 +22,11 @@ from synthetic import save_tiny_model_with_tokenizer, tiny_gpt2, tiny_llama, wri
 
 from equivariance_probe import EquivarianceProbe, ProbeResult, load_model  # noqa: E402
 from equivariance_probe.cli import main  # noqa: E402
-from equivariance_probe.compare import common_windows, compare_models  # noqa: E402
+from equivariance_probe.display.comparison import save_comparison  # noqa: E402
+from equivariance_probe.runs.compare import common_windows, compare_models  # noqa: E402
 from equivariance_probe.errors import EmptyCorpusError, InputError, InsufficientMemoryError  # noqa: E402
-from equivariance_probe.metrics import FORMS, SCALES  # noqa: E402
-from equivariance_probe.resources import PeakMemory, count_parameters, estimate_memory  # noqa: E402
+from equivariance_probe.maths.metrics import FORMS, SCALES  # noqa: E402
+from equivariance_probe.sources.resources import PeakMemory, count_parameters, estimate_memory  # noqa: E402
 
 T = 24  # tokens per window
 
@@ -57,8 +58,8 @@ def tiny(tmp_path_factory):
 
 def test_common_windows_give_every_tokenizer_at_least_t_tokens(tiny):
     _, gemma, llama, corpus = tiny
-    from equivariance_probe.corpus import load_corpus
-    from equivariance_probe.models import load_tokenizer
+    from equivariance_probe.sources.corpus import load_corpus
+    from equivariance_probe.sources.models import load_tokenizer
 
     toks = {"words": load_tokenizer(gemma), "chars": load_tokenizer(llama)}
     docs = load_corpus(corpus)
@@ -99,14 +100,14 @@ def test_compare_two_tiny_models_end_to_end(tiny, tmp_path):
 
     # The table reports what the probe measures on those windows (no parallel computation).
     model, tokenizer = load_model(llama)
-    from equivariance_probe.corpus import load_corpus
+    from equivariance_probe.sources.corpus import load_corpus
 
     texts = common_windows(load_corpus(corpus), {"g": load_model(gemma)[1], "l": tokenizer}, T, 3)
     direct = EquivarianceProbe(model, tokenizer=tokenizer).run(texts, context_length=T, progress=False)
     assert rows[3]["log_eta2"] == pytest.approx(direct.query_position_r2("log", "eta2"), rel=1e-12)
     assert rows[3]["toeplitz_r2"] == pytest.approx(float(direct.toeplitz_r2("head_per_doc").mean()), rel=1e-12)
 
-    paths = comparison.save(tmp_path)
+    paths = save_comparison(comparison, tmp_path)
     with paths["csv"].open() as stream:
         table = list(csv.DictReader(stream))
     assert len(table) == 6 and float(table[0]["log_eta2"]) == pytest.approx(rows[0]["log_eta2"])

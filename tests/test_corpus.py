@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from equivariance_probe.corpus import (
+from equivariance_probe.sources.corpus import load_corpus
+from equivariance_probe.sources.wikipedia import (
     DEFAULT_CORPUS,
     DEFAULT_CORPUS_LICENSE,
     DEFAULT_CORPUS_PROVENANCE,
-    load_corpus,
     load_default_articles,
     wikitext_to_text,
 )

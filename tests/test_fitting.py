@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from equivariance_probe.fitting import curve_r2, fit_exponential, fit_power, fit_prior
+from equivariance_probe.maths.fitting import curve_r2, fit_exponential, fit_power, fit_prior
 
 
 def test_power_fit_recovers_parameters():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from equivariance_probe import EquivarianceProbe, HeadRanking, rank_heads
-from equivariance_probe.heads import HIGHER_IS_MORE_POSITION_BOUND, RANKING_SCORES
+from equivariance_probe.analyses.heads import HIGHER_IS_MORE_POSITION_BOUND, RANKING_SCORES
 
 from synthetic import SyntheticAdapter, random_causal_pattern, uniform_pattern
 
@@ -75,7 +75,7 @@ def test_scores_are_the_results_own_numbers_and_the_known_values(result):
 
 
 def test_prior_fit_by_head_is_the_persistence_curves_prior_r2(result):
-    from equivariance_probe.heads import prior_fit_by_head
+    from equivariance_probe.analyses.heads import prior_fit_by_head
 
     np.testing.assert_allclose(prior_fit_by_head(result), result.persistence(by="head").r2("prior"), rtol=1e-12)
 
@@ -116,7 +116,7 @@ def test_nan_scores_go_last_and_bad_keys_are_refused(result):
 
 
 def test_nan_key_rows_are_ranked_last():
-    from equivariance_probe.heads import HeadRanking as Ranking
+    from equivariance_probe.analyses.heads import HeadRanking as Ranking
 
     # A run without the summed pattern has no document-averaged Toeplitz score: all NaN, order kept.
     adapter = SyntheticAdapter(built_heads, n_layers=2, n_heads=4, max_context=64)

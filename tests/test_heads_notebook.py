@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from equivariance_probe.views import circuitsvis_bundle
+from equivariance_probe.display.circuitsvis import circuitsvis_bundle
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "heads.ipynb"
 

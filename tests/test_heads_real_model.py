@@ -8,12 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from equivariance_probe.views import circuitsvis_bundle
+from equivariance_probe.display.circuitsvis import circuitsvis_bundle
 
 
 @pytest.mark.slow
 def test_gemma_views_rows_sum_to_one_and_the_report_carries_one_bundle():
-    from equivariance_probe import EquivarianceProbe, head_views, load_corpus, load_model
+    from equivariance_probe import EquivarianceProbe, head_views, load_corpus, load_model, render_report
 
     model, tokenizer = load_model()
     probe = EquivarianceProbe(model, tokenizer=tokenizer)
@@ -28,7 +28,7 @@ def test_gemma_views_rows_sum_to_one_and_the_report_carries_one_bundle():
     # the window starts at position 0, so every row holds all its visible keys: rows sum to 1
     np.testing.assert_allclose(views.pattern.sum(-1), 1.0, atol=1e-5)
     assert views.tokens[0] == "<bos>"
-    page = result.to_html(views=views)
+    page = render_report(result, views=views)
     assert page.count(circuitsvis_bundle()) == 1 and "L" in views.labels[0]
 
 

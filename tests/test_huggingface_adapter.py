@@ -12,9 +12,9 @@ from synthetic import collect_patterns, tiny_gemma3, tiny_gpt2, tiny_llama
 
 
 def test_layouts_from_configs():
-    assert HuggingFaceAdapter(tiny_gemma3(window=5)).layout.windows == (5, 5, None)
+    assert HuggingFaceAdapter(tiny_gemma3(window=5)).layout.sliding_windows == (5, 5, None)
     llama = HuggingFaceAdapter(tiny_llama()).layout
-    assert (llama.n_layers, llama.n_heads, llama.windows) == (2, 4, (None, None))
+    assert (llama.n_layers, llama.n_heads, llama.sliding_windows) == (2, 4, (None, None))
     gpt2 = HuggingFaceAdapter(tiny_gpt2(n_positions=48)).layout
     assert gpt2.max_context == 48
 

@@ -123,13 +123,13 @@ def test_query_position_r2_equals_brute_force_on_a_sliding_window_model(scale):
     tokens = torch.randint(3, 97, (3, 14), generator=torch.Generator().manual_seed(2))
     patterns = collect_patterns(HuggingFaceAdapter(model), tokens)
     result = run(model, tokens, batch_size=2)
-    reference = _reference_r2(patterns, result.statistics.windows, scale, result.log_floor, [14, 14, 14])
+    reference = _reference_r2(patterns, result.statistics.sliding_windows, scale, result.log_floor, [14, 14, 14])
     for form in FORMS:
         assert result.query_position_r2(scale, form) == pytest.approx(reference[form], rel=1e-7, abs=1e-12)
     # Per head: the same brute force restricted to one head's entries.
     layer, head = 2, 1
     one = {layer: patterns[layer][:, head : head + 1]}
-    reference_head = _reference_r2(one, result.statistics.windows, scale, result.log_floor, [14, 14, 14])
+    reference_head = _reference_r2(one, result.statistics.sliding_windows, scale, result.log_floor, [14, 14, 14])
     for form in FORMS:
         assert result.query_position_r2(scale, form, by="head")[layer, head] == pytest.approx(reference_head[form], rel=1e-7)
 
@@ -183,7 +183,7 @@ def test_sliding_window_statistics_never_read_outside_the_window():
     poisoned = clean.clone()
     poisoned[~causal_mask(n, window)] = float("nan")  # anything read outside V(q) would poison the sums
     make = lambda pattern: SyntheticAdapter(  # noqa: E731
-        lambda layer, tokens: pattern.expand(tokens.shape[0], 2, -1, -1), n_layers=1, n_heads=2, windows=[window]
+        lambda layer, tokens: pattern.expand(tokens.shape[0], 2, -1, -1), n_layers=1, n_heads=2, sliding_windows=[window]
     )
     tokens = torch.zeros((2, n), dtype=torch.long)
     a, b = run(make(clean), tokens), run(make(poisoned), tokens)
@@ -202,4 +202,4 @@ def test_gemma3_sliding_layers_count_only_window_entries():
     q = torch.arange(12).double()
     assert torch.equal(counts[0], 2 * torch.clamp(q + 1, max=4))
     assert torch.equal(counts[2], 2 * (q + 1))
-    assert result.statistics.windows == (4, 4, None)
+    assert result.statistics.sliding_windows == (4, 4, None)

@@ -13,12 +13,9 @@ import pytest
 import torch
 
 from equivariance_probe.errors import EquivarianceProbeError, InputError, UnsupportedModelError
-from equivariance_probe.models import (
-    ModelNotFoundError,
-    load_model,
-    random_init_like,
-    zero_like,
-)
+from equivariance_probe.errors import ModelNotFoundError
+from equivariance_probe.sources.baselines import random_init_like, zero_like
+from equivariance_probe.sources.models import load_model
 
 transformers = pytest.importorskip("transformers")
 

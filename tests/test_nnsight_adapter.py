@@ -23,15 +23,17 @@ nnsight = pytest.importorskip("nnsight")
 
 from equivariance_probe import EquivarianceProbe  # noqa: E402
 from equivariance_probe.adapters import get_adapter  # noqa: E402
-from equivariance_probe.adapters.nnsight import (  # noqa: E402
-    REMOTE_FUNCTIONS,
+from equivariance_probe.adapters.nnsight import NNsightAdapter  # noqa: E402
+from equivariance_probe.adapters.nnsight_remote import REMOTE_FUNCTIONS, REMOTE_MODULES, reply_nbytes  # noqa: E402
+from equivariance_probe.errors import (  # noqa: E402
+    AttentionCaptureError,
+    EquivarianceProbeError,
     MissingAPIKeyError,
-    NNsightAdapter,
     RemoteExecutionError,
-    reply_nbytes,
+    UnsupportedModelError,
 )
-from equivariance_probe.errors import AttentionCaptureError, EquivarianceProbeError, UnsupportedModelError  # noqa: E402
-from equivariance_probe.stats import default_log_floor  # noqa: E402
+from equivariance_probe.statistics import AttentionStatistics  # noqa: E402
+from equivariance_probe.statistics.kernels import default_log_floor  # noqa: E402
 
 from synthetic import collect_patterns, tiny_gemma3, tiny_gpt2, tiny_llama  # noqa: E402
 
@@ -262,18 +264,18 @@ def test_remote_payload_imports_only_torch_math_collections(monkeypatch):
     # Registration for pickling by value is undone after the request.
     from cloudpickle.cloudpickle import _PICKLE_BY_VALUE_MODULES
 
-    assert "equivariance_probe.stats" not in _PICKLE_BY_VALUE_MODULES
+    assert not set(REMOTE_MODULES) & set(_PICKLE_BY_VALUE_MODULES)
 
 
 def test_reply_size_is_independent_of_documents_and_far_below_the_patterns(monkeypatch):
     replies: list[int] = []
-    add_sums = NNsightAdapter._add_sums
+    add_batch_sums = AttentionStatistics.add_batch_sums
 
-    def spy(self, sums, statistics, width):
+    def spy(self, sums, width):
         replies.append(sum(v.numel() * v.element_size() for v in sums.values()))
-        return add_sums(self, sums, statistics, width)
+        return add_batch_sums(self, sums, width)
 
-    monkeypatch.setattr(NNsightAdapter, "_add_sums", spy)
+    monkeypatch.setattr(AttentionStatistics, "add_batch_sums", spy)
     hf_model = eager(tiny_llama)
     adapter = NNsightAdapter(transformers_model(hf_model), remote="local")
     width, layers, heads = 24, 2, 4

@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from equivariance_probe.errors import InputError
-from equivariance_probe.order import (
-    RepresentationSums,
+from equivariance_probe.analyses.order import (
     VarianceShrinkage,
     distribution_change,
-    fit_shrinkage_exponent,
     permutation_sensitivity,
     permute_middle,
     position_correlation,
     representation_sums,
 )
+from equivariance_probe.maths.fitting import fit_shrinkage_exponent
+from equivariance_probe.statistics.representation import RepresentationSums
 
 from synthetic import tiny_gemma3, tiny_gpt2, tiny_llama
 

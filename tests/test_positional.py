@@ -6,20 +6,19 @@ import numpy as np
 import pytest
 import torch
 
-from equivariance_probe.attention_internals import ablate, intercept_attention, visible_from_mask
+from equivariance_probe.adapters.internals import ablate, intercept_attention, visible_from_mask
 from equivariance_probe.errors import InputError, UnsupportedModelError
-from equivariance_probe.metrics import toeplitz_r2
-from equivariance_probe.positional import (
+from equivariance_probe.maths.metrics import toeplitz_r2
+from equivariance_probe.analyses.positional import (
     diagonal_profile_sums,
     fit_score_profiles,
-    fit_tisa_kernel,
     gram_toeplitz,
     position_embedding_table,
     positional_logits,
     score_profile,
     sinusoidal_position_embeddings,
-    tisa_kernel,
 )
+from equivariance_probe.maths.fitting import fit_tisa_kernel, tisa_kernel
 
 from synthetic import tiny_gemma3, tiny_gpt2, tiny_llama
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from equivariance_probe.cli import main
-from equivariance_probe.positional_study import PositionalStudy
+from equivariance_probe.runs.positional import PositionalStudy
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ import torch
 
 from equivariance_probe.cli import main
 from equivariance_probe.errors import InputError, ResultFileError
-from equivariance_probe.positional_study import ANALYSES, PositionalStudy, run_positional
+from equivariance_probe.display.positional import positional_figures, render_positional_section
+from equivariance_probe.runs.positional import ANALYSES, PositionalStudy, run_positional
 
 from synthetic import WORDS, save_tiny_model_with_tokenizer, tiny_gpt2, write_text_corpus
 
@@ -42,14 +43,14 @@ def test_every_analysis_runs_on_a_gpt2_and_round_trips(gpt2_study, tmp_path):
 
 
 def test_figures_and_html_section(gpt2_study):
-    figures = gpt2_study.figures()
+    figures = positional_figures(gpt2_study)
     assert set(figures) == {"gram", "positional_logits", "tisa", "permutation", "shrinkage", "correlation",
                             "correlation_baseline"}
     import matplotlib.pyplot as plt
 
     for figure in figures.values():
         plt.close(figure)
-    section = gpt2_study.to_html()
+    section = render_positional_section(gpt2_study)
     assert section.startswith('<section class="positional">') and section.count("data:image/png;base64,") == 7
     assert "Toeplitz R² (diagonal excluded)" in section and "no_mask+no_positions" in section
 
@@ -111,8 +112,8 @@ def test_wrapped_models_and_probes_use_the_raw_hugging_face_weights(tmp_path):
     import copy
 
     from equivariance_probe import EquivarianceProbe
-    from equivariance_probe.models import load_model
-    from equivariance_probe.positional import gram_toeplitz, position_embedding_table
+    from equivariance_probe.sources.models import load_model
+    from equivariance_probe.analyses.positional import gram_toeplitz, position_embedding_table
 
     path = save_tiny_model_with_tokenizer(tmp_path / "model", kind="gpt2", n_positions=64)
     hf, tokenizer = load_model(path)
@@ -123,14 +124,14 @@ def test_wrapped_models_and_probes_use_the_raw_hugging_face_weights(tmp_path):
     # nnsight runs the Hugging Face modules; the bridge replaces the attention modules with its own,
     # which bypass transformers' attention functions: a clear refusal instead of empty numbers.
     from equivariance_probe.errors import AttentionCaptureError
-    from equivariance_probe.positional import score_profile
+    from equivariance_probe.analyses.positional import score_profile
 
     tokens = torch.randint(3, 60, (1, 8))
     assert score_profile(wrapped["nnsight"], tokens).sums.shape == (2, 4, 15)
     with pytest.raises(AttentionCaptureError, match="TransformerBridge replaces the attention modules"):
         score_profile(wrapped["transformer_lens"], tokens)
     probe = EquivarianceProbe(copy.deepcopy(hf), tokenizer=tokenizer)
-    study = probe.positional(["the a of and to in is was for on as with by at from that " * 3] * 2,
+    study = run_positional(probe, docs=["the a of and to in is was for on as with by at from that " * 3] * 2,
                              analyses=("gram", "permutation"), n_prompts=1, prompt_length=12, n_permutations=2,
                              progress=False)
     assert study.parts["gram"].r2_whole == reference.r2_whole

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from equivariance_probe import EquivarianceProbe, InputError, zero_like
-from equivariance_probe.devices import parse_dtype, resolve_device
-from equivariance_probe.provenance import model_identity
+from equivariance_probe.sources.devices import parse_dtype, resolve_device
+from equivariance_probe.records.provenance import model_identity
 
 from synthetic import tiny_gemma3, tiny_gpt2
 
@@ -78,7 +78,7 @@ def test_results_record_dtype_device_versions_and_revision(tmp_path):
 def test_device_selection(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == torch.device("cpu") == resolve_device(None)
-    with pytest.raises(InputError, match="no CUDA GPU.*--device cpu"):
+    with pytest.raises(InputError, match="no CUDA GPU.*device='cpu'"):
         resolve_device("cuda")
     with pytest.raises(InputError, match="not a torch device"):
         resolve_device("gpu0")

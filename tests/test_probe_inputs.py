@@ -106,6 +106,6 @@ def test_nan_weights_in_a_real_model_raise():
 def test_a_mask_the_adapter_does_not_know_is_detected():
     # The pattern attends over the whole causal prefix but the adapter claims a window of 3.
     adapter = SyntheticAdapter(lambda layer, tokens: uniform_pattern(tokens.shape[1]).expand(tokens.shape[0], 1, -1, -1),
-                               n_layers=1, n_heads=1, windows=[3])
+                               n_layers=1, n_heads=1, sliding_windows=[3])
     with pytest.raises(AttentionCaptureError, match="outside the mask"):
         EquivarianceProbe(adapter).run(torch.zeros((1, 10), dtype=torch.long), progress=False)

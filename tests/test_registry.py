@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from equivariance_probe import registry
+from equivariance_probe.sources import registry
 from equivariance_probe.errors import ModelFileError, ModelNotFoundError
-from equivariance_probe.models import DEFAULT_MODEL, MODEL_LICENSE, MODEL_PROVENANCE, PACKAGED_MODELS
-from equivariance_probe.registry import REGISTRY, file_sha256, model_spec, verify_file
+from equivariance_probe.sources.models import DEFAULT_MODEL, MODEL_LICENSE, MODEL_PROVENANCE, PACKAGED_MODELS
+from equivariance_probe.sources.registry import REGISTRY, file_sha256, model_spec, verify_file
 
 
 def test_every_name_resolves_to_its_own_cache_folder():

@@ -19,7 +19,7 @@ import torch
 from synthetic import collect_patterns
 
 from equivariance_probe import get_adapter, load_model
-from equivariance_probe.registry import REGISTRY
+from equivariance_probe.sources.registry import REGISTRY
 
 TEXT = (
     "Albedo is the fraction of sunlight that a surface reflects. Fresh snow reflects most of the light "

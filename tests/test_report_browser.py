@@ -14,7 +14,7 @@ import subprocess
 import pytest
 import torch
 
-from equivariance_probe import EquivarianceProbe, head_views
+from equivariance_probe import EquivarianceProbe, head_views, render_report
 
 from synthetic import SyntheticAdapter
 from test_heads import POSITIONAL, PREVIOUS_TOKEN, built_heads
@@ -47,7 +47,7 @@ def report(tmp_path_factory):
     result = probe.run(tokens, keep_pattern=True, progress=False)
     views = head_views(probe, tokens[0], heads=[POSITIONAL, PREVIOUS_TOKEN], result=result)
     path = folder / "report.html"
-    path.write_text(result.to_html(views=views), encoding="utf-8")
+    path.write_text(render_report(result, views=views), encoding="utf-8")
     return folder, path
 
 

@@ -84,7 +84,7 @@ def test_incompatible_merges_are_refused(result):
 
 
 def test_empty_result_says_which_method_to_call():
-    statistics = AttentionStatistics(n_layers=1, n_heads=1, n_positions=4, windows=[None])
+    statistics = AttentionStatistics(n_layers=1, n_heads=1, n_positions=4, sliding_windows=[None])
     with pytest.raises(NotRunError, match=r"EquivarianceProbe\(model\)\.run"):
         ProbeResult(statistics).query_position_r2()
     assert "empty" in repr(ProbeResult(statistics))
@@ -106,7 +106,7 @@ def test_repr_and_html_show_headline_numbers(result):
 
 
 def test_entry_sample_is_uniform_bounded_saved_and_merged(tmp_path):
-    from equivariance_probe.sample import EntrySample
+    from equivariance_probe.statistics.sample import EntrySample
 
     model = tiny_gpt2()
     tokens = torch.randint(0, 97, (6, 16), generator=torch.Generator().manual_seed(3))

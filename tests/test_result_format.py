@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from equivariance_probe import EquivarianceProbe, ProbeResult, ResultFileError
-from equivariance_probe.fileformat import FORMAT_VERSION, checksum
+from equivariance_probe.records.fileformat import FORMAT_VERSION, checksum
 
 from synthetic import tiny_gpt2, uniform_pattern, SyntheticAdapter
 
@@ -31,10 +31,11 @@ def test_a_version_1_file_loads_with_its_numbers():
     assert loaded.complete and loaded.n_windows == 3
     # The numbers the version-1 writer stored in its summary are those of the loaded sums ...
     assert loaded.query_position_r2("log", "eta2") == pytest.approx(data["summary"]["query_position_r2"]["log"]["eta2"], rel=1e-12)
-    # ... and the sums are those of the same run today.
+    # ... and the sums are those of the same run today, to the float32 rounding of the model's own
+    # forward pass, which changes between transformers releases (GPT-2's attention: 1e-7 relative).
     fresh = _v1_run()
     for name, value in fresh.statistics.arrays.items():
-        assert torch.allclose(loaded.statistics.arrays[name], value, rtol=1e-12, atol=1e-15), name
+        assert torch.allclose(loaded.statistics.arrays[name], value, rtol=1e-6, atol=1e-6), name
     assert len(loaded.entry_sample()["attention"]) == 20
     # Saving writes the current version, which loads back identically.
     again = json.loads(json.dumps(loaded.to_dict(), default=float))

@@ -17,7 +17,7 @@ def test_two_document_study_at_context_256_writes_every_output(tmp_path, capsys)
         assert (out / name).stat().st_size > 0, name
     trained = ProbeResult.load(out / "results.json")
     assert (trained.n_layers, trained.n_heads) == (18, 4)
-    assert trained.statistics.windows.count(None) == 18  # sliding window 512 >= context 256: all full causal
+    assert trained.statistics.sliding_windows.count(None) == 18  # sliding window 512 >= context 256: all full causal
     zero = ProbeResult.load(out / "baseline_zero.json")
     assert zero.query_position_r2("log", "eta2") == pytest.approx(1.0, abs=1e-9)
     assert "| log | fitted |" in capsys.readouterr().out
@@ -30,7 +30,7 @@ def test_gemma_sliding_layers_at_context_above_the_window():
     model, tokenizer = load_model()
     docs = [d for d in load_corpus(n_docs=20) if len(tokenizer(d)["input_ids"]) > 600][:1]
     result = EquivarianceProbe(model, tokenizer=tokenizer).run(docs, context_length=600, progress=False)
-    windows = result.statistics.windows
+    windows = result.statistics.sliding_windows
     assert windows.count(512) == 15 and windows.count(None) == 3  # Gemma 3: 5 local layers per global one
     counts = result.statistics.arrays["query_count"]
     assert float(counts[0, 599]) == 512 and float(counts[5, 599]) == 600

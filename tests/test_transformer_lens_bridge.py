@@ -37,7 +37,7 @@ def test_dispatch_layout_and_patterns_equal_hugging_face(models):
     reference = HuggingFaceAdapter(hf)
     assert adapter.layout == reference.layout
     if kind == "gemma3":
-        assert adapter.layout.windows == (8, 8, None)
+        assert adapter.layout.sliding_windows == (8, 8, None)
     tokens = torch.randint(3, 80, (2, 20), generator=torch.Generator().manual_seed(0))
     mine, theirs = collect_patterns(adapter, tokens), collect_patterns(reference, tokens)
     for layer in theirs:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from equivariance_probe import EquivarianceProbe, HeadViews, InputError, head_views
-from equivariance_probe.report import ReportSection, render_report
-from equivariance_probe.views import (
+from equivariance_probe.display.report import ReportSection, render_report
+from equivariance_probe.display.circuitsvis import circuitsvis_bundle
+from equivariance_probe.display.views import (
     capture_head_patterns,
-    circuitsvis_bundle,
     log_ratio,
     parse_heads,
     prior_pattern,
@@ -89,7 +89,7 @@ def test_default_heads_are_the_most_and_least_position_bound_and_windows_slice_e
 
 def test_a_window_wider_than_the_shown_positions_is_full_causal():
     pattern = np.stack([uniform_pattern(6).double().numpy(), uniform_pattern(6, 3).double().numpy()])
-    views = HeadViews(tokens=list("abcdef"), heads=[(0, 0), (1, 0)], pattern=pattern, windows=[512, 3])
+    views = HeadViews(tokens=list("abcdef"), heads=[(0, 0), (1, 0)], pattern=pattern, sliding_windows=[512, 3])
     priors = views.priors()
     assert list(priors) == [None, 3]  # window 512 >= 6 positions: the same mask as full causal
     np.testing.assert_allclose(views.log_ratios(), 0.0, atol=1e-6)  # each uniform head matches its own prior
@@ -140,7 +140,7 @@ def test_view_html_is_offline_carries_the_bundle_once_and_rounds(probe_and_resul
 def test_tokens_cannot_close_the_script(probe_and_result):
     probe, _, _ = probe_and_result
     views = HeadViews(tokens=["</script><b>x", "y"], heads=[(0, 0)], pattern=np.array([[[1.0, 0.0], [0.5, 0.5]]]),
-                      windows=[None])
+                      sliding_windows=[None])
     body = views.body_html()
     assert "</script><b>" not in body and "<\\/script><b>x" in body
 
@@ -158,8 +158,8 @@ def test_report_holds_the_bundle_once_for_every_view_and_extra_sections(probe_an
     assert titles == ["Summary", "Figures", "Heads ranked by how position-bound they are",
                       "Heads on one document (CircuitsVis)", "Positional analyses"]
     assert not EXTERNAL_URL.search(page.replace(bundle, ""))
-    assert result.to_html(views=views[0]).count(bundle) == 1
-    assert bundle not in result.to_html()  # no views: no bundle
+    assert render_report(result, views=views[0]).count(bundle) == 1
+    assert bundle not in render_report(result)  # no views: no bundle
 
 
 @pytest.fixture(scope="module")
@@ -217,5 +217,5 @@ def test_views_are_the_same_through_every_adapter(tiny_study, backend):
     reference = head_views(hf_model, text, tokenizer=hf_tokenizer, heads="L0H1,L2H3")
     model, tokenizer = load_model(folder, backend=backend)
     views = head_views(model, text, tokenizer=tokenizer, heads="L0H1,L2H3")
-    assert views.tokens == reference.tokens and views.windows == reference.windows == [8, None]
+    assert views.tokens == reference.tokens and views.sliding_windows == reference.sliding_windows == [8, None]
     np.testing.assert_allclose(views.pattern, reference.pattern, atol=1e-6)

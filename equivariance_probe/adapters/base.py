@@ -33,7 +33,7 @@ class AttentionLayout:
         n_layers: number of attention layers.
         n_heads: number of query heads per layer (for grouped-query attention, the
             query heads, not the key/value heads).
-        windows: per layer, ``None`` for full causal attention or the width ``w`` of a
+        sliding_windows: per layer, ``None`` for full causal attention or the width ``w`` of a
             sliding window, in which query ``q`` sees keys ``max(0, q-w+1) .. q``
             (``|V(q)| = min(q+1, w)``; Gemma 3 local layers, Mistral).
         max_context: the longest window the model accepts, or ``None`` if unbounded.
@@ -41,18 +41,19 @@ class AttentionLayout:
 
     n_layers: int
     n_heads: int
-    windows: tuple[int | None, ...]
+    sliding_windows: tuple[int | None, ...]
     max_context: int | None = None
 
     def __post_init__(self) -> None:
-        if len(self.windows) != self.n_layers:
-            raise ValueError(
-                f"AttentionLayout: {len(self.windows)} windows given for {self.n_layers} layers"
+        if len(self.sliding_windows) != self.n_layers:
+            raise InputError(
+                f"AttentionLayout: {len(self.sliding_windows)} sliding windows given for {self.n_layers} layers; "
+                "give one per layer (None for full causal attention)"
             )
 
     def visible_keys(self, layer: int, query: int) -> int:
         """``|V(q)|``: how many keys query ``query`` may see in ``layer`` (no padding)."""
-        window = self.windows[layer]
+        window = self.sliding_windows[layer]
         return query + 1 if window is None else min(query + 1, window)
 
 

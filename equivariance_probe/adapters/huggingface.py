@@ -1,5 +1,7 @@
 """Adapter for plain Hugging Face causal LMs (``transformers.PreTrainedModel``).
 
+Place in the seams: *adapters*, the only code that knows transformers' modules.
+
 Attention is captured with a forward hook on every layer's attention module, whose
 output is ``(attn_output, attn_weights)``; ``attn_weights: [batch, head, query, key]``
 exists only under eager attention, so a model loaded with ``sdpa`` or flash attention is
@@ -11,6 +13,7 @@ the vocabulary: at context 1024 that is about half of a Gemma 3 270M forward.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,44 +21,7 @@ import torch
 
 from ..errors import AttentionCaptureError
 from .base import Adapter, AttentionLayout, PatternCallback
-
-#: Attribute names under which layer stacks and attention modules are found.
-_LAYER_LISTS = ("layers", "h", "blocks", "decoder.layers")
-_ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
-
-
-def _get_path(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
-def text_config(config: Any) -> Any:
-    """The text part of a (possibly multimodal) config."""
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
-
-
-def layer_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
-    """Per layer, ``None`` (full causal) or the sliding window width, from a HF config.
-
-    Understands ``layer_types`` (``"sliding_attention"`` / ``"full_attention"``, Gemma 2/3,
-    Qwen 2 in recent transformers) and the older Mistral style, where ``sliding_window``
-    applies to every layer unless ``use_sliding_window`` is false.
-    """
-    config = text_config(config)
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return tuple(
-            int(window) if (kind in ("sliding_attention", "chunked_attention") and window) else None
-            for kind in list(layer_types)[:n_layers]
-        )
-    if window and getattr(config, "use_sliding_window", True):
-        return (int(window),) * n_layers
-    return (None,) * n_layers
+from .modules import find_attention_modules, layer_windows, text_config
 
 
 class _LastPatternSeen(Exception):
@@ -75,7 +41,7 @@ class HuggingFaceAdapter(Adapter):
 
     def __init__(self, model: Any, tokenizer: Any | None = None) -> None:
         super().__init__(model, tokenizer)
-        self.attention_modules = self._find_attention_modules()
+        self.attention_modules = find_attention_modules(model)
         config = text_config(model.config)
         n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
         if n_heads is None:
@@ -91,28 +57,8 @@ class HuggingFaceAdapter(Adapter):
         self._layout = AttentionLayout(
             n_layers=len(self.attention_modules),
             n_heads=int(n_heads),
-            windows=layer_windows(model.config, len(self.attention_modules)),
+            sliding_windows=layer_windows(model.config, len(self.attention_modules)),
             max_context=int(max_context) if max_context else None,
-        )
-
-    def _find_attention_modules(self) -> list[torch.nn.Module]:
-        base = self.model.base_model
-        for path in _LAYER_LISTS:
-            layers = _get_path(base, path)
-            if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
-                modules = []
-                for layer in layers:
-                    attention = next((getattr(layer, n) for n in _ATTENTION_NAMES if hasattr(layer, n)), None)
-                    if attention is None:
-                        break
-                    modules.append(attention)
-                else:
-                    return modules
-        raise AttentionCaptureError(
-            f"cannot find the attention modules of {type(self.model).__name__}: looked for a layer list "
-            f"named one of {_LAYER_LISTS} whose layers have one of {_ATTENTION_NAMES}. Wrap the model with "
-            "TransformerLens (TransformerBridge.boot_transformers) or nnsight, or open an issue naming the "
-            "architecture"
         )
 
     @property
@@ -127,9 +73,6 @@ class HuggingFaceAdapter(Adapter):
         info = super().info()
         info.extra["architecture"] = type(self.model).__name__
         info.extra["attn_implementation"] = self._attn_implementation()
-        from ..provenance import model_revision
-
-        info.extra["revision"] = model_revision(self.model)
         return info
 
     def _attn_implementation(self) -> str | None:
@@ -164,9 +107,7 @@ class HuggingFaceAdapter(Adapter):
                 try:
                     self.model.set_attn_implementation(original)
                 except Exception as error:  # noqa: BLE001 - e.g. flash_attention_2 flagged where flash-attn is absent
-                    # The statistics are complete; failing here would throw them away (issue 7).
-                    import warnings
-
+                    # The statistics are complete; failing here would throw them away.
                     warnings.warn(
                         f"could not switch the model back to attn_implementation={original!r} after the probe "
                         f"({error!s:.200}); it stays 'eager'", stacklevel=3,

@@ -1,5 +1,7 @@
 """Adapters for TransformerLens: the 4.x ``TransformerBridge`` and the legacy 2.x ``HookedTransformer``.
 
+Place in the seams: *adapters*, the only code that knows TransformerLens.
+
 Both expose every layer's post-softmax attention at ``blocks.{l}.attn.hook_pattern``
 (``[batch, head, query, key]``). The hook hands the pattern to the probe's reduction and
 keeps nothing. Once the last layer's pattern is reduced, the forward pass is stopped by
@@ -19,7 +21,7 @@ import torch
 
 from ..errors import AttentionCaptureError
 from .base import Adapter, AttentionLayout, PatternCallback
-from .huggingface import layer_windows
+from .modules import layer_windows
 
 PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
 
@@ -46,7 +48,7 @@ class _TransformerLensAdapter(Adapter):
         self._layout = AttentionLayout(
             n_layers=n_layers,
             n_heads=int(model.cfg.n_heads),
-            windows=self._windows(n_layers),
+            sliding_windows=self._windows(n_layers),
             max_context=int(model.cfg.n_ctx) if getattr(model.cfg, "n_ctx", None) else None,
         )
 

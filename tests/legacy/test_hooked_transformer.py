@@ -29,7 +29,7 @@ def test_patterns_match_run_with_cache_and_layout():
     model = tiny()
     adapter = get_adapter(model)
     assert isinstance(adapter, HookedTransformerAdapter)
-    assert adapter.layout.windows == (None, None, None) and adapter.layout.max_context == 32
+    assert adapter.layout.sliding_windows == (None, None, None) and adapter.layout.max_context == 32
     tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
     captured = {}
     adapter.run_patterns(tokens, lambda layer, pattern: captured.__setitem__(layer, pattern.clone()))
@@ -48,7 +48,7 @@ def test_local_attention_windows_and_unembed_skipped():
     result = EquivarianceProbe(model).run(torch.randint(0, 50, (3, 16)), progress=False)
     handle.remove()
     assert not fired and model.training
-    assert result.statistics.windows == (5, None, 5)
+    assert result.statistics.sliding_windows == (5, None, 5)
     counts = result.statistics.arrays["query_count"].numpy()
     assert np.array_equal(counts[0], 3 * np.minimum(np.arange(1, 17), 5))
     assert np.array_equal(counts[1], 3 * np.arange(1, 17))

@@ -1,0 +1,271 @@
+"""Inside a Hugging Face model's attention: queries, keys, pre-softmax scores, and ablations.
+
+Place in the seams: *adapters*, framework code for ``transformers`` models (like
+:mod:`~equivariance_probe.adapters.huggingface`), used by the analyses of where order comes
+from (:mod:`~equivariance_probe.analyses.positional`, :mod:`~equivariance_probe.analyses.order`).
+TransformerLens bridges and nnsight models are unwrapped to the Hugging Face model inside them
+(:func:`~equivariance_probe.adapters.modules.hf_model_of`): the raw weights, never
+TransformerLens' processed ones.
+
+Every ``transformers`` 5 attention module (Gemma 3, Llama, Mistral, GPT-2, BERT, ...) calls
+``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)``
+with ``(module, query, key, value, attention_mask, scaling=..., softcap=...)``.
+:func:`intercept_attention` puts a function in front of the ``"eager"`` entry for the duration
+of a ``with`` block: it sees the queries and keys after rotary embeddings and q/k norms, can
+drop the mask, and then calls the module's own eager function, so the model computes exactly
+what it computes without it. The scores are recomputed with the same helper the nnsight adapter
+uses (:func:`~equivariance_probe.statistics.kernels.attention_scores`).
+
+Ablations (each checked to take effect; see :func:`ablate`):
+
+* ``"no_mask"`` — the attention mask is dropped in every layer: every query sees every key
+  (causal mask and sliding windows gone).
+* ``"no_positions"`` — rotary embeddings return ``cos = 1, sin = 0`` (the identity rotation),
+  and learned absolute position embeddings (GPT-2 ``wpe``, BERT ``position_embeddings``,
+  OPT ``embed_positions``) return zeros.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import AttentionCaptureError, InputError
+from ..statistics.kernels import attention_scores
+
+__all__ = [
+    "ABLATIONS",
+    "AttentionCall",
+    "intercept_attention",
+    "ablate",
+    "rotary_modules",
+    "position_embedding_modules",
+    "visible_from_mask",
+]
+
+#: Ablations accepted by :func:`ablate` (combine with ``+``: ``"no_mask+no_positions"``).
+ABLATIONS = ("no_mask", "no_positions")
+
+#: Attribute names of learned absolute position-embedding tables.
+_POSITION_TABLE_NAMES = ("wpe", "position_embeddings", "embed_positions")
+
+
+@dataclass
+class AttentionCall:
+    """What one attention module received in one forward pass.
+
+    Attributes:
+        layer: index of the module among the model's attention modules.
+        query: ``[batch, head, query, head_dim]`` (after rotary embeddings and q-norm).
+        key: ``[batch, kv_head, key, head_dim]``.
+        attention_mask: the additive or boolean mask the module received (``None`` if none),
+            broadcastable to ``[batch, head, query, key]``.
+        scaling: the module's score scale.
+        softcap: logit soft-capping, or ``None``.
+        weights: ``[batch, head, query, key]`` the post-softmax weights the module computed
+            (under the ablation in force, if any).
+    """
+
+    layer: int
+    query: torch.Tensor
+    key: torch.Tensor
+    attention_mask: torch.Tensor | None
+    scaling: float | None
+    softcap: float | None
+    weights: torch.Tensor | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def scores(self) -> torch.Tensor:
+        """``[batch, head, query, key]`` pre-softmax, pre-mask scores ``softcap(q·kᵀ·scaling)``."""
+        return attention_scores(self.query, self.key, self.scaling, self.softcap)
+
+
+def visible_from_mask(mask: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor:
+    """Boolean ``[batch, 1 or head, query, key]`` of the entries a mask lets through.
+
+    ``None`` means every entry; a boolean mask is used as is; an additive float mask counts
+    an entry as visible unless it holds a large negative value (transformers fills hidden
+    entries with the dtype's minimum).
+    """
+    if mask is None:
+        return torch.ones(tuple(shape), dtype=torch.bool)
+    mask = mask[..., : shape[-2], : shape[-1]]
+    if mask.dtype == torch.bool:
+        return mask.expand(*mask.shape[:-2], shape[-2], shape[-1])
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def _eager_function(module: torch.nn.Module) -> Callable:
+    """The eager attention function of the module's own modelling file."""
+    source = importlib.import_module(type(module).__module__)
+    function = getattr(source, "eager_attention_forward", None)
+    if function is None:
+        raise AttentionCaptureError(
+            f"{type(module).__name__} ({type(module).__module__}) has no eager_attention_forward, so its "
+            "queries and keys cannot be intercepted; use a transformers 5 model (Gemma, Llama, Mistral, "
+            "Qwen, GPT-2, BERT ...) or report the architecture"
+        )
+    return function
+
+
+@contextlib.contextmanager
+def intercept_attention(
+    model: torch.nn.Module,
+    on_call: Callable[[AttentionCall], None] | None = None,
+    *,
+    drop_mask: bool = False,
+    keep_weights: bool = False,
+) -> Iterator[list[int]]:
+    """Intercept every attention call of ``model`` (a ``transformers`` model) in a ``with`` block.
+
+    Args:
+        model: a ``PreTrainedModel`` running eager attention (switched to eager for the
+            block and back afterwards).
+        on_call: called once per attention module and forward pass with an
+            :class:`AttentionCall`; the tensors are detached.
+        drop_mask: call the module's eager function with ``attention_mask=None``, so every
+            query sees every key.
+        keep_weights: fill ``AttentionCall.weights``.
+
+    Yields:
+        The list of layer indices called so far (to check that every layer was seen).
+
+    Note:
+        The interception is installed on transformers' global ``"eager"`` entry, so it also
+        applies to other models run inside the block in the same thread.
+    """
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    # Layers are numbered in the order their modules first run, which is the layer order of
+    # every decoder and encoder stack; modules of other models run in the block are ignored.
+    own = {id(module) for module in model.modules()}
+    layer_of: dict[int, int] = {}
+    seen: list[int] = []
+
+    def intercepted(module, query, key, value, attention_mask, *args, **kwargs):
+        layer = layer_of.setdefault(id(module), len(layer_of)) if id(module) in own else None
+        mask = None if (drop_mask and layer is not None) else attention_mask
+        output = _eager_function(module)(module, query, key, value, mask, *args, **kwargs)
+        if layer is not None:
+            seen.append(layer)
+            if on_call is not None:
+                on_call(
+                    AttentionCall(
+                        layer=layer,
+                        query=query.detach(),
+                        key=key.detach(),
+                        attention_mask=None if mask is None else mask.detach(),
+                        scaling=kwargs.get("scaling"),
+                        softcap=kwargs.get("softcap"),
+                        weights=output[1].detach() if keep_weights and output[1] is not None else None,
+                    )
+                )
+        return output
+
+    had_local = "eager" in ALL_ATTENTION_FUNCTIONS._local_mapping
+    previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get("eager")
+    original_impl = getattr(model.config, "_attn_implementation", None)
+    switched = False
+    try:
+        if original_impl != "eager":
+            model.set_attn_implementation("eager")
+            switched = True
+        ALL_ATTENTION_FUNCTIONS["eager"] = intercepted
+        yield seen
+        if not seen:
+            raise AttentionCaptureError(
+                f"no attention call of {type(model).__name__} went through transformers' eager attention "
+                "function in this block, so queries and keys could not be read (a TransformerBridge replaces "
+                "the attention modules with its own). Pass the Hugging Face model: load_model(name) or "
+                "load_model(name, backend='nnsight')"
+            )
+    finally:
+        if had_local:
+            ALL_ATTENTION_FUNCTIONS["eager"] = previous
+        else:
+            del ALL_ATTENTION_FUNCTIONS["eager"]
+        if switched and original_impl is not None:
+            model.set_attn_implementation(original_impl)
+
+
+def rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules that compute rotary ``(cos, sin)`` tables (class name ending in ``RotaryEmbedding``)."""
+    return [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+
+def position_embedding_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Learned absolute position-embedding tables (``nn.Embedding`` named ``wpe``, ``position_embeddings``
+    or ``embed_positions``, also inside a TransformerBridge's wrapper)."""
+    found = []
+    for name, module in model.named_modules():
+        # A TransformerBridge wraps each module it replaces as `<name>._original_component`.
+        parts = [part for part in name.split(".") if part != "_original_component"]
+        if isinstance(module, torch.nn.Embedding) and parts and parts[-1] in _POSITION_TABLE_NAMES:
+            found.append(module)
+    return found
+
+
+def _parse_ablation(ablation: str | Sequence[str] | None) -> tuple[str, ...]:
+    if ablation is None or ablation == "none":
+        return ()
+    parts = ablation.split("+") if isinstance(ablation, str) else list(ablation)
+    parts = tuple(p.strip() for p in parts if p.strip() and p.strip() != "none")
+    unknown = [p for p in parts if p not in ABLATIONS]
+    if unknown:
+        raise InputError(
+            f"unknown ablation {unknown}; choose from {list(ABLATIONS)} (combine with '+', e.g. "
+            "'no_mask+no_positions'), or 'none'"
+        )
+    return parts
+
+
+@contextlib.contextmanager
+def ablate(
+    model: torch.nn.Module,
+    ablation: str | Sequence[str] | None,
+    on_call: Callable[[AttentionCall], None] | None = None,
+    *,
+    keep_weights: bool = False,
+) -> Iterator[dict[str, Any]]:
+    """Run ``model`` inside the block with ablations, intercepting its attention.
+
+    Args:
+        model: a ``transformers`` model.
+        ablation: ``None``/``"none"``, ``"no_mask"``, ``"no_positions"`` or
+            ``"no_mask+no_positions"`` (see the module docstring).
+        on_call: passed to :func:`intercept_attention`.
+        keep_weights: passed to :func:`intercept_attention`.
+
+    Yields:
+        A dict filled during the block: ``"layers_seen"`` (list of layer indices called),
+        ``"rotary_calls"`` and ``"position_table_calls"`` (how often an ablated module ran),
+        ``"ablation"`` (the parsed tuple).
+    """
+    parts = _parse_ablation(ablation)
+    record: dict[str, Any] = {"ablation": parts, "rotary_calls": 0, "position_table_calls": 0}
+    handles = []
+
+    def identity_rotation(module, args, output):
+        record["rotary_calls"] += 1
+        cos, sin = output
+        return torch.ones_like(cos), torch.zeros_like(sin)
+
+    def zero_positions(module, args, output):
+        record["position_table_calls"] += 1
+        return torch.zeros_like(output)
+
+    try:
+        if "no_positions" in parts:
+            handles += [m.register_forward_hook(identity_rotation) for m in rotary_modules(model)]
+            handles += [m.register_forward_hook(zero_positions) for m in position_embedding_modules(model)]
+        with intercept_attention(model, on_call, drop_mask="no_mask" in parts, keep_weights=keep_weights) as seen:
+            record["layers_seen"] = seen
+            yield record
+    finally:
+        for handle in handles:
+            handle.remove()

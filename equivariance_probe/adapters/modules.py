@@ -1,0 +1,179 @@
+"""Finding things inside a Hugging Face model, whatever wraps it: the one heuristic the package uses.
+
+Place in the seams: *adapters*, the only code that knows frameworks. Every other part of the
+package that needs the Hugging Face model inside a wrapper, its attention modules, its layers
+or its masks asks here:
+
+* :func:`unwrap_model` / :func:`hf_model_of` — the ``transformers`` model inside a
+  TransformerLens ``TransformerBridge``, an nnsight model, or anything that holds its model as
+  ``.model`` next to one of the package's adapters as ``.adapter`` (an
+  :class:`~equivariance_probe.EquivarianceProbe`); duck-typed, so this module imports no class
+  from above it.
+* :func:`find_attention_modules` and :func:`parent_layer` — each layer's attention module and
+  the decoder layer that holds it.
+* :func:`text_config` and :func:`layer_windows` — the text config and each layer's sliding window.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import AttentionCaptureError, UnsupportedModelError
+
+__all__ = [
+    "LAYER_LISTS",
+    "ATTENTION_NAMES",
+    "text_config",
+    "layer_windows",
+    "find_attention_modules",
+    "parent_layer",
+    "inner_module",
+    "unwrap_model",
+    "hf_model_of",
+    "CAUSAL_LM_SUFFIXES",
+    "is_causal_lm",
+]
+
+
+#: Attribute names under which layer stacks (``LAYER_LISTS``) and, inside each layer, attention
+#: modules (``ATTENTION_NAMES``) are found, in the order they are tried.
+LAYER_LISTS = ("layers", "h", "blocks", "decoder.layers")
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+
+
+def _get_path(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def text_config(config: Any) -> Any:
+    """The text part of a (possibly multimodal) config."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def layer_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
+    """Per layer, ``None`` (full causal) or the sliding window width, from a HF config.
+
+    Understands ``layer_types`` (``"sliding_attention"`` / ``"full_attention"``, Gemma 2/3,
+    Qwen 2 in recent transformers) and the older Mistral style, where ``sliding_window``
+    applies to every layer unless ``use_sliding_window`` is false.
+    """
+    config = text_config(config)
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return tuple(
+            int(window) if (kind in ("sliding_attention", "chunked_attention") and window) else None
+            for kind in list(layer_types)[:n_layers]
+        )
+    if window and getattr(config, "use_sliding_window", True):
+        return (int(window),) * n_layers
+    return (None,) * n_layers
+
+
+def parent_layer(model: torch.nn.Module, attention: torch.nn.Module) -> torch.nn.Module:
+    """The decoder layer that holds an attention module (its output is the residual stream).
+
+    Raises:
+        AttentionCaptureError: no module of ``model`` holds ``attention``.
+    """
+    for module in model.modules():
+        if any(child is attention for child in module.children()):
+            return module
+    raise AttentionCaptureError(f"cannot find the layer that holds {type(attention).__name__}")
+
+
+def find_attention_modules(model: Any) -> list[torch.nn.Module]:
+    """Each layer's attention module of a ``transformers`` model, in layer order.
+
+    Looks in ``model.base_model`` for a layer list named one of :data:`LAYER_LISTS` whose layers
+    all hold a module named one of :data:`ATTENTION_NAMES`.
+
+    Raises:
+        AttentionCaptureError: no such layer list.
+    """
+    base = getattr(model, "base_model", model)
+    for path in LAYER_LISTS:
+        layers = _get_path(base, path)
+        if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
+            modules = []
+            for layer in layers:
+                attention = next((getattr(layer, n) for n in ATTENTION_NAMES if hasattr(layer, n)), None)
+                if attention is None:
+                    break
+                modules.append(attention)
+            else:
+                return modules
+    raise AttentionCaptureError(
+        f"cannot find the attention modules of {type(model).__name__}: looked for a layer list "
+        f"named one of {LAYER_LISTS} whose layers have one of {ATTENTION_NAMES}. Wrap the model with "
+        "TransformerLens (TransformerBridge.boot_transformers) or nnsight, or report the architecture"
+    )
+
+
+def inner_module(model: Any) -> Any:
+    """The ``torch.nn.Module`` an nnsight envoy wraps (``_module`` in nnsight 0.8, ``_model`` before)."""
+    inner = getattr(model, "_module", None)
+    if inner is None:
+        inner = getattr(model, "_model", None)
+    return inner
+
+
+def unwrap_model(model: Any) -> tuple[Any, str]:
+    """The ``transformers`` model inside ``model``, and the framework that wrapped it.
+
+    Returns:
+        ``(hf_model, backend)`` with ``backend`` one of ``"huggingface"`` (``model`` itself),
+        ``"transformer_lens"`` (a bridge's ``original_model``) or ``"nnsight"`` (the module an
+        nnsight model wraps).
+
+    Raises:
+        UnsupportedModelError: no ``transformers`` model is inside.
+    """
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        return model, "huggingface"
+    module = type(model).__module__.split(".")[0]
+    if module == "transformer_lens" and isinstance(getattr(model, "original_model", None), PreTrainedModel):
+        return model.original_model, "transformer_lens"
+    if module == "nnsight":
+        inner = inner_module(model)
+        if isinstance(inner, PreTrainedModel):
+            return inner, "nnsight"
+    raise UnsupportedModelError(
+        f"cannot find a Hugging Face model inside a {type(model).__module__}.{type(model).__name__}; pass a "
+        "transformers PreTrainedModel, a TransformerLens TransformerBridge, or an nnsight "
+        "TransformersModel/LanguageModel (as returned by load_model)"
+    )
+
+
+def hf_model_of(model: Any) -> Any:
+    """The Hugging Face model inside ``model`` (its raw weights, no TransformerLens processing).
+
+    ``model`` is a ``transformers`` model, a TransformerBridge, an nnsight model, or an object
+    that holds one of these as ``.model`` beside an ``.adapter`` (an ``EquivarianceProbe``).
+
+    Raises:
+        UnsupportedModelError: there is no Hugging Face model inside.
+    """
+    # An EquivarianceProbe, recognised by its adapter's method rather than by its class, so that
+    # this module needs no import from above it (a TransformerBridge also has an `adapter`).
+    if hasattr(getattr(model, "adapter", None), "run_statistics") and hasattr(model, "model"):
+        model = model.model
+    return unwrap_model(model)[0]
+
+
+#: Class-name endings of causal language models (GPT-2's is ``GPT2LMHeadModel``).
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def is_causal_lm(model: Any) -> bool:
+    """A decoder with a language-model head (``...ForCausalLM``, GPT-2's ``...LMHeadModel``)."""
+    return type(model).__name__.endswith(CAUSAL_LM_SUFFIXES)

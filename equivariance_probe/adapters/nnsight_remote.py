@@ -1,0 +1,217 @@
+"""What runs inside an nnsight trace (remotely: on an NDIF server), and talking to NDIF.
+
+Place in the seams: *adapters*, beside :mod:`~equivariance_probe.adapters.nnsight`. A remote
+model's patterns cannot come home (a Llama-3.1-70B layer at context 1024 is 64·1024² bf16
+weights = 128 MiB per document, 10 GiB for its 80 layers), so the batch is reduced where the
+model runs by :func:`reduce_batch_in_trace`, with the statistics' own torch-only kernels
+(:mod:`~equivariance_probe.statistics.kernels`), and only float64 sums of
+:func:`reply_nbytes` bytes come back.
+
+The in-trace functions (:data:`REMOTE_FUNCTIONS`) are shipped by value with the request
+(cloudpickle's ``register_pickle_by_value``) and must use only torch, builtins and each other:
+the server's sandbox refuses other imports (it allows torch, numpy, einops, math,
+collections ...), and equivariance_probe is not installed there. No equivariance_probe
+exception classes either (they would travel by value, with their module): in-trace failures
+raise builtins and the adapter translates them (:func:`is_remote_failure`,
+:func:`is_source_failure`).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..statistics.kernels import key_lag_index, mask_statistics, recompute_pattern, reduce_layer, uniform_prior, visible_mask
+
+__all__ = [
+    "ATTENTION_CALL",
+    "NO_WEIGHTS",
+    "REMOTE_FUNCTIONS",
+    "outside_mass",
+    "layer_pattern",
+    "reduce_batch_in_trace",
+    "reply_nbytes",
+    "api_key",
+    "configured_host",
+    "is_remote_failure",
+    "is_source_failure",
+    "REMOTE_MODULES",
+]
+
+
+# -- code that runs inside the trace ----------------------------------------------------------
+#: The operation of an attention module's forward whose inputs are
+#: ``(module, query, key, value, attention_mask, **{scaling, softcap, sliding_window})``:
+#: the call of ``attention_interface`` (its binding is ``attention_interface_0``).
+#: Every ``transformers`` 4.48+ decoder (Llama, Mistral, Qwen, Gemma 1-3, GPT-2) has it.
+ATTENTION_CALL = "attention_interface_1"
+
+
+#: What the in-trace code's ``ValueError`` says when an attention module returned no weights; the
+#: adapter recognises it by this text (only builtins can be raised on the server).
+NO_WEIGHTS = "the attention module returned no attention weights"
+
+
+def outside_mass(pattern: torch.Tensor, window: int | None, lengths: torch.Tensor) -> torch.Tensor:
+    """Largest attention mass a real query puts outside the reported mask: ``[]`` float64.
+
+    The in-trace twin of ``AttentionStatistics._check_mask``: if it is not ~0, the model's
+    real mask is not the one the adapter reported and every statistic would miss mass.
+    """
+    n_positions = pattern.shape[-1]
+    model_mask = visible_mask(n_positions, window, lengths)  # [batch, query, key]
+    real_rows = model_mask.any(-1, keepdim=True).unsqueeze(1)
+    hidden = real_rows & ~model_mask.unsqueeze(1)
+    outside = torch.where(hidden, pattern.abs().to(torch.float64), torch.zeros((), dtype=torch.float64, device=pattern.device))
+    return outside.sum(-1).max() if outside.numel() else torch.zeros((), dtype=torch.float64)
+
+
+def layer_pattern(attention: object, source: str, window: int | None) -> torch.Tensor:
+    """One layer's ``[batch, head, query, key]`` pattern, read inside a trace.
+
+    Args:
+        attention: the attention module's envoy (e.g. ``model.model.layers[l].self_attn``).
+        source: ``"weights"`` (its returned weights) or ``"recompute"`` (from its q, k).
+        window: the layer's sliding window, for ``"recompute"``.
+    """
+    if source == "weights":
+        weights = attention.output[1]
+        if weights is None:
+            # A builtin: equivariance_probe is not importable on the server.
+            raise ValueError(NO_WEIGHTS + " (it does not run eager attention); use pattern_source='recompute'")
+        return weights.detach()
+    args, kwargs = attention.source.attention_interface_1.inputs
+    return recompute_pattern(
+        args[1].detach(), args[2].detach(), kwargs.get("scaling"), kwargs.get("softcap"), window
+    )
+
+
+def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) -> dict[str, torch.Tensor]:
+    """Reduce one batch's attention to float64 sums, layer by layer, inside the trace.
+
+    Only one layer's pattern exists at a time. The caller stops the model run after it
+    (the final norm and the projection to the vocabulary are not needed).
+
+    Args:
+        attention: per layer, the attention module's envoy.
+        lengths: ``[batch]`` real tokens per window (right-padded).
+        plan: plain values: ``source`` (``"weights"``/``"recompute"``), ``model_windows``
+            (per layer, the model's sliding window or ``None``), ``windows`` (the
+            statistics' windows: ``None`` where the window covers the context),
+            ``excluded_keys``, ``log_floor``, ``keep_pattern``, ``check_mask``.
+
+    Returns:
+        float64 tensors for ``W`` = the batch's width and ``L`` layers:
+        ``raw_sum, raw_sq, log_sum, log_sq, lag_sum: [L, head, W]``;
+        ``floored, doc_toeplitz_sum, doc_toeplitz_count: [L, head]``;
+        ``key_lag_sum: [W, W]`` (summed over layers); ``outside_mass: [L]``; and, if
+        ``keep_pattern``, ``pattern_sum: [L, head, W, W]``.
+    """
+    # No typing names in here: annotations would make the payload import `typing`.
+    per_layer: dict[str, list[torch.Tensor]] = {}
+    key_lag_total = None
+    outside: list[torch.Tensor] = []
+    masks: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+    index = None
+    for layer, module in enumerate(attention):
+        pattern = layer_pattern(module, plan["source"], plan["model_windows"][layer])
+        device = pattern.device
+        n_positions = pattern.shape[-1]
+        lengths_here = lengths.to(device)
+        if index is None:
+            index = key_lag_index(n_positions, device)
+        window = plan["windows"][layer]
+        if window not in masks:
+            visible = visible_mask(n_positions, window, lengths_here, plan["excluded_keys"])
+            prior = uniform_prior(n_positions, window, device)
+            masks[window] = (visible, mask_statistics(visible, prior, index)["doc_lag_count"])
+        visible, doc_lag_count = masks[window]
+        reduced = reduce_layer(
+            pattern, visible, index, plan["log_floor"], doc_lag_count, keep_pattern=plan["keep_pattern"],
+            max_lag=window,
+        )
+        key_lag = reduced.pop("key_lag_sum")
+        key_lag_total = key_lag if key_lag_total is None else key_lag_total + key_lag
+        for name, value in reduced.items():
+            per_layer.setdefault(name, []).append(value)
+        if plan["check_mask"]:
+            outside.append(outside_mass(pattern, window, lengths_here))
+        else:
+            outside.append(torch.zeros((), dtype=torch.float64, device=device))
+        del pattern, reduced
+    out = {name: torch.stack(values) for name, values in per_layer.items()}
+    out["key_lag_sum"] = key_lag_total
+    out["outside_mass"] = torch.stack(outside)
+    # Sums come home on the CPU (the server would otherwise return CUDA tensors).
+    return {name: value.cpu() for name, value in out.items()}
+
+
+#: The functions that run inside the trace, and so on the server (by value).
+REMOTE_FUNCTIONS = (
+    "equivariance_probe.adapters.nnsight_remote.outside_mass",
+    "equivariance_probe.adapters.nnsight_remote.layer_pattern",
+    "equivariance_probe.adapters.nnsight_remote.reduce_batch_in_trace",
+    "equivariance_probe.statistics.kernels.attention_scores",
+    "equivariance_probe.statistics.kernels.recompute_pattern",
+    "equivariance_probe.statistics.kernels.visible_mask",
+    "equivariance_probe.statistics.kernels.uniform_prior",
+    "equivariance_probe.statistics.kernels.key_lag_index",
+    "equivariance_probe.statistics.kernels.mask_statistics",
+    "equivariance_probe.statistics.kernels.reduce_layer",
+    "equivariance_probe.statistics.kernels.entry_moments",
+    "equivariance_probe.statistics.kernels.diagonal_sums",
+    "equivariance_probe.statistics.kernels._row_moments",
+)
+
+#: Modules whose functions are shipped by value with a remote request.
+REMOTE_MODULES = ("equivariance_probe.adapters.nnsight_remote", "equivariance_probe.statistics.kernels")
+
+
+# -- outside the trace: sizes, the API key, and failures ---------------------------------------
+def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bool = False) -> int:
+    """Bytes of float64 sums one trace sends back, from the shapes alone.
+
+    ``8·(L·(5·H·T + 3·H + 1) + T²)``, plus ``8·L·H·T²`` with ``keep_pattern``; it does not
+    depend on the number of windows in the batch. For comparison, the bf16 patterns of
+    one window are ``2·L·H·T²`` bytes.
+    """
+    n = n_layers * (5 * n_heads * n_positions + 3 * n_heads + 1) + n_positions**2
+    if keep_pattern:
+        n += n_layers * n_heads * n_positions**2
+    return 8 * n
+
+
+def api_key() -> str | None:
+    """The NDIF API key nnsight would send: its config (``NDIF_API_KEY`` wins at import)."""
+    try:
+        from nnsight import CONFIG
+
+        key = CONFIG.API.APIKEY
+    except Exception:  # noqa: BLE001 - an nnsight without CONFIG: fall back to the variable
+        key = None
+    # Set after nnsight was imported, the variable is not in CONFIG yet; nnsight reads
+    # CONFIG when it sends, so the adapter passes it on (see _trace_options).
+    return key or os.environ.get("NDIF_API_KEY") or None
+
+
+def configured_host() -> str:
+    try:
+        from nnsight import CONFIG
+
+        return CONFIG.API.HOST
+    except Exception:  # noqa: BLE001
+        return "NDIF"
+
+
+def is_remote_failure(error: BaseException) -> bool:
+    """Whether ``error`` comes from talking to the server (not from our own code)."""
+    if isinstance(error, (OSError, ConnectionError, TimeoutError)):
+        return True
+    module = type(error).__module__ or ""
+    return module.split(".")[0] in ("nnsight", "httpx", "httpcore", "websocket", "huggingface_hub", "requests")
+
+
+def is_source_failure(error: BaseException) -> bool:
+    name = type(error).__name__
+    return "SourceNotAvailable" in name or (isinstance(error, AttributeError) and ATTENTION_CALL in str(error))

@@ -1,0 +1,273 @@
+"""Head ranking: which heads are the most (and least) position-bound.
+
+Place in the seams: *analyses*. A pure function from a
+:class:`~equivariance_probe.result.ProbeResult` to a table, one row per ``(layer, head)``; every
+score is one the result already computes (METHODS.md):
+
+* ``log_prior``, ``log_fitted``, ``log_eta2``, ``raw_prior``, ``raw_fitted``, ``raw_eta2`` —
+  query-position R² of the head in that scale and form (``result.query_position_r2(scale,
+  form, by="head")``), e.g. ``log_eta2 = 1 - Σ(y - ȳ_q)²/Σ(y - ȳ)²`` with ``y = log max(a, eps)``
+  over the head's visible entries, grouped by query position ``q``.
+* ``toeplitz`` — Toeplitz R² of the head's document-averaged pattern (NaN when the run kept no
+  summed pattern); ``toeplitz_per_doc`` — the mean of its per-window Toeplitz R².
+* ``prior_fit`` — R² of the parameter-free uniform prior ``mean u(t+dt)`` on the head's
+  persistence curve ``P(dt)`` (``result.persistence(by="head").r2("prior")``).
+
+**Ordering.** Rows are sorted *most position-bound first* by one key (default ``log_eta2``,
+the score behind ``ProbeResult.summary()``'s most/least position-bound head). For the
+query-position R² and ``prior_fit`` a higher score is more position-bound (attention that
+the query position, or the uniform prior alone, explains), so those sort descending; for
+``toeplitz`` and ``toeplitz_per_doc`` a higher score means attention that depends on the
+distance ``q - k`` alone (translation-equivariant), so those sort ascending. Ties keep
+``(layer, head)`` order; heads whose key score is NaN come last.
+
+Nothing here imports a framework; pandas is imported by :meth:`HeadRanking.to_dataframe` only.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..errors import InputError, NotRunError
+from ..maths.fitting import curve_r2
+from ..maths.metrics import FORMS, SCALES
+
+
+__all__ = ["HeadRanking", "rank_heads", "prior_fit_by_head", "RANKING_SCORES", "HIGHER_IS_MORE_POSITION_BOUND"]
+
+
+class RankableResult(Protocol):
+    """What a ranking reads of a :class:`~equivariance_probe.result.ProbeResult` (a protocol, so that
+    this module, which the result itself uses, needs no import of it)."""
+
+    n_layers: int
+    n_heads: int
+    n_windows: int
+    metadata: dict[str, Any]
+    statistics: Any
+
+    def query_position_r2(self, scale: str = ..., form: str = ..., by: str | None = ...) -> Any: ...
+
+    def toeplitz_r2(self, by: str = ...) -> Any: ...
+
+#: Score columns of a ranking, in display order, with what each one is.
+RANKING_SCORES: dict[str, str] = {
+    **{
+        f"{scale}_{form}": f"query-position R² ({scale} scale, {form})"
+        for scale in SCALES
+        for form in reversed(FORMS)
+    },
+    "toeplitz": "Toeplitz R² of the document-averaged pattern",
+    "toeplitz_per_doc": "mean per-window Toeplitz R²",
+    "prior_fit": "R² of the uniform prior on the head's persistence curve P(dt)",
+}
+
+#: For each score: True if a higher value means a more position-bound head (sort descending).
+HIGHER_IS_MORE_POSITION_BOUND: dict[str, bool] = {
+    name: not name.startswith("toeplitz") for name in RANKING_SCORES
+}
+
+
+@dataclass(frozen=True)
+class HeadRanking:
+    """Heads ordered from the most to the least position-bound (see the module docstring).
+
+    Attributes:
+        layers: ``[n]`` layer of each row, in rank order.
+        heads: ``[n]`` head of each row, in rank order.
+        scores: score name -> ``[n]`` float64 values in rank order (keys of
+            :data:`RANKING_SCORES`).
+        key: the score the rows are sorted by.
+        descending: whether ``key`` sorts descending (higher = more position-bound).
+        model: the model's name, for display.
+    """
+
+    layers: np.ndarray
+    heads: np.ndarray
+    scores: dict[str, np.ndarray]
+    key: str
+    descending: bool
+    model: str = "?"
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def order(self) -> list[tuple[int, int]]:
+        """``(layer, head)`` of every row, most position-bound first."""
+        return [(int(layer), int(head)) for layer, head in zip(self.layers, self.heads)]
+
+    def top(self, n: int = 1) -> list[tuple[int, int]]:
+        """The ``n`` most position-bound heads (by :attr:`key`), most first."""
+        return self._ranked_with_score()[:n]
+
+    def bottom(self, n: int = 1) -> list[tuple[int, int]]:
+        """The ``n`` least position-bound heads (by :attr:`key`), least first; NaN scores skipped."""
+        return self._ranked_with_score()[::-1][:n]
+
+    def _ranked_with_score(self) -> list[tuple[int, int]]:
+        finite = np.isfinite(self.scores[self.key])
+        return [pair for pair, keep in zip(self.order, finite) if keep]
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """One dict per row: ``rank`` (1 = most position-bound), ``layer``, ``head``, ``label``
+        (``"L4H3"``) and every score (``None`` where NaN)."""
+        records = []
+        for row, (layer, head) in enumerate(self.order):
+            record: dict[str, Any] = {"rank": row + 1, "layer": layer, "head": head, "label": f"L{layer}H{head}"}
+            for name, values in self.scores.items():
+                value = float(values[row])
+                record[name] = value if np.isfinite(value) else None
+            records.append(record)
+        return records
+
+    def to_dataframe(self):
+        """The ranking as a pandas ``DataFrame`` indexed by ``rank`` (pandas imported here)."""
+        import pandas as pd
+
+        frame = pd.DataFrame.from_records(self.to_records()).set_index("rank")
+        return frame.astype({name: "float64" for name in self.scores})
+
+    def _rows(self, max_rows: int | None) -> list[int | None]:
+        """Row indices to show; ``None`` marks the elided middle."""
+        n = len(self)
+        if max_rows is None or n <= max_rows:
+            return list(range(n))
+        head = (max_rows + 1) // 2
+        return list(range(head)) + [None] + list(range(n - (max_rows - head), n))
+
+    def _caption(self) -> str:
+        direction = "descending" if self.descending else "ascending"
+        return (
+            f"heads of {self.model} ranked by {self.key} ({RANKING_SCORES[self.key]}, {direction}): "
+            "most position-bound first"
+        )
+
+    def __repr__(self) -> str:
+        return self.to_text(max_rows=10)
+
+    def to_text(self, max_rows: int | None = None) -> str:
+        """A plain-text table (``max_rows`` keeps the first and last rows)."""
+        names = list(self.scores)
+        width = max(10, *(len(name) for name in names))
+        lines = [self._caption(), f"{'rank':>4} {'head':>7} " + " ".join(f"{n:>{width}}" for n in names)]
+        for row in self._rows(max_rows):
+            if row is None:
+                lines.append(f"{'...':>4}")
+                continue
+            label = f"L{self.layers[row]}H{self.heads[row]}"
+            cells = " ".join(f"{self.scores[n][row]:>{width}.4f}" for n in names)
+            lines.append(f"{row + 1:>4} {label:>7} {cells}")
+        return "\n".join(lines)
+
+    def to_html(self, max_rows: int | None = None) -> str:
+        """An HTML table (no script, no style sheet); ``max_rows`` keeps the first and last rows."""
+        names = list(self.scores)
+        header = "<tr><th>rank</th><th>head</th>" + "".join(
+            f'<th title="{html.escape(RANKING_SCORES[n])}">{"<u>" + n + "</u>" if n == self.key else n}</th>'
+            for n in names
+        ) + "</tr>"
+        body = []
+        for row in self._rows(max_rows):
+            if row is None:
+                body.append(f'<tr><td colspan="{len(names) + 2}">…</td></tr>')
+                continue
+            cells = "".join(f"<td>{self.scores[n][row]:.4f}</td>" for n in names)
+            body.append(f"<tr><td>{row + 1}</td><td>L{self.layers[row]}H{self.heads[row]}</td>{cells}</tr>")
+        return (
+            f'<table class="head-ranking"><caption>{html.escape(self._caption())}</caption>'
+            f"{header}{''.join(body)}</table>"
+        )
+
+    def _repr_html_(self) -> str:
+        return self.to_html(max_rows=20)
+
+
+def _score_arrays(result: RankableResult) -> dict[str, np.ndarray]:
+    """Every score of :data:`RANKING_SCORES` as a ``[layer, head]`` array."""
+    scores: dict[str, np.ndarray] = {}
+    for name in RANKING_SCORES:
+        if name in ("toeplitz", "toeplitz_per_doc", "prior_fit"):
+            continue
+        scale, form = name.split("_")
+        scores[name] = np.asarray(result.query_position_r2(scale, form, by="head"), dtype=np.float64)
+    try:
+        scores["toeplitz"] = result.toeplitz_r2("head")
+    except NotRunError:  # the run kept no summed pattern: only the per-window score exists
+        scores["toeplitz"] = np.full((result.n_layers, result.n_heads), np.nan)
+    scores["toeplitz_per_doc"] = result.toeplitz_r2("head_per_doc")
+    scores["prior_fit"] = prior_fit_by_head(result)
+    return {name: scores[name] for name in RANKING_SCORES}
+
+
+def prior_fit_by_head(result: RankableResult) -> np.ndarray:
+    """``[layer, head]`` R² of the uniform prior on each head's persistence curve.
+
+    The same number as ``result.persistence(by="head").r2("prior")`` (a test checks it), without
+    the power and exponential fits of every head, which take seconds at long contexts:
+    ``P(dt) = lag_sum / lag_count`` and the prior curve ``lag_prior_sum / lag_count`` over the
+    lags that have entries, scored with :func:`~equivariance_probe.maths.fitting.curve_r2`.
+    """
+    arrays = result.statistics.numpy()
+    count, prior_sum = arrays["lag_count"], arrays["lag_prior_sum"]  # [layer, lag]: shared by the heads
+    out = np.full((result.n_layers, result.n_heads), np.nan)
+    for layer in range(result.n_layers):
+        has = count[layer] > 0
+        prior = prior_sum[layer, has] / count[layer, has]
+        for head in range(result.n_heads):
+            out[layer, head] = curve_r2(arrays["lag_sum"][layer, head, has] / count[layer, has], prior)
+    return out
+
+
+def rank_heads(result: RankableResult, by: str = "log_eta2", scores: Sequence[str] | None = None) -> HeadRanking:
+    """Order the heads of ``result`` from the most to the least position-bound.
+
+    Args:
+        result: a :class:`ProbeResult` with data.
+        by: the ordering key, one of :data:`RANKING_SCORES` (default ``"log_eta2"``). Sorted
+            descending unless it is a Toeplitz score (see the module docstring).
+        scores: which score columns to keep (default: all); ``by`` is always kept.
+
+    Returns:
+        A :class:`HeadRanking` with ``n_layers * n_heads`` rows.
+
+    Raises:
+        InputError: ``by`` or a name in ``scores`` is not a known score.
+        NotRunError: the result holds no data.
+
+    Example:
+        >>> ranking = rank_heads(result)  # doctest: +SKIP
+        >>> ranking.top(2), ranking.bottom(2)  # doctest: +SKIP
+        ([(4, 3), (2, 0)], [(5, 1), (7, 2)])
+    """
+    if by not in RANKING_SCORES:
+        raise InputError(f"by={by!r} is not a ranking score; choose one of {list(RANKING_SCORES)}")
+    keep = list(RANKING_SCORES) if scores is None else list(scores)
+    unknown = [name for name in keep if name not in RANKING_SCORES]
+    if unknown:
+        raise InputError(f"unknown scores {unknown}; choose from {list(RANKING_SCORES)}")
+    if by not in keep:
+        keep.insert(0, by)
+    if result.n_windows == 0:
+        raise NotRunError("this result holds no windows yet: call EquivarianceProbe(model).run(docs) first")
+    grids = _score_arrays(result)
+    layers, heads = np.meshgrid(np.arange(result.n_layers), np.arange(result.n_heads), indexing="ij")
+    layers, heads = layers.ravel(), heads.ravel()
+    descending = HIGHER_IS_MORE_POSITION_BOUND[by]
+    key = grids[by].ravel()
+    # lexsort sorts ascending by its last key first: NaN last, then the score, then (layer, head).
+    signed = np.where(np.isnan(key), 0.0, -key if descending else key)
+    order = np.lexsort((heads, layers, signed, np.isnan(key)))
+    return HeadRanking(
+        layers=layers[order],
+        heads=heads[order],
+        scores={name: grids[name].ravel()[order] for name in RANKING_SCORES if name in keep},
+        key=by,
+        descending=descending,
+        model=str(result.metadata.get("model", {}).get("name", "?")),
+    )

@@ -1,0 +1,12 @@
+"""What a person sees: matplotlib figures, offline CircuitsVis views, the HTML report.
+
+Place in the seams: the floor under the command line; it may import everything below it, and
+nothing below imports it. matplotlib and circuitsvis are imported when something is drawn.
+
+* :mod:`~equivariance_probe.display.figures` — the study's figures.
+* :mod:`~equivariance_probe.display.views` — CircuitsVis views of heads on one document
+  (:mod:`~equivariance_probe.display.circuitsvis`: the bundle, offline).
+* :mod:`~equivariance_probe.display.report` — the report as a list of sections.
+* :mod:`~equivariance_probe.display.comparison` and :mod:`~equivariance_probe.display.positional` —
+  the comparison's figure, the positional analyses' figures and section.
+"""

@@ -1,0 +1,90 @@
+"""CircuitsVis, offline: its inline script bundle, and figures taken apart into a div and a render call.
+
+Place in the seams: *display*. CircuitsVis objects (``RenderedHTML``) carry an inline bundle of
+its script (``local_src``) and a copy that loads the script from a CDN (``str()``); their
+``_repr_html_`` probes a public host before choosing. We use the inline source only, so nothing
+here reaches the network, and split each figure into its element id and its render call, so that
+a page that draws many figures carries the 1.3 MB bundle once (:func:`circuitsvis_bundle_script`).
+This depends on how circuitsvis lays out ``local_src`` (checked at run time, with an error that
+names the supported versions).
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import EquivarianceProbeError
+
+__all__ = ["CircuitsVisFigure", "circuitsvis_bundle", "circuitsvis_bundle_script", "attention_heads_figure", "figure_div"]
+
+
+# -- offline CircuitsVis ------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def circuitsvis_bundle() -> str:
+    """CircuitsVis' inline script (the ``iife.js`` that ``local_src`` embeds), as it embeds it.
+
+    It defines the global ``CircuitsVis`` when run as a classic script.
+    """
+    import circuitsvis
+
+    path = Path(circuitsvis.__file__).parent / "dist" / "cdn" / "iife.js"
+    # circuitsvis removes closing script tags the same way before inlining the file.
+    return path.read_text(encoding="utf-8").replace("</script>", "")
+
+
+def circuitsvis_bundle_script() -> str:
+    """``<script>`` with the bundle, to put once in a page before any :meth:`HeadViews.body_html`."""
+    return f"<script>{circuitsvis_bundle()}</script>"
+
+
+@dataclass(frozen=True)
+class CircuitsVisFigure:
+    """One CircuitsVis element: the id of its ``<div>`` and the JavaScript that draws it."""
+
+    element_id: str
+    call: str
+
+
+def _split_rendered(rendered: Any) -> CircuitsVisFigure:
+    """Take a CircuitsVis ``RenderedHTML`` apart into its element id and its render call.
+
+    ``local_src`` is ``<div id=ID/> <script type=module> BUNDLE CircuitsVis.render(ID, ...)
+    </script>``; the render call is all that differs between figures.
+    """
+    source = rendered.local_src
+    bundle = circuitsvis_bundle()
+    before, found, after = source.partition(bundle)
+    element = re.search(r'id="([^"]+)"', before)
+    if not found or element is None or "</script>" not in after:
+        raise EquivarianceProbeError(
+            "this circuitsvis version lays out its inline HTML differently than equivariance_probe expects; "
+            "pin circuitsvis>=1.40,<2"
+        )
+    call = after.rsplit("</script>", 1)[0].strip()
+    # JSON does not escape "</": a token such as "</script>" would end the script early.
+    return CircuitsVisFigure(element.group(1), call.replace("</", "<\\/"))
+
+
+def attention_heads_figure(values: np.ndarray, tokens: list[str], names: list[str], **options: Any) -> CircuitsVisFigure:
+    from circuitsvis.attention import attention_heads
+
+    nested = values.tolist()
+    figure = _split_rendered(attention_heads(nested, tokens, attention_head_names=names, **options))
+    # CircuitsVis writes the numbers with json.dumps' ", " separators and "0.0" for zeros (half of
+    # every causal pattern): the same array written compactly is ~30% smaller.
+    written = json.dumps(nested)
+    compact = re.sub(r"(?<=[\[,])(-?\d+)\.0(?=[,\]])", r"\1", json.dumps(nested, separators=(",", ":")))
+    return CircuitsVisFigure(figure.element_id, figure.call.replace(written, compact, 1))
+
+
+def figure_div(caption: str, figure: CircuitsVisFigure) -> str:
+    """A figure's heading and the empty ``<div>`` its render call draws into."""
+    return f"<h4>{html.escape(caption)}</h4><div id=\"{figure.element_id}\" class=\"circuitsvis-view\"></div>"

@@ -1,0 +1,75 @@
+"""The comparison figure: every model's persistence curve and headline R², side by side.
+
+Place in the seams: *display*, plotting only, from a
+:class:`~equivariance_probe.runs.compare.Comparison`'s results; matplotlib is imported when a
+figure is drawn (through :mod:`equivariance_probe.display.figures`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .figures import log_log_axes, pyplot, save_figures
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from ..runs.compare import Comparison
+
+__all__ = ["comparison_figure", "save_comparison"]
+
+#: The bars of the right panel: (row key of Comparison.rows, label).
+_BARS = (("log_fitted", "QPVE log fitted"), ("log_eta2", "QPVE log η²"), ("raw_eta2", "QPVE raw η²"),
+         ("persistence_prior_r2", "P(dt) prior-fit R²"), ("toeplitz_r2", "Toeplitz R²"))
+_VARIANT_STYLE = {"trained": "-", "random_init": "--", "zero": ":"}
+
+
+def comparison_figure(comparison: Comparison) -> Figure:
+    """Left: ``P(dt)`` of every model and variant (log-log), with the uniform prior's curve of the
+    trained model's windows. Right: the headline R² of each model and variant as grouped bars."""
+    plt = pyplot()
+    fig, (curves_ax, bars_ax) = plt.subplots(1, 2, figsize=(13, 5.6))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (label, study) in enumerate(comparison.studies.items()):
+        color = colors[index % len(colors)]
+        for variant, result in study.results.items():
+            curves = result.persistence()
+            has = curves.count > 0
+            curves_ax.plot(curves.dt[has] + 1, curves.curve[has], color=color, ls=_VARIANT_STYLE.get(variant, "-."),
+                           lw=1.6, label=f"{label} ({variant})")
+        if index == 0:
+            curves = study.trained.persistence()
+            has = curves.count > 0
+            curves_ax.plot(curves.dt[has] + 1, curves.prior[has], color="black", lw=1, alpha=0.6, label="uniform prior")
+    log_log_axes(curves_ax, "Persistence P(dt) per model")
+    curves_ax.legend(fontsize=7, loc="lower left")
+
+    rows = comparison.rows()
+    width = 0.8 / max(len(rows), 1)
+    x = np.arange(len(_BARS))
+    for index, row in enumerate(rows):
+        color = colors[list(comparison.studies).index(row["model"]) % len(colors)]
+        hatch = None if row["variant"] == "trained" else "//"
+        bars_ax.bar(x + (index - (len(rows) - 1) / 2) * width, [row[key] for key, _ in _BARS], width,
+                    color=color if hatch is None else "white", edgecolor=color, hatch=hatch,
+                    label=f"{row['model']} ({row['variant']})")
+    bars_ax.set_xticks(x, [name for _, name in _BARS], rotation=20, ha="right", fontsize=8)
+    bars_ax.axhline(0, color="black", lw=0.5)
+    bars_ax.set_ylabel("R²")
+    bars_ax.set_title("Position dependence per model (solid: trained, hatched: baselines)")
+    bars_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=min(len(rows), 3))
+    windows, tokens = rows[0]["windows"], rows[0]["tokens"]
+    fig.suptitle(f"Across architectures: {windows} windows, {tokens} tokens per model and variant")
+    fig.tight_layout()
+    return fig
+
+
+def save_comparison(comparison: Comparison, folder: str | os.PathLike) -> dict[str, Path]:
+    """Write the comparison's tables and studies (:meth:`Comparison.save`) and its figure ``comparison.png``."""
+    paths = comparison.save(folder)
+    paths["figure"] = save_figures({"comparison": comparison_figure(comparison)}, folder)[0]
+    return paths

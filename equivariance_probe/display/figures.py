@@ -1,0 +1,204 @@
+"""The study's figures, drawn with matplotlib from a :class:`ProbeResult`.
+
+Place in the seams: *display*, rendering only: every number comes from the result's methods.
+matplotlib is imported when a figure is drawn, never at package import.
+
+* ``persistence``  — Fig. 1a: ``P(dt)`` with power, exponential and uniform-prior fits.
+* ``head_curves``  — Fig. 1b: ``P(dt)`` of every head.
+* ``fit_by_key``   — Fig. 1c: R² of each fit to ``P_t(dt)`` against key position ``t``.
+* ``scatter``      — Fig. 1d: attention against the uniform prior, log-log, from the
+  run's bounded entry sample, with the query-position R² in the title.
+* ``heatmaps``     — per-head query-position R² (log, fitted) and Toeplitz R².
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.figure import Figure
+
+    from ..result import ProbeResult
+
+__all__ = [
+    "persistence_figure",
+    "head_curves_figure",
+    "fit_by_key_figure",
+    "scatter_figure",
+    "heatmaps_figure",
+    "study_figures",
+    "save_figures",
+    "pyplot",
+    "log_log_axes",
+]
+
+_FIT_STYLE = {"power": ("tab:orange", "--"), "exponential": ("tab:green", ":"), "prior": ("black", "-.")}
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot``, on the Agg backend unless a display backend (a notebook's) is in use."""
+    import matplotlib
+
+    if "MPLBACKEND" not in os.environ and matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+        # Scripts and CI have no display; notebooks keep their inline backend.
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def log_log_axes(ax: Any, title: str) -> None:
+    """Persistence axes: log distance ``dt + 1`` against log mean attention."""
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("distance dt + 1")
+    ax.set_ylabel("mean attention")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+
+
+def _label(result: ProbeResult) -> str:
+    name = result.metadata.get("label") or result.metadata.get("model", {}).get("name", "model")
+    return str(name)
+
+
+def persistence_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
+    """Fig. 1a: mean attention by distance with its three fits, one panel per result."""
+    plt = pyplot()
+    results = results if isinstance(results, dict) else {_label(results): results}
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, (label, result) in zip(axes[0], results.items()):
+        curves = result.persistence()
+        has = curves.count > 0
+        dt = curves.dt[has]
+        ax.plot(dt + 1, curves.curve[has], color="tab:blue", lw=2, label="P(dt)")
+        for name, fit in curves.fits.items():
+            color, style = _FIT_STYLE[name]
+            ax.plot(dt + 1, fit.prediction, color=color, ls=style, label=f"{name} (R²={fit.r2:.3f})")
+        # Fits may run far outside the data (an exponential can grow to meet an attention
+        # sink at the largest lag); the axes show the data's range.
+        values = np.concatenate([curves.curve[has], curves.prior[has]])
+        values = values[values > 0]
+        if values.size:
+            ax.set_ylim(values.min() / 3, values.max() * 3)
+        log_log_axes(ax, label)
+    fig.suptitle("Persistence: mean attention a[t+dt, t] over windows, t, layers and heads")
+    fig.tight_layout()
+    return fig
+
+
+def head_curves_figure(result: ProbeResult) -> Figure:
+    """Fig. 1b: ``P(dt)`` of every head, coloured by layer, with the uniform prior."""
+    plt = pyplot()
+    curves = result.persistence(by="head")
+    overall = result.persistence()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    cmap = plt.get_cmap("viridis")
+    n_layers, n_heads = curves.shape
+    for layer in range(n_layers):
+        for head in range(n_heads):
+            has = curves.count[layer, head] > 0
+            ax.plot(curves.dt[has] + 1, curves.curve[layer, head][has], color=cmap(layer / max(n_layers - 1, 1)), lw=0.6, alpha=0.6)
+    has = overall.count > 0
+    ax.plot(overall.dt[has] + 1, overall.prior[has], color="black", ls="-.", lw=1.5, label="uniform prior")
+    log_log_axes(ax, f"{_label(result)}: per-head persistence (colour = layer 0..{n_layers - 1})")
+    fig.tight_layout()
+    return fig
+
+
+def fit_by_key_figure(result: ProbeResult, bins: int = 16) -> Figure:
+    """Fig. 1c: R² of the power, exponential and prior fits to ``P_t(dt)`` by key position bin."""
+    plt = pyplot()
+    bins = min(bins, result.statistics.n_positions)
+    curves = result.persistence(by="key_position", bins=bins)
+    centres = 0.5 * (curves.key_bins[:-1] + curves.key_bins[1:] - 1)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in ("power", "exponential", "prior"):
+        color, style = _FIT_STYLE[name]
+        ax.plot(centres, curves.r2(name), color=color, ls=style, marker="o", ms=3, label=name)
+    ax.set_xlabel("key position t (bin centre)")
+    ax.set_ylabel("R² of fit to P_t(dt)")
+    ax.set_title(f"{_label(result)}: fit quality by key position")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def scatter_figure(result: ProbeResult) -> Figure:
+    """Fig. 1d: sampled attention entries against the uniform prior (log-log)."""
+    plt = pyplot()
+    sample = result.entry_sample()
+    floor = result.log_floor or np.finfo(np.float32).tiny
+    attention = np.maximum(sample["attention"], floor)
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    ax.scatter(sample["prior"], attention, s=2, alpha=0.25, c=sample["layer"], cmap="viridis", rasterized=True)
+    lo = sample["prior"].min()
+    ax.plot([lo, 1], [lo, 1], color="black", lw=1, ls="--", label="a = u(q)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("uniform prior u(q) = 1/|V(q)|")
+    ax.set_ylabel("attention a (floored at eps)")
+    r2 = {form: result.query_position_r2("log", form) for form in ("prior", "fitted", "eta2")}
+    ax.set_title(
+        f"{_label(result)}: log scale R² prior {r2['prior']:.3f}, fitted {r2['fitted']:.3f}, η² {r2['eta2']:.3f}\n"
+        f"({len(attention)} sampled of {result.n_entries():,} entries; R² over all entries)",
+        fontsize=9,
+    )
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def heatmaps_figure(result: ProbeResult) -> Figure:
+    """Per-head query-position R² (log scale, fitted and η²) and Toeplitz R²."""
+    plt = pyplot()
+    panels = {
+        "query-position R² (log, fitted)": result.query_position_r2("log", "fitted", by="head"),
+        "query-position η² (log)": result.query_position_r2("log", "eta2", by="head"),
+    }
+    try:
+        panels["Toeplitz R² (mean pattern)"] = result.toeplitz_r2("head")
+    except Exception:  # noqa: BLE001 - runs without keep_pattern still have the per-window score
+        panels["Toeplitz R² (per-window mean)"] = result.toeplitz_r2("head_per_doc")
+    n_layers, n_heads = result.n_layers, result.n_heads
+    fig, axes = plt.subplots(1, len(panels), figsize=(3 + 2.2 * len(panels) * max(n_heads, 4) / 4, 1.5 + 0.25 * n_layers), squeeze=False)
+    for ax, (title, values) in zip(axes[0], panels.items()):
+        image = ax.imshow(values, vmin=0, vmax=1, cmap="magma", aspect="auto")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        fig.colorbar(image, ax=ax)
+    fig.suptitle(_label(result))
+    fig.tight_layout()
+    return fig
+
+
+def study_figures(result: ProbeResult, baselines: dict[str, ProbeResult] | None = None) -> dict[str, Figure]:
+    """Every figure of the study for one result (and its baselines in Fig. 1a)."""
+    figures = {
+        "persistence": persistence_figure({_label(result): result, **(baselines or {})}),
+        "head_curves": head_curves_figure(result),
+        "fit_by_key": fit_by_key_figure(result),
+        "heatmaps": heatmaps_figure(result),
+    }
+    if result.statistics.sample is not None and len(result.statistics.sample):
+        figures["scatter"] = scatter_figure(result)
+    return figures
+
+
+def save_figures(figures: dict[str, Any], folder: str | os.PathLike, prefix: str = "") -> list[Path]:
+    """Write figures as PNG files ``{folder}/{prefix}{name}.png`` and close them."""
+    plt = pyplot()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, figure in figures.items():
+        path = folder / f"{prefix}{name}.png"
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+        paths.append(path)
+    return paths

@@ -1,0 +1,260 @@
+"""The positional analyses on screen: figures and the HTML section of a :class:`PositionalStudy`.
+
+Place in the seams: *display*, rendering only; matplotlib is imported when a figure is drawn
+(see :mod:`equivariance_probe.display.figures`). :func:`positional_report_section` is the study
+report's section (the command line adds it when a ``positional.json`` lies beside the results);
+:func:`render_positional_page` wraps it in a standalone page.
+
+Figures:
+
+* ``gram``              — heatmap of the position-embedding Gram matrix ``E_P E_Pᵀ``.
+* ``positional_logits`` — per head, layer-0 positional logits (TISA Fig. 2).
+* ``tisa``              — per head, the mean pre-softmax score by lag ``k = q - key`` and its kernel fit.
+* ``permutation``       — KL and relative hidden-state change under permutations, per ablation.
+* ``shrinkage``         — variance by position (log-log) and the fitted exponent per layer, trained vs untrained.
+* ``correlation``       — position correlation matrices of the residual stream, selected layers.
+"""
+
+from __future__ import annotations
+
+import html
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .figures import pyplot
+from .report import ReportSection, figures_html, html_page
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.figure import Figure
+
+    from ..runs.positional import PositionalStudy
+
+__all__ = [
+    "gram_figure",
+    "positional_logits_figure",
+    "tisa_figure",
+    "permutation_figure",
+    "shrinkage_figure",
+    "correlation_figure",
+    "positional_figures",
+    "positional_report_section",
+    "render_positional_body",
+    "render_positional_section",
+    "render_positional_page",
+]
+
+
+def gram_figure(gram: Any, title: str = "") -> Figure:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(5, 4.3))
+    image = ax.imshow(gram.gram, cmap="RdBu_r", vmin=-np.abs(gram.gram).max(), vmax=np.abs(gram.gram).max())
+    fig.colorbar(image, ax=ax)
+    ax.set_xlabel("position j")
+    ax.set_ylabel("position i")
+    ax.set_title(f"{title}Gram E_P E_Pᵀ: Toeplitz R² {gram.r2_whole:.3f} whole, {gram.r2_off_diagonal:.3f} off-diag.", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _grid(plt, n: int, columns: int, size: float = 2.2):
+    rows = int(np.ceil(n / columns))
+    fig, axes = plt.subplots(rows, columns, figsize=(size * columns, size * rows), squeeze=False)
+    for ax in axes.ravel()[n:]:
+        ax.axis("off")
+    return fig, axes.ravel()
+
+
+def positional_logits_figure(logits: Any) -> Figure:
+    plt = pyplot()
+    n_heads = logits.scores.shape[0]
+    fig, axes = _grid(plt, n_heads, min(n_heads, 6))
+    for head, ax in enumerate(axes[:n_heads]):
+        scores = np.where(logits.visible, logits.scores[head], np.nan)
+        ax.imshow(scores, cmap="viridis")
+        ax.set_title(f"H{head} R²={logits.toeplitz_r2[head]:.2f}", fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.suptitle(f"Layer {logits.layer} positional logits (word embeddings = vocabulary mean)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def tisa_figure(tisa: dict[str, Any], max_panels: int = 24) -> Figure:
+    """Head profiles against their fits; at most ``max_panels`` heads, spread over the layers."""
+    plt = pyplot()
+    profile, fits = tisa["profile"], tisa["fits"]
+    means = profile.mean()
+    n_layers, n_heads = means.shape[:2]
+    heads = [(layer, head) for layer in range(n_layers) for head in range(n_heads)]
+    if len(heads) > max_panels:
+        heads = [heads[i] for i in np.linspace(0, len(heads) - 1, max_panels).round().astype(int)]
+    fig, axes = _grid(plt, len(heads), min(len(heads), 6), size=2.4)
+    for ax, (layer, head) in zip(axes, heads):
+        curve = means[layer, head]
+        has = np.isfinite(curve)
+        fit = fits.fits[layer][head]
+        ax.plot(profile.lags[has], curve[has], color="tab:blue", lw=1)
+        if np.isfinite(fit.r2):
+            ax.plot(profile.lags[has], fit.predict(profile.lags[has]), color="tab:red", ls="--", lw=1)
+        ax.set_title(f"L{layer}H{head} R²={fit.r2:.2f}", fontsize=8)
+        ax.tick_params(labelsize=6)
+    fig.suptitle(f"Mean pre-softmax score by lag k = q - key (blue) and {fits.n_kernels}-kernel TISA fit (red)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def permutation_figure(permutation: Any) -> Figure:
+    plt = pyplot()
+    names = list(permutation.kl)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, (label, table) in zip(axes, (("KL(p ‖ p_π)", permutation.kl), ("total variation", permutation.total_variation),
+                                         ("‖h_π - h‖ / ‖h‖", permutation.hidden_change))):
+        data = [np.maximum(table[name].ravel(), 1e-18) for name in names]
+        ax.boxplot(data, showfliers=True)
+        ax.set_xticks(range(1, len(names) + 1), [n.replace("+", "+\n") for n in names], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(label, fontsize=9)
+    fig.suptitle(f"Permutation sensitivity ({permutation.n_tokens}-token prompts, tokens {permutation.keep_first}..n-2 permuted)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def shrinkage_figure(shrinkage: Any, baseline: Any | None = None) -> Figure:
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    cmap = plt.get_cmap("viridis")
+    variance = shrinkage.across_documents["attention"]
+    n_layers, n_positions = variance.shape
+    q = np.arange(n_positions) + 1
+    for panel, (label, result) in enumerate((("trained", shrinkage), ("untrained", baseline))):
+        ax = axes[panel]
+        if result is None:
+            ax.axis("off")
+            continue
+        table = result.across_documents["attention"]
+        for layer in range(n_layers):
+            ax.plot(q, table[layer], color=cmap(layer / max(n_layers - 1, 1)), lw=1)
+        anchor = shrinkage.q_min  # position 0 often holds the same BOS in every document (variance 0)
+        ax.plot(q[anchor:], table[0, anchor] * (anchor + 1) / q[anchor:], color="black", ls="--", lw=1, label="∝ 1/(q+1)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("q + 1")
+        ax.set_ylabel("variance of attention output")
+        ax.set_title(f"{label} (colour: layer)", fontsize=9)
+        ax.legend(fontsize=8)
+    ax = axes[2]
+    for label, result, style in (("trained", shrinkage, "-"), ("untrained", baseline, "--")):
+        if result is None:
+            continue
+        for stream, color in (("attention", "tab:blue"), ("residual", "tab:orange")):
+            ax.plot(result.exponent[stream], color=color, ls=style, marker="o", ms=3, label=f"{stream}, {label}")
+    ax.axhline(1.0, color="black", lw=0.8, ls=":")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("γ in var ∝ (q+1)^-γ")
+    ax.legend(fontsize=7)
+    ax.set_title(f"fitted exponent (q ≥ {shrinkage.q_min})", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def correlation_figure(correlation: np.ndarray, max_layers: int = 6, title: str = "") -> Figure:
+    plt = pyplot()
+    n_layers = correlation.shape[0]
+    layers = np.unique(np.linspace(0, n_layers - 1, min(max_layers, n_layers)).round().astype(int))
+    fig, axes = _grid(plt, len(layers), len(layers), size=2.6)
+    for ax, layer in zip(axes, layers):
+        image = ax.imshow(correlation[layer], cmap="RdBu_r", vmin=-1, vmax=1)
+        ax.set_title(f"layer {layer}", fontsize=8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+    fig.colorbar(image, ax=list(axes[: len(layers)]), shrink=0.8)
+    fig.suptitle(f"{title}Correlation across documents between positions i, j (residual stream)", fontsize=10)
+    return fig
+
+
+def positional_figures(study: PositionalStudy) -> dict[str, Figure]:
+    """Every figure of a study, by name (the analyses that ran)."""
+    parts = study.parts
+    figures: dict[str, Figure] = {}
+    if "gram" in parts:
+        figures["gram"] = gram_figure(parts["gram"])
+    if "positional_logits" in parts:
+        figures["positional_logits"] = positional_logits_figure(parts["positional_logits"])
+    if "tisa" in parts:
+        figures["tisa"] = tisa_figure(parts["tisa"])
+    if "permutation" in parts:
+        figures["permutation"] = permutation_figure(parts["permutation"])
+    if "shrinkage" in parts:
+        figures["shrinkage"] = shrinkage_figure(parts["shrinkage"], parts.get("shrinkage_baseline"))
+    if "correlation" in parts:
+        figures["correlation"] = correlation_figure(parts["correlation"])
+    if "correlation_baseline" in parts:
+        figures["correlation_baseline"] = correlation_figure(parts["correlation_baseline"], title="Untrained: ")
+    return figures
+
+
+# -- the HTML section ------------------------------------------------------------------------------
+def _number(value: float) -> str:
+    return "n/a" if value is None or not np.isfinite(value) else f"{value:.4g}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _title(study: PositionalStudy) -> str:
+    return f"Where order comes from: {study.metadata.get('model', '?')}"
+
+
+def render_positional_body(study: PositionalStudy) -> str:
+    """The section's body (no heading): a table per analysis and every figure, embedded."""
+    summary = study.summary()
+    blocks = [f"<p>Conventions: {html.escape(str(study.metadata.get('conventions', '')))}.</p>"]
+    if "gram" in summary:
+        gram = summary["gram"]
+        blocks.append("<h3>Position-embedding Gram matrix</h3>" + _table(
+            ["positions", "offset rows dropped", "Toeplitz R² (whole, diagonal included)", "Toeplitz R² (diagonal excluded)"],
+            [[str(gram["n_positions"]), str(gram["offset"]), _number(gram["r2_whole"]), _number(gram["r2_off_diagonal"])]]))
+    for key, title in (("positional_logits", "Layer-0 positional logits, Toeplitz R² per head"),
+                       ("tisa", "TISA kernel fits to mean pre-softmax score profiles, R² over heads")):
+        if key in summary:
+            s = summary[key]
+            blocks.append(f"<h3>{title}</h3>" + _table(["mean", "median", "min", "max"],
+                                                        [[_number(s[k]) for k in ("mean", "median", "min", "max")]]))
+    if "permutation" in summary:
+        rows = [[html.escape(name)] + [_number(v[k]) for k in ("kl_mean", "kl_max", "tv_mean", "hidden_change_mean", "effect", "upper_mass")]
+                for name, v in summary["permutation"].items()]
+        blocks.append("<h3>Permutation sensitivity</h3>" + _table(
+            ["ablation", "mean KL", "max KL", "mean TV", "mean ‖Δh‖/‖h‖", "max |Δlogit| vs none (unpermuted)", "max mass on later keys"], rows))
+    if "shrinkage" in summary:
+        rows = []
+        for key, label in (("shrinkage", "trained"), ("shrinkage_baseline", "untrained")):
+            for stream, values in summary.get(key, {}).items():
+                rows.append([label, stream, ", ".join(_number(v) for v in values)])
+        blocks.append("<h3>Variance shrinkage: exponent γ per layer</h3>" + _table(["model", "stream", "γ by layer"], rows))
+    if "correlation" in summary:
+        rows = [[label, ", ".join(_number(v) for v in summary[key]["mean_off_diagonal_by_layer"])]
+                for key, label in (("correlation", "trained"), ("correlation_baseline", "untrained")) if key in summary]
+        blocks.append("<h3>Position correlations: mean over i ≠ j per layer</h3>" + _table(["model", "by layer"], rows))
+    if study.skipped:
+        blocks.append("<p>Skipped: " + "; ".join(f"{html.escape(k)} ({html.escape(v)})" for k, v in study.skipped.items()) + "</p>")
+    return "".join(blocks) + figures_html(positional_figures(study))
+
+
+def positional_report_section(study: PositionalStudy) -> ReportSection:
+    """The study report's section for ``study``."""
+    return ReportSection(title=_title(study), html=render_positional_body(study))
+
+
+def render_positional_section(study: PositionalStudy) -> str:
+    """One ``<section class="positional">`` element: heading, tables, figures."""
+    return f'<section class="positional"><h2>{html.escape(_title(study))}</h2>{render_positional_body(study)}</section>'
+
+
+def render_positional_page(study: PositionalStudy) -> str:
+    """A standalone HTML page holding only the positional section."""
+    return html_page(f"equivariance_probe positional analyses: {study.metadata.get('model', '?')}",
+                     render_positional_section(study))

@@ -1,0 +1,225 @@
+"""Metrics: pure functions from sufficient statistics to the numbers of METHODS.md.
+
+Inputs are float64 numpy arrays as held by :class:`~equivariance_probe.statistics.AttentionStatistics`
+(``L`` layers, ``H`` heads, ``T`` positions). Nothing here knows a model framework.
+
+Query-position R² (METHODS.md section 1). Over visible entries with ``y = log a`` (or
+``a``) and ``x = log u(q)`` (or ``u(q)``), ``u(q) = 1/|V(q)|``, and groups ``g`` of entries
+sharing the query position and visible key set:
+
+* prior R²  ``= 1 - Σ(y - x)² / Σ(y - ȳ)²``
+* fitted R² ``= cov(x, y)² / (var x · var y)`` (the least-squares line ``y ≈ α + βx``)
+* η²        ``= 1 - Σ(y - ȳ_g)² / Σ(y - ȳ)²``
+
+Sums are combined through group means and within-group sums of squares (never through
+``Σy² - (Σy)²/N`` over everything), which keeps the float64 results exact to ~1e-12
+even over billions of entries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = [
+    "SCALES",
+    "FORMS",
+    "r2_from_groups",
+    "query_position_r2",
+    "toeplitz_r2",
+    "toeplitz_r2_key_lag",
+    "mean_pattern_key_lag",
+    "key_lag_visible",
+]
+
+SCALES = ("log", "raw")
+FORMS = ("prior", "fitted", "eta2")
+
+
+def r2_from_groups(
+    count: np.ndarray, total: np.ndarray, within: np.ndarray, x: np.ndarray
+) -> dict[str, float]:
+    """The three R² forms from per-group sums.
+
+    Args:
+        count: ``n_g``, entries per group ``[G]``.
+        total: ``Σ_g y`` per group ``[G]``.
+        within: ``Σ_g (y - ȳ_g)²`` per group ``[G]``.
+        x: the predictor, constant within a group ``[G]``.
+
+    Returns:
+        ``{"prior", "fitted", "eta2", "n"}``; R² values are NaN when ``y`` has no variance.
+    """
+    keep = count > 0
+    n, s, w, x = count[keep], total[keep], within[keep], x[keep]
+    n_all = float(n.sum())
+    if n_all == 0:
+        return {"prior": float("nan"), "fitted": float("nan"), "eta2": float("nan"), "n": 0.0}
+    group_mean = s / n
+    mean = float(s.sum()) / n_all
+    within_ss = float(np.clip(w, 0.0, None).sum())
+    between_ss = float(np.sum(n * (group_mean - mean) ** 2))
+    tss = within_ss + between_ss
+    x_mean = float(np.sum(n * x)) / n_all
+    x_var = float(np.sum(n * (x - x_mean) ** 2))
+    covariance = float(np.sum(n * (x - x_mean) * (group_mean - mean)))
+    if tss <= 0.0:
+        return {"prior": float("nan"), "fitted": float("nan"), "eta2": float("nan"), "n": n_all}
+    prior_rss = within_ss + float(np.sum(n * (group_mean - x) ** 2))
+    fitted = covariance**2 / (x_var * tss) if x_var > 0 else 0.0
+    return {"prior": 1.0 - prior_rss / tss, "fitted": fitted, "eta2": between_ss / tss, "n": n_all}
+
+
+def _cell_moments(count: np.ndarray, total: np.ndarray, squares: np.ndarray) -> np.ndarray:
+    """``Σ(y - ȳ_cell)²`` per cell from its count, sum and sum of squares."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        within = squares - np.where(count > 0, total**2 / np.where(count > 0, count, 1), 0.0)
+    return np.clip(within, 0.0, None)
+
+
+def _pool(count: np.ndarray, total: np.ndarray, within: np.ndarray, keys: np.ndarray):
+    """Pool cells that share a key: counts and sums add, within-SS gains the spread of cell means."""
+    unique, inverse = np.unique(keys, return_inverse=True)
+    g = len(unique)
+    n_g = np.bincount(inverse, weights=count, minlength=g)
+    s_g = np.bincount(inverse, weights=total, minlength=g)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cell_mean = np.where(count > 0, total / np.where(count > 0, count, 1), 0.0)
+        group_mean = np.where(n_g > 0, s_g / np.where(n_g > 0, n_g, 1), 0.0)
+    spread = count * (cell_mean - group_mean[inverse]) ** 2
+    w_g = np.bincount(inverse, weights=within + spread, minlength=g)
+    return unique, inverse, n_g, s_g, w_g
+
+
+def query_position_r2(
+    query_count: np.ndarray,
+    value_sum: np.ndarray,
+    value_sq: np.ndarray,
+    visible_keys: np.ndarray,
+    *,
+    scale: str,
+    by: str | None = None,
+) -> dict[str, np.ndarray | float]:
+    """Query-position R² in the three forms, over everything, per layer or per head.
+
+    Args:
+        query_count: ``[L, T]`` visible entries per query position (per head).
+        value_sum: ``[L, H, T]`` ``Σ y`` per query position.
+        value_sq: ``[L, H, T]`` ``Σ y²`` per query position.
+        visible_keys: ``[L, T]`` ``|V(q)|`` under each layer's mask.
+        scale: ``"log"`` (``x = log u``) or ``"raw"`` (``x = u``); ``y`` must match.
+        by: ``None`` (all entries; groups are ``(q, |V(q)|)`` across layers and heads),
+            ``"layer"`` (``[L]``, groups ``q``) or ``"head"`` (``[L, H]``, groups ``q``).
+
+    Returns:
+        ``{"prior", "fitted", "eta2"}`` mapped to a float or an array.
+    """
+    n_layers, n_heads, n_positions = value_sum.shape
+    prior = 1.0 / visible_keys
+    x_cell = np.log(prior) if scale == "log" else prior  # [L, T]
+    count = np.broadcast_to(query_count[:, None, :], value_sum.shape).astype(np.float64)
+    within = _cell_moments(count, value_sum, value_sq)
+    if by == "head":
+        out = {form: np.full((n_layers, n_heads), np.nan) for form in FORMS}
+        for layer in range(n_layers):
+            for head in range(n_heads):
+                r2 = r2_from_groups(count[layer, head], value_sum[layer, head], within[layer, head], x_cell[layer])
+                for form in FORMS:
+                    out[form][layer, head] = r2[form]
+        return out
+    if by == "layer":
+        out = {form: np.full(n_layers, np.nan) for form in FORMS}
+        for layer in range(n_layers):
+            keys = np.broadcast_to(np.arange(n_positions), (n_heads, n_positions)).ravel()
+            _, _, n_g, s_g, w_g = _pool(count[layer].ravel(), value_sum[layer].ravel(), within[layer].ravel(), keys)
+            r2 = r2_from_groups(n_g, s_g, w_g, x_cell[layer])
+            for form in FORMS:
+                out[form][layer] = r2[form]
+        return out
+    if by is not None:
+        raise ValueError(f"by must be None, 'layer' or 'head', not {by!r}")
+    # Total: a group is (query position, visible key set); layers whose masks agree at q share it.
+    query = np.broadcast_to(np.arange(n_positions), value_sum.shape)
+    size = np.broadcast_to(visible_keys[:, None, :], value_sum.shape)
+    keys = (query.astype(np.int64) * (n_positions + 1) + size.astype(np.int64)).ravel()
+    x_full = np.broadcast_to(x_cell[:, None, :], value_sum.shape).ravel()
+    unique, inverse, n_g, s_g, w_g = _pool(count.ravel(), value_sum.ravel(), within.ravel(), keys)
+    x_g = np.zeros(len(unique))
+    x_g[inverse] = x_full
+    return {form: value for form, value in r2_from_groups(n_g, s_g, w_g, x_g).items() if form in FORMS}
+
+
+# -- Toeplitz scores -----------------------------------------------------------------
+def toeplitz_r2(matrix: np.ndarray, mask: np.ndarray | None = None) -> float:
+    """Toeplitz R² of a square matrix (Wennberg & Henter, TISA appendix B).
+
+    The best Toeplitz approximation has, on each diagonal ``q - k = d``, the mean of the
+    entries there. ``R² = 1 - RSS/TSS`` with ``TSS`` around the grand mean, over the
+    entries where ``mask`` is true (all entries if ``mask`` is None).
+
+    Args:
+        matrix: ``[query, key]`` (e.g. an attention pattern or a Gram matrix ``E Eᵀ``).
+        mask: ``[query, key]`` bool, the entries that count.
+    """
+    matrix = np.asarray(matrix, dtype=np.float64)
+    rows, cols = matrix.shape
+    mask = np.ones_like(matrix, dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    offset = (np.arange(rows)[:, None] - np.arange(cols)[None, :]) + (cols - 1)
+    values, diagonals = matrix[mask], offset[mask]
+    if values.size < 2:
+        return float("nan")
+    count = np.bincount(diagonals, minlength=rows + cols - 1)
+    total = np.bincount(diagonals, weights=values, minlength=rows + cols - 1)
+    diagonal_mean = np.where(count > 0, total / np.maximum(count, 1), 0.0)
+    rss = float(np.sum((values - diagonal_mean[diagonals]) ** 2))
+    tss = float(np.sum((values - values.mean()) ** 2))
+    return 1.0 - rss / tss if tss > 0 else float("nan")
+
+
+def key_lag_visible(
+    n_positions: int, window: int | None, windows_covering: np.ndarray, excluded_keys: Sequence[int] = ()
+) -> np.ndarray:
+    """Visible entries in key-lag layout ``[key t, lag dt]`` of a document-averaged pattern."""
+    t = np.arange(n_positions)[:, None]
+    dt = np.arange(n_positions)[None, :]
+    query = t + dt
+    visible = query < n_positions
+    visible &= windows_covering[np.minimum(query, n_positions - 1)] > 0
+    if window is not None:
+        visible &= dt < window
+    for key in excluded_keys:
+        if 0 <= key < n_positions:
+            visible[key, :] = False
+    return visible
+
+
+def mean_pattern_key_lag(pattern_sum: np.ndarray, windows_covering: np.ndarray) -> np.ndarray:
+    """Document-averaged pattern in key-lag layout: ``pattern_sum[..., t, dt] / #windows(t+dt)``."""
+    n_positions = pattern_sum.shape[-1]
+    query = np.minimum(np.arange(n_positions)[:, None] + np.arange(n_positions)[None, :], n_positions - 1)
+    covering = windows_covering[query]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(covering > 0, pattern_sum / np.where(covering > 0, covering, 1), 0.0)
+
+
+def toeplitz_r2_key_lag(values: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    """Toeplitz R² of matrices stored in key-lag layout, where each diagonal is a column.
+
+    Args:
+        values: ``[..., key t, lag dt]``.
+        visible: ``[key t, lag dt]`` bool.
+
+    Returns:
+        ``[...]`` R² per matrix.
+    """
+    weights = visible.astype(np.float64)
+    n_lag = weights.sum(0)  # [dt]
+    n_all = weights.sum()
+    masked = values * weights
+    lag_mean = masked.sum(-2) / np.maximum(n_lag, 1)  # [..., dt]
+    grand_mean = masked.sum((-2, -1)) / max(n_all, 1)
+    rss = (((values - lag_mean[..., None, :]) ** 2) * weights).sum((-2, -1))
+    tss = (((values - grand_mean[..., None, None]) ** 2) * weights).sum((-2, -1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(tss > 0, 1.0 - rss / np.where(tss > 0, tss, 1), np.nan)

@@ -1,0 +1,123 @@
+"""Persistence curves ``P(dt)`` and their fits, from lag sums (METHODS.md section 2).
+
+Place in the seams: *maths*. :func:`persistence_curves` turns sums by lag (and counts, and
+the uniform prior's sums over the same entries) into mean curves and fits each with
+:mod:`~equivariance_probe.maths.fitting`; :class:`PersistenceCurves` holds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import check_choice
+from . import fitting
+
+__all__ = ["PersistenceCurves", "persistence_curves"]
+
+
+@dataclass
+class PersistenceCurves:
+    """Mean attention by distance, ``P(dt)``, with its three fits (METHODS.md section 2).
+
+    ``P(dt)`` is the mean of ``a[l, h, t+dt, t]`` over windows, key positions ``t`` and
+    (unless split) layers and heads. ``prior`` is the mean of ``u(t+dt) = 1/|V(t+dt)|`` over
+    exactly the same entries, the curve a uniform head would give.
+
+    Attributes:
+        by: ``None``, ``"layer"``, ``"head"`` or ``"key_position"``.
+        dt: lags ``[n_lag]``.
+        curve: ``[*shape, n_lag]`` mean attention (NaN where no entry has that lag).
+        prior: ``[*shape, n_lag]`` mean uniform prior over the same entries.
+        count: ``[*shape, n_lag]`` entries behind each point.
+        fits: ``[*shape]`` nested lists of ``{"power", "exponential", "prior"}`` → CurveFit.
+        key_bins: for ``by="key_position"``, bin edges ``[n_bins + 1]`` (bin ``i`` holds
+            keys ``key_bins[i] <= t < key_bins[i+1]``).
+    """
+
+    by: str | None
+    dt: np.ndarray
+    curve: np.ndarray
+    prior: np.ndarray
+    count: np.ndarray
+    fits: Any
+    key_bins: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.curve.shape[:-1]
+
+    def r2(self, fit: str) -> np.ndarray | float:
+        """R² of ``fit`` (one of ``power``, ``exponential``, ``prior``) for every curve."""
+        check_choice("fit", fit, fitting.FIT_NAMES)
+        return self._collect(lambda fits: fits[fit].r2)
+
+    def params(self, fit: str, name: str) -> np.ndarray | float:
+        """A fitted parameter (``c``, ``alpha`` for power; ``c``, ``lambda`` for exponential)."""
+        check_choice("fit", fit, ("power", "exponential"))
+        return self._collect(lambda fits: fits[fit].params[name])
+
+    def _collect(self, get) -> np.ndarray | float:
+        if not self.shape:
+            return float(get(self.fits))
+        flat = [get(f) for f in np.asarray(self.fits, dtype=object).ravel()]
+        return np.asarray(flat, dtype=np.float64).reshape(self.shape)
+
+    def summary(self) -> dict[str, Any]:
+        """Fit parameters and R² of a single curve (``by=None``)."""
+        if self.shape:
+            return {name: self.r2(name) for name in fitting.FIT_NAMES}
+        return {name: fit.to_dict() for name, fit in self.fits.items()}
+
+    def __repr__(self) -> str:
+        if not self.shape:
+            parts = [f"{n} R²={self.fits[n].r2:.3f}" for n in fitting.FIT_NAMES]
+            return f"PersistenceCurves(lags={len(self.dt)}, " + ", ".join(parts) + ")"
+        return f"PersistenceCurves(by={self.by!r}, curves={self.shape}, lags={len(self.dt)})"
+
+
+def _fit_curve(dt: np.ndarray, curve: np.ndarray, prior: np.ndarray, count: np.ndarray) -> dict[str, fitting.CurveFit]:
+    has = count > 0
+    x, y, p = dt[has], curve[has], prior[has]
+    return {
+        "power": fitting.fit_power(x, y),
+        "exponential": fitting.fit_exponential(x, y),
+        "prior": fitting.fit_prior(y, p),
+    }
+
+
+def persistence_curves(
+    sums: np.ndarray,
+    prior_sums: np.ndarray,
+    counts: np.ndarray,
+    by: str | None,
+    key_bins: np.ndarray | None = None,
+) -> PersistenceCurves:
+    """Mean curves ``sums / counts`` by lag and their three fits.
+
+    Args:
+        sums: ``[*shape, lag]`` summed attention ``Σ a[t+dt, t]``.
+        prior_sums: ``[*shape, lag]`` ``Σ u(t+dt)`` over the same entries.
+        counts: ``[*shape, lag]`` entries behind each sum.
+        by: what ``shape`` indexes (``None``, ``"layer"``, ``"head"``, ``"key_position"``).
+        key_bins: bin edges when ``by="key_position"``.
+    """
+    shape = sums.shape[:-1]
+    n_lag = sums.shape[-1]
+    dt = np.arange(n_lag, dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        curve = np.where(counts > 0, sums / np.where(counts > 0, counts, 1), np.nan)
+        prior = np.where(counts > 0, prior_sums / np.where(counts > 0, counts, 1), np.nan)
+    if not shape:
+        fits: Any = _fit_curve(dt, curve, prior, counts)
+    else:
+        flat = [
+            _fit_curve(dt, c, p, n)
+            for c, p, n in zip(curve.reshape(-1, n_lag), prior.reshape(-1, n_lag), counts.reshape(-1, n_lag))
+        ]
+        fits = np.empty(len(flat), dtype=object)
+        fits[:] = flat
+        fits = fits.reshape(shape).tolist()
+    return PersistenceCurves(by, dt, curve, prior, counts, fits, key_bins)

@@ -1,0 +1,10 @@
+"""Orchestration: studies, comparisons, the positional study, and checkpoints.
+
+Place in the seams: above the probe and the result; runs return data, and the display layer
+(or the command line) draws it.
+
+* :mod:`~equivariance_probe.runs.study` — one model, trained vs its baselines.
+* :mod:`~equivariance_probe.runs.compare` — several models over the same windows.
+* :mod:`~equivariance_probe.runs.positional` — where order comes from, in one call.
+* :mod:`~equivariance_probe.runs.checkpoint` — chunked runs that resume bitwise-exactly.
+"""

@@ -1,0 +1,317 @@
+"""Checkpoints: a study that is killed at any moment resumes with the same statistics.
+
+Place in the seams: *runs*, between the study orchestration (:mod:`equivariance_probe.runs.study`)
+and the probe. :class:`CheckpointedRun` runs each variant's documents in *chunks* of ``every``
+documents (chunk ``c`` is ``docs[c·every : (c+1)·every]``), adds each chunk's float64 sums to
+the variant's total, and after each chunk writes the total and the position in the corpus to
+the checkpoint folder. The chunking depends on ``every`` alone, never on where a run was
+interrupted, so a resumed run performs exactly the additions of an uninterrupted one and its
+sums are **bitwise** equal. (Against a run with another ``every`` or no checkpoints they agree
+to float64 rounding, like any two batchings.)
+
+The entry sample (bottom-k, :mod:`equivariance_probe.statistics.sample`) is drawn per chunk with the seed
+``SeedSequence([seed, variant, shard, chunk])`` and merged exactly across chunks, so it also
+resumes exactly; it depends on ``every`` (another chunking draws another, equally uniform,
+sample).
+
+Folder layout (``<out>/checkpoint/``), every file written to a temporary name, flushed to
+disk and renamed, so a kill leaves either the old or the new version, never half of one:
+
+* ``state.json`` — ``{"kind", "format_version", "fingerprint", "identity", "every", "done":
+  {variant: file}, "current": {"variant", "position", "skipped", "file"} | null}``;
+* ``<variant>-<position>.json`` — the variant's partial :class:`ProbeResult` (``complete:
+  false``) after ``position`` documents; ``<variant>-done.json`` — its finished result.
+
+The state is written after the file it points to, and older files are deleted after the
+state, so the state always points to complete files. ``identity`` holds the fingerprints of
+the model, the corpus and the configuration (:mod:`equivariance_probe.records.provenance`); a
+checkpoint whose identity differs from the resuming run's is refused, naming what differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, option
+from ..probe import progress_bar
+from ..records.fileformat import write_json_atomically
+from ..records.provenance import config_fingerprint
+from ..result import ProbeResult
+
+__all__ = ["CheckpointedRun", "chunk_seed", "clear_checkpoint", "CHECKPOINT_FOLDER", "DEFAULT_CHECKPOINT_EVERY"]
+
+CHECKPOINT_FOLDER = "checkpoint"
+DEFAULT_CHECKPOINT_EVERY = 50
+_KIND = "equivariance_probe.StudyCheckpoint"
+_VERSION = 1
+_STATE = "state.json"
+
+
+def chunk_seed(seed: int, *parts: int) -> int:
+    """An independent 63-bit seed for the entry sample of one chunk: ``SeedSequence([seed, *parts])``."""
+    return int(np.random.SeedSequence([int(seed), *(int(p) for p in parts)]).generate_state(1, np.uint64)[0] >> 1)
+
+
+#: The files a checkpoint writes; nothing else in its folder is ever deleted.
+_OWN_FILE = re.compile(r"(state\.json|[A-Za-z0-9_]+-(\d{9}|done)\.json)(\.tmp)?")
+
+
+def _own_files(folder: Path) -> list[Path]:
+    return [path for path in folder.iterdir() if path.is_file() and _OWN_FILE.fullmatch(path.name)]
+
+
+def clear_checkpoint(folder: str | os.PathLike) -> None:
+    """Delete a checkpoint's files (after the finished study's results were saved), and its
+    folder if nothing else is in it."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return
+    for path in _own_files(folder):
+        path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+
+
+class CheckpointedRun:
+    """Runs variants chunk by chunk, checkpointing after each chunk; resumes from a checkpoint.
+
+    Args:
+        folder: the checkpoint folder, or ``None`` for no checkpoints (one chunk per variant
+            unless ``every`` is given).
+        every: documents per chunk (``None``: the whole corpus in one chunk).
+        identity: ``{"model", "corpus", "config"}`` fingerprints of this run.
+        resume: continue from the checkpoint in ``folder`` (which must exist and match).
+            Without it, an existing checkpoint is refused rather than overwritten.
+
+    Raises:
+        CheckpointError: resume without a checkpoint, a checkpoint of another model, corpus
+            or configuration, an unreadable checkpoint, or a checkpoint where a fresh run
+            would overwrite it.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike | None,
+        *,
+        every: int | None,
+        identity: dict[str, Any],
+        resume: bool = False,
+    ) -> None:
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise CheckpointError(f"checkpoint_every must be a positive number of documents or None, not {every!r}")
+        self.folder = None if folder is None else Path(folder)
+        self.every = every
+        self.identity = json.loads(json.dumps(identity, default=str))  # as it reads back from state.json
+        self.fingerprint = config_fingerprint(identity)
+        self.done: dict[str, str] = {}
+        # variant -> (statistics, metadata) of the result as this process wrote it to <variant>-done.json
+        self._written: dict[str, tuple[Any, str]] = {}
+        self.current: dict[str, Any] | None = None
+        self.resumed_from: dict[str, Any] | None = None
+        if self.folder is None:
+            if resume:
+                raise CheckpointError(
+                    f"{option('resume', True)} needs a checkpoint folder: pass {option('checkpoint_dir')} as well"
+                )
+            return
+        state_path = self.folder / _STATE
+        if resume:
+            if not state_path.exists():
+                raise CheckpointError(
+                    f"{option('resume', True)}: there is no checkpoint in {str(self.folder)!r} (no {_STATE}); "
+                    f"run without {option('resume')} to start, or point {option('checkpoint_dir')} at the interrupted "
+                    "run's checkpoint"
+                )
+            self._restore(state_path)
+        elif state_path.exists():
+            raise CheckpointError(
+                f"{str(self.folder)!r} holds the checkpoint of an unfinished run; pass {option('resume', True)} to "
+                f"continue it, or delete {str(self.folder)!r} to start over"
+            )
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    # -- state ------------------------------------------------------------------------
+    def _restore(self, state_path: Path) -> None:
+        try:
+            state = json.loads(state_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as error:
+            raise CheckpointError(f"the checkpoint {state_path} cannot be read ({error}); delete its folder and start over") from error
+        if not isinstance(state, dict) or state.get("kind") != _KIND or state.get("format_version") != _VERSION:
+            raise CheckpointError(
+                f"{state_path} is not a checkpoint this equivariance_probe can read (kind {state.get('kind')!r}, "
+                f"format_version {state.get('format_version')!r}); delete its folder and start over"
+            )
+        if state.get("fingerprint") != self.fingerprint:
+            theirs = state.get("identity", {})
+            parts = [part for part in ("model", "corpus", "config") if theirs.get(part) != self.identity.get(part)]
+            details = "; ".join(_difference(part, theirs.get(part), self.identity.get(part)) for part in parts)
+            raise CheckpointError(
+                f"the checkpoint in {str(self.folder)!r} was made by a run with a different "
+                f"{' and '.join(parts) or 'identity'} ({details}); resume only with the same model, corpus and "
+                f"options, or start a new run in another {option('checkpoint_dir')} folder"
+            )
+        if state.get("every") != self.every:
+            raise CheckpointError(f"the checkpoint was written every {state.get('every')} documents, not {self.every}")
+        self.done = dict(state.get("done", {}))
+        self.current = state.get("current")
+        self.resumed_from = {"variants_done": sorted(self.done), "current": self.current}
+
+    def _save_state(self) -> None:
+        assert self.folder is not None
+        write_json_atomically(
+            self.folder / _STATE,
+            {
+                "kind": _KIND,
+                "format_version": _VERSION,
+                "fingerprint": self.fingerprint,
+                "identity": self.identity,
+                "every": self.every,
+                "done": self.done,
+                "current": self.current,
+                "updated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            },
+        )
+        keep = {_STATE, *self.done.values(), *([self.current["file"]] if self.current and self.current["file"] else [])}
+        for path in _own_files(self.folder):
+            if path.name not in keep:
+                path.unlink(missing_ok=True)
+
+    def _load(self, filename: str) -> ProbeResult:
+        assert self.folder is not None
+        try:
+            return ProbeResult.load(self.folder / filename)
+        except (OSError, EquivarianceProbeError) as error:
+            raise CheckpointError(f"the checkpoint file {filename} cannot be read ({error}); delete the folder and start over") from error
+
+    # -- running ----------------------------------------------------------------------
+    def run_variant(
+        self,
+        name: str,
+        build_probe: Callable[[], Any],
+        docs: Sequence[Any],
+        *,
+        seed_parts: Sequence[int],
+        progress: bool = False,
+        metadata: dict[str, Any] | None = None,
+        **run_options: Any,
+    ) -> ProbeResult:
+        """The variant's result over ``docs``, resumed from the checkpoint where there is one.
+
+        Args:
+            name: the variant (``"trained"``, ``"random_init"``, ...).
+            build_probe: makes the :class:`EquivarianceProbe` (called only if work is left).
+            docs: the documents of this run (after sharding).
+            seed_parts: ``(seed, variant, shard)``; the chunk index is appended for each chunk's sample seed.
+            progress: a progress bar over documents.
+            metadata: added to the finished result's metadata *before* it is written to the
+                checkpoint, so that the written copy is the final file (see :meth:`finished_file`).
+            **run_options: passed to :meth:`EquivarianceProbe.run`.
+        """
+        if name in self.done:
+            result = self._load(self.done[name])
+            result.metadata.update(metadata or {})
+            return result
+        position, skipped, total = 0, 0, None
+        if self.current is not None and self.current["variant"] == name:
+            position, skipped = int(self.current["position"]), int(self.current["skipped"])
+            total = self._load(self.current["file"]) if self.current["file"] else None
+        every = self.every or max(len(docs), 1)
+        probe = build_probe()
+        bar = progress_bar(progress, len(docs))
+        bar.update(position)
+        try:
+            for start in range(position, len(docs), every):
+                chunk = docs[start : start + every]
+                try:
+                    part = probe.run(chunk, sample_seed=chunk_seed(*seed_parts, start // every), progress=False, **run_options)
+                except EmptyCorpusError:
+                    skipped += len(chunk)  # every document of the chunk was empty or too short
+                except (EquivarianceProbeError, KeyboardInterrupt, RuntimeError) as error:
+                    partial = getattr(error, "partial_result", None)
+                    if total is not None:
+                        partial = total if partial is None or partial.n_windows == 0 else _add(total, partial)
+                    if partial is not None:
+                        partial.metadata["complete"] = False
+                        error.partial_result = partial  # type: ignore[attr-defined]
+                    raise
+                else:
+                    skipped += int(part.metadata.get("skipped_windows", 0))
+                    total = part if total is None else _add(total, part)
+                position = start + len(chunk)
+                bar.update(len(chunk))
+                if self.folder is not None and position < len(docs):
+                    self._checkpoint(name, position, skipped, total)
+        finally:
+            bar.close()
+        if total is None:
+            raise EmptyCorpusError(
+                f"no document of the {len(docs)} given had enough tokens (all skipped as empty or too short); "
+                "pass non-empty documents, or lower min_tokens"
+            )
+        total.metadata["skipped_windows"] = skipped
+        total.metadata["complete"] = True
+        total.metadata["checkpoint"] = {"every": self.every, "resumed_from": self.resumed_from}
+        total.metadata.update(metadata or {})
+        if self.folder is not None:
+            filename = f"{name}-done.json"
+            total.save(self.folder / filename)
+            self._written[name] = (total.statistics, _metadata_key(total.metadata))
+            self.done[name] = filename
+            self.current = None
+            self._save_state()
+        return total
+
+    def finished_file(self, name: str, result: ProbeResult) -> Path | None:
+        """The checkpoint file that holds exactly ``result`` as :meth:`ProbeResult.save` writes it, or ``None``.
+
+        A finished variant is written to the checkpoint (so that a kill during the next variant
+        loses nothing) with its final metadata; the study's own result file can then be a hard
+        link to it instead of a second encoding of the same sums (at context 1024 each file is
+        ~840 MB and ~13 s to write). Only files this process wrote count, and only while
+        ``result`` still has the same statistics object and metadata.
+        """
+        written = self._written.get(name)
+        if self.folder is None or written is None or name not in self.done:
+            return None
+        statistics, metadata = written
+        if result.statistics is not statistics or _metadata_key(result.metadata) != metadata:
+            return None
+        path = self.folder / self.done[name]
+        return path if path.is_file() else None
+
+    def _checkpoint(self, name: str, position: int, skipped: int, total: ProbeResult | None) -> None:
+        assert self.folder is not None
+        filename = None
+        if total is not None:
+            total.metadata["complete"] = False
+            filename = f"{name}-{position:09d}.json"
+            total.save(self.folder / filename)
+        # file is None while every document so far was skipped: only the position is saved.
+        self.current = {"variant": name, "position": position, "skipped": skipped, "file": filename}
+        self._save_state()
+
+
+def _metadata_key(metadata: dict[str, Any]) -> str:
+    return json.dumps(metadata, sort_keys=True, default=str)
+
+
+def _add(total: ProbeResult, part: ProbeResult) -> ProbeResult:
+    """``total`` with ``part``'s sums added; keeps ``total``'s metadata (one run, many chunks)."""
+    return ProbeResult(total.statistics.merge(part.statistics), dict(total.metadata))
+
+
+def _difference(part: str, theirs: Any, mine: Any) -> str:
+    if not isinstance(theirs, dict) or not isinstance(mine, dict):
+        return f"{part}: {theirs!r} vs {mine!r}"
+    keys = [k for k in sorted(set(theirs) | set(mine)) if theirs.get(k) != mine.get(k)]
+    shown = ", ".join(f"{k}: {theirs.get(k)!r} then, {mine.get(k)!r} now" for k in keys[:4])
+    return f"{part} {shown}"

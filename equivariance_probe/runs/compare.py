@@ -1,0 +1,368 @@
+"""The study across architectures: several models on the same windows, in one table.
+
+Place in the seams: *runs*, orchestration above :func:`~equivariance_probe.runs.study.run_study`. For each
+model it runs the trained weights and its baselines (by default its own random
+initialisation) through the probe and collects the numbers into one table, one row per
+``(model, variant)``; it computes nothing itself.
+
+Same windows for every model: one text per window, cut from a corpus document so that
+*every* model's tokenizer (with its special tokens, as the probe tokenises) yields at least
+``T`` tokens from it; the probe then truncates each model's tokens to exactly ``T``. So every
+number rests on the same documents and the same number of tokens per window (a check).
+
+Cost: each model's wall time per variant (windows per minute) and its peak resident memory
+(:class:`~equivariance_probe.sources.resources.PeakMemory`) are measured in the same run.
+Before anything is loaded, each model's memory need is estimated
+(:func:`~equivariance_probe.sources.resources.estimate_memory`) and a model that does not fit
+in the available memory is refused with the estimate. The comparison's figure is drawn by
+:func:`~equivariance_probe.display.comparison.comparison_figure`.
+
+Example:
+    >>> from equivariance_probe import compare_models
+    >>> comparison = compare_models(n_docs=2, context_length=128)      # the three packaged models
+    >>> print(comparison.table())
+    >>> comparison.save("compare_out")        # comparison.md/.csv/.json and per-model results
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..adapters import get_adapter
+from ..adapters.modules import text_config
+from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError, InsufficientMemoryError
+from ..maths.metrics import FORMS, SCALES
+from ..sources.corpus import load_corpus
+from ..sources.models import load_config, load_model, load_tokenizer
+from ..sources.resources import MemoryEstimate, PeakMemory, available_memory, count_parameters, estimate_memory
+from .study import Study, check_baselines, run_study
+
+__all__ = [
+    "Comparison",
+    "ModelCost",
+    "compare_models",
+    "common_windows",
+    "DEFAULT_COMPARE_MODELS",
+    "DEFAULT_COMPARISON",
+]
+
+#: The packaged models (:data:`equivariance_probe.sources.registry.REGISTRY`), smallest context first.
+DEFAULT_COMPARE_MODELS = ("gemma-3-270m", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
+
+#: The default comparison, sized to run the three packaged models, trained and at random
+#: initialisation, in well under 30 minutes on 2 CPU cores (README, "Across architectures").
+DEFAULT_COMPARISON = {"n_docs": 12, "context_length": 512, "batch_size": 4, "baselines": ("random_init",)}
+
+_FITS = ("power", "exponential", "prior")
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What one model's part of the comparison cost, measured in the run.
+
+    Attributes:
+        seconds: wall time per variant (building the baseline included), in seconds.
+        load_seconds: loading the trained model (a packaged model's first conversion excluded:
+            that happens before, when its tokenizer is read).
+        peak_bytes: peak resident memory of the process while this model was loaded and run.
+        peak_method: how ``peak_bytes`` was measured (see :class:`~equivariance_probe.sources.resources.PeakMemory`).
+        estimate: the memory estimate checked before loading.
+    """
+
+    seconds: dict[str, float]
+    load_seconds: float
+    peak_bytes: int | None
+    peak_method: str
+    estimate: MemoryEstimate
+
+    def windows_per_minute(self, variant: str, n_windows: int) -> float:
+        return 60.0 * n_windows / self.seconds[variant]
+
+
+@dataclass
+class Comparison:
+    """The comparison: one :class:`~equivariance_probe.runs.study.Study` and one cost per model."""
+
+    studies: dict[str, Study]
+    costs: dict[str, ModelCost]
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per ``(model, variant)``: every number of the table, and what it rests on.
+
+        Keys: ``model, variant, windows, tokens``; ``{scale}_{form}`` for the query-position R²
+        (scale ``log``/``raw``, form ``prior``/``fitted``/``eta2``); ``persistence_{fit}_r2`` for
+        the power, exponential and uniform-prior fits to ``P(dt)``; ``toeplitz_r2`` (mean over
+        windows and heads of the per-window Toeplitz R²); ``seconds, windows_per_minute,
+        peak_memory_gib, estimated_memory_gib, n_parameters, n_layers, n_heads``.
+        """
+        rows = []
+        for label, study in self.studies.items():
+            cost = self.costs[label]
+            for variant, result in study.results.items():
+                row: dict[str, Any] = {"model": label, "variant": variant,
+                                       "windows": result.n_windows, "tokens": result.n_tokens}
+                for scale in SCALES:
+                    for form in FORMS:
+                        row[f"{scale}_{form}"] = float(result.query_position_r2(scale, form))
+                persistence = result.persistence()
+                for fit in _FITS:
+                    row[f"persistence_{fit}_r2"] = float(persistence.fits[fit].r2)
+                row["toeplitz_r2"] = float(np.nanmean(result.toeplitz_r2("head_per_doc")))
+                row["seconds"] = cost.seconds[variant]
+                row["windows_per_minute"] = cost.windows_per_minute(variant, result.n_windows)
+                row["peak_memory_gib"] = None if cost.peak_bytes is None else cost.peak_bytes / 2**30
+                row["estimated_memory_gib"] = cost.estimate.total / 2**30
+                row["n_parameters"] = cost.estimate.n_parameters
+                row["n_layers"], row["n_heads"] = result.n_layers, result.n_heads
+                rows.append(row)
+        return rows
+
+    def table(self) -> str:
+        """Markdown: one column per ``(model, variant)``, one row per statistic."""
+        rows = self.rows()
+        header = [f"{r['model']}<br>{r['variant']}" for r in rows]
+        lines = ["| | | " + " | ".join(header) + " |", "|---|---|" + "---|" * len(rows)]
+
+        def line(group: str, name: str, cells: list[str]) -> None:
+            lines.append(f"| {group} | {name} | " + " | ".join(cells) + " |")
+
+        for scale in SCALES:
+            for form in FORMS:
+                line(f"QPVE {scale}", form, [f"{r[f'{scale}_{form}']:.4f}" for r in rows])
+        for fit in _FITS:
+            line("P(dt)", f"{fit} fit R²", [f"{r[f'persistence_{fit}_r2']:.4f}" for r in rows])
+        line("Toeplitz", "mean per-window R²", [f"{r['toeplitz_r2']:.4f}" for r in rows])
+        line("", "windows / tokens", [f"{r['windows']} / {r['tokens']}" for r in rows])
+        line("", "layers × heads", [f"{r['n_layers']} × {r['n_heads']}" for r in rows])
+        line("cost", "windows per minute", [f"{r['windows_per_minute']:.1f}" for r in rows])
+        line("cost", "peak memory (GiB)", ["–" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}" for r in rows])
+        line("cost", "estimated memory (GiB)", [f"{r['estimated_memory_gib']:.2f}" for r in rows])
+        return "\n".join(lines)
+
+    def save(self, folder: str | os.PathLike) -> dict[str, Path]:
+        """Write ``comparison.md``, ``comparison.csv``, ``comparison.json``, and each model's study
+        (:meth:`Study.save`) under ``models/<model>/``; the figure is drawn by the display layer."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = self.rows()
+        paths = {"csv": folder / "comparison.csv", "json": folder / "comparison.json",
+                 "markdown": folder / "comparison.md"}
+        with paths["csv"].open("w", newline="", encoding="utf-8") as stream:
+            writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        costs = {label: {"seconds": c.seconds, "load_seconds": c.load_seconds, "peak_bytes": c.peak_bytes,
+                         "peak_method": c.peak_method, "estimate": c.estimate.describe()}
+                 for label, c in self.costs.items()}
+        paths["json"].write_text(json.dumps({"config": self.config, "rows": rows, "costs": costs}, indent=2) + "\n",
+                                 encoding="utf-8")
+        method = next(iter(self.costs.values())).peak_method if self.costs else ""
+        paths["markdown"].write_text(
+            "# Equivariance probe: comparison across models\n\n"
+            f"{self.config.get('windows_description', '')}\n\n"
+            "QPVE: query-position R² over every visible entry (log scale: y = log max(a, eps)). "
+            "P(dt): R² of each fit to the persistence curve. Toeplitz: mean over windows and heads of "
+            "the per-window Toeplitz R². Cost: windows per minute of each variant (building the "
+            f"baseline included) and the model's peak resident memory ({method}).\n\n"
+            f"{self.table()}\n\nConfiguration: `{json.dumps(self.config.get('arguments', {}))}`\n",
+            encoding="utf-8",
+        )
+        for label, study in self.studies.items():
+            study.save(folder / "models" / _folder_name(label))
+        return paths
+
+
+def _folder_name(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "model"
+
+
+# ----------------------------------------------------------------------------- windows
+
+
+def _token_count(tokenizer: Any, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def _end_of_token(tokenizer: Any, text: str, index: int) -> int | None:
+    """Character offset where token ``index`` of ``text`` ends; ``None`` if ``text`` is shorter."""
+    try:
+        encoding = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
+    except NotImplementedError:  # a slow (Python) tokenizer: no offsets
+        return len(text) if _token_count(tokenizer, text) > index else None
+    if len(encoding["input_ids"]) <= index:
+        return None
+    return int(encoding["offset_mapping"][index][1])
+
+
+def common_windows(texts: Sequence[str], tokenizers: Mapping[str, Any], context_length: int, n_docs: int) -> list[str]:
+    """The first ``n_docs`` texts cut so that every tokenizer yields at least ``context_length`` tokens.
+
+    For each text, the cut is the largest (over tokenizers) character offset at which token
+    ``T - 1`` ends (special tokens counted, as the probe tokenises); since a prefix can tokenise
+    differently at its end, the cut is then extended until every tokenizer really yields ``T``
+    tokens from it. Texts too short for some tokenizer are skipped. The probe truncates each
+    model's tokens to exactly ``T``.
+
+    Args:
+        texts: documents, in order.
+        tokenizers: label -> Hugging Face tokenizer.
+        context_length: ``T``.
+        n_docs: windows wanted.
+
+    Returns:
+        ``n_docs`` strings (prefixes of documents).
+
+    Raises:
+        EmptyCorpusError: fewer than ``n_docs`` documents are long enough for every tokenizer.
+    """
+    windows: list[str] = []
+    for text in texts:
+        ends = [_end_of_token(tokenizer, text, context_length - 1) for tokenizer in tokenizers.values()]
+        if any(end is None for end in ends):
+            continue
+        cut = max(ends)
+        while any(_token_count(t, text[:cut].strip()) < context_length for t in tokenizers.values()):
+            cut = min(len(text), cut + 16)
+        windows.append(text[:cut].strip())
+        if len(windows) == n_docs:
+            return windows
+    raise EmptyCorpusError(
+        f"only {len(windows)} documents of the corpus give at least {context_length} tokens with every "
+        f"tokenizer ({', '.join(tokenizers)}), but n_docs={n_docs}; lower n_docs or context_length, or "
+        "pass a corpus with longer documents."
+    )
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _layout(entry: Any, tokenizer: Any, cache_dir: Any) -> tuple[int, int, int]:
+    """``(n_parameters, n_layers, n_heads)`` of a model name (from its config, nothing loaded) or a loaded model."""
+    if isinstance(entry, str):
+        config = load_config(entry, cache_dir=cache_dir)
+        text = text_config(config)
+        return count_parameters(config), int(text.num_hidden_layers), int(text.num_attention_heads)
+    model = entry[0]
+    layout = get_adapter(model, tokenizer=tokenizer).layout
+    parameters = count_parameters(model) if hasattr(model, "parameters") else 0
+    return parameters, layout.n_layers, layout.n_heads
+
+
+# ----------------------------------------------------------------------------- the comparison
+
+
+def compare_models(
+    models: Sequence[str] | Mapping[str, str | tuple[Any, Any]] = DEFAULT_COMPARE_MODELS,
+    *,
+    corpus: Any = None,
+    n_docs: int = DEFAULT_COMPARISON["n_docs"],
+    context_length: int = DEFAULT_COMPARISON["context_length"],
+    batch_size: int = DEFAULT_COMPARISON["batch_size"],
+    baselines: Sequence[str] = DEFAULT_COMPARISON["baselines"],
+    exclude_keys: Sequence[int] = (),
+    seed: int = 0,
+    cache_dir: str | os.PathLike | None = None,
+    memory_limit: int | None = None,
+    progress: bool = True,
+) -> Comparison:
+    """Run the study on several models over the same windows and collect one table.
+
+    Args:
+        models: model names (packaged, local folders or cached hub names, loaded one at a time
+            with :func:`~equivariance_probe.sources.models.load_model`), or a mapping label -> name or
+            an already loaded ``(model, tokenizer)``.
+        corpus: anything :func:`~equivariance_probe.sources.corpus.load_corpus` reads (``None``: the
+            packaged Wikipedia articles).
+        n_docs: windows (one per document).
+        context_length: tokens per window ``T``, the same for every model.
+        batch_size: windows per forward pass.
+        baselines: any of ``"random_init"``, ``"zero"`` (each model's own).
+        exclude_keys: key positions left out of every statistic.
+        seed: seed of the random initialisations.
+        cache_dir: where converted packaged models are cached.
+        memory_limit: bytes a model may use; ``None``: the memory available now.
+        progress: show progress bars.
+
+    Returns:
+        A :class:`Comparison`.
+
+    Raises:
+        InsufficientMemoryError: a model's estimated need exceeds ``memory_limit`` (checked for
+            every model before any is loaded).
+        EmptyCorpusError: too few documents are long enough for every tokenizer.
+        InputError: bad arguments.
+    """
+    entries: dict[str, Any] = dict(models) if isinstance(models, Mapping) else {str(m): str(m) for m in models}
+    if not entries:
+        raise InputError("models is empty; pass at least one model name, e.g. ['gemma-3-270m'].")
+    check_baselines(baselines)
+    for name, value in (("n_docs", n_docs), ("context_length", context_length), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
+
+    # Tokenizers first (converting packaged models once, without keeping their weights), then
+    # the memory check for every model, before any model is loaded.
+    tokenizers = {label: (load_tokenizer(e, cache_dir=cache_dir) if isinstance(e, str) else e[1])
+                  for label, e in entries.items()}
+    limit = memory_limit if memory_limit is not None else available_memory()
+    estimates: dict[str, MemoryEstimate] = {}
+    for label, entry in entries.items():
+        parameters, n_layers, n_heads = _layout(entry, tokenizers[label], cache_dir)
+        estimates[label] = estimate_memory(n_parameters=parameters, n_heads=n_heads, n_layers=n_layers,
+                                           context_length=context_length, batch_size=batch_size,
+                                           copies=2 if baselines else 1)
+    too_big = {label: e for label, e in estimates.items() if limit is not None and e.total > limit}
+    if too_big:
+        details = "; ".join(f"{label}: {e.describe()}" for label, e in too_big.items())
+        raise InsufficientMemoryError(
+            f"not enough memory for {sorted(too_big)} ({limit / 2**30:.2f} GiB available): {details}. "
+            "Lower batch_size or context_length, leave these models out, or free memory."
+        )
+
+    documents = load_corpus(corpus)
+    texts = common_windows(documents, tokenizers, context_length, n_docs)
+
+    studies: dict[str, Study] = {}
+    costs: dict[str, ModelCost] = {}
+    for label, entry in entries.items():
+        with PeakMemory() as peak:
+            start = time.perf_counter()
+            loaded = load_model(entry, cache_dir=cache_dir) if isinstance(entry, str) else entry
+            load_seconds = time.perf_counter() - start
+            study = run_study(label, corpus=texts, n_docs=len(texts), context_length=context_length,
+                              batch_size=batch_size, baselines=baselines, exclude_keys=exclude_keys, seed=seed,
+                              sample_size=0, cache_dir=cache_dir, progress=progress, loaded=loaded)
+            del loaded
+            gc.collect()  # one model in memory at a time
+        for variant, result in study.results.items():
+            if result.n_tokens != len(texts) * context_length:
+                raise IncompatibleResultsError(
+                    f"{label} ({variant}) read {result.n_tokens} tokens, not {len(texts)} × {context_length}; "
+                    "the windows were not cut to the same length for every model (please report this)."
+                )
+        studies[label] = study
+        costs[label] = ModelCost(seconds={v: study.timings[v] for v in study.results}, load_seconds=load_seconds,
+                                 peak_bytes=peak.bytes, peak_method=peak.method, estimate=estimates[label])
+    config = {
+        "arguments": {"models": list(entries), "n_docs": n_docs, "context_length": context_length,
+                      "batch_size": batch_size, "baselines": list(baselines), "exclude_keys": list(exclude_keys),
+                      "seed": seed},
+        "windows_description": (
+            f"{len(texts)} windows of exactly {context_length} tokens per model, cut from the same "
+            f"{len(texts)} documents ({'the packaged Wikipedia articles' if corpus is None else 'the given corpus'}) "
+            "so that every model's tokenizer yields at least that many tokens, each model with its own tokenizer."
+        ),
+    }
+    return Comparison(studies, costs, config)

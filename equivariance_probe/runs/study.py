@@ -1,0 +1,251 @@
+"""The whole study on one model: trained weights and its untrained baselines.
+
+Runs the same documents through the model, through the same architecture at its own
+random initialisation (seeded, the model's own initialiser), and with all weights zero
+(every head exactly uniform), and collects one :class:`ProbeResult` per variant
+(METHODS.md section 5).
+
+Place in the seams: *runs*, orchestration only; the numbers come from the probe, and the
+figures are drawn by :mod:`~equivariance_probe.display` from the :class:`Study` it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError
+from ..maths.metrics import FORMS, SCALES
+from ..probe import EquivarianceProbe
+from ..records.provenance import config_fingerprint, corpus_fingerprint, model_identity
+from ..records.sharding import Shard, shard_metadata
+from ..result import ProbeResult
+from ..sources.baselines import random_init_like, zero_like
+from ..sources.corpus import load_corpus
+from ..sources.devices import parse_dtype, resolve_device
+from ..sources.models import load_model
+from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun
+
+__all__ = ["Study", "run_study", "BASELINES", "DEFAULT_STUDY"]
+
+#: Baselines: name -> what it is.
+BASELINES = {
+    "random_init": "the same architecture at its own random initialisation (seeded)",
+    "zero": "the same architecture with every weight zero (every head uniform)",
+}
+
+#: The default study, sized to finish in about 10 minutes on 2 CPU cores.
+DEFAULT_STUDY = {"n_docs": 24, "context_length": 1024, "batch_size": 4}
+
+
+@dataclass
+class Study:
+    """Results of one study: ``{"trained": ..., "random_init": ..., "zero": ...}``."""
+
+    results: dict[str, ProbeResult]
+    config: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    #: The run's :class:`~equivariance_probe.runs.checkpoint.CheckpointedRun`, whose finished-variant
+    #: files :meth:`save` links instead of writing the same bytes again.
+    checkpoint: CheckpointedRun | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def trained(self) -> ProbeResult:
+        return self.results["trained"]
+
+    def baselines(self) -> dict[str, ProbeResult]:
+        return {k: v for k, v in self.results.items() if k != "trained"}
+
+    def table(self) -> str:
+        """Markdown table: query-position R² in every form and scale, per variant."""
+        names = list(self.results)
+        lines = [
+            "| scale | form | " + " | ".join(names) + " |",
+            "|---|---|" + "---|" * len(names),
+        ]
+        for scale in SCALES:
+            for form in FORMS:
+                cells = [f"{self.results[n].query_position_r2(scale, form):.4f}" for n in names]
+                lines.append(f"| {scale} | {form} | " + " | ".join(cells) + " |")
+        persistence = {n: self.results[n].persistence() for n in names}
+        for fit in ("power", "exponential", "prior"):
+            cells = [f"{persistence[n].fits[fit].r2:.4f}" for n in names]
+            lines.append(f"| P(dt) | {fit} fit R² | " + " | ".join(cells) + " |")
+        cells = [f"{float(np.nanmean(self.results[n].toeplitz_r2('head_per_doc'))):.4f}" for n in names]
+        lines.append("| Toeplitz | mean per-window R² | " + " | ".join(cells) + " |")
+        lines.append("| | windows / tokens | " + " | ".join(f"{self.results[n].n_windows} / {self.results[n].n_tokens}" for n in names) + " |")
+        return "\n".join(lines)
+
+    def heads(self) -> str:
+        """The most and least position-bound heads of the trained model (log η²)."""
+        summary = self.trained.summary()
+        return (
+            f"most position-bound head: {summary['most_position_bound_head']}; "
+            f"least: {summary['least_position_bound_head']} (query-position η², log scale)"
+        )
+
+    def save(self, folder: str | os.PathLike) -> dict[str, Path]:
+        """Write ``results.json`` (trained) and ``baseline_<name>.json``, plus ``summary.md``."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = {}
+        for name, result in self.results.items():
+            filename = "results.json" if name == "trained" else f"baseline_{name}.json"
+            finished = self.checkpoint.finished_file(name, result) if self.checkpoint is not None else None
+            if finished is None or not _link(finished, folder / filename):
+                result.save(folder / filename)
+            paths[name] = folder / filename
+        excluded = self.trained.excluded_keys
+        (folder / "summary.md").write_text(
+            f"# Equivariance probe: {self.config.get('model')}\n\n"
+            f"Query-position R² over all visible entries (log scale: y = log max(a, eps), "
+            f"eps = {self.trained.log_floor:.3g}; {self.trained.floored()} entries floored). "
+            f"Excluded key positions: {list(excluded) or 'none'}.\n\n{self.table()}\n\n{self.heads()}\n\n"
+            f"Configuration: `{json.dumps(self.config)}`\n\nTimings (s): `{json.dumps(self.timings)}`\n"
+        )
+        return paths
+
+
+def check_baselines(baselines: Sequence[str]) -> None:
+    """Raise :class:`InputError` for a baseline name not in :data:`BASELINES`."""
+    unknown = sorted(set(baselines) - set(BASELINES))
+    if unknown:
+        raise InputError(f"unknown baselines {unknown}; choose from {sorted(BASELINES)}")
+
+
+def _link(source: Path, destination: Path) -> bool:
+    """Make ``destination`` a hard link to ``source`` (atomically); ``False`` where links are refused."""
+    temporary = destination.with_name(destination.name + ".tmp")
+    try:
+        temporary.unlink(missing_ok=True)
+        os.link(source, temporary)
+        os.replace(temporary, destination)
+    except OSError:  # another file system, or one without hard links: write the file instead
+        temporary.unlink(missing_ok=True)
+        return False
+    return True
+
+
+def run_study(
+    model: str = "gemma-3-270m",
+    *,
+    backend: str = "huggingface",
+    corpus: Any = None,
+    n_docs: int = DEFAULT_STUDY["n_docs"],
+    context_length: int = DEFAULT_STUDY["context_length"],
+    batch_size: int = DEFAULT_STUDY["batch_size"],
+    baselines: Sequence[str] = tuple(BASELINES),
+    exclude_keys: Sequence[int] = (),
+    seed: int = 0,
+    sample_size: int = 20000,
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+    loaded: tuple[Any, Any] | None = None,
+    checkpoint_dir: str | os.PathLike | None = None,
+    checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY,
+    resume: bool = False,
+    shard: Shard | str | None = None,
+    device: str | None = "auto",
+    dtype: str | None = None,
+) -> Study:
+    """Run the study: the trained model and each baseline on the same documents.
+
+    Args:
+        model: a packaged model name (``"gemma-3-270m"``), a local folder, or a cached hub name.
+        backend: ``"huggingface"``, ``"transformer_lens"`` or ``"nnsight"``.
+        corpus: anything :func:`~equivariance_probe.sources.corpus.load_corpus` reads (``None``: the
+            packaged default corpus).
+        n_docs: documents (one window each).
+        context_length: window length in tokens.
+        batch_size: windows per forward pass.
+        baselines: any of ``"random_init"``, ``"zero"``.
+        exclude_keys: key positions left out of every statistic (e.g. ``[0]``).
+        seed: seed of the random initialisation and of the entry sample.
+        sample_size: entries kept for the scatter plot.
+        cache_dir: where converted packaged models are cached.
+        progress: show progress bars.
+        loaded: an already loaded ``(model, tokenizer)``, to skip loading.
+        checkpoint_dir: save a checkpoint there every ``checkpoint_every`` documents
+            (:mod:`equivariance_probe.runs.checkpoint`); ``None``: no checkpoints.
+        checkpoint_every: documents between checkpoints (only with ``checkpoint_dir``).
+        resume: continue from the checkpoint in ``checkpoint_dir``; refused if it was made
+            with another model, corpus or configuration.
+        shard: ``Shard(i, n)`` or ``"i/n"``: run only the i-th of n contiguous slices of the
+            ``n_docs`` documents (:mod:`equivariance_probe.records.sharding`); merge the shards' results.
+        device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        dtype: the model's parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``);
+            ``None``: as loaded (float32).
+    """
+    check_baselines(baselines)
+    timings: dict[str, float] = {}
+    shard = Shard.parse(shard) if isinstance(shard, str) else shard
+    start = time.perf_counter()
+    all_docs = load_corpus(corpus, n_docs=n_docs)
+    corpus_identity = corpus_fingerprint(all_docs)
+    docs = shard.select(all_docs) if shard is not None else all_docs
+    timings["load_corpus"] = time.perf_counter() - start
+    start = time.perf_counter()
+    if loaded is not None:
+        network, tokenizer = loaded
+    else:
+        network, tokenizer = load_model(model, backend, cache_dir=cache_dir, device=resolve_device(device),
+                                        dtype=parse_dtype(dtype))
+    timings["load_model"] = time.perf_counter() - start
+    config = {
+        "model": str(model),
+        # Where the documents came from, so that a report can reload one to view heads.
+        "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
+        "backend": backend,
+        "n_docs": len(all_docs),
+        "context_length": context_length,
+        "batch_size": batch_size,
+        "exclude_keys": list(exclude_keys),
+        "seed": seed,
+        "baselines": list(baselines),
+        "sample_size": sample_size,
+        "checkpoint_every": checkpoint_every if checkpoint_dir is not None else None,
+    }
+    identity = {"model": model_identity(network), "corpus": corpus_identity,
+                "config": {**config, "shard": None if shard is None else str(shard)}}
+    # What the numbers depend on (not batch size, sample size or checkpoints): results that differ
+    # in it never merge.
+    measured = {k: config[k] for k in ("backend", "context_length", "exclude_keys", "seed")}
+    provenance = {"model": identity["model"], "corpus": corpus_identity, "config_sha256": config_fingerprint(measured)}
+    runner = CheckpointedRun(checkpoint_dir, every=config["checkpoint_every"], identity=identity, resume=resume)
+    if shard is not None:
+        config["shard"] = str(shard)
+    run_options = dict(
+        context_length=context_length,
+        batch_size=batch_size,
+        exclude_keys=exclude_keys,
+        sample_size=sample_size,
+        progress=progress,
+    )
+    results: dict[str, ProbeResult] = {}
+    variants: list[tuple[str, Any]] = [("trained", lambda: network)]
+    if "random_init" in baselines:
+        variants.append(("random_init", lambda: random_init_like(network, seed=seed)))
+    if "zero" in baselines:
+        variants.append(("zero", lambda: zero_like(network)))
+    for index, (name, build) in enumerate(variants):
+        start = time.perf_counter()
+        metadata = {"label": name, "study": config, "provenance": provenance}
+        if shard is not None:
+            metadata["shards"] = shard_metadata(shard, len(all_docs), corpus_identity["sha256"])
+        results[name] = runner.run_variant(
+            name,
+            lambda build=build: EquivarianceProbe(build(), tokenizer=tokenizer),
+            docs,
+            seed_parts=(seed, index, 0 if shard is None else shard.index + 1),
+            metadata=metadata,
+            **run_options,
+        )
+        timings[name] = time.perf_counter() - start
+    return Study(results, config, timings, checkpoint=runner)
