@@ -260,6 +260,13 @@ def _documents(args: argparse.Namespace) -> Any:
     return args.corpus
 
 
+def _study_options(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
+    """The keyword arguments ``run`` and ``compare`` pass alike to their study function."""
+    return dict(corpus=documents, n_docs=args.n_docs, context_length=args.context_length, batch_size=args.batch_size,
+                baselines=args.baselines, exclude_keys=args.exclude_keys, seed=args.seed, cache_dir=args.cache_dir,
+                progress=not args.no_progress)
+
+
 def _print(args: argparse.Namespace, table: str, numbers: Any, wrote: Sequence[Path]) -> None:
     print(json.dumps(jsonable(numbers), indent=1) if args.json else table)
     if wrote:
@@ -282,17 +289,9 @@ def _run(args: argparse.Namespace) -> int:
     documents = _documents(args)
     study = run_study(
         args.model,
+        **_study_options(args, documents),
         backend=args.backend,
-        corpus=documents,
-        n_docs=args.n_docs,
-        context_length=args.context_length,
-        batch_size=args.batch_size,
-        baselines=args.baselines,
-        exclude_keys=args.exclude_keys,
-        seed=args.seed,
         sample_size=args.sample_size,
-        cache_dir=args.cache_dir,
-        progress=not args.no_progress,
         checkpoint_dir=None if args.checkpoint_every == 0 else out / CHECKPOINT_FOLDER,
         checkpoint_every=args.checkpoint_every or None,
         resume=args.resume,
@@ -377,16 +376,8 @@ def _compare(args: argparse.Namespace) -> int:
     _check_writable(out)
     comparison = compare_models(
         args.models,
-        corpus=_documents(args),
-        n_docs=args.n_docs,
-        context_length=args.context_length,
-        batch_size=args.batch_size,
-        baselines=args.baselines,
-        exclude_keys=args.exclude_keys,
-        seed=args.seed,
-        cache_dir=args.cache_dir,
+        **_study_options(args, _documents(args)),
         memory_limit=None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30),
-        progress=not args.no_progress,
     )
     paths = save_comparison(comparison, out)
     _print(args, comparison.table(), comparison.rows(), list(paths.values()) + [out / "models"])

@@ -59,6 +59,12 @@ class EquivarianceProbe:
         self.tokenizer = tokenizer
         self.adapter_options = adapter_options
         self.adapter: Adapter = get_adapter(model, tokenizer=tokenizer, **adapter_options)
+        if self.adapter.device.type == "meta":
+            raise InputError(
+                f"this {type(model).__name__}'s weights are on the meta device (built without loading them), so it "
+                "cannot be run here; load its weights (from_pretrained, or load_model(name)), or run it remotely "
+                "with an nnsight model and remote=True"
+            )
         #: The statistics of the last run so far, kept even if the run stopped with an error.
         self.last_result: ProbeResult | None = None
 

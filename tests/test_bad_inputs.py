@@ -28,7 +28,7 @@ from equivariance_probe import (
 )
 from equivariance_probe.cli import main
 
-from synthetic import WORDS, save_tiny_model_with_tokenizer, tiny_gpt2, write_text_corpus
+from synthetic import WORDS, save_tiny_model_with_tokenizer, tiny_gpt2
 
 
 def _equal(a: ProbeResult, b: ProbeResult, exact: bool = False, rtol: float = 1e-9) -> None:
@@ -41,11 +41,8 @@ def _equal(a: ProbeResult, b: ProbeResult, exact: bool = False, rtol: float = 1e
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad")
-    model = save_tiny_model_with_tokenizer(root / "model", kind="gpt2", n_positions=32)
-    corpus = write_text_corpus(root / "corpus", n_docs=4, words=30)
-    return root, model, corpus
+def folders(tmp_path_factory, tiny_model_folder, text_corpus):
+    return tmp_path_factory.mktemp("bad"), tiny_model_folder("gpt2", 32), text_corpus(n_docs=4, words=30)
 
 
 def _cli(folders, out, *extra, model=None, corpus=None):
@@ -261,3 +258,11 @@ def test_bad_result_files_exit_2_with_the_reason(folders, tmp_path, capsys):
             assert main(command) == 2
             assert __import__("re").search(message, capsys.readouterr().err)
     assert not (tmp_path / "m.json").exists() and not (tmp_path / "r.html").exists()
+
+
+def test_a_model_on_the_meta_device_is_refused_by_name():
+    # Built without weights (e.g. from a config under torch.device("meta")): nothing can be run here.
+    with torch.device("meta"):
+        model = tiny_gpt2()
+    with pytest.raises(InputError, match="meta device.*load its weights"):
+        EquivarianceProbe(model)

@@ -16,7 +16,7 @@ from equivariance_probe import CheckpointError, EquivarianceProbe, ProbeResult, 
 from equivariance_probe.runs.checkpoint import clear_checkpoint
 from equivariance_probe.cli import main
 
-from synthetic import save_tiny_model_with_tokenizer, tiny_gemma3, write_text_corpus
+from synthetic import tiny_gemma3
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,11 +53,11 @@ sys.exit(main(sys.argv[3:]))
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, tiny_model_folder, text_corpus):
     root = tmp_path_factory.mktemp("resume")
-    model = save_tiny_model_with_tokenizer(root / "model", kind="gemma3", n_positions=64)
-    corpus = write_text_corpus(root / "corpus", n_docs=12, words=40)
-    (root / "corpus" / "doc5.txt").write_text("   ")  # a blank file: the corpus reader drops it
+    model = tiny_model_folder("gemma3", 64)
+    corpus = text_corpus(n_docs=12, words=40)
+    (Path(corpus) / "doc5.txt").write_text("   ")  # a blank file: the corpus reader drops it
     return root, model, corpus
 
 

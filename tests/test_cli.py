@@ -9,15 +9,11 @@ import pytest
 from equivariance_probe import ProbeResult
 from equivariance_probe.cli import main
 
-from synthetic import save_tiny_model_with_tokenizer, write_text_corpus
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    model = save_tiny_model_with_tokenizer(root / "model", kind="gemma3", n_positions=64)
-    corpus = write_text_corpus(root / "corpus", n_docs=5, words=60)
-    return root, model, corpus
+def tiny(tmp_path_factory, tiny_model_folder, text_corpus):
+    return tmp_path_factory.mktemp("cli"), tiny_model_folder("gemma3", 64), text_corpus(n_docs=5, words=60)
 
 
 def test_run_writes_results_baselines_figures_and_summary(tiny, capsys):

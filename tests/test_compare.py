@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from synthetic import save_tiny_model_with_tokenizer, tiny_gpt2, tiny_llama, write_text_corpus  # noqa: E402
+from synthetic import tiny_gpt2, tiny_llama  # noqa: E402
 
 from equivariance_probe import EquivarianceProbe, ProbeResult, load_model  # noqa: E402
 from equivariance_probe.cli import main  # noqa: E402
@@ -45,14 +45,14 @@ def _char_tokenizer():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tmp_path_factory, tiny_model_folder, text_corpus):
     """A tiny Gemma 3 with a word-level tokenizer and a tiny Llama with a character-level one, on disk."""
     root = tmp_path_factory.mktemp("compare")
-    gemma = save_tiny_model_with_tokenizer(root / "gemma", kind="gemma3", n_positions=64)
+    gemma = tiny_model_folder("gemma3", 64)
     llama = root / "llama"
     tiny_llama(seed=3).save_pretrained(llama)
     _char_tokenizer().save_pretrained(llama)
-    corpus = write_text_corpus(root / "corpus", n_docs=4, words=60)
+    corpus = text_corpus(n_docs=4, words=60)
     return root, gemma, str(llama), corpus
 
 

@@ -13,7 +13,7 @@ from equivariance_probe.errors import InputError, ResultFileError
 from equivariance_probe.display.positional import positional_figures, render_positional_section
 from equivariance_probe.runs.positional import ANALYSES, PositionalStudy, run_positional
 
-from synthetic import WORDS, save_tiny_model_with_tokenizer, tiny_gpt2, write_text_corpus
+from synthetic import WORDS, save_tiny_model_with_tokenizer, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,9 +78,9 @@ def test_bad_arguments_and_files_are_refused(tmp_path):
         PositionalStudy.load(tmp_path / "bad.json")
 
 
-def test_command_line_writes_json_figures_and_the_report_section(tmp_path, capsys):
-    model = save_tiny_model_with_tokenizer(tmp_path / "model", kind="gpt2", n_positions=64)
-    corpus = write_text_corpus(tmp_path / "corpus", n_docs=4, words=40)
+def test_command_line_writes_json_figures_and_the_report_section(tmp_path, capsys, tiny_model_folder, text_corpus):
+    model = tiny_model_folder("gpt2", 64)
+    corpus = text_corpus(n_docs=4, words=40)
     out = tmp_path / "out"
     assert main(["run", "--out", str(out), "--model", model, "--corpus", corpus, "--n-docs", "3",
                  "--context-length", "16", "--baselines", "none", "--no-progress", "--sample-size", "0",

@@ -92,14 +92,12 @@ def test_device_selection(monkeypatch):
         parse_dtype("float64")
 
 
-def test_cli_dtype_option(tmp_path):
+def test_cli_dtype_option(tmp_path, tiny_model_folder, text_corpus):
     from equivariance_probe import ProbeResult
     from equivariance_probe.cli import main
 
-    from synthetic import save_tiny_model_with_tokenizer, write_text_corpus
-
-    model = save_tiny_model_with_tokenizer(tmp_path / "model", kind="gemma3", n_positions=64)
-    corpus = write_text_corpus(tmp_path / "corpus", n_docs=2, words=20)
+    model = tiny_model_folder("gemma3", 64)
+    corpus = text_corpus(n_docs=2, words=20)
     assert main(["run", "--out", str(tmp_path / "out"), "--model", model, "--corpus", corpus, "--n-docs", "2",
                  "--context-length", "16", "--baselines", "none", "--no-progress", "--no-figures",
                  "--dtype", "bfloat16", "--device", "cpu"]) == 0

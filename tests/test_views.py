@@ -166,6 +166,7 @@ def test_report_holds_the_bundle_once_for_every_view_and_extra_sections(probe_an
 def tiny_study(tmp_path_factory):
     from equivariance_probe.cli import main
 
+    # The study folder holds its model and corpus: a test moves it and reloads both from there.
     root = tmp_path_factory.mktemp("views_cli")
     model = save_tiny_model_with_tokenizer(root / "model", kind="gemma3", n_positions=64)
     corpus = write_text_corpus(root / "corpus", n_docs=3, words=60)

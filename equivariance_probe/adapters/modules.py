@@ -11,6 +11,7 @@ or its masks asks here:
   from above it.
 * :func:`find_attention_modules` and :func:`parent_layer` — each layer's attention module and
   the decoder layer that holds it.
+* :func:`wrap_model` — the inverse: a Hugging Face model wrapped for TransformerLens or nnsight.
 * :func:`text_config` and :func:`layer_windows` — the text config and each layer's sliding window.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, UnsupportedModelError
+from ..errors import AttentionCaptureError, InputError, UnsupportedModelError
 
 __all__ = [
     "LAYER_LISTS",
@@ -34,6 +35,8 @@ __all__ = [
     "hf_model_of",
     "CAUSAL_LM_SUFFIXES",
     "is_causal_lm",
+    "BACKENDS",
+    "wrap_model",
 ]
 
 
@@ -177,3 +180,39 @@ CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 def is_causal_lm(model: Any) -> bool:
     """A decoder with a language-model head (``...ForCausalLM``, GPT-2's ``...LMHeadModel``)."""
     return type(model).__name__.endswith(CAUSAL_LM_SUFFIXES)
+
+
+BACKENDS = ("huggingface", "transformer_lens", "nnsight")
+
+
+def wrap_model(
+    model: Any,
+    tokenizer: Any,
+    *,
+    backend: str,
+    source: str,
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> Any:
+    """Wrap a Hugging Face model for ``backend`` (the inverse of :func:`unwrap_model`; it may modify
+    ``model`` in place): itself, a TransformerLens ``TransformerBridge`` reusing its weights and
+    config (raw weights, no processing), or an nnsight ``TransformersModel`` around it.
+
+    Raises:
+        InputError: an unknown ``backend``.
+    """
+    if backend == "huggingface":
+        return model
+    if backend == "transformer_lens":
+        from transformer_lens.model_bridge import TransformerBridge
+
+        # hf_model= makes the bridge reuse these weights and this config instead of
+        # loading anything; tokenizer= keeps it from looking one up by name.
+        return TransformerBridge.boot_transformers(
+            source, hf_model=model, tokenizer=tokenizer, device=device, dtype=dtype
+        )
+    if backend == "nnsight":
+        from nnsight.modeling.transformers import TransformersModel
+
+        return TransformersModel(model, task="text-generation", tokenizer=tokenizer)
+    raise InputError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..errors import check_choice
+
 __all__ = [
     "SCALES",
     "FORMS",
@@ -137,8 +139,7 @@ def query_position_r2(
             for form in FORMS:
                 out[form][layer] = r2[form]
         return out
-    if by is not None:
-        raise ValueError(f"by must be None, 'layer' or 'head', not {by!r}")
+    check_choice("by", by, (None, "layer", "head"))
     # Total: a group is (query position, visible key set); layers whose masks agree at q share it.
     query = np.broadcast_to(np.arange(n_positions), value_sum.shape)
     size = np.broadcast_to(visible_keys[:, None, :], value_sum.shape)

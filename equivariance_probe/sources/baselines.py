@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..adapters.modules import unwrap_model
+from ..adapters.modules import unwrap_model, wrap_model
 from ..errors import UnsupportedModelError
-from .models import wrap_model
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..adapters.modules import CAUSAL_LM_SUFFIXES
+from ..adapters.modules import BACKENDS, CAUSAL_LM_SUFFIXES, wrap_model
 from ..errors import InputError, ModelNotFoundError
 from .conversion import PACKAGED_MODELS, convert_packaged_model
 from .registry import DEFAULT_MODEL, REGISTRY
@@ -53,10 +53,8 @@ __all__ = [
     "load_model",
     "load_positional_model",
     "load_tokenizer",
-    "wrap_model",
 ]
 
-BACKENDS = ("huggingface", "transformer_lens", "nnsight")
 """Values accepted by ``load_model(backend=...)``."""
 
 #: Provenance and licence of the default model (see :data:`~equivariance_probe.sources.registry.REGISTRY`
@@ -121,33 +119,6 @@ def _load_hf(
     if model.config.architectures is None:
         model.config.architectures = [type(model).__name__]
     return model.to(device).eval(), tokenizer
-
-
-def wrap_model(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    backend: str,
-    source: str,
-    dtype: torch.dtype,
-    device: str | torch.device,
-) -> Any:
-    """Wrap a Hugging Face model for ``backend`` (which may modify ``model`` in place)."""
-    if backend == "huggingface":
-        return model
-    if backend == "transformer_lens":
-        from transformer_lens.model_bridge import TransformerBridge
-
-        # hf_model= makes the bridge reuse these weights and this config instead of
-        # loading anything; tokenizer= keeps it from looking one up by name.
-        return TransformerBridge.boot_transformers(
-            source, hf_model=model, tokenizer=tokenizer, device=device, dtype=dtype
-        )
-    if backend == "nnsight":
-        from nnsight.modeling.transformers import TransformersModel
-
-        return TransformersModel(model, task="text-generation", tokenizer=tokenizer)
-    raise InputError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
 
 
 def load_model(

@@ -20,6 +20,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import InputError
+
 __all__ = [
     "DEFAULT_CORPUS",
     "DEFAULT_CORPUS_DESCRIPTION",
@@ -96,14 +98,14 @@ def default_corpus_path() -> Path:
         The path of gensim's bz2-compressed Wikipedia test dump.
 
     Raises:
-        ModuleNotFoundError: gensim is not installed (``pip install gensim``).
-        FileNotFoundError: gensim is installed without its test data.
+        InputError: gensim is not installed (``pip install gensim``), or is installed without its
+            test data.
     """
     # find_spec locates a top-level package without executing its __init__, so gensim
     # (and the scipy stack it imports) is never loaded.
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
+        raise InputError(
             "The default corpus ships inside the 'gensim' package, which is not installed; "
             "install it with 'pip install gensim' (it is never imported), or pass your own "
             "corpus to load_corpus(source=...)."
@@ -112,7 +114,7 @@ def default_corpus_path() -> Path:
         path = Path(location) / _GENSIM_FILE
         if path.is_file():
             return path
-    raise FileNotFoundError(
+    raise InputError(
         f"gensim is installed at {list(spec.submodule_search_locations)} but lacks its test data "
         f"file gensim/{_GENSIM_FILE}; reinstall it from the PyPI wheel with "
         "'pip install --force-reinstall gensim', or pass your own corpus to load_corpus(source=...)."
