@@ -120,37 +120,53 @@ def intercept_attention(
     *,
     drop_mask: bool = False,
     keep_weights: bool = False,
+    eager: bool = True,
+    layers: Sequence[torch.nn.Module] | None = None,
 ) -> Iterator[list[int]]:
     """Intercept every attention call of ``model`` (a ``transformers`` model) in a ``with`` block.
 
     Args:
-        model: a ``PreTrainedModel`` running eager attention (switched to eager for the
-            block and back afterwards).
+        model: a ``PreTrainedModel``.
         on_call: called once per attention module and forward pass with an
-            :class:`AttentionCall`; the tensors are detached.
-        drop_mask: call the module's eager function with ``attention_mask=None``, so every
-            query sees every key.
-        keep_weights: fill ``AttentionCall.weights``.
+            :class:`AttentionCall`; the tensors are detached. It may raise to stop the forward
+            pass (the interception is undone all the same).
+        drop_mask: call the attention function with ``attention_mask=None``, so every
+            query sees every key (eager only).
+        keep_weights: fill ``AttentionCall.weights`` (eager only: fused kernels form none).
+        eager: switch the model to eager attention for the block (and back afterwards), as
+            ``drop_mask`` and ``keep_weights`` need; ``False`` keeps the model's own
+            implementation (``sdpa``, ``flash_attention_2``, ...) and only reads its inputs, so
+            the model runs its own kernel.
+        layers: the attention modules in layer order (default: numbered in the order they first
+            run, which is the layer order of every decoder and encoder stack).
 
     Yields:
         The list of layer indices called so far (to check that every layer was seen).
 
     Note:
-        The interception is installed on transformers' global ``"eager"`` entry, so it also
-        applies to other models run inside the block in the same thread.
+        The interception is installed on transformers' shared registry entry of the
+        implementation (``ALL_ATTENTION_FUNCTIONS[name]``, a local override of its global
+        mapping), so it also applies to other models run inside the block in the same thread;
+        their calls pass through untouched.
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    # Layers are numbered in the order their modules first run, which is the layer order of
-    # every decoder and encoder stack; modules of other models run in the block are ignored.
     own = {id(module) for module in model.modules()}
-    layer_of: dict[int, int] = {}
+    layer_of: dict[int, int] = {id(module): index for index, module in enumerate(layers or ())}
     seen: list[int] = []
+    original_impl = getattr(model.config, "_attn_implementation", None)
+    if not eager and (drop_mask or keep_weights):
+        raise InputError("drop_mask and keep_weights need eager attention; pass eager=True")
+    name = "eager" if eager else (original_impl or "eager")
+    # The function the model would call: its own eager function, or the registry's entry.
+    registered = None if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
 
     def intercepted(module, query, key, value, attention_mask, *args, **kwargs):
-        layer = layer_of.setdefault(id(module), len(layer_of)) if id(module) in own else None
+        layer = (layer_of.get(id(module)) if layers is not None else layer_of.setdefault(id(module), len(layer_of))
+                 ) if id(module) in own else None
         mask = None if (drop_mask and layer is not None) else attention_mask
-        output = _eager_function(module)(module, query, key, value, mask, *args, **kwargs)
+        function = _eager_function(module) if registered is None else registered
+        output = function(module, query, key, value, mask, *args, **kwargs)
         if layer is not None:
             seen.append(layer)
             if on_call is not None:
@@ -163,32 +179,32 @@ def intercept_attention(
                         scaling=kwargs.get("scaling"),
                         softcap=kwargs.get("softcap"),
                         weights=output[1].detach() if keep_weights and output[1] is not None else None,
+                        extra={"sliding_window": kwargs.get("sliding_window")},
                     )
                 )
         return output
 
-    had_local = "eager" in ALL_ATTENTION_FUNCTIONS._local_mapping
-    previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get("eager")
-    original_impl = getattr(model.config, "_attn_implementation", None)
+    had_local = name in ALL_ATTENTION_FUNCTIONS._local_mapping
+    previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(name)
     switched = False
     try:
-        if original_impl != "eager":
+        if eager and original_impl != "eager":
             model.set_attn_implementation("eager")
             switched = True
-        ALL_ATTENTION_FUNCTIONS["eager"] = intercepted
+        ALL_ATTENTION_FUNCTIONS[name] = intercepted
         yield seen
         if not seen:
             raise AttentionCaptureError(
-                f"no attention call of {type(model).__name__} went through transformers' eager attention "
+                f"no attention call of {type(model).__name__} went through transformers' {name!r} attention "
                 "function in this block, so queries and keys could not be read (a TransformerBridge replaces "
                 "the attention modules with its own). Pass the Hugging Face model: load_model(name) or "
                 "load_model(name, backend='nnsight')"
             )
     finally:
         if had_local:
-            ALL_ATTENTION_FUNCTIONS["eager"] = previous
+            ALL_ATTENTION_FUNCTIONS[name] = previous
         else:
-            del ALL_ATTENTION_FUNCTIONS["eager"]
+            del ALL_ATTENTION_FUNCTIONS[name]
         if switched and original_impl is not None:
             model.set_attn_implementation(original_impl)
 
