@@ -57,6 +57,7 @@ FLAGS = {
     "memory_limit": "--memory-limit-gib",
     "heads": "--heads",
     "document": "--document",
+    "allow_duplicate_windows": "--allow-duplicate-windows",
 }
 
 
@@ -191,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge.set_defaults(handler=_merge)
     merge.add_argument("inputs", nargs="+", help="results.json files to merge")
     merge.add_argument("-o", "--output", required=True, help="merged results file")
+    merge.add_argument("--allow-duplicate-windows", action="store_true",
+                       help="merge results that share windows (the same token ids), counting those windows twice "
+                            "(default: refused, naming how many are shared)")
 
     report = commands.add_parser("report", help="write an offline HTML report from a results file")
     report.set_defaults(handler=_report)
@@ -332,7 +336,7 @@ def _merge(args: argparse.Namespace) -> int:
             )
     merged = results[0]
     for other in results[1:]:
-        merged = merged + other
+        merged = merged.merge(other, allow_duplicate_windows=args.allow_duplicate_windows)
     output = merged.save(args.output)
     shards = merged.metadata.get("shards")
     missing = sorted(set(range(shards["count"])) - set(shards["indices"])) if shards else []

@@ -26,7 +26,7 @@ import torch
 
 from .adapters import Adapter, get_adapter
 from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError
-from .records.provenance import library_versions, model_revision
+from .records.provenance import library_versions, model_revision, window_fingerprints
 from .result import ProbeResult
 from .sources.padding import check_not_left_padded, rows_from_encoding
 from .statistics import AttentionStatistics
@@ -277,7 +277,9 @@ class EquivarianceProbe:
         tokens = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        statistics.begin_batch(lengths)
+        # Each window's fingerprint goes with its sums (kept only if the batch is added), so that
+        # results that share a window refuse to merge, whichever path reduced the batch.
+        statistics.begin_batch(lengths, fingerprints=window_fingerprints(rows))
         self.adapter.run_statistics(tokens, statistics)
         statistics.end_batch()
 

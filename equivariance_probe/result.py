@@ -229,12 +229,19 @@ class ProbeResult:
         return out
 
     # -- merging -----------------------------------------------------------------------------------
-    def merge(self, other: ProbeResult) -> ProbeResult:
+    def merge(self, other: ProbeResult, *, allow_duplicate_windows: bool = False) -> ProbeResult:
         """The result of both runs' windows together (exact: the sums add).
+
+        Args:
+            other: another result of the same model, measured the same way.
+            allow_duplicate_windows: merge even if both hold the same windows (the same token
+                ids, recognised by the 64-bit fingerprint every result keeps of each window),
+                counting them twice. Only for users who weight windows twice on purpose.
 
         Raises:
             IncompatibleResultsError: the runs differ in model, layout, context, log floor,
-                excluded keys or kept pattern.
+                excluded keys or kept pattern; they share windows (the message says how many);
+                they are the same run, or overlapping shards.
         """
         if not isinstance(other, ProbeResult):
             raise IncompatibleResultsError(f"can only merge a ProbeResult with another ProbeResult, not a {type(other).__name__}")
@@ -244,7 +251,7 @@ class ProbeResult:
                 f"cannot merge results of different models ({mine.get('name')!r} and {theirs.get('name')!r})"
             )
         provenance = merged_provenance(self.metadata, other.metadata)  # refuses duplicates, other shards' corpora
-        statistics = self.statistics.merge(other.statistics)
+        statistics = self.statistics.merge(other.statistics, allow_duplicate_windows=allow_duplicate_windows)
         metadata = dict(self.metadata)
         metadata["merged_from"] = [self.metadata.get("run_id"), other.metadata.get("run_id")]
         metadata.update(provenance)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,6 +53,8 @@ def test_merged_shards_equal_the_single_run():
         for name, value in whole.statistics.arrays.items():
             assert torch.allclose(merged.statistics.arrays[name], value, rtol=1e-12, atol=1e-12), name
         assert merged.metadata["shards"]["indices"] == [0, 1, 2]
+        # disjoint shards share no window, and the merge holds every window's fingerprint once
+        assert np.array_equal(merged.statistics.window_fingerprints, whole.statistics.window_fingerprints)
         assert merged.metadata["shards"]["ranges"] == [[0, 2], [2, 4], [4, 7]]
         assert len(merged.entry_sample()["attention"]) == 40
     assert shards[0].trained.metadata["shards"]["corpus_sha256"] == single.trained.metadata["provenance"]["corpus"]["sha256"]

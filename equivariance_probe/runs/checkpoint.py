@@ -305,8 +305,12 @@ def _metadata_key(metadata: dict[str, Any]) -> str:
 
 
 def _add(total: ProbeResult, part: ProbeResult) -> ProbeResult:
-    """``total`` with ``part``'s sums added; keeps ``total``'s metadata (one run, many chunks)."""
-    return ProbeResult(total.statistics.merge(part.statistics), dict(total.metadata))
+    """``total`` with ``part``'s sums added; keeps ``total``'s metadata (one run, many chunks).
+
+    Chunks are disjoint slices of one corpus, so a window in both is a document the corpus holds
+    twice, which a run without checkpoints counts twice too: the chunks add as that run would.
+    """
+    return ProbeResult(total.statistics.merge(part.statistics, allow_duplicate_windows=True), dict(total.metadata))
 
 
 def _difference(part: str, theirs: Any, mine: Any) -> str:
