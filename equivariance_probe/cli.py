@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
     run.add_argument("--shard", default=None, metavar="I/N",
                      help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
-                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.json")
+                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.safetensors")
     run.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
     run.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                      help="the model's parameter dtype (default: as loaded, float32)")
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     merge = commands.add_parser("merge", parents=[display()], help="merge result files of shards into one")
     merge.set_defaults(handler=_merge)
-    merge.add_argument("inputs", nargs="+", help="results.json files to merge")
+    merge.add_argument("inputs", nargs="+", help="result files to merge (any format version)")
     merge.add_argument("-o", "--output", required=True, help="merged results file")
     merge.add_argument("--allow-duplicate-windows", action="store_true",
                        help="merge results that share windows (the same token ids), counting those windows twice "
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     report = commands.add_parser("report", help="write an offline HTML report from a results file")
     report.set_defaults(handler=_report)
-    report.add_argument("results", help="a results.json written by 'run'")
+    report.add_argument("results", help="a results.safetensors written by 'run' (or a result file of any version)")
     report.add_argument("-o", "--output", default=None, help="HTML file (default: next to the results, report.html)")
     report.add_argument("--views", action="store_true",
                         help="add CircuitsVis views of heads: reloads the model named in the results (offline) and one document")
@@ -303,7 +303,7 @@ def _run(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
     )
-    # results.json is written only here, after every variant finished (complete: true); a run that
+    # results.safetensors is written only here, after every variant finished (complete: true); a run that
     # stops leaves only its checkpoint.
     wrote = list(study.save(out).values()) + [out / "summary.md"]
     if not args.no_figures:
@@ -329,6 +329,7 @@ def _merge(args: argparse.Namespace) -> int:
 
     results = [ProbeResult.load(path) for path in args.inputs]
     for path, result in zip(args.inputs, results):
+        result.statistics  # every input's arrays read and checksum-verified before anything is merged
         if not result.complete:
             raise EquivarianceProbeError(
                 f"{path} is the partial result of a run that stopped (complete: false); finish it "
