@@ -47,6 +47,7 @@ FLAGS = {
     "exclude_keys": "--exclude-keys",
     "seed": "--seed",
     "sample_size": "--sample-size",
+    "keep_pattern": "--keep-pattern",
     "checkpoint_dir": "--out",
     "checkpoint_every": "--checkpoint-every",
     "resume": "--resume",
@@ -173,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_run)
     run.add_argument("--backend", default="huggingface", choices=["huggingface", "transformer_lens", "nnsight"])
     run.add_argument("--sample-size", type=_non_negative, default=20000, help="entries sampled for the scatter plot")
+    run.add_argument("--keep-pattern", action="store_true",
+                     help="also keep the window-summed pattern (8*L*H*T^2 bytes per variant, in memory and in each "
+                          "result file) for the Toeplitz R² of the document-averaged pattern")
     run.add_argument("--analyses", type=_analyses, default=[],
                      help="also run positional analyses (at most 8 windows of 256 tokens), comma-separated from "
                      "gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all' (see 'positional')")
@@ -296,6 +300,7 @@ def _run(args: argparse.Namespace) -> int:
         **_study_options(args, documents),
         backend=args.backend,
         sample_size=args.sample_size,
+        keep_pattern=args.keep_pattern,
         checkpoint_dir=None if args.checkpoint_every == 0 else out / CHECKPOINT_FOLDER,
         checkpoint_every=args.checkpoint_every or None,
         resume=args.resume,

@@ -180,7 +180,7 @@ def test_a_failed_save_leaves_the_previous_file(result, tmp_path, monkeypatch):
     assert path.read_bytes() == before and not (tmp_path / "r.safetensors.tmp").exists()
 
 
-def _later(tmp_path):
+def test_default_result_files_hold_only_what_the_statistics_need(tmp_path):
     tokens = torch.randint(3, 97, (3, 16), generator=torch.Generator().manual_seed(5))
     run = EquivarianceProbe(tiny_gemma3(window=6)).run(tokens, progress=False)
     header = result_header(run.save(tmp_path / "r.safetensors"))

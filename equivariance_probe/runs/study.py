@@ -152,6 +152,7 @@ def run_study(
     exclude_keys: Sequence[int] = (),
     seed: int = 0,
     sample_size: int = 20000,
+    keep_pattern: bool = False,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
     loaded: tuple[Any, Any] | None = None,
@@ -176,6 +177,9 @@ def run_study(
         exclude_keys: key positions left out of every statistic (e.g. ``[0]``).
         seed: seed of the random initialisation and of the entry sample.
         sample_size: entries kept for the scatter plot.
+        keep_pattern: also keep the window-summed pattern (``8·L·H·T²`` bytes per variant, in
+            memory and in each result file) for the Toeplitz R² of the document-averaged pattern
+            (:meth:`ProbeResult.toeplitz_r2` ``by="head"``) and :meth:`ProbeResult.mean_pattern`.
         cache_dir: where converted packaged models are cached.
         progress: show progress bars.
         loaded: an already loaded ``(model, tokenizer)``, to skip loading.
@@ -217,6 +221,7 @@ def run_study(
         "seed": seed,
         "baselines": list(baselines),
         "sample_size": sample_size,
+        "keep_pattern": bool(keep_pattern),
         "checkpoint_every": checkpoint_every if checkpoint_dir is not None else None,
     }
     identity = {"model": model_identity(network), "corpus": corpus_identity,
@@ -233,6 +238,7 @@ def run_study(
         batch_size=batch_size,
         exclude_keys=exclude_keys,
         sample_size=sample_size,
+        keep_pattern=keep_pattern,
         progress=progress,
     )
     results: dict[str, ProbeResult] = {}
