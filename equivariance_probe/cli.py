@@ -47,6 +47,7 @@ FLAGS = {
     "exclude_keys": "--exclude-keys",
     "seed": "--seed",
     "sample_size": "--sample-size",
+    "keep_pattern": "--keep-pattern",
     "checkpoint_dir": "--out",
     "checkpoint_every": "--checkpoint-every",
     "resume": "--resume",
@@ -57,6 +58,7 @@ FLAGS = {
     "memory_limit": "--memory-limit-gib",
     "heads": "--heads",
     "document": "--document",
+    "allow_duplicate_windows": "--allow-duplicate-windows",
 }
 
 
@@ -172,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_run)
     run.add_argument("--backend", default="huggingface", choices=["huggingface", "transformer_lens", "nnsight"])
     run.add_argument("--sample-size", type=_non_negative, default=20000, help="entries sampled for the scatter plot")
+    run.add_argument("--keep-pattern", action="store_true",
+                     help="also keep the window-summed pattern (8*L*H*T^2 bytes per variant, in memory and in each "
+                          "result file) for the Toeplitz R² of the document-averaged pattern")
     run.add_argument("--analyses", type=_analyses, default=[],
                      help="also run positional analyses (at most 8 windows of 256 tokens), comma-separated from "
                      "gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all' (see 'positional')")
@@ -181,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
     run.add_argument("--shard", default=None, metavar="I/N",
                      help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
-                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.json")
+                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.safetensors")
     run.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
     run.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                      help="the model's parameter dtype (default: as loaded, float32)")
@@ -189,12 +194,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     merge = commands.add_parser("merge", parents=[display()], help="merge result files of shards into one")
     merge.set_defaults(handler=_merge)
-    merge.add_argument("inputs", nargs="+", help="results.json files to merge")
+    merge.add_argument("inputs", nargs="+", help="result files to merge (any format version)")
     merge.add_argument("-o", "--output", required=True, help="merged results file")
+    merge.add_argument("--allow-duplicate-windows", action="store_true",
+                       help="merge results that share windows (the same token ids), counting those windows twice "
+                            "(default: refused, naming how many are shared)")
 
     report = commands.add_parser("report", help="write an offline HTML report from a results file")
     report.set_defaults(handler=_report)
-    report.add_argument("results", help="a results.json written by 'run'")
+    report.add_argument("results", help="a results.safetensors written by 'run' (or a result file of any version)")
     report.add_argument("-o", "--output", default=None, help="HTML file (default: next to the results, report.html)")
     report.add_argument("--views", action="store_true",
                         help="add CircuitsVis views of heads: reloads the model named in the results (offline) and one document")
@@ -292,6 +300,7 @@ def _run(args: argparse.Namespace) -> int:
         **_study_options(args, documents),
         backend=args.backend,
         sample_size=args.sample_size,
+        keep_pattern=args.keep_pattern,
         checkpoint_dir=None if args.checkpoint_every == 0 else out / CHECKPOINT_FOLDER,
         checkpoint_every=args.checkpoint_every or None,
         resume=args.resume,
@@ -299,7 +308,7 @@ def _run(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
     )
-    # results.json is written only here, after every variant finished (complete: true); a run that
+    # results.safetensors is written only here, after every variant finished (complete: true); a run that
     # stops leaves only its checkpoint.
     wrote = list(study.save(out).values()) + [out / "summary.md"]
     if not args.no_figures:
@@ -325,6 +334,7 @@ def _merge(args: argparse.Namespace) -> int:
 
     results = [ProbeResult.load(path) for path in args.inputs]
     for path, result in zip(args.inputs, results):
+        result.statistics  # every input's arrays read and checksum-verified before anything is merged
         if not result.complete:
             raise EquivarianceProbeError(
                 f"{path} is the partial result of a run that stopped (complete: false); finish it "
@@ -332,7 +342,7 @@ def _merge(args: argparse.Namespace) -> int:
             )
     merged = results[0]
     for other in results[1:]:
-        merged = merged + other
+        merged = merged.merge(other, allow_duplicate_windows=args.allow_duplicate_windows)
     output = merged.save(args.output)
     shards = merged.metadata.get("shards")
     missing = sorted(set(range(shards["count"])) - set(shards["indices"])) if shards else []

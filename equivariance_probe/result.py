@@ -5,82 +5,118 @@ holds the float64 sums of :class:`~equivariance_probe.statistics.AttentionStatis
 metadata of the run (model, adapter, context length, log floor, excluded keys, library
 versions). Every number is computed on demand from the sums by
 :mod:`~equivariance_probe.maths`, so results merge exactly (``a + b``), and save and load
-without the model (:mod:`~equivariance_probe.records.fileformat` holds the file format).
+without the model (:mod:`~equivariance_probe.records.result_file` holds the file format).
+
+A loaded result is lazy: :meth:`ProbeResult.load` reads the file's header (metadata and the
+headline numbers of :meth:`ProbeResult.summary`), and the sums load, checksum verified, the
+first time a number needs them.
 """
 
 from __future__ import annotations
 
+import copy
 import html
-import json
+import math
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from .analyses.heads import HeadRanking, rank_heads
-from .errors import IncompatibleResultsError, InputError, NotRunError, ResultFileError, check_choice
+from .analyses.heads import HeadRanking, head_scores, rank_heads
+from .errors import IncompatibleResultsError, InputError, NotRunError, check_choice
 from .maths import fitting, metrics
 from .maths.persistence import PersistenceCurves, persistence_curves
-from .records.fileformat import (
-    FORMAT_VERSION,
-    RESULT_KIND,
-    check_schema,
-    checksum,
-    decode_array,
-    encode_array,
-    jsonable,
-    upgrade,
-    write_json_atomically,
-)
+from .records.result_file import FORMAT_VERSION, ResultFile, open_result_file, write_result_file
 from .records.sharding import merged_provenance
-from .statistics import STATISTICS, AttentionStatistics, EntrySample
+from .sources.registry import name_of_converted_copy
+from .statistics import AttentionStatistics
 
 __all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION"]
 
+#: Key-position bins of the Figure 1c numbers in :meth:`ProbeResult.summary`.
+SUMMARY_KEY_BINS = 16
 
-@dataclass
+
 class ProbeResult:
     """Attention statistics of a model over a corpus, and every metric computed from them.
 
     Build one with :meth:`EquivarianceProbe.run`; combine with ``a + b`` (or
     :meth:`merge`); save with :meth:`save` and load with :meth:`load`.
 
+    Args:
+        statistics: the sums.
+        metadata: how they were measured (model, context, versions, study, ...).
+
     Example:
         >>> result.query_position_r2(scale="log", form="fitted")  # doctest: +SKIP
         0.41
     """
 
-    statistics: AttentionStatistics
-    metadata: dict[str, Any] = field(default_factory=dict)
+    def __init__(self, statistics: AttentionStatistics, metadata: dict[str, Any] | None = None) -> None:
+        self._statistics: AttentionStatistics | None = statistics
+        self.metadata: dict[str, Any] = {} if metadata is None else metadata
+        # A loaded result: the opened file (arrays not read yet) and the summary its header holds.
+        self._file: ResultFile | None = None
+        self._stored_summary: dict[str, Any] | None = None
+
+    @property
+    def statistics(self) -> AttentionStatistics:
+        """The sums (a loaded result reads them from its file now, once, checksum verified)."""
+        if self._statistics is None:
+            assert self._file is not None
+            self._statistics = self._file.statistics()
+        return self._statistics
+
+    @statistics.setter
+    def statistics(self, statistics: AttentionStatistics) -> None:
+        self._statistics = statistics
+        self._file = None
+        self._stored_summary = None  # the stored numbers were those of the file's sums
+
+    def _config(self) -> dict[str, Any]:
+        """The statistics' configuration, from the file's header while the sums are not loaded."""
+        if self._statistics is None and self._file is not None:
+            return self._file.config
+        return self.statistics.config()
 
     # -- basic facts --------------------------------------------------------------------
     @property
     def n_windows(self) -> int:
-        return self.statistics.n_windows
+        return self._file.n_windows if self._statistics is None and self._file else self.statistics.n_windows
 
     @property
     def n_tokens(self) -> int:
-        return self.statistics.n_tokens
+        return self._file.n_tokens if self._statistics is None and self._file else self.statistics.n_tokens
 
     @property
     def n_layers(self) -> int:
-        return self.statistics.n_layers
+        return int(self._config()["n_layers"])
 
     @property
     def n_heads(self) -> int:
-        return self.statistics.n_heads
+        return int(self._config()["n_heads"])
 
     @property
     def log_floor(self) -> float | None:
         """``eps`` of the log scale: ``y = log max(a, eps)``."""
-        return self.statistics.log_floor
+        return self._config()["log_floor"]
 
     @property
     def excluded_keys(self) -> tuple[int, ...]:
-        return self.statistics.excluded_keys
+        return tuple(self._config()["excluded_keys"])
+
+    @property
+    def model_name(self) -> str:
+        """The model as the user named it, for display: the study's ``model`` argument (a packaged
+        name such as ``gemma-3-270m``, or the path as given), else the packaged name of a converted
+        copy, else the name the model carries. ``metadata["model"]["name"]`` keeps where the
+        weights were loaded from (for a packaged model, its converted copy in the cache)."""
+        study = self.metadata.get("study") or {}
+        if study.get("model"):
+            return str(study["model"])
+        name = str((self.metadata.get("model") or {}).get("name", "?"))
+        return name_of_converted_copy(name) or name
 
     @property
     def complete(self) -> bool:
@@ -229,12 +265,19 @@ class ProbeResult:
         return out
 
     # -- merging -----------------------------------------------------------------------------------
-    def merge(self, other: ProbeResult) -> ProbeResult:
+    def merge(self, other: ProbeResult, *, allow_duplicate_windows: bool = False) -> ProbeResult:
         """The result of both runs' windows together (exact: the sums add).
+
+        Args:
+            other: another result of the same model, measured the same way.
+            allow_duplicate_windows: merge even if both hold the same windows (the same token
+                ids, recognised by the 64-bit fingerprint every result keeps of each window),
+                counting them twice. Only for users who weight windows twice on purpose.
 
         Raises:
             IncompatibleResultsError: the runs differ in model, layout, context, log floor,
-                excluded keys or kept pattern.
+                excluded keys or kept pattern; they share windows (the message says how many);
+                they are the same run, or overlapping shards.
         """
         if not isinstance(other, ProbeResult):
             raise IncompatibleResultsError(f"can only merge a ProbeResult with another ProbeResult, not a {type(other).__name__}")
@@ -244,7 +287,7 @@ class ProbeResult:
                 f"cannot merge results of different models ({mine.get('name')!r} and {theirs.get('name')!r})"
             )
         provenance = merged_provenance(self.metadata, other.metadata)  # refuses duplicates, other shards' corpora
-        statistics = self.statistics.merge(other.statistics)
+        statistics = self.statistics.merge(other.statistics, allow_duplicate_windows=allow_duplicate_windows)
         metadata = dict(self.metadata)
         metadata["merged_from"] = [self.metadata.get("run_id"), other.metadata.get("run_id")]
         metadata.update(provenance)
@@ -256,11 +299,29 @@ class ProbeResult:
 
     # -- summary and display -------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
-        """Headline numbers, as saved in the result file."""
+        """Headline numbers, as stored in the result file's header.
+
+        Keys: ``n_windows``, ``n_tokens``, ``n_entries``, ``floored_entries``, ``log_floor``,
+        ``excluded_keys``; ``query_position_r2`` (``{scale: {form: R²}}``, every form and scale);
+        ``persistence_fit_r2`` (``{fit: R²}``) and ``persistence_fits`` (``{fit: {"params", "r2"}}``)
+        of ``P(dt)``; ``fit_r2_by_key_position`` (Figure 1c: ``key_bins`` edges and each fit's R²
+        per bin, 16 bins); ``toeplitz_r2_per_doc_mean`` and ``toeplitz_r2_mean_pattern_mean``
+        (NaN without ``keep_pattern``); ``most_position_bound_head`` /
+        ``least_position_bound_head`` (log η²); ``head_scores`` (every score of
+        :data:`~equivariance_probe.analyses.heads.RANKING_SCORES` as ``[layer][head]`` lists).
+        NaN where a number is undefined.
+
+        A loaded result returns the numbers stored in its file without reading any array.
+        """
+        if self._stored_summary is not None:
+            return _undefined_as_nan(copy.deepcopy(self._stored_summary))
         if self.n_windows == 0:
             return {"n_windows": 0}
-        eta2_head = self.query_position_r2("log", "eta2", by="head")
+        scores = head_scores(self)
         persistence = self.persistence()
+        bins = min(SUMMARY_KEY_BINS, self.statistics.n_positions)
+        by_key = self.persistence(by="key_position", bins=bins)
+        mean_pattern = scores["toeplitz"]
         return {
             "n_windows": self.n_windows,
             "n_tokens": self.n_tokens,
@@ -270,44 +331,56 @@ class ProbeResult:
             "excluded_keys": list(self.excluded_keys),
             "query_position_r2": self.query_position_table(),
             "persistence_fit_r2": {name: persistence.fits[name].r2 for name in fitting.FIT_NAMES},
-            "toeplitz_r2_per_doc_mean": float(np.nanmean(self.toeplitz_r2("head_per_doc"))),
-            "most_position_bound_head": _head_label(eta2_head, np.nanargmax),
-            "least_position_bound_head": _head_label(eta2_head, np.nanargmin),
+            "persistence_fits": {name: {"params": dict(persistence.fits[name].params), "r2": persistence.fits[name].r2}
+                                 for name in fitting.FIT_NAMES},
+            "fit_r2_by_key_position": {"key_bins": by_key.key_bins.tolist(),
+                                       **{name: np.asarray(by_key.r2(name)).tolist() for name in fitting.FIT_NAMES}},
+            "toeplitz_r2_per_doc_mean": float(np.nanmean(scores["toeplitz_per_doc"])),
+            "toeplitz_r2_mean_pattern_mean": math.nan if np.all(np.isnan(mean_pattern)) else float(np.nanmean(mean_pattern)),
+            "most_position_bound_head": _head_label(scores["log_eta2"], np.nanargmax),
+            "least_position_bound_head": _head_label(scores["log_eta2"], np.nanargmin),
+            "head_scores": {name: values.tolist() for name, values in scores.items()},
         }
 
+    def _headline(self) -> tuple[dict[str, dict[str, float]], str, str]:
+        """Query-position R² table and the most/least position-bound heads (from the header when loaded)."""
+        if self._stored_summary is not None:
+            summary = self.summary()
+            return summary["query_position_r2"], summary["most_position_bound_head"], summary["least_position_bound_head"]
+        eta2 = self.query_position_r2("log", "eta2", by="head")
+        return self.query_position_table(), _head_label(eta2, np.nanargmax), _head_label(eta2, np.nanargmin)
+
     def __repr__(self) -> str:
-        model = self.metadata.get("model", {}).get("name", "?")
+        model = self.model_name
         if self.n_windows == 0:
             return f"ProbeResult(model={model!r}, empty)"
-        table = self.query_position_table()
-        eta2 = self.query_position_r2("log", "eta2", by="head")
+        table, most, least = self._headline()
         cells = ", ".join(
             f"{s}: " + " ".join(f"{f}={table[s][f]:.3f}" for f in metrics.FORMS) for s in metrics.SCALES
         )
         excluded = f", excluded keys {list(self.excluded_keys)}" if self.excluded_keys else ""
         return (
             f"ProbeResult(model={model!r}, windows={self.n_windows}, tokens={self.n_tokens}{excluded}; "
-            f"query-position R² {cells}; most position-bound head {_head_label(eta2, np.nanargmax)}, "
-            f"least {_head_label(eta2, np.nanargmin)} (log η²))"
+            f"query-position R² {cells}; most position-bound head {most}, least {least} (log η²))"
         )
 
     def _repr_html_(self) -> str:
-        model = html.escape(str(self.metadata.get("model", {}).get("name", "?")))
+        model = html.escape(self.model_name)
         if self.n_windows == 0:
             return f"<b>ProbeResult</b> for <code>{model}</code>: no data yet"
-        table = self.query_position_table()
+        table, most, least = self._headline()
         rows = "".join(
             f"<tr><th>{s}</th>" + "".join(f"<td>{table[s][f]:.4f}</td>" for f in metrics.FORMS) + "</tr>"
             for s in metrics.SCALES
         )
-        eta2 = self.query_position_r2("log", "eta2", by="head")
+        floored = self.summary()["floored_entries"] if self._stored_summary is not None else self.floored()
         return (
             f"<div><b>ProbeResult</b> for <code>{model}</code>: {self.n_windows} windows, {self.n_tokens} tokens, "
-            f"log floor {self.log_floor:.3g} ({self.floored()} entries floored), excluded keys "
+            f"log floor {self.log_floor:.3g} ({floored} entries floored), excluded keys "
             f"{list(self.excluded_keys) or 'none'}<table><tr><th>scale</th>"
             + "".join(f"<th>{f}</th>" for f in metrics.FORMS)
             + f"</tr>{rows}</table>Query-position R² over all visible entries. Most position-bound head "
-            f"{_head_label(eta2, np.nanargmax)}, least {_head_label(eta2, np.nanargmin)} (log η²)."
+            f"{most}, least {least} (log η²)."
             + self.rank_heads().to_html(max_rows=10)
             + "</div>"
         )
@@ -320,91 +393,49 @@ class ProbeResult:
         ``by`` is the ordering key (default ``"log_eta2"``); query-position R² and the prior
         fit sort descending, Toeplitz R² ascending (see :mod:`equivariance_probe.analyses.heads`).
         """
-        return rank_heads(self, by=by, scores=scores)
+        known = None
+        if self._stored_summary is not None and "head_scores" in self._stored_summary:
+            known = {name: np.asarray(v, dtype=np.float64) for name, v in self.summary()["head_scores"].items()}
+        return rank_heads(self, by=by, scores=scores, known_scores=known)
 
     # -- files -------------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        statistics = self.statistics
-        data = {
-            "format_version": FORMAT_VERSION,
-            "kind": RESULT_KIND,
-            "complete": self.complete,
-            "metadata": self.metadata,
-            "statistics": {
-                "config": statistics.config(),
-                "n_windows": statistics.n_windows,
-                "n_tokens": statistics.n_tokens,
-                "arrays": {name: encode_array(value) for name, value in statistics.arrays.items()},
-                "sample": None
-                if statistics.sample is None
-                else {
-                    "size": statistics.sample.size,
-                    "columns": {c: encode_array(torch.from_numpy(v)) for c, v in statistics.sample.to_arrays().items()},
-                },
-            },
-            "summary": jsonable(self.summary()),
-        }
-        data["checksum"] = checksum(data["statistics"])
-        return data
-
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the result as JSON (exact float64 sums); written to a temporary file, then renamed."""
-        return write_json_atomically(path, jsonable(self.to_dict()))
+        """Write the result file (format 3; any name, ``.safetensors`` by convention), atomically.
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "result") -> ProbeResult:
-        data = upgrade(data, source)
-        check_schema(data, source)
-        try:
-            stats_data = data["statistics"]
-            config = stats_data["config"]
-            statistics = AttentionStatistics(
-                n_layers=config["n_layers"],
-                n_heads=config["n_heads"],
-                n_positions=config["n_positions"],
-                sliding_windows=config["windows"],
-                log_floor=config["log_floor"],
-                excluded_keys=config["excluded_keys"],
-                keep_pattern=config["keep_pattern"],
-            )
-            for name, expected in statistics.arrays.items():
-                array = decode_array(stats_data["arrays"][name])
-                if tuple(array.shape) != tuple(expected.shape):
-                    raise ResultFileError(
-                        f"{source}: array {name!r} has shape {tuple(array.shape)}, expected {tuple(expected.shape)}"
-                    )
-                statistics.arrays[name] = array
-            unknown = set(stats_data["arrays"]) - set(STATISTICS)
-            if unknown:
-                raise ResultFileError(f"{source}: unknown statistics {sorted(unknown)}")
-            sample = stats_data.get("sample")
-            if sample is not None:
-                columns = {c: decode_array(v).numpy() for c, v in sample["columns"].items()}
-                statistics.sample = EntrySample.from_arrays(int(sample["size"]), columns)
-            statistics.n_windows = int(stats_data["n_windows"])
-            statistics.n_tokens = int(stats_data["n_tokens"])
-        except (KeyError, TypeError, ValueError) as error:
-            if isinstance(error, ResultFileError):
-                raise
-            raise ResultFileError(f"{source} is missing or has a malformed field: {error!r}") from error
-        metadata = dict(data.get("metadata", {}))
-        metadata["complete"] = data["complete"]
-        return cls(statistics, metadata)
+        The float64 sums (bitwise), the entry sample and the window fingerprints are safetensors
+        tensors; the metadata and :meth:`summary` are JSON in the header, so that the headline
+        numbers read back without the arrays. Written to a temporary file, flushed to disk, then
+        renamed (:mod:`~equivariance_probe.records.result_file`).
+        """
+        return write_result_file(path, self.statistics, self.metadata, complete=self.complete, summary=self.summary())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ProbeResult:
-        """Read a result written by :meth:`save`.
+        """Read a result file of any version (1, 2: JSON; 3: safetensors), told apart by its first bytes.
+
+        Version 3 is read lazily: the header now (checked field by field, so :meth:`summary`, the
+        metadata and the counts cost one header read), the arrays the first time a number needs
+        them, when their checksum is verified.
 
         Raises:
-            ResultFileError: the file is truncated, not a result, or from a newer format.
+            ResultFileError: the file is truncated, edited, not a result, or from a newer format.
         """
-        path = Path(path)
-        try:
-            with open(path, encoding="utf-8") as handle:
-                data = json.load(handle)
-        except json.JSONDecodeError as error:
-            raise ResultFileError(f"{path} is not valid JSON (truncated or corrupted?): {error}") from error
-        return cls.from_dict(data, source=str(path))
+        opened = open_result_file(path)
+        result = cls.__new__(cls)
+        result._statistics = None
+        result._file = opened
+        result._stored_summary = opened.summary
+        result.metadata = opened.metadata
+        return result
+
+
+def _undefined_as_nan(value: Any) -> Any:
+    """A stored summary with ``null`` (how JSON holds NaN) back as NaN, like a computed one."""
+    if isinstance(value, dict):
+        return {key: _undefined_as_nan(v) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_undefined_as_nan(v) for v in value]
+    return math.nan if value is None else value
 
 
 def _head_label(values: np.ndarray, pick) -> str:

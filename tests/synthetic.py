@@ -157,3 +157,34 @@ def write_text_corpus(folder, n_docs: int = 4, words: int = 80) -> str:
         text = " ".join(rng.choice(WORDS + [f"w{j}" for j in range(60)]) for _ in range(words))
         (folder / f"doc{i}.txt").write_text(text)
     return str(folder)
+
+
+def result_header(path) -> dict:
+    """The JSON header of a result file (format 3), read as a user would: safetensors and json alone."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as handle:
+        return json.loads(handle.metadata()["equivariance_probe"])
+
+
+def edited_result_file(path, out, edit, *, resign: bool = True, tensors_edit=None):
+    """A copy of the result file ``path`` at ``out`` whose header was changed by ``edit(header)`` (and
+    tensors by ``tensors_edit(tensors)``). With ``resign``, its header checksum is recomputed, as a
+    careful forger would, so that the field checks (not the header checksum) speak."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from equivariance_probe.records.container import header_checksum
+
+    header = result_header(path)
+    tensors = load_file(str(path))
+    edit(header)
+    if tensors_edit is not None:
+        tensors_edit(tensors)
+    if resign:
+        header["header_checksum"] = header_checksum(header)
+    save_file(tensors, str(out), metadata={"equivariance_probe": json.dumps(header)})
+    return out

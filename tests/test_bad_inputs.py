@@ -12,6 +12,7 @@ that stop half-way.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +29,9 @@ from equivariance_probe import (
 )
 from equivariance_probe.cli import main
 
-from synthetic import WORDS, save_tiny_model_with_tokenizer, tiny_gpt2
+from synthetic import WORDS, edited_result_file, result_header, save_tiny_model_with_tokenizer, tiny_gpt2
+
+V2_FIXTURE = Path(__file__).parent / "data" / "result_format_v2.json"
 
 
 def _equal(a: ProbeResult, b: ProbeResult, exact: bool = False, rtol: float = 1e-9) -> None:
@@ -80,7 +83,7 @@ def test_empty_corpus_on_the_command_line_exits_2_and_writes_no_results(folders,
     (empty / "a.txt").write_text("  \n ")
     assert _cli(folders, tmp_path / "out", corpus=str(empty)) == 2
     assert "empty" in capsys.readouterr().err
-    assert not (tmp_path / "out" / "results.json").exists()
+    assert not (tmp_path / "out" / "results.safetensors").exists()
 
 
 def test_documents_shorter_than_the_context_count_only_their_own_positions():
@@ -114,7 +117,7 @@ def test_a_tokenizer_from_another_model_exits_2_on_the_command_line(folders, tmp
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=20, n_positions=32)).save_pretrained(small)
     assert _cli(folders, tmp_path / "out", model=str(small)) == 2
     assert "does not belong to this model" in capsys.readouterr().err
-    assert not (tmp_path / "out" / "results.json").exists()
+    assert not (tmp_path / "out" / "results.safetensors").exists()
 
 
 def test_a_context_longer_than_the_model_allows_is_refused(folders, tmp_path, capsys):
@@ -214,7 +217,7 @@ def test_nan_weights_on_the_command_line_exit_2_and_write_no_results(folders, tm
     model.save_pretrained(broken)
     assert _cli(folders, tmp_path / "out", model=str(broken)) == 2
     assert "NaN" in capsys.readouterr().err
-    assert not (tmp_path / "out" / "results.json").exists()
+    assert not (tmp_path / "out" / "results.safetensors").exists()
 
 
 def test_a_run_that_stops_half_way_leaves_a_checkpoint_and_no_results(folders, tmp_path, capsys, monkeypatch):
@@ -231,17 +234,18 @@ def test_a_run_that_stops_half_way_leaves_a_checkpoint_and_no_results(folders, t
     out = tmp_path / "out"
     assert _cli(folders, out, "--checkpoint-every", "2") == 2
     assert "simulated fp16 overflow" in capsys.readouterr().err
-    assert not (out / "results.json").exists()
+    assert not (out / "results.safetensors").exists()
     state = json.loads((out / "checkpoint" / "state.json").read_text())
-    saved = json.loads((out / "checkpoint" / state["current"]["file"]).read_text())
+    saved = result_header(out / "checkpoint" / state["current"]["file"])
     assert state["current"]["position"] == 2 and saved["complete"] is False
 
 
 # ----------------------------------------------------------------- result files
 def test_bad_result_files_exit_2_with_the_reason(folders, tmp_path, capsys):
     assert _cli(folders, tmp_path / "run") == 0
-    good = tmp_path / "run" / "results.json"
-    text = good.read_text()
+    good = tmp_path / "run" / "results.safetensors"
+    # Version 2 (JSON), as earlier releases wrote it
+    text = V2_FIXTURE.read_text()
     (tmp_path / "cut.json").write_text(text[: len(text) // 3])
     data = json.loads(text)
     data["format_version"] = 7
@@ -249,15 +253,26 @@ def test_bad_result_files_exit_2_with_the_reason(folders, tmp_path, capsys):
     data["format_version"] = 2
     data["statistics"]["n_tokens"] += 1
     (tmp_path / "edited.json").write_text(json.dumps(data))
+    # Version 3 (safetensors), as 'run' writes it now
+    binary = good.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(binary[: len(binary) // 2])
+    edited_result_file(good, tmp_path / "future.safetensors", lambda h: h.__setitem__("format_version", 7))
+    edited_result_file(good, tmp_path / "forged.safetensors", lambda h: h["statistics"].__setitem__("n_tokens", 1),
+                       resign=False)
+    edited_result_file(good, tmp_path / "edited.safetensors", lambda h: h["statistics"].__setitem__("n_tokens", 1))
     for name, message in (("cut.json", "not valid JSON"), ("future.json", "format_version 7.*Upgrade"),
-                          ("edited.json", "checksum does not match")):
+                          ("edited.json", "checksum does not match"),
+                          ("cut.safetensors", "not a complete safetensors file"),
+                          ("future.safetensors", "format_version 7.*Upgrade"),
+                          ("forged.safetensors", "header checksum does not match"),
+                          ("edited.safetensors", "checksum does not match the arrays")):
         with pytest.raises(Exception, match=message):
-            ProbeResult.load(tmp_path / name)
-        for command in (["merge", str(good), str(tmp_path / name), "-o", str(tmp_path / "m.json")],
+            ProbeResult.load(tmp_path / name).statistics  # a header is checked on load, the arrays on first use
+        for command in (["merge", str(good), str(tmp_path / name), "-o", str(tmp_path / "m.safetensors")],
                         ["report", str(tmp_path / name), "-o", str(tmp_path / "r.html")]):
             assert main(command) == 2
             assert __import__("re").search(message, capsys.readouterr().err)
-    assert not (tmp_path / "m.json").exists() and not (tmp_path / "r.html").exists()
+    assert not (tmp_path / "m.safetensors").exists() and not (tmp_path / "r.html").exists()
 
 
 def test_a_model_on_the_meta_device_is_refused_by_name():

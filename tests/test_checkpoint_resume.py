@@ -83,7 +83,7 @@ def uninterrupted(tiny):
     out = root / "uninterrupted"
     assert main(_args(out, model, corpus)) == 0
     assert not (out / "checkpoint").exists()  # removed once the results are on disk
-    return {name: ProbeResult.load(out / name) for name in ("results.json", "baseline_zero.json")}
+    return {name: ProbeResult.load(out / name) for name in ("results.safetensors", "baseline_zero.safetensors")}
 
 
 @pytest.mark.parametrize(
@@ -101,7 +101,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_statistics(tiny, uninterrupte
     killed = subprocess.run([sys.executable, "-c", KILLER, where, str(when), *_args(out, model, corpus)],
                             env=environment, capture_output=True, text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    assert not (out / "results.json").exists()  # a killed run leaves no result that looks complete
+    assert not (out / "results.safetensors").exists()  # a killed run leaves no result that looks complete
     state = json.loads((out / "checkpoint" / "state.json").read_text())
     assert state["done"] or state["current"]["position"] > 0
     assert main(_args(out, model, corpus, "--resume")) == 0
@@ -109,7 +109,7 @@ def test_a_killed_run_resumes_to_the_uninterrupted_statistics(tiny, uninterrupte
         resumed = ProbeResult.load(out / name)
         _assert_identical(resumed, expected)
         assert resumed.complete
-    assert ProbeResult.load(out / "baseline_zero.json").metadata["checkpoint"]["resumed_from"] is not None
+    assert ProbeResult.load(out / "baseline_zero.safetensors").metadata["checkpoint"]["resumed_from"] is not None
     assert not (out / "checkpoint").exists()
 
 
@@ -118,9 +118,9 @@ def test_checkpointing_changes_no_number(tiny, uninterrupted, tmp_path):
     root, model, corpus = tiny
     out = tmp_path / "plain"
     assert main([a if a != "3" else "0" for a in _args(out, model, corpus)]) == 0
-    plain = ProbeResult.load(out / "results.json")
+    plain = ProbeResult.load(out / "results.safetensors")
     assert plain.metadata["checkpoint"]["every"] is None
-    checkpointed = uninterrupted["results.json"]
+    checkpointed = uninterrupted["results.safetensors"]
     assert plain.n_windows == checkpointed.n_windows == 11  # the blank file is dropped by the corpus reader
     for name, value in plain.statistics.arrays.items():
         assert torch.allclose(checkpointed.statistics.arrays[name], value, rtol=1e-12, atol=1e-12), name
@@ -168,7 +168,7 @@ def test_api_resume_equals_uninterrupted_and_keeps_the_partial_result(setup, tmp
     docs, network, tokenizer = setup
     options = dict(context_length=16, baselines=(), sample_size=30, progress=False)
     (tmp_path / "ck").mkdir()
-    (tmp_path / "ck" / "results.json").write_text("the user's own file")  # never touched by checkpoints
+    (tmp_path / "ck" / "results.safetensors").write_text("the user's own file")  # never touched by checkpoints
     error = _interrupted_study(tmp_path / "ck", docs, network, tokenizer, monkeypatch, stop_at=4, **options)
     assert error.partial_result.n_windows == 3 and not error.partial_result.complete
     resumed = run_study(corpus=docs, n_docs=6, loaded=(network, tokenizer), checkpoint_dir=tmp_path / "ck",
@@ -178,8 +178,8 @@ def test_api_resume_equals_uninterrupted_and_keeps_the_partial_result(setup, tmp
     _assert_identical(resumed.trained, whole.trained)
     assert resumed.trained.metadata["checkpoint"]["resumed_from"]["current"]["position"] == 2
     clear_checkpoint(tmp_path / "ck")
-    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["results.json"]
-    assert (tmp_path / "ck" / "results.json").read_text() == "the user's own file"
+    assert [p.name for p in (tmp_path / "ck").iterdir()] == ["results.safetensors"]
+    assert (tmp_path / "ck" / "results.safetensors").read_text() == "the user's own file"
 
 
 def test_a_checkpoint_of_another_model_corpus_or_configuration_is_refused(setup, tmp_path, monkeypatch):
@@ -224,7 +224,7 @@ def test_cli_refuses_a_foreign_checkpoint_with_status_2(tiny, tmp_path, capsys):
     assert "different model and corpus and config" in error and "another --out folder" in error
     assert main(_args(out, model, corpus)) == 2
     assert "pass --resume" in capsys.readouterr().err
-    assert not (out / "results.json").exists()
+    assert not (out / "results.safetensors").exists()
 
 
 def test_saving_a_checkpointed_study_links_the_finished_files_instead_of_rewriting_them(setup, tmp_path):
@@ -233,15 +233,15 @@ def test_saving_a_checkpointed_study_links_the_finished_files_instead_of_rewriti
                       checkpoint_every=4, batch_size=2, context_length=16, baselines=("zero",), sample_size=30,
                       progress=False)
     study.save(tmp_path / "out")
-    for name, filename in (("trained", "results.json"), ("zero", "baseline_zero.json")):
-        written, finished = tmp_path / "out" / filename, tmp_path / "ck" / f"{name}-done.json"
+    for name, filename in (("trained", "results.safetensors"), ("zero", "baseline_zero.safetensors")):
+        written, finished = tmp_path / "out" / filename, tmp_path / "ck" / f"{name}-done.safetensors"
         assert os.path.samefile(written, finished)  # one file on disk, not a second encoding
         # ...holding exactly what ProbeResult.save writes for the study's result, final metadata included
         study.results[name].save(tmp_path / f"direct-{name}.json")
         assert written.read_bytes() == (tmp_path / f"direct-{name}.json").read_bytes()
         assert ProbeResult.load(written).metadata["label"] == name
     clear_checkpoint(tmp_path / "ck")
-    assert ProbeResult.load(tmp_path / "out" / "results.json").complete  # the link outlives the checkpoint
+    assert ProbeResult.load(tmp_path / "out" / "results.safetensors").complete  # the link outlives the checkpoint
 
     # A result changed after the run no longer matches its checkpoint copy: it is written anew.
     study2 = run_study(corpus=docs, n_docs=6, loaded=(network, tokenizer), checkpoint_dir=tmp_path / "ck2",
@@ -249,5 +249,5 @@ def test_saving_a_checkpointed_study_links_the_finished_files_instead_of_rewriti
                        progress=False)
     study2.trained.metadata["note"] = "edited"
     study2.save(tmp_path / "out2")
-    assert not os.path.samefile(tmp_path / "out2" / "results.json", tmp_path / "ck2" / "trained-done.json")
-    assert ProbeResult.load(tmp_path / "out2" / "results.json").metadata["note"] == "edited"
+    assert not os.path.samefile(tmp_path / "out2" / "results.safetensors", tmp_path / "ck2" / "trained-done.safetensors")
+    assert ProbeResult.load(tmp_path / "out2" / "results.safetensors").metadata["note"] == "edited"

@@ -25,14 +25,14 @@ def test_run_writes_results_baselines_figures_and_summary(tiny, capsys):
     assert status == 0
     printed = capsys.readouterr().out
     assert "| log | eta2 |" in printed and "most position-bound head" in printed
-    for name in ("results.json", "baseline_random_init.json", "baseline_zero.json", "summary.md",
+    for name in ("results.safetensors", "baseline_random_init.safetensors", "baseline_zero.safetensors", "summary.md",
                  "persistence.png", "head_curves.png", "fit_by_key.png", "scatter.png", "heatmaps.png",
                  "baseline_zero_heatmaps.png"):
         assert (out / name).stat().st_size > 0, name
-    trained = ProbeResult.load(out / "results.json")
+    trained = ProbeResult.load(out / "results.safetensors")
     assert trained.n_windows == 4 and trained.excluded_keys == (0,)
     assert trained.metadata["study"]["context_length"] == 32
-    zero = ProbeResult.load(out / "baseline_zero.json")
+    zero = ProbeResult.load(out / "baseline_zero.safetensors")
     for scale in ("log", "raw"):
         for form in ("prior", "fitted", "eta2"):
             assert zero.query_position_r2(scale, form) == pytest.approx(1.0, abs=1e-9)
@@ -43,10 +43,14 @@ def test_merge_command(tiny, tmp_path, capsys):
     for shard, docs in (("a", "2"), ("b", "3")):
         assert main(["run", "--out", str(tmp_path / shard), "--model", model, "--corpus", corpus, "--n-docs", docs,
                      "--context-length", "16", "--baselines", "none", "--no-progress", "--sample-size", "0"]) == 0
-    status = main(["merge", str(tmp_path / "a" / "results.json"), str(tmp_path / "b" / "results.json"),
-                   "-o", str(tmp_path / "all.json")])
+    # b's first two documents are a's two: the merge is refused, naming them ...
+    inputs = [str(tmp_path / "a" / "results.safetensors"), str(tmp_path / "b" / "results.safetensors")]
+    assert main(["merge", *inputs, "-o", str(tmp_path / "all.safetensors")]) == 2
+    assert "2 of the 3 windows" in capsys.readouterr().err and not (tmp_path / "all.safetensors").exists()
+    # ... unless they are meant to count twice
+    status = main(["merge", *inputs, "-o", str(tmp_path / "all.safetensors"), "--allow-duplicate-windows"])
     assert status == 0
-    assert ProbeResult.load(tmp_path / "all.json").n_windows == 5
+    assert ProbeResult.load(tmp_path / "all.safetensors").n_windows == 5
 
 
 @pytest.mark.parametrize(
@@ -95,7 +99,7 @@ def test_report_command_writes_a_self_contained_html_file(tiny, tmp_path, capsys
     out = tmp_path / "run"
     assert main(["run", "--out", str(out), "--model", model, "--corpus", corpus, "--n-docs", "2",
                  "--context-length", "16", "--baselines", "none", "--no-progress", "--sample-size", "200"]) == 0
-    assert main(["report", str(out / "results.json")]) == 0
+    assert main(["report", str(out / "results.safetensors")]) == 0
     page = (out / "report.html").read_text()
     assert "Query-position R²" in page and page.count("data:image/png;base64,") >= 4
     assert "<script src=" not in page and "http://" not in page and "https://" not in page

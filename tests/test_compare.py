@@ -116,7 +116,7 @@ def test_compare_two_tiny_models_end_to_end(tiny, tmp_path):
     markdown = paths["markdown"].read_text()
     assert "| QPVE log | eta2 |" in markdown and "windows per minute" in markdown and "3 / 72" in markdown
     assert paths["figure"].stat().st_size > 10_000
-    reloaded = ProbeResult.load(tmp_path / "models" / "llama" / "results.json")
+    reloaded = ProbeResult.load(tmp_path / "models" / "llama" / "results.safetensors")
     assert reloaded.query_position_r2("log", "eta2") == pytest.approx(rows[3]["log_eta2"], rel=1e-12)
 
 

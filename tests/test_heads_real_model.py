@@ -39,7 +39,7 @@ def test_report_command_reloads_gemma_for_views(tmp_path, capsys):
     out = tmp_path / "study"
     assert main(["run", "--out", str(out), "--n-docs", "1", "--context-length", "96", "--baselines", "none",
                  "--no-progress", "--sample-size", "200"]) == 0
-    assert main(["report", str(out / "results.json"), "--views", "--stop", "48"]) == 0
+    assert main(["report", str(out / "results.safetensors"), "--views", "--stop", "48"]) == 0
     assert "on document 0 of the packaged corpus with model gemma-3-270m" in capsys.readouterr().out
     page = (out / "report.html").read_text()
     assert page.count(circuitsvis_bundle()) == 1 and "uniform prior (full causal)" in page

@@ -26,6 +26,7 @@ SCALES = ("log", "raw")
 
 def run(model_or_adapter, tokens, **kwargs):
     kwargs.setdefault("progress", False)
+    kwargs.setdefault("keep_pattern", True)  # the Toeplitz checks read the document-averaged pattern
     return EquivarianceProbe(model_or_adapter).run(tokens, **kwargs)
 
 

@@ -16,6 +16,7 @@ import symtable
 import textwrap
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,6 +87,8 @@ def assert_same_statistics(got, expected):
     assert got.statistics.n_windows == expected.statistics.n_windows
     assert got.statistics.log_floor == expected.statistics.log_floor
     assert set(got.statistics.arrays) == set(expected.statistics.arrays)
+    # the windows' fingerprints come back from every path, the simulated remote one included
+    np.testing.assert_array_equal(got.statistics.window_fingerprints, expected.statistics.window_fingerprints)
     for name, value in expected.statistics.arrays.items():
         assert torch.allclose(got.statistics.arrays[name], value, rtol=1e-5, atol=1e-7), name
 

@@ -89,7 +89,7 @@ def test_command_line_writes_json_figures_and_the_report_section(tmp_path, capsy
     assert set(study.parts) == {"gram", "permutation", "shrinkage", "shrinkage_baseline"}
     for name in ("positional_gram.png", "positional_permutation.png", "positional_shrinkage.png", "positional.html"):
         assert (out / name).stat().st_size > 0, name
-    assert main(["report", str(out / "results.json")]) == 0
+    assert main(["report", str(out / "results.safetensors")]) == 0
     report = (out / "report.html").read_text()
     assert "<h2>Where order comes from:" in report and "Permutation sensitivity" in report
 

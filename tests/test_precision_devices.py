@@ -101,6 +101,6 @@ def test_cli_dtype_option(tmp_path, tiny_model_folder, text_corpus):
     assert main(["run", "--out", str(tmp_path / "out"), "--model", model, "--corpus", corpus, "--n-docs", "2",
                  "--context-length", "16", "--baselines", "none", "--no-progress", "--no-figures",
                  "--dtype", "bfloat16", "--device", "cpu"]) == 0
-    result = ProbeResult.load(tmp_path / "out" / "results.json")
+    result = ProbeResult.load(tmp_path / "out" / "results.safetensors")
     assert result.metadata["model"]["dtype"] == "bfloat16" and result.log_floor == torch.finfo(torch.bfloat16).tiny
     assert result.metadata["provenance"]["model"]["dtype"] == "bfloat16"

@@ -15,26 +15,28 @@ from equivariance_probe import (
     ResultFileError,
 )
 
-from synthetic import tiny_gemma3, tiny_gpt2
+from synthetic import edited_result_file, result_header, tiny_gemma3, tiny_gpt2
+
+V2_FIXTURE = __import__("pathlib").Path(__file__).parent / "data" / "result_format_v2.json"
 
 
 @pytest.fixture(scope="module")
 def result():
     tokens = torch.randint(3, 97, (4, 16), generator=torch.Generator().manual_seed(0))
-    return EquivarianceProbe(tiny_gemma3(window=6)).run(tokens, progress=False, exclude_keys=[0])
+    return EquivarianceProbe(tiny_gemma3(window=6)).run(tokens, progress=False, exclude_keys=[0], keep_pattern=True)
 
 
 def test_save_load_round_trip_is_exact(result, tmp_path):
-    path = result.save(tmp_path / "run.json")
+    path = result.save(tmp_path / "run.safetensors")
     loaded = ProbeResult.load(path)
     for name, value in result.statistics.arrays.items():
         assert torch.equal(loaded.statistics.arrays[name], value), name
     assert loaded.n_windows == result.n_windows and loaded.excluded_keys == (0,)
     assert loaded.query_position_r2("log", "eta2") == result.query_position_r2("log", "eta2")
     assert np.array_equal(loaded.toeplitz_r2(), result.toeplitz_r2())
-    summary = json.loads(path.read_text())["summary"]
+    summary = result_header(path)["summary"]
     assert summary["query_position_r2"]["log"]["fitted"] == pytest.approx(result.query_position_r2("log", "fitted"))
-    assert not (tmp_path / "run.json.tmp").exists()
+    assert not (tmp_path / "run.safetensors.tmp").exists()
 
 
 def test_merge_of_saved_halves_equals_the_whole(tmp_path):
@@ -42,16 +44,16 @@ def test_merge_of_saved_halves_equals_the_whole(tmp_path):
     tokens = torch.randint(0, 97, (6, 20), generator=torch.Generator().manual_seed(1))
     probe = EquivarianceProbe(model)
     whole = probe.run(tokens, progress=False)
-    probe.run(tokens[:2], progress=False).save(tmp_path / "a.json")
-    probe.run(tokens[2:], progress=False).save(tmp_path / "b.json")
-    merged = ProbeResult.load(tmp_path / "a.json").merge(ProbeResult.load(tmp_path / "b.json"))
+    probe.run(tokens[:2], progress=False).save(tmp_path / "a.safetensors")
+    probe.run(tokens[2:], progress=False).save(tmp_path / "b.safetensors")
+    merged = ProbeResult.load(tmp_path / "a.safetensors").merge(ProbeResult.load(tmp_path / "b.safetensors"))
     for name, value in whole.statistics.arrays.items():
         assert torch.allclose(merged.statistics.arrays[name], value, rtol=1e-12, atol=1e-12), name
 
 
 def test_truncated_file_and_newer_version_are_refused(result, tmp_path):
-    path = result.save(tmp_path / "run.json")
-    text = path.read_text()
+    # Version 2 (JSON)
+    text = V2_FIXTURE.read_text()
     (tmp_path / "cut.json").write_text(text[: len(text) // 2])
     with pytest.raises(ResultFileError, match="not valid JSON"):
         ProbeResult.load(tmp_path / "cut.json")
@@ -68,6 +70,24 @@ def test_truncated_file_and_newer_version_are_refused(result, tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"hello": 1}))
     with pytest.raises(ResultFileError, match="not an equivariance_probe result"):
         ProbeResult.load(tmp_path / "other.json")
+    # Version 3 (safetensors)
+    path = result.save(tmp_path / "run.safetensors")
+    binary = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(binary[: len(binary) // 2])
+    with pytest.raises(ResultFileError, match="not a complete safetensors file"):
+        ProbeResult.load(tmp_path / "cut.safetensors")
+    (tmp_path / "cut_header.safetensors").write_bytes(binary[:100])
+    with pytest.raises(ResultFileError, match="cut inside its header"):
+        ProbeResult.load(tmp_path / "cut_header.safetensors")
+    edited_result_file(path, tmp_path / "new.safetensors", lambda h: h.__setitem__("format_version", 99))
+    with pytest.raises(ResultFileError, match="format_version 99.*Upgrade"):
+        ProbeResult.load(tmp_path / "new.safetensors")
+    edited_result_file(path, tmp_path / "missing.safetensors", lambda h: None, tensors_edit=lambda t: t.pop("raw_sum"))
+    with pytest.raises(ResultFileError, match="raw_sum"):
+        ProbeResult.load(tmp_path / "missing.safetensors")
+    (tmp_path / "other.safetensors").write_bytes(b"\x00" * 64)
+    with pytest.raises(ResultFileError, match="not an equivariance_probe result"):
+        ProbeResult.load(tmp_path / "other.safetensors")
 
 
 def test_incompatible_merges_are_refused(result):
@@ -115,7 +135,7 @@ def test_entry_sample_is_uniform_bounded_saved_and_merged(tmp_path):
     assert len(sample["attention"]) == 300
     assert np.all(sample["key_position"] <= sample["query"])
     assert np.allclose(sample["prior"], 1.0 / (sample["query"] + 1))
-    loaded = ProbeResult.load(result.save(tmp_path / "r.json"))
+    loaded = ProbeResult.load(result.save(tmp_path / "r.safetensors"))
     assert np.array_equal(loaded.entry_sample()["attention"], sample["attention"])
     # Uniformity: offered 100,000 entries in uneven chunks, keys below 0.5 are kept about equally often.
     uniform = EntrySample(2000, seed=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,6 +53,8 @@ def test_merged_shards_equal_the_single_run():
         for name, value in whole.statistics.arrays.items():
             assert torch.allclose(merged.statistics.arrays[name], value, rtol=1e-12, atol=1e-12), name
         assert merged.metadata["shards"]["indices"] == [0, 1, 2]
+        # disjoint shards share no window, and the merge holds every window's fingerprint once
+        assert np.array_equal(merged.statistics.window_fingerprints, whole.statistics.window_fingerprints)
         assert merged.metadata["shards"]["ranges"] == [[0, 2], [2, 4], [4, 7]]
         assert len(merged.entry_sample()["attention"]) == 40
     assert shards[0].trained.metadata["shards"]["corpus_sha256"] == single.trained.metadata["provenance"]["corpus"]["sha256"]
@@ -70,7 +73,7 @@ def shard_files(tmp_path_factory):
         assert main(arguments) == 0
         shard = [a for a in extra if "/" in a]
         subfolder = f"shard-{shard[0].replace('/', '-of-')}" if shard else ""
-        return root / out / subfolder / "results.json"
+        return root / out / subfolder / "results.safetensors"
 
     return {
         "whole": run("whole", "--n-docs", "5"),
@@ -110,7 +113,7 @@ def test_cli_merge_refuses_what_would_double_count_or_mix(shard_files, tmp_path,
     paths = []
     for name in inputs:
         if name == "zero 1/2":
-            paths.append(shard_files["1/2"].with_name("baseline_zero.json"))
+            paths.append(shard_files["1/2"].with_name("baseline_zero.safetensors"))
         elif name == "partial 1/2":
             result = ProbeResult.load(shard_files["1/2"])
             result.metadata["complete"] = False
@@ -141,5 +144,5 @@ def test_shard_auto_takes_rank_and_world_size_from_the_launcher(shard_files, mon
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(arguments) == 0
-    result = ProbeResult.load(root / "auto" / "shard-1-of-2" / "results.json")
+    result = ProbeResult.load(root / "auto" / "shard-1-of-2" / "results.safetensors")
     assert result.metadata["shards"]["ranges"] == [[2, 5]] and result.n_windows == 3

@@ -12,13 +12,13 @@ from equivariance_probe.cli import main
 def test_two_document_study_at_context_256_writes_every_output(tmp_path, capsys):
     out = tmp_path / "study"
     assert main(["run", "--out", str(out), "--n-docs", "2", "--context-length", "256", "--no-progress"]) == 0
-    for name in ("results.json", "baseline_random_init.json", "baseline_zero.json", "summary.md", "persistence.png",
+    for name in ("results.safetensors", "baseline_random_init.safetensors", "baseline_zero.safetensors", "summary.md", "persistence.png",
                  "head_curves.png", "fit_by_key.png", "scatter.png", "heatmaps.png"):
         assert (out / name).stat().st_size > 0, name
-    trained = ProbeResult.load(out / "results.json")
+    trained = ProbeResult.load(out / "results.safetensors")
     assert (trained.n_layers, trained.n_heads) == (18, 4)
     assert trained.statistics.sliding_windows.count(None) == 18  # sliding window 512 >= context 256: all full causal
-    zero = ProbeResult.load(out / "baseline_zero.json")
+    zero = ProbeResult.load(out / "baseline_zero.safetensors")
     assert zero.query_position_r2("log", "eta2") == pytest.approx(1.0, abs=1e-9)
     assert "| log | fitted |" in capsys.readouterr().out
 

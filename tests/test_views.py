@@ -179,7 +179,7 @@ def test_report_views_reload_the_model_and_document_of_the_study(tiny_study, cap
     from equivariance_probe import ProbeResult
     from equivariance_probe.cli import main
 
-    results = tiny_study / "out" / "results.json"
+    results = tiny_study / "out" / "results.safetensors"
     assert ProbeResult.load(results).metadata["study"]["corpus"] == str(tiny_study / "corpus")
     output = tiny_study / "with_views.html"
     assert main(["report", str(results), "--views", "--heads", "L2H1,L0H0", "--stop", "20", "-o", str(output)]) == 0
@@ -192,15 +192,13 @@ def test_report_views_reload_the_model_and_document_of_the_study(tiny_study, cap
 
 
 def test_report_without_a_loadable_model_is_written_without_views(tiny_study, tmp_path, capsys):
-    import json
-
+    from equivariance_probe import ProbeResult
     from equivariance_probe.cli import main
 
-    data = json.loads((tiny_study / "out" / "results.json").read_text())
-    data["metadata"]["study"]["model"] = str(tmp_path / "gone")
-    data["metadata"]["model"]["name"] = str(tmp_path / "gone")
-    moved = tmp_path / "results.json"
-    moved.write_text(json.dumps(data))
+    result = ProbeResult.load(tiny_study / "out" / "results.safetensors")
+    result.metadata["study"]["model"] = str(tmp_path / "gone")
+    result.metadata["model"]["name"] = str(tmp_path / "gone")
+    moved = result.save(tmp_path / "results.safetensors")
     assert main(["report", str(moved), "--views"]) == 0
     assert "writing the report without views" in capsys.readouterr().err
     page = (tmp_path / "report.html").read_text()

@@ -27,7 +27,7 @@ Nothing here imports a framework; pandas is imported by :meth:`HeadRanking.to_da
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,7 +38,14 @@ from ..maths.fitting import curve_r2
 from ..maths.metrics import FORMS, SCALES
 
 
-__all__ = ["HeadRanking", "rank_heads", "prior_fit_by_head", "RANKING_SCORES", "HIGHER_IS_MORE_POSITION_BOUND"]
+__all__ = [
+    "HeadRanking",
+    "rank_heads",
+    "head_scores",
+    "prior_fit_by_head",
+    "RANKING_SCORES",
+    "HIGHER_IS_MORE_POSITION_BOUND",
+]
 
 
 class RankableResult(Protocol):
@@ -50,6 +57,7 @@ class RankableResult(Protocol):
     n_windows: int
     metadata: dict[str, Any]
     statistics: Any
+    model_name: str
 
     def query_position_r2(self, scale: str = ..., form: str = ..., by: str | None = ...) -> Any: ...
 
@@ -188,8 +196,9 @@ class HeadRanking:
         return self.to_html(max_rows=20)
 
 
-def _score_arrays(result: RankableResult) -> dict[str, np.ndarray]:
-    """Every score of :data:`RANKING_SCORES` as a ``[layer, head]`` array."""
+def head_scores(result: RankableResult) -> dict[str, np.ndarray]:
+    """Every score of :data:`RANKING_SCORES` as a ``[layer, head]`` array (NaN ``toeplitz`` when
+    the run kept no summed pattern)."""
     scores: dict[str, np.ndarray] = {}
     for name in RANKING_SCORES:
         if name in ("toeplitz", "toeplitz_per_doc", "prior_fit"):
@@ -224,7 +233,13 @@ def prior_fit_by_head(result: RankableResult) -> np.ndarray:
     return out
 
 
-def rank_heads(result: RankableResult, by: str = "log_eta2", scores: Sequence[str] | None = None) -> HeadRanking:
+def rank_heads(
+    result: RankableResult,
+    by: str = "log_eta2",
+    scores: Sequence[str] | None = None,
+    *,
+    known_scores: Mapping[str, np.ndarray] | None = None,
+) -> HeadRanking:
     """Order the heads of ``result`` from the most to the least position-bound.
 
     Args:
@@ -232,6 +247,8 @@ def rank_heads(result: RankableResult, by: str = "log_eta2", scores: Sequence[st
         by: the ordering key, one of :data:`RANKING_SCORES` (default ``"log_eta2"``). Sorted
             descending unless it is a Toeplitz score (see the module docstring).
         scores: which score columns to keep (default: all); ``by`` is always kept.
+        known_scores: every score as a ``[layer, head]`` array when already known (a loaded
+            result's stored summary); default: computed from ``result``.
 
     Returns:
         A :class:`HeadRanking` with ``n_layers * n_heads`` rows.
@@ -255,7 +272,7 @@ def rank_heads(result: RankableResult, by: str = "log_eta2", scores: Sequence[st
         keep.insert(0, by)
     if result.n_windows == 0:
         raise NotRunError("this result holds no windows yet: call EquivarianceProbe(model).run(docs) first")
-    grids = _score_arrays(result)
+    grids = head_scores(result) if known_scores is None else {name: np.asarray(known_scores[name]) for name in RANKING_SCORES}
     layers, heads = np.meshgrid(np.arange(result.n_layers), np.arange(result.n_heads), indexing="ij")
     layers, heads = layers.ravel(), heads.ravel()
     descending = HIGHER_IS_MORE_POSITION_BOUND[by]
@@ -269,5 +286,6 @@ def rank_heads(result: RankableResult, by: str = "log_eta2", scores: Sequence[st
         scores={name: grids[name].ravel()[order] for name in RANKING_SCORES if name in keep},
         key=by,
         descending=descending,
-        model=str(result.metadata.get("model", {}).get("name", "?")),
+        model=str(getattr(result, "model_name", None) or result.metadata.get("model", {}).get("name", "?")),
     )
+

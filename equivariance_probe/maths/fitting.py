@@ -84,7 +84,8 @@ def _loglinear_start(x: np.ndarray, curve: np.ndarray) -> tuple[float, float]:
     """Intercept and slope of ``log y ≈ a + b·x`` over the positive points."""
     positive = curve > 0
     if positive.sum() < 2:
-        return float(np.log(max(curve.max(), 1e-12))), 0.0
+        # Also an empty curve: a key-position bin whose keys are all excluded has no points.
+        return float(np.log(curve.max(initial=1e-12))), 0.0
     slope, intercept = np.polyfit(x[positive], np.log(curve[positive]), 1)
     return float(intercept), float(slope)
 

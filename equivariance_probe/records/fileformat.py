@@ -1,9 +1,11 @@
-"""Result files: format versions, the upgrade of older versions, and the schema check on load.
+"""Result files of format versions 1 and 2 (JSON), and the one atomic writer of every file.
 
-Place in the seams: *records*, below :mod:`equivariance_probe.result`, which turns a
-:class:`~equivariance_probe.result.ProbeResult` into a dict and back with the helpers here.
-This module knows the shape of that dict (which fields, which types) and how arrays are
-encoded in it, not the statistics' maths.
+Place in the seams: *records*, below :mod:`equivariance_probe.result`. Results are written in
+format 3 (:mod:`~equivariance_probe.records.result_file`: safetensors arrays and a JSON header);
+this module reads the JSON files that earlier versions wrote, and writes every file of the
+package (results, checkpoint state, positional studies) through :func:`write_atomically`. It
+knows the shape of a version-1/2 dict (which fields, which types) and how arrays are encoded in
+it, not the statistics' maths.
 
 Versions:
 
@@ -15,10 +17,13 @@ Versions:
   (``"sha256:<hex>"`` over the statistics' encoded arrays and sample, see :func:`checksum`),
   verified on load, so a file that was edited or corrupted without being truncated is refused.
 
-:func:`upgrade` turns any older version into the current one (a version-1 file is complete
+* **3** — safetensors, see :mod:`~equivariance_probe.records.result_file`.
+
+:func:`upgrade` turns a version-1 dict into a version-2 one (a version-1 file is complete
 unless its metadata says otherwise; it has no checksum to verify); :func:`check_schema`
 checks every field the loader reads before it reads it, so a malformed file gets a
-:class:`~equivariance_probe.errors.ResultFileError` naming the field, never a ``KeyError``.
+:class:`~equivariance_probe.errors.ResultFileError` naming the field, never a ``KeyError``;
+:func:`read_json_result` reads a version-1/2 file into statistics.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,21 +41,29 @@ import numpy as np
 import torch
 
 from ..errors import ResultFileError
+from ..statistics import STATISTICS, AttentionStatistics, EntrySample
 
 __all__ = [
-    "FORMAT_VERSION",
+    "JSON_FORMAT_VERSION",
+    "NEWEST_FORMAT_VERSION",
     "RESULT_KIND",
     "checksum",
     "upgrade",
     "check_schema",
+    "check_config",
+    "check_version",
+    "read_json_result",
+    "write_atomically",
     "write_json_atomically",
     "encode_array",
     "decode_array",
     "jsonable",
 ]
 
-#: The version this equivariance_probe writes; it reads 1..FORMAT_VERSION.
-FORMAT_VERSION = 2
+#: The last version written as JSON (1 and 2 are read here).
+JSON_FORMAT_VERSION = 2
+#: The newest version this equivariance_probe reads (and writes: :mod:`~equivariance_probe.records.result_file`).
+NEWEST_FORMAT_VERSION = 3
 #: The ``kind`` field of every result file.
 RESULT_KIND = "equivariance_probe.ProbeResult"
 
@@ -65,20 +79,37 @@ _CONFIG_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def write_json_atomically(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as JSON to a temporary file, flush it to disk, then rename it over ``path``.
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Write ``path`` through ``write(temporary)``, flush the temporary file to disk, then rename it over ``path``.
 
     A crash or SIGKILL at any moment leaves either the previous file or the new one, never a
-    truncated or renamed-but-empty file.
+    truncated or renamed-but-empty file (a kill may leave ``<name>.tmp`` beside it). An error in
+    ``write`` removes the temporary file and leaves ``path`` as it was.
     """
     path = Path(path)
     temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(data, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        write(temporary)
+        descriptor = os.open(temporary, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
     os.replace(temporary, path)
     return path
+
+
+def write_json_atomically(path: str | os.PathLike, data: Any) -> Path:
+    """Write ``data`` as JSON through :func:`write_atomically`."""
+
+    def write(temporary: Path) -> None:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            json.dump(data, handle)
+
+    return write_atomically(path, write)
 
 
 def checksum(statistics: dict[str, Any]) -> str:
@@ -107,19 +138,30 @@ def checksum(statistics: dict[str, Any]) -> str:
     return "sha256:" + digest.hexdigest()
 
 
+def check_version(version: Any, source: str) -> None:
+    """Raise :class:`ResultFileError` unless ``version`` is one this code reads (1..newest)."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= NEWEST_FORMAT_VERSION:
+        raise ResultFileError(
+            f"{source} has format_version {version!r}; this equivariance_probe reads versions "
+            f"1..{NEWEST_FORMAT_VERSION}. Upgrade equivariance_probe to read newer files"
+        )
+
+
 def upgrade(data: dict[str, Any], source: str = "result") -> dict[str, Any]:
-    """The file's dict in the current format (a copy if it had to change).
+    """A version-1 or -2 file's dict in version 2 (a copy if it had to change).
 
     Raises:
-        ResultFileError: not a result, or a version this code does not know (newer, or < 1).
+        ResultFileError: not a result, or a version this code does not know (newer, or < 1),
+            or version 3 in a JSON file (version 3 is a safetensors file).
     """
     if not isinstance(data, dict) or data.get("kind") != RESULT_KIND:
         raise ResultFileError(f"{source} is not an equivariance_probe result (no kind {RESULT_KIND!r})")
     version = data.get("format_version")
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= FORMAT_VERSION:
+    check_version(version, source)
+    if version > JSON_FORMAT_VERSION:
         raise ResultFileError(
-            f"{source} has format_version {version!r}; this equivariance_probe reads versions 1..{FORMAT_VERSION}. "
-            "Upgrade equivariance_probe to read newer files"
+            f"{source} is JSON but says format_version {version}, which is a safetensors file; the file is "
+            "malformed (was it edited, or written by another program?)"
         )
     if version == 1:
         data = dict(data)
@@ -135,16 +177,13 @@ def _require(condition: bool, source: str, what: str) -> None:
         raise ResultFileError(f"{source}: {what}; the file is malformed (was it edited, or written by another program?)")
 
 
-def check_schema(data: dict[str, Any], source: str = "result") -> None:
-    """Check the fields :meth:`ProbeResult.from_dict` reads, after :func:`upgrade`.
+def check_config(statistics: dict[str, Any], source: str) -> None:
+    """Check a file's ``statistics`` block: its ``config`` (every field the statistics are built
+    from, with its type) and the counts ``n_windows`` and ``n_tokens``.
 
     Raises:
-        ResultFileError: naming the first missing or ill-typed field, or a checksum mismatch.
+        ResultFileError: naming the first missing or ill-typed field.
     """
-    _require(isinstance(data.get("metadata", {}), dict), source, "'metadata' must be an object")
-    _require(isinstance(data.get("complete"), bool), source, "'complete' must be true or false")
-    statistics = data.get("statistics")
-    _require(isinstance(statistics, dict), source, "'statistics' is missing or not an object")
     config = statistics.get("config")
     _require(isinstance(config, dict), source, "'statistics.config' is missing or not an object")
     for name, types in _CONFIG_TYPES.items():
@@ -155,10 +194,25 @@ def check_schema(data: dict[str, Any], source: str = "result") -> None:
             f"'statistics.config.{name}' is missing or has the wrong type ({type(value).__name__})",
         )
     _require(len(config["windows"]) == config["n_layers"], source, "'statistics.config.windows' needs one entry per layer")
+    for name in ("n_layers", "n_heads", "n_positions"):
+        _require(config[name] >= 1, source, f"'statistics.config.{name}' must be positive")
     for name in ("n_windows", "n_tokens"):
         value = statistics.get(name)
         _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, source,
                  f"'statistics.{name}' must be a non-negative integer")
+
+
+def check_schema(data: dict[str, Any], source: str = "result") -> None:
+    """Check the fields of a version-2 dict (after :func:`upgrade`) before any is read.
+
+    Raises:
+        ResultFileError: naming the first missing or ill-typed field, or a checksum mismatch.
+    """
+    _require(isinstance(data.get("metadata", {}), dict), source, "'metadata' must be an object")
+    _require(isinstance(data.get("complete"), bool), source, "'complete' must be true or false")
+    statistics = data.get("statistics")
+    _require(isinstance(statistics, dict), source, "'statistics' is missing or not an object")
+    check_config(statistics, source)
     arrays = statistics.get("arrays")
     _require(isinstance(arrays, dict), source, "'statistics.arrays' is missing or not an object")
     for name, array in arrays.items():
@@ -173,6 +227,42 @@ def check_schema(data: dict[str, Any], source: str = "result") -> None:
     if "checksum" in data:
         _require(data["checksum"] == checksum(statistics), source,
                  "the checksum does not match the statistics (the numbers were changed or corrupted after saving)")
+
+
+def read_json_result(data: dict[str, Any], source: str = "result") -> tuple[dict[str, Any], AttentionStatistics]:
+    """The version-2 dict (after :func:`upgrade` and :func:`check_schema`) and the statistics of a
+    version-1/2 file's parsed JSON. Such files carry no window fingerprints.
+
+    Raises:
+        ResultFileError: not a result, an unknown version, a malformed field or a checksum mismatch.
+    """
+    data = upgrade(data, source)
+    check_schema(data, source)
+    try:
+        stats_data = data["statistics"]
+        config = stats_data["config"]
+        expected = AttentionStatistics.array_shapes(config)
+        unknown = set(stats_data["arrays"]) - set(STATISTICS)
+        if unknown:
+            raise ResultFileError(f"{source}: unknown statistics {sorted(unknown)}")
+        arrays = {}
+        for name, shape in expected.items():
+            array = decode_array(stats_data["arrays"][name])
+            if tuple(array.shape) != shape:
+                raise ResultFileError(f"{source}: array {name!r} has shape {tuple(array.shape)}, expected {shape}")
+            arrays[name] = array
+        sample = stats_data.get("sample")
+        if sample is not None:
+            columns = {c: decode_array(v).numpy() for c, v in sample["columns"].items()}
+            sample = EntrySample.from_arrays(int(sample["size"]), columns)
+        statistics = AttentionStatistics.from_arrays(
+            config, arrays, n_windows=stats_data["n_windows"], n_tokens=stats_data["n_tokens"], sample=sample
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        if isinstance(error, ResultFileError):
+            raise
+        raise ResultFileError(f"{source} is missing or has a malformed field: {error!r}") from error
+    return data, statistics
 
 
 def encode_array(tensor: torch.Tensor) -> dict[str, Any]:

@@ -10,6 +10,8 @@ model, a corpus and a configuration (:mod:`equivariance_probe.records.sharding`)
   270M model, and two different checkpoints of one architecture differ in it).
 * :func:`corpus_fingerprint` — sha256 over every document (text or token ids), in order.
 * :func:`config_fingerprint` — sha256 of a JSON configuration with sorted keys.
+* :func:`window_fingerprints` — a 64-bit fingerprint of each window's token ids, which results
+  carry so that a merge never counts the same window twice.
 
 Imports torch only; the Hugging Face model inside a wrapper is found with
 :func:`~equivariance_probe.adapters.modules.hf_model_of`.
@@ -19,14 +21,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..adapters.modules import hf_model_of
 
-__all__ = ["model_identity", "model_revision", "corpus_fingerprint", "config_fingerprint", "library_versions"]
+__all__ = [
+    "model_identity",
+    "model_revision",
+    "corpus_fingerprint",
+    "config_fingerprint",
+    "window_fingerprint",
+    "window_fingerprints",
+    "library_versions",
+]
 
 #: Values hashed per weight tensor (a strided sample: first value, then every numel/N-th).
 WEIGHT_SAMPLE = 65536
@@ -62,6 +73,28 @@ def corpus_fingerprint(docs: Iterable[Any]) -> dict[str, Any]:
             kind = b"l"
         digest.update(kind + len(payload).to_bytes(8, "little") + payload)
     return {"sha256": digest.hexdigest(), "n_docs": count}
+
+
+def window_fingerprint(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> int:
+    """64-bit fingerprint of one window: BLAKE2b with an 8-byte digest over its token ids as
+    little-endian int64, read as a little-endian unsigned integer.
+
+    A cryptographic hash of the bytes alone, so it is the same in every process, on every
+    machine and in every language (Python's ``hash`` is salted per process); two different
+    windows collide with probability ``2^-64`` (about ``n²/2^65`` among ``n`` windows). The
+    length is part of the bytes, so a window and its prefix differ. Without this package::
+
+        int.from_bytes(hashlib.blake2b(np.asarray(ids, "<i8").tobytes(), digest_size=8).digest(), "little")
+    """
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().to("cpu", torch.int64).numpy()
+    payload = np.ascontiguousarray(np.asarray(token_ids, dtype="<i8")).tobytes()
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")
+
+
+def window_fingerprints(rows: Iterable[Sequence[int] | np.ndarray | torch.Tensor]) -> np.ndarray:
+    """``[n]`` uint64 :func:`window_fingerprint` of each window (a list of token ids per window)."""
+    return np.array([window_fingerprint(row) for row in rows], dtype=np.uint64)
 
 
 def _hf_model(model: Any) -> Any | None:

@@ -19,8 +19,10 @@ disk and renamed, so a kill leaves either the old or the new version, never half
 
 * ``state.json`` — ``{"kind", "format_version", "fingerprint", "identity", "every", "done":
   {variant: file}, "current": {"variant", "position", "skipped", "file"} | null}``;
-* ``<variant>-<position>.json`` — the variant's partial :class:`ProbeResult` (``complete:
-  false``) after ``position`` documents; ``<variant>-done.json`` — its finished result.
+* ``<variant>-<position>.safetensors`` — the variant's partial :class:`ProbeResult` (``complete:
+  false``) after ``position`` documents, in the result file format with its window fingerprints
+  (:mod:`equivariance_probe.records.result_file`); ``<variant>-done.safetensors`` — its finished
+  result.
 
 The state is written after the file it points to, and older files are deleted after the
 state, so the state always points to complete files. ``identity`` holds the fingerprints of
@@ -45,6 +47,7 @@ from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, 
 from ..probe import progress_bar
 from ..records.fileformat import write_json_atomically
 from ..records.provenance import config_fingerprint
+from ..records.result_file import RESULT_SUFFIX
 from ..result import ProbeResult
 
 __all__ = ["CheckpointedRun", "chunk_seed", "clear_checkpoint", "CHECKPOINT_FOLDER", "DEFAULT_CHECKPOINT_EVERY"]
@@ -61,8 +64,9 @@ def chunk_seed(seed: int, *parts: int) -> int:
     return int(np.random.SeedSequence([int(seed), *(int(p) for p in parts)]).generate_state(1, np.uint64)[0] >> 1)
 
 
-#: The files a checkpoint writes; nothing else in its folder is ever deleted.
-_OWN_FILE = re.compile(r"(state\.json|[A-Za-z0-9_]+-(\d{9}|done)\.json)(\.tmp)?")
+#: The files a checkpoint writes (``.json`` results: written by earlier versions, cleared like the
+#: others); nothing else in its folder is ever deleted.
+_OWN_FILE = re.compile(r"(state\.json|[A-Za-z0-9_]+-(\d{9}|done)\.(json|safetensors))(\.tmp)?")
 
 
 def _own_files(folder: Path) -> list[Path]:
@@ -113,7 +117,7 @@ class CheckpointedRun:
         self.identity = json.loads(json.dumps(identity, default=str))  # as it reads back from state.json
         self.fingerprint = config_fingerprint(identity)
         self.done: dict[str, str] = {}
-        # variant -> (statistics, metadata) of the result as this process wrote it to <variant>-done.json
+        # variant -> (statistics, metadata) of the result as this process wrote it to <variant>-done.safetensors
         self._written: dict[str, tuple[Any, str]] = {}
         self.current: dict[str, Any] | None = None
         self.resumed_from: dict[str, Any] | None = None
@@ -188,7 +192,9 @@ class CheckpointedRun:
     def _load(self, filename: str) -> ProbeResult:
         assert self.folder is not None
         try:
-            return ProbeResult.load(self.folder / filename)
+            result = ProbeResult.load(self.folder / filename)
+            result.statistics  # read now (checksum verified): the file is replaced or deleted as the run goes on
+            return result
         except (OSError, EquivarianceProbeError) as error:
             raise CheckpointError(f"the checkpoint file {filename} cannot be read ({error}); delete the folder and start over") from error
 
@@ -262,7 +268,7 @@ class CheckpointedRun:
         total.metadata["checkpoint"] = {"every": self.every, "resumed_from": self.resumed_from}
         total.metadata.update(metadata or {})
         if self.folder is not None:
-            filename = f"{name}-done.json"
+            filename = f"{name}-done{RESULT_SUFFIX}"
             total.save(self.folder / filename)
             self._written[name] = (total.statistics, _metadata_key(total.metadata))
             self.done[name] = filename
@@ -275,9 +281,8 @@ class CheckpointedRun:
 
         A finished variant is written to the checkpoint (so that a kill during the next variant
         loses nothing) with its final metadata; the study's own result file can then be a hard
-        link to it instead of a second encoding of the same sums (at context 1024 each file is
-        ~840 MB and ~13 s to write). Only files this process wrote count, and only while
-        ``result`` still has the same statistics object and metadata.
+        link to it instead of a second write of the same sums. Only files this process wrote
+        count, and only while ``result`` still has the same statistics object and metadata.
         """
         written = self._written.get(name)
         if self.folder is None or written is None or name not in self.done:
@@ -293,7 +298,7 @@ class CheckpointedRun:
         filename = None
         if total is not None:
             total.metadata["complete"] = False
-            filename = f"{name}-{position:09d}.json"
+            filename = f"{name}-{position:09d}{RESULT_SUFFIX}"
             total.save(self.folder / filename)
         # file is None while every document so far was skipped: only the position is saved.
         self.current = {"variant": name, "position": position, "skipped": skipped, "file": filename}
@@ -305,8 +310,12 @@ def _metadata_key(metadata: dict[str, Any]) -> str:
 
 
 def _add(total: ProbeResult, part: ProbeResult) -> ProbeResult:
-    """``total`` with ``part``'s sums added; keeps ``total``'s metadata (one run, many chunks)."""
-    return ProbeResult(total.statistics.merge(part.statistics), dict(total.metadata))
+    """``total`` with ``part``'s sums added; keeps ``total``'s metadata (one run, many chunks).
+
+    Chunks are disjoint slices of one corpus, so a window in both is a document the corpus holds
+    twice, which a run without checkpoints counts twice too: the chunks add as that run would.
+    """
+    return ProbeResult(total.statistics.merge(part.statistics, allow_duplicate_windows=True), dict(total.metadata))
 
 
 def _difference(part: str, theirs: Any, mine: Any) -> str:

@@ -25,6 +25,7 @@ from ..errors import InputError
 from ..maths.metrics import FORMS, SCALES
 from ..probe import EquivarianceProbe
 from ..records.provenance import config_fingerprint, corpus_fingerprint, model_identity
+from ..records.result_file import RESULT_SUFFIX
 from ..records.sharding import Shard, shard_metadata
 from ..result import ProbeResult
 from ..sources.baselines import random_init_like, zero_like
@@ -33,7 +34,7 @@ from ..sources.devices import parse_dtype, resolve_device
 from ..sources.models import load_model
 from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun
 
-__all__ = ["Study", "run_study", "BASELINES", "DEFAULT_STUDY"]
+__all__ = ["Study", "run_study", "result_filename", "BASELINES", "DEFAULT_STUDY"]
 
 #: Baselines: name -> what it is.
 BASELINES = {
@@ -92,12 +93,13 @@ class Study:
         )
 
     def save(self, folder: str | os.PathLike) -> dict[str, Path]:
-        """Write ``results.json`` (trained) and ``baseline_<name>.json``, plus ``summary.md``."""
+        """Write ``results.safetensors`` (trained) and ``baseline_<name>.safetensors`` (result files,
+        :meth:`ProbeResult.save`), plus ``summary.md``."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         paths = {}
         for name, result in self.results.items():
-            filename = "results.json" if name == "trained" else f"baseline_{name}.json"
+            filename = result_filename(name)
             finished = self.checkpoint.finished_file(name, result) if self.checkpoint is not None else None
             if finished is None or not _link(finished, folder / filename):
                 result.save(folder / filename)
@@ -111,6 +113,11 @@ class Study:
             f"Configuration: `{json.dumps(self.config)}`\n\nTimings (s): `{json.dumps(self.timings)}`\n"
         )
         return paths
+
+
+def result_filename(variant: str) -> str:
+    """The file of a study variant: ``results.safetensors`` (trained) or ``baseline_<variant>.safetensors``."""
+    return f"results{RESULT_SUFFIX}" if variant == "trained" else f"baseline_{variant}{RESULT_SUFFIX}"
 
 
 def check_baselines(baselines: Sequence[str]) -> None:
@@ -145,6 +152,7 @@ def run_study(
     exclude_keys: Sequence[int] = (),
     seed: int = 0,
     sample_size: int = 20000,
+    keep_pattern: bool = False,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
     loaded: tuple[Any, Any] | None = None,
@@ -169,6 +177,9 @@ def run_study(
         exclude_keys: key positions left out of every statistic (e.g. ``[0]``).
         seed: seed of the random initialisation and of the entry sample.
         sample_size: entries kept for the scatter plot.
+        keep_pattern: also keep the window-summed pattern (``8·L·H·T²`` bytes per variant, in
+            memory and in each result file) for the Toeplitz R² of the document-averaged pattern
+            (:meth:`ProbeResult.toeplitz_r2` ``by="head"``) and :meth:`ProbeResult.mean_pattern`.
         cache_dir: where converted packaged models are cached.
         progress: show progress bars.
         loaded: an already loaded ``(model, tokenizer)``, to skip loading.
@@ -210,6 +221,7 @@ def run_study(
         "seed": seed,
         "baselines": list(baselines),
         "sample_size": sample_size,
+        "keep_pattern": bool(keep_pattern),
         "checkpoint_every": checkpoint_every if checkpoint_dir is not None else None,
     }
     identity = {"model": model_identity(network), "corpus": corpus_identity,
@@ -226,6 +238,7 @@ def run_study(
         batch_size=batch_size,
         exclude_keys=exclude_keys,
         sample_size=sample_size,
+        keep_pattern=keep_pattern,
         progress=progress,
     )
     results: dict[str, ProbeResult] = {}

@@ -34,7 +34,16 @@ from pathlib import Path
 
 from ..errors import ModelFileError, ModelNotFoundError
 
-__all__ = ["ModelSpec", "REGISTRY", "DEFAULT_MODEL", "model_spec", "registered_names", "file_sha256", "verify_file"]
+__all__ = [
+    "ModelSpec",
+    "REGISTRY",
+    "DEFAULT_MODEL",
+    "model_spec",
+    "registered_names",
+    "name_of_converted_copy",
+    "file_sha256",
+    "verify_file",
+]
 
 
 @dataclass(frozen=True)
@@ -263,6 +272,16 @@ _BY_NAME: dict[str, ModelSpec] = {name: spec for spec in _ENTRIES for name in sp
 def registered_names() -> tuple[str, ...]:
     """Every name (canonical and alias) that resolves to a registered model."""
     return tuple(_BY_NAME)
+
+
+def name_of_converted_copy(path: str | Path) -> str | None:
+    """The registry name of the model whose converted copy is the folder ``path`` (wherever the
+    cache lies: the folder's own name is the entry's ``cache_folder``), or ``None``.
+
+    Displays use it to show ``gemma-3-270m`` rather than the cache path a loaded model carries.
+    """
+    folder = Path(str(path)).name
+    return next((spec.name for spec in _ENTRIES if spec.cache_folder == folder), None)
 
 
 def model_spec(name: str) -> ModelSpec:

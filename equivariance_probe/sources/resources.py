@@ -39,8 +39,9 @@ __all__ = [
 #: keeps between layers. Calibrated on the packaged models at T = 512, batch 4: the probe's
 #: peak rose by about 100 B per entry above weights and statistics (README, "Across architectures").
 ENTRY_BYTES = 128
-#: The probe keeps the window-summed pattern (``8·L·H·T²`` bytes) only up to this size
-#: (:data:`equivariance_probe.probe.PATTERN_MEMORY_LIMIT`, repeated to keep this module light).
+#: The estimate counts the window-summed pattern (``8·L·H·T²`` bytes) up to this size. Runs keep
+#: it only with ``keep_pattern=True`` (``--keep-pattern``), so without it the estimate errs high
+#: by at most this much, on the safe side.
 PATTERN_SUM_LIMIT = 2**30
 #: Interpreter, torch, transformers, tokenizers and corpus before a model is loaded (measured:
 #: 0.4 GiB), plus heap the allocator keeps from earlier models of a comparison (up to ~0.8 GiB).

@@ -17,9 +17,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..errors import AttentionCaptureError, IncompatibleResultsError, NonFiniteAttentionError
+from ..errors import AttentionCaptureError, IncompatibleResultsError, InputError, NonFiniteAttentionError, option
 from .kernels import (
     compiled_entry_moments,
     default_log_floor,
@@ -76,7 +77,10 @@ class AttentionStatistics:
         device: where the float64 sums live while streaming.
 
     All arrays are float64 and listed in :data:`STATISTICS`. ``a + b`` and
-    :meth:`merge` add them; two statistics merge only if measured the same way.
+    :meth:`merge` add them; two statistics merge only if measured the same way, and only if
+    they share no window: :attr:`window_fingerprints` holds one 64-bit fingerprint of the token
+    ids of every window added with one (sorted, ``uint64``), so that the same document is never
+    counted twice by accident.
     """
 
     def __init__(
@@ -118,14 +122,33 @@ class AttentionStatistics:
         self._lengths: torch.Tensor | None = None
         self.sample = EntrySample(sample_size, sample_seed) if sample_size else None
         self._sample_before: dict[str, Any] | None = None
+        #: Sorted ``uint64`` fingerprints of the windows added so far (those given one in :meth:`begin_batch`).
+        self.window_fingerprints = np.zeros(0, dtype=np.uint64)
+        self._batch_fingerprints: np.ndarray | None = None
 
     def _shape(self, spec: str) -> tuple[int, ...]:
         sizes = {"L": self.n_layers, "H": self.n_heads, "T": self.n_positions}
         return tuple(sizes[s] for s in spec.split())
 
     # -- streaming ----------------------------------------------------------------
-    def begin_batch(self, lengths: torch.Tensor) -> None:
-        """Start a batch of windows with ``lengths: [batch]`` real tokens each."""
+    def begin_batch(self, lengths: torch.Tensor, fingerprints: Any = None) -> None:
+        """Start a batch of windows with ``lengths: [batch]`` real tokens each.
+
+        Args:
+            lengths: ``[batch]`` real tokens per window.
+            fingerprints: ``[batch]`` 64-bit fingerprints of the windows' token ids
+                (:func:`~equivariance_probe.records.provenance.window_fingerprints`), kept in
+                :attr:`window_fingerprints` when the batch is added (:meth:`end_batch`), so that a
+                merge can refuse windows counted twice; ``None`` adds none.
+        """
+        if fingerprints is not None:
+            fingerprints = np.asarray(fingerprints, dtype=np.uint64).reshape(-1)
+            if len(fingerprints) != lengths.numel():
+                raise InputError(
+                    f"begin_batch got {len(fingerprints)} window fingerprints for a batch of {lengths.numel()} windows; "
+                    "pass one fingerprint per window (or fingerprints=None)"
+                )
+        self._batch_fingerprints = fingerprints
         lengths = lengths.to(self.device)
         if self._index is None:
             self._index = key_lag_index(self.n_positions, self.device)
@@ -249,6 +272,7 @@ class AttentionStatistics:
         self.arrays["windows_covering"] += covering.sum(0, dtype=torch.float64)
         self.n_windows += int(lengths.numel())
         self.n_tokens += int(lengths.sum())
+        self.window_fingerprints = _joined_fingerprints(self.window_fingerprints, self._batch_fingerprints)
         self._sample_before = None
         self.abort_batch()
 
@@ -356,6 +380,59 @@ class AttentionStatistics:
             "keep_pattern": self.keep_pattern,
         }
 
+    @classmethod
+    def from_config(cls, config: dict[str, Any], *, device: torch.device | str = "cpu") -> AttentionStatistics:
+        """Empty statistics measured as ``config`` (what :meth:`config` returns) describes.
+
+        On ``device="meta"`` nothing is allocated: the arrays have their names and shapes only
+        (what a file's schema check compares with).
+        """
+        return cls(
+            n_layers=config["n_layers"],
+            n_heads=config["n_heads"],
+            n_positions=config["n_positions"],
+            sliding_windows=config["windows"],
+            log_floor=config["log_floor"],
+            excluded_keys=config["excluded_keys"],
+            keep_pattern=config["keep_pattern"],
+            device=device,
+        )
+
+    @classmethod
+    def array_shapes(cls, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        """Name and shape of every array of statistics measured as ``config`` describes (nothing allocated)."""
+        return {name: tuple(value.shape) for name, value in cls.from_config(config, device="meta").arrays.items()}
+
+    @classmethod
+    def from_arrays(
+        cls,
+        config: dict[str, Any],
+        arrays: dict[str, torch.Tensor],
+        *,
+        n_windows: int,
+        n_tokens: int,
+        window_fingerprints: Any = (),
+        sample: EntrySample | None = None,
+    ) -> AttentionStatistics:
+        """Statistics holding saved sums (on the CPU), without allocating arrays of their own first.
+
+        Raises:
+            IncompatibleResultsError: ``arrays`` are not the arrays of ``config`` (names or shapes).
+        """
+        expected = cls.array_shapes(config)
+        shapes = {name: tuple(value.shape) for name, value in arrays.items()}
+        if shapes != expected:
+            raise IncompatibleResultsError(
+                f"the arrays {shapes} are not those of statistics measured as {config} ({expected})"
+            )
+        statistics = cls.from_config(config, device="meta")
+        statistics.device = torch.device("cpu")
+        statistics.arrays = {name: arrays[name].to(torch.float64) for name in expected}
+        statistics.n_windows, statistics.n_tokens = int(n_windows), int(n_tokens)
+        statistics.window_fingerprints = np.sort(np.asarray(window_fingerprints, dtype=np.uint64).reshape(-1))
+        statistics.sample = sample
+        return statistics
+
     def check_compatible(self, other: AttentionStatistics) -> None:
         mine, theirs = self.config(), other.config()
         if mine["log_floor"] is None or theirs["log_floor"] is None:
@@ -367,15 +444,35 @@ class AttentionStatistics:
                 "run both with the same model, context_length, exclude_keys, log_floor and keep_pattern"
             )
 
-    def merge(self, other: AttentionStatistics) -> AttentionStatistics:
-        """A new statistics object holding the sums of both (exact: float64 addition)."""
+    def merge(self, other: AttentionStatistics, *, allow_duplicate_windows: bool = False) -> AttentionStatistics:
+        """A new statistics object holding the sums of both (exact: float64 addition).
+
+        Args:
+            other: statistics measured the same way (:meth:`check_compatible`).
+            allow_duplicate_windows: add windows that both hold (the same token ids, by
+                :attr:`window_fingerprints`) anyway, counting them twice; for users who weight
+                windows twice on purpose.
+
+        Raises:
+            IncompatibleResultsError: measured differently, or sharing windows (naming how many).
+        """
         self.check_compatible(other)
+        if not allow_duplicate_windows:
+            shared = int(np.isin(other.window_fingerprints, self.window_fingerprints).sum())
+            if shared:
+                raise IncompatibleResultsError(
+                    f"{shared} of the {len(other.window_fingerprints)} windows being merged in are already in the "
+                    "result (the same token ids, by their 64-bit fingerprints): merging would count them twice. "
+                    "Merge results of different documents; to count those windows twice on purpose, pass "
+                    f"{option('allow_duplicate_windows', True)}"
+                )
         merged = self.copy()
         merged.log_floor = self.log_floor if self.log_floor is not None else other.log_floor
         for name, value in other.arrays.items():
             merged.arrays[name] = merged.arrays[name] + value.to(merged.device)
         merged.n_windows += other.n_windows
         merged.n_tokens += other.n_tokens
+        merged.window_fingerprints = _joined_fingerprints(self.window_fingerprints, other.window_fingerprints)
         if self.sample is not None or other.sample is not None:
             samples = [s for s in (self.sample, other.sample) if s is not None]
             merged.sample = samples[0].merge(samples[1]) if len(samples) == 2 else samples[0].merge(EntrySample(samples[0].size))
@@ -396,6 +493,7 @@ class AttentionStatistics:
         )
         new.arrays = {name: value.clone() for name, value in self.arrays.items()}
         new.n_windows, new.n_tokens = self.n_windows, self.n_tokens
+        new.window_fingerprints = self.window_fingerprints.copy()
         if self.sample is not None:
             new.sample = EntrySample.from_arrays(self.sample.size, self.sample.to_arrays())
         return new
@@ -424,3 +522,11 @@ class AttentionStatistics:
             f"AttentionStatistics(layers={self.n_layers}, heads={self.n_heads}, positions={self.n_positions}, "
             f"n_windows={self.n_windows}, n_tokens={self.n_tokens}, {self.nbytes() / 2**20:.1f} MiB)"
         )
+
+
+def _joined_fingerprints(kept: np.ndarray, new: np.ndarray | None) -> np.ndarray:
+    """``kept`` and ``new`` window fingerprints as one sorted ``uint64`` array (repeats kept: a
+    corpus may hold the same document twice, and then a run counts it twice)."""
+    if new is None or len(new) == 0:
+        return kept
+    return np.sort(np.concatenate([kept, np.asarray(new, dtype=np.uint64)]))

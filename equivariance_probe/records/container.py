@@ -1,0 +1,211 @@
+"""The package's file family: arrays as safetensors tensors, everything else as JSON in the header.
+
+Place in the seams: *records*. Result files (:mod:`~equivariance_probe.records.result_file`) and
+positional studies (:class:`~equivariance_probe.runs.positional.PositionalStudy`) are written
+here. Each is one `safetensors <https://huggingface.co/docs/safetensors>`_ file:
+
+* **tensors** — name → array (float64 sums, uint64 window fingerprints, ...), the raw
+  little-endian bytes, readable with ``safetensors.numpy.load_file(path)`` or ``safe_open``;
+* **header** — the safetensors ``__metadata__`` holds one entry, ``"equivariance_probe"``, a JSON
+  object with at least ``kind``, ``format_version`` and ``header_checksum`` (the sha256 of that
+  object without this field, as JSON with sorted keys and no spaces), so that an edited header
+  is refused when the file is opened.
+
+Why safetensors rather than ``.npz`` + JSON: one file, a header that is read without touching
+the arrays (``safe_open(path).metadata()``, so summaries cost milliseconds whatever the size),
+no pickle, memory-mapped reads, readers in Python, Rust and JavaScript, and the format this
+ecosystem already uses for model and SAE weights (``safetensors`` is already a dependency of
+transformers). ``.npz`` is a zip archive whose members must be read to list their shapes, and
+whose metadata would need a pickled object or a second file.
+
+:func:`file_kind` tells a file of this family from a JSON file by its first bytes, never by its
+name; every write goes through :func:`~equivariance_probe.records.fileformat.write_atomically`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ResultFileError
+from .fileformat import write_atomically
+
+__all__ = [
+    "HEADER_KEY",
+    "Container",
+    "file_kind",
+    "write_container",
+    "read_container",
+    "read_tensors",
+    "tensor_checksum",
+    "header_checksum",
+]
+
+#: The one ``__metadata__`` entry of the package's files: the JSON header.
+HEADER_KEY = "equivariance_probe"
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """``"safetensors"``, ``"json"``, or ``"unknown"``, from the file's first bytes.
+
+    A safetensors file starts with the length ``n`` of its JSON header as an 8-byte little-endian
+    integer, then ``{``; a JSON file starts with ``{`` (after any whitespace). Eight bytes of text
+    read as an integer are far beyond any file's size, so the two cannot be confused.
+
+    Raises:
+        ResultFileError: the file cannot be read, or is a safetensors file cut inside its header.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(64)
+            size = os.fstat(handle.fileno()).st_size
+    except OSError as error:
+        raise ResultFileError(f"cannot read {str(path)!r}: {error.strerror or error}") from None
+    if len(head) > 8 and head[8:9] == b"{":
+        length = int.from_bytes(head[:8], "little")
+        if 2 <= length <= size - 8:
+            return "safetensors"
+        if length < 2**32:
+            raise ResultFileError(
+                f"{path} is a safetensors file cut inside its header ({size} bytes, the header alone needs "
+                f"{length + 8}): truncated by an interrupted copy or download? Copy or write it again"
+            )
+    if head.lstrip()[:1] in (b"{", b"["):
+        return "json"
+    return "unknown"
+
+
+def header_checksum(header: Mapping[str, Any]) -> str:
+    """``"sha256:<hex>"`` of ``header`` without its ``header_checksum`` field, as compact JSON with sorted keys."""
+    body = {key: value for key, value in header.items() if key != "header_checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def tensor_checksum(tensors: Mapping[str, np.ndarray], counts: Iterable[Any] = ()) -> str:
+    """``"sha256:<hex>"`` over ``counts`` and every tensor in name order.
+
+    The hashed bytes are, for each of ``counts``, ``str(count)`` followed by ``|``; then for each
+    tensor, ``name|dtype|shape|`` (dtype as numpy spells it, e.g. ``float64``; shape as a Python
+    tuple) followed by the tensor's raw little-endian bytes. The arrays are hashed in place, without
+    copies.
+    """
+    digest = hashlib.sha256()
+    for count in counts:
+        digest.update(f"{count}|".encode())
+    for name in sorted(tensors):
+        array = _little_endian(tensors[name])
+        digest.update(f"{name}|{array.dtype.name}|{tuple(array.shape)}|".encode())
+        digest.update(memoryview(array).cast("B"))
+    return "sha256:" + digest.hexdigest()
+
+
+def _little_endian(array: np.ndarray) -> np.ndarray:
+    array = np.ascontiguousarray(array)
+    return array if array.dtype.byteorder != ">" else array.astype(array.dtype.newbyteorder("<"))
+
+
+def write_container(path: str | os.PathLike, tensors: Mapping[str, np.ndarray], header: Mapping[str, Any]) -> Path:
+    """Write ``tensors`` and the JSON ``header`` (with its ``header_checksum`` added) atomically.
+
+    ``header`` must be JSON without NaN or infinities (see
+    :func:`~equivariance_probe.records.fileformat.jsonable`).
+    """
+    from safetensors.numpy import save_file
+
+    header = dict(header)
+    header["header_checksum"] = header_checksum(header)
+    text = json.dumps(header, allow_nan=False)
+    arrays = {name: _little_endian(value) for name, value in tensors.items()}
+    return write_atomically(path, lambda temporary: save_file(arrays, temporary, metadata={HEADER_KEY: text}))
+
+
+@dataclass(frozen=True)
+class Container:
+    """One file of the family, opened: its header and the dtype and shape of every tensor.
+
+    Attributes:
+        path: the file.
+        header: the JSON header (``header_checksum`` verified).
+        tensors: name → ``(dtype, shape)``, dtype as safetensors spells it (``"F64"``, ``"U64"``, ...).
+    """
+
+    path: Path
+    header: dict[str, Any]
+    tensors: dict[str, tuple[str, tuple[int, ...]]]
+
+
+def read_container(path: str | os.PathLike, kind: str) -> Container:
+    """Open a file of the family and read its header only (no tensor data is read).
+
+    Args:
+        path: the file.
+        kind: the ``kind`` its header must have (e.g. ``"equivariance_probe.ProbeResult"``).
+
+    Raises:
+        ResultFileError: not a complete safetensors file, no header of this package, another
+            kind, or an edited header.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="np") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {
+                name: (handle.get_slice(name).get_dtype(), tuple(handle.get_slice(name).get_shape()))
+                for name in handle.keys()
+            }
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error type (and OSError) on bad files
+        raise ResultFileError(
+            f"{path} is not a complete safetensors file ({error}); truncated or corrupted? Copy or write it again"
+        ) from None
+    if HEADER_KEY not in metadata:
+        raise ResultFileError(
+            f"{path} is a safetensors file but not one of equivariance_probe (no {HEADER_KEY!r} entry in its "
+            "metadata): model weights, or a file of another program?"
+        )
+    try:
+        header = json.loads(metadata[HEADER_KEY])
+    except json.JSONDecodeError as error:
+        raise ResultFileError(f"{path}: its {HEADER_KEY!r} header is not valid JSON ({error}); the file was edited") from None
+    if not isinstance(header, dict):
+        raise ResultFileError(f"{path}: its {HEADER_KEY!r} header is not a JSON object; the file was edited")
+    if header.get("kind") != kind:
+        raise ResultFileError(
+            f"{path} holds {header.get('kind')!r}, not {kind!r}"
+            + (f"; read it with {str(header['kind']).rsplit('.', 1)[-1]}.load" if isinstance(header.get("kind"), str) else "")
+        )
+    stored = header.get("header_checksum")
+    try:
+        matches = stored == header_checksum(header)
+    except ValueError:  # NaN or infinity in a header this package never writes so
+        matches = False
+    if not matches:
+        raise ResultFileError(
+            f"{path}: the header checksum does not match its header (the header was edited or corrupted after saving)"
+        )
+    return Container(path, header, tensors)
+
+
+def read_tensors(path: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """The tensors ``names`` (default: all) of a file of the family, as numpy arrays (read once, writable).
+
+    Raises:
+        ResultFileError: the file cannot be read as safetensors (changed since it was opened?).
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="np") as handle:
+            return {name: handle.get_tensor(name) for name in (handle.keys() if names is None else names)}
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error type (and OSError) on bad files
+        raise ResultFileError(f"cannot read the arrays of {path} ({error}); was it changed or truncated?") from None

@@ -1,0 +1,251 @@
+"""Result files, format version 3: the sums as safetensors tensors, the rest as a JSON header.
+
+Place in the seams: *records*, below :mod:`equivariance_probe.result`, whose ``save`` and ``load``
+call :func:`write_result_file` and :func:`open_result_file`. It knows which tensors and header
+fields a result file holds and checks them, not the statistics' maths.
+
+One file per result (:mod:`~equivariance_probe.records.container`):
+
+* tensors — every array of :class:`~equivariance_probe.statistics.AttentionStatistics`
+  (``query_count``, ``log_sum``, ... as in :data:`~equivariance_probe.statistics.STATISTICS`,
+  float64, under their own names); the entry sample's columns as ``sample/<column>`` (float64);
+  the windows' fingerprints as ``window_fingerprints`` (uint64, sorted: see
+  :func:`~equivariance_probe.records.provenance.window_fingerprint`);
+* header (``__metadata__["equivariance_probe"]``, JSON) — ``kind``, ``format_version`` (3),
+  ``complete``, ``checksum`` (:func:`~equivariance_probe.records.container.tensor_checksum` of
+  every tensor with the counts ``n_windows``, ``n_tokens`` first), ``statistics`` (``config``,
+  ``n_windows``, ``n_tokens``, ``sample_size``), ``metadata`` (the run's), ``summary`` (the
+  headline numbers, :meth:`~equivariance_probe.result.ProbeResult.summary`) and
+  ``header_checksum``.
+
+When things are checked: :func:`open_result_file` reads the header alone and checks it (kind,
+version, header checksum, every field, and the name, dtype and shape of every tensor against
+the statistics' configuration) before anything else is read; :meth:`ResultFile.statistics`
+reads the tensors on first use and verifies ``checksum`` then. A summary therefore costs one
+header read, and a file whose numbers were changed is refused as soon as they are used.
+
+Versions 1 and 2 (JSON, :mod:`~equivariance_probe.records.fileformat`) are read by the same
+:func:`open_result_file`, which tells the formats apart by their first bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ResultFileError
+from ..statistics import AttentionStatistics, EntrySample
+from ..statistics.sample import COLUMNS as SAMPLE_COLUMNS
+from .container import Container, file_kind, read_container, read_tensors, tensor_checksum, write_container
+from .fileformat import NEWEST_FORMAT_VERSION, RESULT_KIND, check_config, check_version, jsonable, read_json_result
+
+__all__ = [
+    "FORMAT_VERSION",
+    "RESULT_SUFFIX",
+    "ResultFile",
+    "write_result_file",
+    "open_result_file",
+    "result_tensors",
+]
+
+#: The version :func:`write_result_file` writes.
+FORMAT_VERSION = NEWEST_FORMAT_VERSION
+#: The file name ending the study, the command line and checkpoints use.
+RESULT_SUFFIX = ".safetensors"
+#: Tensor names besides the statistics' arrays.
+FINGERPRINTS = "window_fingerprints"
+SAMPLE_PREFIX = "sample/"
+
+
+def result_tensors(statistics: AttentionStatistics) -> dict[str, np.ndarray]:
+    """Every tensor a result file holds for ``statistics`` (numpy views of the sums, no copies on the CPU)."""
+    tensors = {name: value.detach().cpu().numpy() for name, value in statistics.arrays.items()}
+    if statistics.sample is not None:
+        for column, values in statistics.sample.to_arrays().items():
+            tensors[SAMPLE_PREFIX + column] = np.asarray(values, dtype=np.float64)
+    tensors[FINGERPRINTS] = np.asarray(statistics.window_fingerprints, dtype=np.uint64)
+    return tensors
+
+
+def write_result_file(
+    path: str | os.PathLike,
+    statistics: AttentionStatistics,
+    metadata: dict[str, Any],
+    *,
+    complete: bool,
+    summary: dict[str, Any],
+) -> Path:
+    """Write one result (format 3) atomically: a temporary file, flushed to disk, then renamed.
+
+    Args:
+        path: the file (any name; ``.safetensors`` is the convention).
+        statistics: the sums.
+        metadata: the run's metadata (made JSON: NaN becomes ``null``).
+        complete: ``False`` for the partial result of a run that stopped.
+        summary: the headline numbers, stored so that they can be read without the arrays.
+    """
+    tensors = result_tensors(statistics)
+    header = {
+        "kind": RESULT_KIND,
+        "format_version": FORMAT_VERSION,
+        "complete": bool(complete),
+        "checksum": tensor_checksum(tensors, (statistics.n_windows, statistics.n_tokens)),
+        "statistics": {
+            "config": statistics.config(),
+            "n_windows": statistics.n_windows,
+            "n_tokens": statistics.n_tokens,
+            "sample_size": None if statistics.sample is None else statistics.sample.size,
+        },
+        "metadata": jsonable(metadata),
+        "summary": jsonable(summary),
+    }
+    return write_container(path, tensors, header)
+
+
+@dataclass
+class ResultFile:
+    """A result file, opened and checked; its arrays load with :meth:`statistics`.
+
+    Attributes:
+        path: the file.
+        format_version: as written (1, 2 or 3).
+        complete: ``False`` for the partial result of a run that stopped.
+        metadata: the run's metadata.
+        config: the statistics' configuration (:meth:`AttentionStatistics.config`).
+        n_windows, n_tokens: what the sums rest on.
+        summary: the stored headline numbers (format 3), or ``None`` (formats 1-2: compute them
+            from the arrays, which older versions summarised with fewer numbers).
+    """
+
+    path: Path
+    format_version: int
+    complete: bool
+    metadata: dict[str, Any]
+    config: dict[str, Any]
+    n_windows: int
+    n_tokens: int
+    summary: dict[str, Any] | None
+    _container: Container | None = None
+    _statistics: AttentionStatistics | None = None
+
+    def statistics(self) -> AttentionStatistics:
+        """The sums, read from the file (format 3: now, checksum verified; formats 1-2: already read).
+
+        Raises:
+            ResultFileError: the arrays do not match the checksum (changed after saving).
+        """
+        if self._statistics is not None:
+            return self._statistics
+        assert self._container is not None
+        tensors = read_tensors(self.path, self._container.tensors)
+        if tensor_checksum(tensors, (self.n_windows, self.n_tokens)) != self._container.header["checksum"]:
+            raise ResultFileError(
+                f"{self.path}: the checksum does not match the arrays (the numbers were changed or corrupted after "
+                "saving); use an intact copy"
+            )
+        sample = None
+        sample_size = self._container.header["statistics"]["sample_size"]
+        if sample_size is not None:
+            sample = EntrySample.from_arrays(sample_size, {c: tensors[SAMPLE_PREFIX + c] for c in SAMPLE_COLUMNS})
+        arrays = {name: torch.from_numpy(tensors[name]) for name in AttentionStatistics.array_shapes(self.config)}
+        return AttentionStatistics.from_arrays(
+            self.config, arrays, n_windows=self.n_windows, n_tokens=self.n_tokens,
+            window_fingerprints=tensors[FINGERPRINTS], sample=sample,
+        )
+
+
+def open_result_file(path: str | os.PathLike) -> ResultFile:
+    """Open a result file of any version, telling JSON (1, 2) from safetensors (3) by its first bytes.
+
+    Format 3: reads and checks the header only. Formats 1-2: reads and checks the whole file.
+
+    Raises:
+        ResultFileError: unreadable, truncated, not a result, a version this code does not know,
+            or a malformed field (named).
+    """
+    path = Path(path)
+    kind = file_kind(path)
+    if kind == "json":
+        return _open_json(path)
+    if kind == "unknown":
+        raise ResultFileError(
+            f"{path} is not an equivariance_probe result: neither a safetensors file (format 3) nor JSON "
+            "(formats 1-2); truncated, or another program's file?"
+        )
+    container = read_container(path, RESULT_KIND)
+    header = container.header
+    source = str(path)
+    version = header.get("format_version")
+    check_version(version, source)
+    _require(version == FORMAT_VERSION, source, f"a safetensors result must have format_version {FORMAT_VERSION}, not {version!r}")
+    _require(isinstance(header.get("complete"), bool), source, "'complete' must be true or false")
+    _require(isinstance(header.get("checksum"), str) and header["checksum"].startswith("sha256:"), source,
+             "'checksum' must be 'sha256:<hex>'")
+    _require(isinstance(header.get("metadata"), dict), source, "'metadata' must be an object")
+    _require(isinstance(header.get("summary"), dict), source, "'summary' must be an object")
+    statistics = header.get("statistics")
+    _require(isinstance(statistics, dict), source, "'statistics' is missing or not an object")
+    check_config(statistics, source)
+    sample_size = statistics.get("sample_size")
+    _require(sample_size is None or (isinstance(sample_size, int) and not isinstance(sample_size, bool) and sample_size >= 1),
+             source, "'statistics.sample_size' must be a positive integer or null")
+    _check_tensors(container, statistics, source)
+    metadata = dict(header["metadata"])
+    metadata["complete"] = header["complete"]
+    return ResultFile(path, version, header["complete"], metadata, statistics["config"], statistics["n_windows"],
+                      statistics["n_tokens"], header["summary"], _container=container)
+
+
+def _check_tensors(container: Container, statistics: dict[str, Any], source: str) -> None:
+    """Every tensor the header promises, with its dtype and shape, and nothing else."""
+    try:
+        expected = {name: ("F64", shape) for name, shape in AttentionStatistics.array_shapes(statistics["config"]).items()}
+    except (TypeError, ValueError) as error:
+        raise ResultFileError(f"{source}: 'statistics.config' describes no statistics ({error})") from None
+    tensors = container.tensors
+    for name, (dtype, shape) in expected.items():
+        _require(name in tensors, source, f"the array {name!r} is missing")
+        _require(tensors[name] == (dtype, shape), source,
+                 f"the array {name!r} is {tensors[name][0]} {list(tensors[name][1])}, expected {dtype} {list(shape)}")
+    _require(FINGERPRINTS in tensors and tensors[FINGERPRINTS][0] == "U64" and len(tensors[FINGERPRINTS][1]) == 1,
+             source, f"the array {FINGERPRINTS!r} must be a 1-D uint64 array")
+    _require(tensors[FINGERPRINTS][1][0] <= statistics["n_windows"], source,
+             f"{FINGERPRINTS!r} holds more fingerprints than 'statistics.n_windows'")
+    names = set(expected) | {FINGERPRINTS}
+    if statistics.get("sample_size") is not None:
+        lengths = set()
+        for column in SAMPLE_COLUMNS:
+            name = SAMPLE_PREFIX + column
+            _require(name in tensors and tensors[name][0] == "F64" and len(tensors[name][1]) == 1, source,
+                     f"the sample column {name!r} must be a 1-D float64 array")
+            lengths.add(tensors[name][1][0])
+            names.add(name)
+        _require(len(lengths) == 1 and lengths.pop() <= statistics["sample_size"], source,
+                 "the sample's columns differ in length or exceed 'statistics.sample_size'")
+    unknown = sorted(set(tensors) - names)
+    _require(not unknown, source, f"unknown arrays {unknown}")
+
+
+def _open_json(path: Path) -> ResultFile:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except json.JSONDecodeError as error:
+        raise ResultFileError(f"{path} is not valid JSON (truncated or corrupted?): {error}") from error
+    version = data.get("format_version") if isinstance(data, dict) else None
+    data, statistics = read_json_result(data, source=str(path))
+    metadata = dict(data.get("metadata", {}))
+    metadata["complete"] = data["complete"]
+    return ResultFile(path, version, data["complete"], metadata, statistics.config(),
+                      statistics.n_windows, statistics.n_tokens, None, _statistics=statistics)
+
+
+def _require(condition: bool, source: str, what: str) -> None:
+    if not condition:
+        raise ResultFileError(f"{source}: {what}; the file is malformed (was it edited, or written by another program?)")
