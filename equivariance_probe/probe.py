@@ -30,6 +30,7 @@ from .records.provenance import library_versions, model_revision, window_fingerp
 from .result import ProbeResult
 from .sources.padding import check_not_left_padded, rows_from_encoding
 from .statistics import AttentionStatistics
+from .statistics.masks import KEY_BINS
 
 __all__ = ["EquivarianceProbe", "DEFAULT_CONTEXT_LENGTH", "progress_bar"]
 
@@ -176,6 +177,8 @@ class EquivarianceProbe:
         sample_seed: int | None = None,
         progress: bool = True,
         device: str | torch.device | None = None,
+        key_bins: int = KEY_BINS,
+        engine: str = "auto",
     ) -> ProbeResult:
         """Run documents through the model and return their attention statistics.
 
@@ -200,6 +203,11 @@ class EquivarianceProbe:
             sample_seed: seed of that sample (use different seeds for shards to be merged).
             progress: show a progress bar.
             device: where the float64 sums live (default: the model's device).
+            key_bins: key-position bins of the key-conditioned persistence curves (the study's
+                Figure 1c): one per key up to this many positions, equal-width bins beyond.
+            engine: how attention recomputed from queries and keys is reduced: ``"auto"`` (a
+                fused Triton kernel on CUDA where Triton imports, else torch in query blocks),
+                ``"torch"`` or ``"triton"``. The result's ``metadata["engine"]`` says which ran.
 
         Returns:
             A :class:`ProbeResult`. If the run stops with an error (or an interrupt), the
@@ -224,6 +232,8 @@ class EquivarianceProbe:
             sample_size=sample_size,
             sample_seed=sample_seed,
             device=device if device is not None else self.adapter.device,
+            key_bins=key_bins,
+            engine=engine,
         )
         metadata = self._metadata(context_length, batch_size, min_tokens)
         result = ProbeResult(statistics, metadata)
@@ -250,6 +260,7 @@ class EquivarianceProbe:
                 self._run_batch(batch, statistics)
         except (EquivarianceProbeError, KeyboardInterrupt, RuntimeError) as error:
             statistics.abort_batch()
+            metadata["engine"] = self._engine(statistics)
             metadata["skipped_windows"] = skipped
             metadata["complete"] = False
             error.partial_result = result  # type: ignore[attr-defined]
@@ -263,9 +274,19 @@ class EquivarianceProbe:
                 "pass non-empty documents, or lower min_tokens"
             )
         metadata["complete"] = True
+        metadata["engine"] = self._engine(statistics)
         if statistics.device.type != "cpu":
             result.statistics = statistics.to("cpu")
         return result
+
+    def _engine(self, statistics: AttentionStatistics) -> dict[str, Any]:
+        """How the sums were computed: the attention source, its first-batch check, and how many
+        layer-batches each path reduced (``torch``/``triton`` from queries and keys, ``weights``, ``remote``)."""
+        return {
+            "source": self.adapter.resolved_source(),
+            "check": dict(getattr(self.adapter, "source_decision", {})),
+            "paths": dict(statistics.paths),
+        }
 
     def _run_batch(self, rows: list[list[int]], statistics: AttentionStatistics) -> None:
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)

@@ -31,6 +31,7 @@ from .records.result_file import FORMAT_VERSION, ResultFile, open_result_file, w
 from .records.sharding import merged_provenance
 from .sources.registry import name_of_converted_copy
 from .statistics import AttentionStatistics
+from .statistics.masks import key_bin_edges
 
 __all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION"]
 
@@ -198,15 +199,21 @@ class ProbeResult:
         if by == "layer":
             return persistence_curves(arrays["lag_sum"].sum(1), heads * arrays["lag_prior_sum"], heads * arrays["lag_count"], by)
         if by == "key_position":
-            n_positions = self.statistics.n_positions
-            if not isinstance(bins, int) or not 1 <= bins <= n_positions:
-                raise InputError(f"bins={bins!r} must be an integer from 1 to the context length {n_positions}")
-            edges = np.unique(np.linspace(0, n_positions, bins + 1).round().astype(np.int64))
-            which = np.searchsorted(edges, np.arange(n_positions), side="right") - 1
+            stored = self.statistics.key_bins
+            if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
+                raise InputError(f"bins={bins!r} must be a positive integer (the statistics keep {stored} key bins)")
+            # Coarser bins are sums of the stored ones: stored bin i goes to bin i·bins // stored, so with
+            # bins dividing the stored count (16 of 64) the edges are exactly linspace(0, T, bins + 1).
+            groups = min(bins, stored)
+            which = np.arange(stored) * groups // stored
+            stored_edges = key_bin_edges(self.statistics.n_positions, stored).numpy()
+            edges = np.append(stored_edges[np.searchsorted(which, np.arange(groups))], stored_edges[-1])
+
             def binned(name: str) -> np.ndarray:
-                out = np.zeros((len(edges) - 1, n_positions))
+                out = np.zeros((groups, arrays[name].shape[-1]))
                 np.add.at(out, which, arrays[name])
                 return out
+
             return persistence_curves(binned("key_lag_sum"), binned("key_lag_prior_sum"), binned("key_lag_count"), by, edges)
         return persistence_curves(
             arrays["lag_sum"].sum((0, 1)), heads * arrays["lag_prior_sum"].sum(0), heads * arrays["lag_count"].sum(0), None
@@ -232,7 +239,7 @@ class ProbeResult:
                 "not keep; run with keep_pattern=True, or use toeplitz_r2(by='head_per_doc')"
             )
         covering = arrays["windows_covering"]
-        mean = metrics.mean_pattern_key_lag(arrays["pattern_sum"], covering)
+        mean = metrics.mean_pattern_key_lag(metrics.key_lag_layout(arrays["pattern_sum"]), covering)
         out = np.empty((self.n_layers, self.n_heads))
         for layer, window in enumerate(self.statistics.sliding_windows):
             visible = metrics.key_lag_visible(self.statistics.n_positions, window, covering, self.excluded_keys)
@@ -257,7 +264,7 @@ class ProbeResult:
         if "pattern_sum" not in arrays:
             raise NotRunError("this run did not keep the summed pattern; run with keep_pattern=True")
         n = self.statistics.n_positions
-        key_lag = metrics.mean_pattern_key_lag(arrays["pattern_sum"][layer, head], arrays["windows_covering"])
+        key_lag = metrics.mean_pattern_key_lag(metrics.key_lag_layout(arrays["pattern_sum"][layer, head]), arrays["windows_covering"])
         visible = metrics.key_lag_visible(n, self.statistics.sliding_windows[layer], arrays["windows_covering"], self.excluded_keys)
         out = np.zeros((n, n))
         t, dt = np.nonzero(visible)

@@ -6,9 +6,11 @@ saved with a word-level tokenizer (:func:`synthetic.save_tiny_model_with_tokeniz
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from synthetic import save_tiny_model_with_tokenizer, write_text_corpus
 
@@ -19,6 +21,12 @@ MARKERS = {
     "legacy": "runs in the TransformerLens 2.x environment (.venv-legacy)",
     "browser": "renders HTML in headless Chromium (skipped when Chromium is absent)",
 }
+
+
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels run in Triton's CPU interpreter; it is chosen when a kernel is
+    # defined, so before any test imports the kernel module.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -145,13 +145,14 @@ def test_a_model_in_train_mode_is_probed_without_dropout_and_left_in_train_mode(
 
 @pytest.mark.parametrize("implementation", ["sdpa", "flash_attention_2"])
 def test_fused_attention_models_are_switched_to_eager_for_the_run(implementation, recwarn):
+    # The weights path reads eager attention weights: the model is switched to eager and back.
     tokens = torch.randint(0, 97, (2, 12))
     eager = tiny_gpt2()
     eager.set_attn_implementation("eager")
-    expected = EquivarianceProbe(eager).run(tokens, progress=False)
+    expected = EquivarianceProbe(eager, pattern_source="weights").run(tokens, progress=False)
     fused = tiny_gpt2()
     fused.config._attn_implementation = implementation  # as loaded with attn_implementation=...
-    _equal(EquivarianceProbe(fused).run(tokens, progress=False), expected, exact=True)
+    _equal(EquivarianceProbe(fused, pattern_source="weights").run(tokens, progress=False), expected, exact=True)
     if implementation == "sdpa":
         assert fused.config._attn_implementation == "sdpa"  # switched back
     else:  # flash-attn is not installed here: the model cannot be switched back, and we say so
@@ -165,8 +166,12 @@ def test_a_model_that_cannot_be_switched_to_eager_gets_the_fix(monkeypatch):
         raise ValueError("this architecture supports sdpa only")
 
     monkeypatch.setattr(model, "set_attn_implementation", refuse)
+    tokens = torch.randint(0, 97, (1, 8))
     with pytest.raises(AttentionCaptureError, match="sdpa.*could not be switched to eager.*attn_implementation='eager'"):
-        EquivarianceProbe(model).run(torch.randint(0, 97, (1, 8)), progress=False)
+        EquivarianceProbe(model, pattern_source="weights").run(tokens, progress=False)
+    # Recomputed from queries and keys, the model runs its own kernel: nothing to switch.
+    result = EquivarianceProbe(model).run(tokens, progress=False)
+    assert result.metadata["engine"]["source"] == "recompute" and model.config._attn_implementation == "sdpa"
 
 
 # ----------------------------------------------------------------- padding

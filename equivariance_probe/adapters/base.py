@@ -150,6 +150,11 @@ class Adapter(ABC):
         """
         self.run_patterns(tokens, statistics.update)
 
+    def resolved_source(self) -> str:
+        """Where this adapter's attention comes from: ``"weights"`` (captured patterns, the default)
+        or ``"recompute"`` (queries and keys, the weights recomputed by the statistics)."""
+        return "weights"
+
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with the tokenizer's own special tokens (e.g. BOS)."""
         tokenizer = self.tokenizer

@@ -2,26 +2,88 @@
 
 Place in the seams: *adapters*, the only code that knows transformers' modules.
 
-Attention is captured with a forward hook on every layer's attention module, whose
-output is ``(attn_output, attn_weights)``; ``attn_weights: [batch, head, query, key]``
-exists only under eager attention, so a model loaded with ``sdpa`` or flash attention is
-switched to eager for the duration of a run and switched back afterwards. The base model
-(``model.base_model``) is called instead of the causal LM, which skips the projection to
-the vocabulary: at context 1024 that is about half of a Gemma 3 270M forward.
+Where attention comes from (``pattern_source``):
+
+* ``"recompute"`` — every transformers attention module hands its queries and keys (after
+  rotary embeddings and q/k norms), its scaling and soft-capping to an attention function
+  from transformers' registry; the adapter reads them there
+  (:func:`~equivariance_probe.adapters.internals.intercept_attention` with the model's own
+  implementation), lets the model run its own kernel (``sdpa``, ``flash_attention_2``, eager),
+  and the statistics recompute the weights in query blocks
+  (:meth:`~equivariance_probe.statistics.AttentionStatistics.update_from_scores`).
+* ``"weights"`` — a forward hook on every attention module reads its returned
+  ``attn_weights: [batch, head, query, key]``, which exist only under eager attention, so the
+  model is switched to eager for the run and back afterwards. For what the recomputation
+  cannot model: ALiBi biases, learned sink logits, custom attention.
+* ``"auto"`` (default) — ``"recompute"``, checked on the first batch: the first window's first
+  :data:`CHECK_TOKENS` tokens run once more under eager attention, and the recomputed weights
+  must equal the model's own to :func:`recompute_tolerance`; where they do not (or where the
+  model calls no registered attention function), the run falls back to ``"weights"`` with a
+  warning. The result's metadata says which source ran.
+
+The base model (``model.base_model``) is called instead of the causal LM, and the forward pass
+stops after the last layer's attention: nothing after it is needed (at context 1024 the
+projection to the vocabulary alone is about half of a Gemma 3 270M forward).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError
+from ..errors import AttentionCaptureError, check_choice
 from .base import Adapter, AttentionLayout, PatternCallback
+from .internals import AttentionCall, intercept_attention
 from .modules import find_attention_modules, layer_windows, text_config
+
+#: Accepted values of ``pattern_source``.
+PATTERN_SOURCES = ("auto", "recompute", "weights")
+
+#: Tokens of the first window that run under eager attention, on the first batch, to check that
+#: recomputing the weights from queries and keys gives the model's own.
+CHECK_TOKENS = 64
+
+
+def recompute_tolerance(dtype: torch.dtype) -> float:
+    """Largest difference between the model's eager weights and ``softmax(mask(softcap(q·kᵀ·scaling)))``
+    computed the way eager attention computes it (scores in the model's dtype, a float32 softmax
+    rounded back), for a model whose attention is that and nothing else.
+
+    1e-4 for float32 and float64 models (measured: 0 to 1e-7), 1e-2 for bf16/fp16 (a few units in
+    the last place of the rounded weights). ALiBi biases or sink logits that the recomputation
+    leaves out change weights by far more.
+    """
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 1e-2
+
+
+def eager_weights(call: AttentionCall, window: int | None) -> torch.Tensor:
+    """``softmax(mask(softcap(q·kᵀ·scaling)))`` as transformers' eager attention computes it: scores in
+    the model's dtype, a float32 softmax, the weights rounded back to the model's dtype.
+
+    The first-batch check compares the model's own weights with this, so that it tests what the
+    attention *is* (no biases, no sinks), not the precision of half-precision scores, which the
+    statistics recompute in float32 (:meth:`~equivariance_probe.statistics.AttentionStatistics.update_from_scores`).
+    """
+    query, key = call.query, call.key
+    if query.shape[1] != key.shape[1]:
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    scaling = call.scaling if call.scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if call.softcap is not None:
+        scores = torch.tanh(scores / call.softcap) * call.softcap
+    n_query, n_key = scores.shape[-2:]
+    position = torch.arange(n_query, device=scores.device).view(-1, 1)
+    other = torch.arange(n_key, device=scores.device).view(1, -1)
+    hidden = other > position
+    if window is not None:
+        hidden |= position - other >= window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
 
 
 class _LastPatternSeen(Exception):
@@ -35,12 +97,17 @@ class HuggingFaceAdapter(Adapter):
         model: a ``PreTrainedModel`` (e.g. ``AutoModelForCausalLM``), any attention
             implementation.
         tokenizer: its tokenizer, if strings are to be run.
+        pattern_source: ``"auto"``, ``"recompute"`` or ``"weights"`` (see the module docstring).
     """
 
     framework = "huggingface"
 
-    def __init__(self, model: Any, tokenizer: Any | None = None) -> None:
+    def __init__(self, model: Any, tokenizer: Any | None = None, *, pattern_source: str = "auto") -> None:
         super().__init__(model, tokenizer)
+        check_choice("pattern_source", pattern_source, PATTERN_SOURCES)
+        self.pattern_source = pattern_source
+        #: What ``"auto"`` turned out to mean for this model (decided on the first batch), and why.
+        self.source_decision: dict[str, Any] = {}
         self.attention_modules = find_attention_modules(model)
         config = text_config(model.config)
         n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
@@ -73,7 +140,14 @@ class HuggingFaceAdapter(Adapter):
         info = super().info()
         info.extra["architecture"] = type(self.model).__name__
         info.extra["attn_implementation"] = self._attn_implementation()
+        info.extra["pattern_source"] = self.pattern_source
         return info
+
+    def resolved_source(self) -> str:
+        """``"recompute"`` or ``"weights"``: what ``pattern_source`` means for this model (so far)."""
+        if self.pattern_source != "auto":
+            return self.pattern_source
+        return self.source_decision.get("source", "recompute")
 
     def _attn_implementation(self) -> str | None:
         return getattr(self.model.config, "_attn_implementation", None)
@@ -145,3 +219,99 @@ class HuggingFaceAdapter(Adapter):
                 for handle in handles:
                     handle.remove()
         self.check_layers_seen(seen)
+
+    # -- statistics from queries and keys ---------------------------------------------------------
+    def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
+        """Run a batch and add its attention to ``statistics``: recomputed from queries and keys while
+        the model runs its own kernel, or from eager weights (see the module docstring)."""
+        if statistics.n_windows == 0 and self.pattern_source != "weights" and "source" not in self.source_decision:
+            self.source_decision = self._check_recompute(tokens, statistics)
+            if self.source_decision["source"] == "weights":
+                warnings.warn(
+                    f"{type(self.model).__name__}: {self.source_decision['reason']}; its statistics come from eager "
+                    "attention weights instead (pattern_source='weights')", stacklevel=4,
+                )
+        if self.resolved_source() == "weights":
+            self.run_patterns(tokens, statistics.update)
+            return
+        last = len(self.attention_modules) - 1
+        windows = self.layout.sliding_windows
+
+        def on_call(call: AttentionCall) -> None:
+            window = call.extra.get("sliding_window")
+            if isinstance(window, int) and window < tokens.shape[1] and windows[call.layer] != window:
+                raise AttentionCaptureError(
+                    f"layer {call.layer} attends within a sliding window of {window} tokens, but its config says "
+                    f"{'full causal' if windows[call.layer] is None else f'window {windows[call.layer]}'}; the "
+                    "statistics would read the wrong mask. Report the architecture, or use pattern_source='weights'"
+                )
+            statistics.update_from_scores(call.layer, call.query, call.key, scaling=call.scaling, softcap=call.softcap)
+            if call.layer == last:
+                raise _LastPatternSeen  # nothing after the last layer's attention is read
+
+        self._run_intercepted(tokens, on_call, eager=False)
+
+    def _run_intercepted(self, tokens: torch.Tensor, on_call: Any, *, eager: bool, keep_weights: bool = False) -> list[int]:
+        """Run ``tokens`` through the base model with every attention call intercepted; the layers seen."""
+        was_training = self.model.training
+        seen: list[int] = []
+        try:
+            self.model.eval()
+            with torch.no_grad(), intercept_attention(
+                self.model, on_call, eager=eager, keep_weights=keep_weights, layers=self.attention_modules
+            ) as seen:
+                try:
+                    self.model.base_model(input_ids=tokens.to(self.device), use_cache=False)
+                except _LastPatternSeen:
+                    pass
+        finally:
+            self.model.train(was_training)
+        self.check_layers_seen(sorted(set(seen)))
+        return seen
+
+    def _check_recompute(self, tokens: torch.Tensor, statistics: Any) -> dict[str, Any]:
+        """On the first batch: do weights recomputed from queries and keys equal the model's own?
+
+        The first window's first :data:`CHECK_TOKENS` tokens run under eager attention, reading both
+        the weights the model computes and its queries and keys. Returns ``{"source", "reason",
+        "max_difference", "tolerance", "tokens"}``.
+        """
+        length = int(statistics.batch_lengths[0]) if statistics.batch_lengths is not None else tokens.shape[1]
+        sample = tokens[:1, : max(2, min(length, CHECK_TOKENS))]
+        windows = self.layout.sliding_windows
+        differences: list[float] = []
+
+        def on_call(call: AttentionCall) -> None:
+            if call.weights is None:
+                raise AttentionCaptureError(f"layer {call.layer} returned no attention weights under eager attention")
+            recomputed = eager_weights(call, windows[call.layer])
+            differences.append(float((recomputed.float() - call.weights.float()).abs().max()))
+
+        tolerance = recompute_tolerance(self.dtype)
+        decision: dict[str, Any] = {"tokens": int(sample.shape[1]), "tolerance": tolerance}
+        try:
+            self._run_intercepted(sample, on_call, eager=True, keep_weights=True)
+        except AttentionCaptureError as error:
+            if self.pattern_source == "recompute":
+                raise
+            return {**decision, "source": "weights", "reason": f"its queries and keys cannot be read ({error})"}
+        except (ValueError, ImportError, NotImplementedError) as error:
+            # transformers refuses eager attention for this model: nothing to compare with, but the
+            # recomputation needs no eager kernel (and neither weights path could run).
+            return {**decision, "source": "recompute", "max_difference": None,
+                    "reason": f"not checked: the model cannot run eager attention ({error!s:.200})"}
+        largest = max(differences, default=0.0)
+        decision["max_difference"] = largest
+        if math.isnan(largest):
+            # Non-finite weights are the model's, whichever way they are read: the statistics refuse them.
+            return {**decision, "source": "recompute", "reason": "the model's attention weights are not finite"}
+        if largest <= tolerance:
+            return {**decision, "source": "recompute", "reason": "recomputed weights equal the model's own"}
+        reason = (
+            f"weights recomputed from its queries and keys differ from its own eager weights by up to {largest:.3g} "
+            f"(tolerance {tolerance:g}): its attention is not softmax(mask(softcap(q·kᵀ·scaling))) alone "
+            "(ALiBi biases, sink logits, or a custom attention)"
+        )
+        if self.pattern_source == "recompute":
+            raise AttentionCaptureError(f"{reason}; use pattern_source='weights' or 'auto'")
+        return {**decision, "source": "weights", "reason": reason}

@@ -186,12 +186,13 @@ def intercept_attention(
 
     had_local = name in ALL_ATTENTION_FUNCTIONS._local_mapping
     previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(name)
-    switched = False
+    switched = installed = False
     try:
         if eager and original_impl != "eager":
             model.set_attn_implementation("eager")
             switched = True
         ALL_ATTENTION_FUNCTIONS[name] = intercepted
+        installed = True
         yield seen
         if not seen:
             raise AttentionCaptureError(
@@ -203,7 +204,7 @@ def intercept_attention(
     finally:
         if had_local:
             ALL_ATTENTION_FUNCTIONS[name] = previous
-        else:
+        elif installed:
             del ALL_ATTENTION_FUNCTIONS[name]
         if switched and original_impl is not None:
             model.set_attn_implementation(original_impl)

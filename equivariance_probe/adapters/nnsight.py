@@ -59,7 +59,7 @@ from ..errors import (
     RemoteExecutionError,
     UnsupportedModelError,
 )
-from ..statistics.kernels import default_log_floor
+from ..statistics.masks import default_log_floor
 from .base import Adapter, AttentionLayout, ModelInfo, PatternCallback
 from .huggingface import HuggingFaceAdapter
 from .modules import inner_module
@@ -251,10 +251,10 @@ class NNsightAdapter(Adapter):
         from cloudpickle import register_pickle_by_value, unregister_pickle_by_value
         from cloudpickle.cloudpickle import _PICKLE_BY_VALUE_MODULES
 
-        from ..statistics import kernels
+        from ..statistics import blocks, kernels
         from . import nnsight_remote
 
-        shipped = (nnsight_remote, kernels)
+        shipped = (nnsight_remote, kernels, blocks)
         assert tuple(m.__name__ for m in shipped) == REMOTE_MODULES
         added = [m for m in shipped if m.__name__ not in _PICKLE_BY_VALUE_MODULES]
         for module in added:
@@ -311,6 +311,23 @@ class NNsightAdapter(Adapter):
                 tracer.stop()
         self.check_layers_seen(seen)
 
+    def _run_scores(self, tokens: torch.Tensor, statistics: Any) -> None:
+        """Locally, hand each layer's queries and keys (read at its attention call inside the trace)
+        to the statistics, which recompute the weights in query blocks: no pattern is formed."""
+        attention = self._attention_envoys()
+        seen: list[int] = []
+        with self._local_run("recompute"), self._translate_errors("recompute"):
+            with self.model.trace(tokens.to(self.device), use_cache=False) as tracer:
+                for layer, module in enumerate(attention):
+                    args, kwargs = getattr(module.source, ATTENTION_CALL).inputs
+                    statistics.update_from_scores(
+                        layer, args[1].detach(), args[2].detach(), scaling=kwargs.get("scaling"),
+                        softcap=kwargs.get("softcap"),
+                    )
+                    seen.append(layer)
+                tracer.stop()
+        self.check_layers_seen(seen)
+
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Run a batch and add it to ``statistics`` (between ``begin_batch``/``end_batch``).
 
@@ -320,7 +337,10 @@ class NNsightAdapter(Adapter):
         sums of :func:`reply_nbytes` bytes come back, however many windows the batch has.
         """
         if not self.remote:
-            self.run_patterns(tokens, statistics.update)
+            if self.resolved_source() == "weights":
+                self.run_patterns(tokens, statistics.update)
+            else:
+                self._run_scores(tokens, statistics)
             return
         if getattr(statistics, "sample", None) is not None:
             # A sample needs individual entries, which stay on the server.

@@ -22,7 +22,8 @@ import os
 
 import torch
 
-from ..statistics.kernels import key_lag_index, mask_statistics, recompute_pattern, reduce_layer, uniform_prior, visible_mask
+from ..statistics.kernels import recompute_pattern, reduce_layer, visible_mask
+from ..statistics.masks import KEY_BINS
 
 __all__ = [
     "ATTENTION_CALL",
@@ -97,39 +98,35 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
         attention: per layer, the attention module's envoy.
         lengths: ``[batch]`` real tokens per window (right-padded).
         plan: plain values: ``source`` (``"weights"``/``"recompute"``), ``model_windows``
-            (per layer, the model's sliding window or ``None``), ``windows`` (the
-            statistics' windows: ``None`` where the window covers the context),
-            ``excluded_keys``, ``log_floor``, ``keep_pattern``, ``check_mask``.
+            (per layer, the model's sliding window or ``None``), and what
+            :meth:`~equivariance_probe.statistics.AttentionStatistics.reduction_plan` gives:
+            ``windows`` (the statistics' windows: ``None`` where the window covers the
+            context), ``excluded_keys``, ``log_floor``, ``keep_pattern``, ``key_bin``,
+            ``n_key_bins``, ``check_mask``.
 
     Returns:
         float64 tensors for ``W`` = the batch's width and ``L`` layers:
         ``raw_sum, raw_sq, log_sum, log_sq, lag_sum: [L, head, W]``;
         ``floored, doc_toeplitz_sum, doc_toeplitz_count: [L, head]``;
-        ``key_lag_sum: [W, W]`` (summed over layers); ``outside_mass: [L]``; and, if
+        ``key_lag_sum: [K, W]`` (summed over layers); ``outside_mass: [L]``; and, if
         ``keep_pattern``, ``pattern_sum: [L, head, W, W]``.
     """
     # No typing names in here: annotations would make the payload import `typing`.
     per_layer: dict[str, list[torch.Tensor]] = {}
     key_lag_total = None
     outside: list[torch.Tensor] = []
-    masks: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
-    index = None
+    masks: dict[int | None, torch.Tensor] = {}
     for layer, module in enumerate(attention):
         pattern = layer_pattern(module, plan["source"], plan["model_windows"][layer])
         device = pattern.device
         n_positions = pattern.shape[-1]
         lengths_here = lengths.to(device)
-        if index is None:
-            index = key_lag_index(n_positions, device)
         window = plan["windows"][layer]
         if window not in masks:
-            visible = visible_mask(n_positions, window, lengths_here, plan["excluded_keys"])
-            prior = uniform_prior(n_positions, window, device)
-            masks[window] = (visible, mask_statistics(visible, prior, index)["doc_lag_count"])
-        visible, doc_lag_count = masks[window]
+            masks[window] = visible_mask(n_positions, window, lengths_here, plan["excluded_keys"])
+        key_bin = torch.tensor(plan["key_bin"][:n_positions], dtype=torch.long, device=device)
         reduced = reduce_layer(
-            pattern, visible, index, plan["log_floor"], doc_lag_count, keep_pattern=plan["keep_pattern"],
-            max_lag=window,
+            pattern, masks[window], plan["log_floor"], key_bin, plan["n_key_bins"], keep_pattern=plan["keep_pattern"]
         )
         key_lag = reduced.pop("key_lag_sum")
         key_lag_total = key_lag if key_lag_total is None else key_lag_total + key_lag
@@ -155,28 +152,29 @@ REMOTE_FUNCTIONS = (
     "equivariance_probe.statistics.kernels.attention_scores",
     "equivariance_probe.statistics.kernels.recompute_pattern",
     "equivariance_probe.statistics.kernels.visible_mask",
-    "equivariance_probe.statistics.kernels.uniform_prior",
-    "equivariance_probe.statistics.kernels.key_lag_index",
-    "equivariance_probe.statistics.kernels.mask_statistics",
     "equivariance_probe.statistics.kernels.reduce_layer",
     "equivariance_probe.statistics.kernels.entry_moments",
     "equivariance_probe.statistics.kernels.diagonal_sums",
-    "equivariance_probe.statistics.kernels._row_moments",
+    "equivariance_probe.statistics.blocks.row_moments",
 )
 
 #: Modules whose functions are shipped by value with a remote request.
-REMOTE_MODULES = ("equivariance_probe.adapters.nnsight_remote", "equivariance_probe.statistics.kernels")
+REMOTE_MODULES = (
+    "equivariance_probe.adapters.nnsight_remote",
+    "equivariance_probe.statistics.kernels",
+    "equivariance_probe.statistics.blocks",
+)
 
 
 # -- outside the trace: sizes, the API key, and failures ---------------------------------------
-def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bool = False) -> int:
+def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bool = False, key_bins: int = KEY_BINS) -> int:
     """Bytes of float64 sums one trace sends back, from the shapes alone.
 
-    ``8·(L·(5·H·T + 3·H + 1) + T²)``, plus ``8·L·H·T²`` with ``keep_pattern``; it does not
-    depend on the number of windows in the batch. For comparison, the bf16 patterns of
-    one window are ``2·L·H·T²`` bytes.
+    ``8·(L·(5·H·T + 3·H + 1) + K·T)`` with ``K = min(T, key_bins)`` key bins, plus ``8·L·H·T²`` with
+    ``keep_pattern``; it does not depend on the number of windows in the batch. For comparison,
+    the bf16 patterns of one window are ``2·L·H·T²`` bytes.
     """
-    n = n_layers * (5 * n_heads * n_positions + 3 * n_heads + 1) + n_positions**2
+    n = n_layers * (5 * n_heads * n_positions + 3 * n_heads + 1) + min(n_positions, key_bins) * n_positions
     if keep_pattern:
         n += n_layers * n_heads * n_positions**2
     return 8 * n

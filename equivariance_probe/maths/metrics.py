@@ -32,6 +32,7 @@ __all__ = [
     "toeplitz_r2",
     "toeplitz_r2_key_lag",
     "mean_pattern_key_lag",
+    "key_lag_layout",
     "key_lag_visible",
 ]
 
@@ -193,6 +194,20 @@ def key_lag_visible(
         if 0 <= key < n_positions:
             visible[key, :] = False
     return visible
+
+
+def key_lag_layout(matrices: np.ndarray) -> np.ndarray:
+    """Square matrices ``[..., query, key]`` laid out by key and lag, ``[..., key t, lag dt]``.
+
+    Entry ``[t, dt]`` is ``matrix[t + dt, t]`` (0 where ``t + dt >= T``), so each diagonal at or
+    below the main one becomes a column (what :func:`toeplitz_r2_key_lag` reads).
+    """
+    n_positions = matrices.shape[-1]
+    t = np.arange(n_positions)[:, None]
+    query = t + np.arange(n_positions)[None, :]
+    inside = query < n_positions
+    laid_out = matrices[..., np.minimum(query, n_positions - 1), np.broadcast_to(t, query.shape)]
+    return np.where(inside, laid_out, 0.0)
 
 
 def mean_pattern_key_lag(pattern_sum: np.ndarray, windows_covering: np.ndarray) -> np.ndarray:

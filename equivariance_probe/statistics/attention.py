@@ -1,15 +1,31 @@
 """Sufficient statistics of attention: float64 sums and counts, merged by adding.
 
-Place in the seams: *statistics*, what streams and merges. Each layer's
-``pattern: [batch, head, query, key]`` is reduced, while the forward pass runs, to sums over
-documents (and over keys) that are small, independent of the number of documents, and exactly
-mergeable: two :class:`AttentionStatistics` measured on disjoint documents add up to the
-statistics of their union, whatever the batch sizes, processes or machines. Everything in
-METHODS.md sections 1-3 is a function of these sums (:mod:`equivariance_probe.maths`).
+Place in the seams: *statistics*, what streams and merges. Each layer's attention of a batch
+of windows is reduced, while the forward pass runs, to sums over documents (and over keys)
+that are small, independent of the number of documents, and exactly mergeable: two
+:class:`AttentionStatistics` measured on disjoint documents add up to the statistics of
+their union, whatever the batch sizes, processes or machines. Everything in METHODS.md
+sections 1-3 is a function of these sums (:mod:`equivariance_probe.maths`).
+
+Two ways in, the same sums out:
+
+* :meth:`AttentionStatistics.update_from_scores` — from a layer's queries and keys, as the
+  model hands them to its attention kernel: the weights are recomputed in query blocks
+  (:mod:`~equivariance_probe.statistics.blocks`; one fused Triton kernel on CUDA,
+  :mod:`~equivariance_probe.statistics.triton_kernels`), never holding a ``[T, T]`` pattern
+  per head, while the model runs its own kernel (sdpa, flash).
+* :meth:`AttentionStatistics.update` — from captured post-softmax weights
+  ``pattern: [batch, head, query, key]``, for what the recomputation cannot model (ALiBi,
+  learned sink logits, custom attention) and for frameworks that hand over patterns.
+
+State that grows with ``T²`` is kept only when asked (``keep_pattern``): the key-conditioned
+lag sums live in ``K`` key bins (:data:`~equivariance_probe.statistics.masks.KEY_BINS`), and
+the mask's part comes in closed form (:func:`~equivariance_probe.statistics.masks.mask_counts`).
+A layer's sums stay on the device its queries are on (a model spread over devices with
+``device_map``) until they are read, and are moved once, not per batch.
 
 Coordinates: ``query`` ``q`` and ``key`` ``k`` are absolute positions in a window; ``lag`` is
-``dt = q - k``. Key-lag arrays are indexed ``[key t, lag dt]``, i.e. entry ``a[t+dt, t]``.
-The per-layer reduction is :func:`~equivariance_probe.statistics.kernels.reduce_layer`.
+``dt = q - k``. Key-lag arrays are indexed ``[key bin κ, lag dt]``.
 """
 
 from __future__ import annotations
@@ -21,24 +37,22 @@ import numpy as np
 import torch
 
 from ..errors import AttentionCaptureError, IncompatibleResultsError, InputError, NonFiniteAttentionError, option
-from .kernels import (
-    compiled_entry_moments,
-    default_log_floor,
-    key_lag_index,
-    mask_statistics,
-    reduce_layer,
-    uniform_prior,
-    visible_mask,
-)
+from .blocks import attention_sums_from_qk, attention_sums_from_weights, toeplitz_r2_per_window
+from .kernels import visible_mask
+from .masks import KEY_BINS, default_log_floor, key_bins, mask_counts, uniform_prior
 from .sample import EntrySample
 
-__all__ = ["AttentionStatistics", "STATISTICS", "MASK_LEAK_TOLERANCE"]
+__all__ = ["AttentionStatistics", "STATISTICS", "MASK_LEAK_TOLERANCE", "ENGINES"]
 
 #: Largest attention mass per query tolerated outside the mask an adapter reported (first batch):
 #: more means the adapter does not know the model's real mask.
 MASK_LEAK_TOLERANCE = 1e-3
 
-#: Every statistic, its shape (in terms of L layers, H heads, T positions) and meaning.
+#: How the sums of a layer can be computed (:meth:`AttentionStatistics.update_from_scores`):
+#: ``"auto"`` (the fused Triton kernel on CUDA where Triton imports, else torch), ``"torch"``, ``"triton"``.
+ENGINES = ("auto", "torch", "triton")
+
+#: Every statistic, its shape (in terms of L layers, H heads, T positions, K key bins) and meaning.
 STATISTICS: dict[str, tuple[str, str]] = {
     "query_count": ("L T", "visible entries per query position, summed over windows (per head)"),
     "raw_sum": ("L H T", "Σ_k a[q,k] over visible keys, summed over windows"),
@@ -49,14 +63,17 @@ STATISTICS: dict[str, tuple[str, str]] = {
     "lag_sum": ("L H T", "Σ a[t+dt, t] over windows and key positions t, by lag dt"),
     "lag_count": ("L T", "entries behind lag_sum (per head)"),
     "lag_prior_sum": ("L T", "Σ u(t+dt) over the same entries: the uniform prior's curve"),
-    "key_lag_sum": ("T T", "Σ over layers, heads, windows of a[t+dt, t], indexed [t, dt]"),
-    "key_lag_count": ("T T", "entries behind key_lag_sum"),
-    "key_lag_prior_sum": ("T T", "Σ u(t+dt) over the same entries"),
+    "key_lag_sum": ("K T", "Σ over layers, heads, windows of a[t+dt, t] for keys t in bin κ, indexed [κ, dt]"),
+    "key_lag_count": ("K T", "entries behind key_lag_sum"),
+    "key_lag_prior_sum": ("K T", "Σ u(t+dt) over the same entries"),
     "doc_toeplitz_sum": ("L H", "Σ over windows of the per-window Toeplitz R²"),
     "doc_toeplitz_count": ("L H", "windows behind doc_toeplitz_sum (those with nonzero variance)"),
     "windows_covering": ("T", "number of windows that have a query at position q"),
-    "pattern_sum": ("L H T T", "optional: Σ over windows of a[t+dt, t], indexed [t, dt]"),
+    "pattern_sum": ("L H T T", "optional: Σ over windows of a[q, k], indexed [q, k]"),
 }
+
+#: The sums of one layer and batch, as the statistics keep them before :meth:`end_batch` adds them.
+_LAYER_SUMS = ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum", "floored", "doc_toeplitz_sum", "doc_toeplitz_count")
 
 
 class AttentionStatistics:
@@ -67,14 +84,19 @@ class AttentionStatistics:
         n_positions: ``T``, the longest window the statistics hold.
         sliding_windows: per layer, ``None`` (full causal) or the sliding window width.
         log_floor: ``eps`` of the log scale; ``None`` takes the smallest normal number of
-            the first pattern's dtype.
+            the first attention's dtype.
         excluded_keys: absolute key positions left out of every statistic.
         keep_pattern: keep the window-summed pattern ``[layer, head, T, T]`` (needed for
             the Toeplitz R² of the document-averaged pattern; 8·L·H·T² bytes).
+        key_bins: how many key-position bins the key-conditioned lag sums keep (one per key
+            up to this many positions).
         sample_size: also keep a uniform sample of this many entries
             (:class:`~equivariance_probe.statistics.sample.EntrySample`, for scatter plots); 0 for none.
         sample_seed: seed of that sample.
-        device: where the float64 sums live while streaming.
+        device: where the float64 sums live while streaming (a layer computed on another
+            device keeps its sums there until they are read).
+        engine: one of :data:`ENGINES`, for :meth:`update_from_scores`.
+        block_size: query rows per block of the torch engine (``None``: from a memory budget).
 
     All arrays are float64 and listed in :data:`STATISTICS`. ``a + b`` and
     :meth:`merge` add them; two statistics merge only if measured the same way, and only if
@@ -92,43 +114,78 @@ class AttentionStatistics:
         sliding_windows: Sequence[int | None],
         log_floor: float | None = None,
         excluded_keys: Sequence[int] = (),
-        keep_pattern: bool = True,
+        keep_pattern: bool = False,
+        key_bins: int = KEY_BINS,
         sample_size: int = 0,
         sample_seed: int | None = None,
         device: torch.device | str = "cpu",
+        engine: str = "auto",
+        block_size: int | None = None,
     ) -> None:
+        if engine not in ENGINES:
+            raise InputError(f"engine={engine!r} is not one of {ENGINES}")
         self.n_layers = int(n_layers)
         self.n_heads = int(n_heads)
         self.n_positions = int(n_positions)
         self.sliding_windows = tuple(None if w is None or w >= n_positions else int(w) for w in sliding_windows)
+        if len(self.sliding_windows) != self.n_layers:
+            raise InputError(
+                f"{len(self.sliding_windows)} sliding windows given for {self.n_layers} layers; give one per layer"
+            )
         self.log_floor = None if log_floor is None else float(log_floor)
         self.excluded_keys = tuple(sorted({int(k) for k in excluded_keys}))
         self.keep_pattern = bool(keep_pattern)
+        self.key_bins = max(1, min(int(key_bins), self.n_positions))
+        self.engine = engine
+        self.block_size = block_size
         self.device = torch.device(device)
         self.n_windows = 0
         self.n_tokens = 0
-        self.arrays: dict[str, torch.Tensor] = {}
+        self._arrays: dict[str, torch.Tensor] = {}
         for name, (shape, _) in STATISTICS.items():
             if name == "pattern_sum" and not self.keep_pattern:
                 continue
-            self.arrays[name] = torch.zeros(self._shape(shape), dtype=torch.float64, device=self.device)
-        self._index: torch.Tensor | None = None
-        self._batch_masks: dict[int | None, dict[str, torch.Tensor]] = {}
-        self._batch_visible: dict[int | None, torch.Tensor] = {}
+            self._arrays[name] = torch.zeros(self._shape(shape), dtype=torch.float64, device=self.device)
+        #: Per layer, sums kept on the device the layer ran on (models spread over devices),
+        #: added to the arrays when they are read (:attr:`arrays`).
+        self._elsewhere: dict[int, dict[str, torch.Tensor]] = {}
         # A batch is added only when every layer of it has been reduced, so an error
         # half-way through a forward pass (NaN attention, an interrupt) leaves the sums
         # exactly as they were after the last complete batch.
-        self._pending: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        self._batch_masks: dict[tuple[int | None, str], dict[str, torch.Tensor]] = {}
         self._lengths: torch.Tensor | None = None
         self.sample = EntrySample(sample_size, sample_seed) if sample_size else None
         self._sample_before: dict[str, Any] | None = None
         #: Sorted ``uint64`` fingerprints of the windows added so far (those given one in :meth:`begin_batch`).
         self.window_fingerprints = np.zeros(0, dtype=np.uint64)
         self._batch_fingerprints: np.ndarray | None = None
+        #: Which engine computed the sums of :meth:`update_from_scores` (``"torch"``/``"triton"``), and
+        #: how many layer-batches went through captured weights (:meth:`update`).
+        self.paths: dict[str, int] = {}
 
     def _shape(self, spec: str) -> tuple[int, ...]:
-        sizes = {"L": self.n_layers, "H": self.n_heads, "T": self.n_positions}
+        sizes = {"L": self.n_layers, "H": self.n_heads, "T": self.n_positions, "K": self.key_bins}
         return tuple(sizes[s] for s in spec.split())
+
+    @property
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """Every sum of :data:`STATISTICS` (float64), on :attr:`device`, complete to the last added batch."""
+        self._gather()
+        return self._arrays
+
+    @arrays.setter
+    def arrays(self, value: dict[str, torch.Tensor]) -> None:
+        self._elsewhere = {}
+        self._arrays = value
+
+    def _gather(self) -> None:
+        """Add the sums kept on other devices to the arrays (once: they are then dropped)."""
+        for layer, sums in self._elsewhere.items():
+            for name, value in sums.items():
+                target = self._arrays[name] if name in ("key_lag_sum",) else self._arrays[name][layer]
+                target += value.to(self.device)
+        self._elsewhere = {}
 
     # -- streaming ----------------------------------------------------------------
     def begin_batch(self, lengths: torch.Tensor, fingerprints: Any = None) -> None:
@@ -148,28 +205,87 @@ class AttentionStatistics:
                     f"begin_batch got {len(fingerprints)} window fingerprints for a batch of {lengths.numel()} windows; "
                     "pass one fingerprint per window (or fingerprints=None)"
                 )
-        self._batch_fingerprints = fingerprints
-        lengths = lengths.to(self.device)
-        if self._index is None:
-            self._index = key_lag_index(self.n_positions, self.device)
         self.abort_batch()
-        self._lengths = lengths
+        self._batch_fingerprints = fingerprints
+        self._lengths = lengths.to(self.device).long()
         if self.sample is not None:
             self._sample_before = self.sample.to_arrays()
 
-    def _masks_for(self, window: int | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if window not in self._batch_masks:
-            visible = visible_mask(self.n_positions, window, self._lengths, self.excluded_keys)
-            prior = uniform_prior(self.n_positions, window, self.device)
-            self._batch_visible[window] = visible
-            self._batch_masks[window] = mask_statistics(visible, prior, self._index)
-        return self._batch_visible[window], self._batch_masks[window]
+    def _masks_for(self, window: int | None, device: torch.device) -> dict[str, torch.Tensor]:
+        """The mask's sums of this batch for one sliding window (computed once per batch and device)."""
+        key = (window, str(device))
+        if key not in self._batch_masks:
+            bins, count = key_bins(self.n_positions, self.key_bins, device)
+            self._batch_masks[key] = mask_counts(
+                self._lengths.to(device), self.n_positions, window=window, excluded_keys=self.excluded_keys,
+                key_bin=bins, n_key_bins=count,
+            )
+            self._batch_masks[key]["key_bin"] = bins
+        return self._batch_masks[key]
+
+    def update_from_scores(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        *,
+        scaling: float | None = None,
+        softcap: float | None = None,
+    ) -> None:
+        """Add one layer's attention of the current batch, recomputed from its queries and keys.
+
+        ``a = softmax(mask(softcap(q·kᵀ·scaling)))`` under the layer's mask (causal, its sliding
+        window), as every transformers attention kernel computes it; the sums are taken in query
+        blocks (or by the fused kernel on CUDA), never holding a ``[T, T]`` pattern per head.
+
+        Args:
+            layer: the layer.
+            query: ``[batch, head, query, head_dim]`` after rotary embeddings and q-norm; the
+                batch's width may be less than ``T``.
+            key: ``[batch, kv_head, key, head_dim]``, likewise (grouped-query heads read key head
+                ``h // (H / H_kv)``).
+            scaling: the score scale (``head_dim**-0.5`` when ``None``).
+            softcap: logit soft-capping ``c`` (``s -> c·tanh(s/c)``), or ``None``.
+        """
+        self._require_batch("update_from_scores")
+        batch, heads, width, _ = query.shape
+        if heads != self.n_heads or width > self.n_positions or key.shape[-2] != width:
+            raise AttentionCaptureError(
+                f"layer {layer} handed over queries {tuple(query.shape)} and keys {tuple(key.shape)}, which do not fit "
+                f"statistics for {self.n_heads} heads and {self.n_positions} positions"
+            )
+        if self.log_floor is None:
+            self.log_floor = default_log_floor(query.dtype)
+        window = self.sliding_windows[layer]
+        masks = self._masks_for(window, query.device)
+        lengths = self._lengths.to(query.device)
+        arguments = dict(
+            scaling=scaling, softcap=softcap, window=window, lengths=lengths, excluded_keys=self.excluded_keys,
+            log_floor=self.log_floor, key_bin=masks["key_bin"][:width], n_key_bins=self.key_bins,
+            keep_pattern=self.keep_pattern, block_size=self.block_size,
+        )
+        if query.is_cuda and self.engine != "torch":
+            from . import triton_kernels  # imported on CUDA only: Triton is heavy, and absent on CPU installs
+
+            sums, path = triton_kernels.attention_sums(query, key, backend=self.engine, **arguments)
+        elif self.engine == "triton":
+            raise InputError(f"engine='triton' needs CUDA tensors, got queries on {query.device}; use engine='auto'")
+        else:
+            sums, path = attention_sums_from_qk(query, key, **arguments), "torch"
+        self.paths[path] = self.paths.get(path, 0) + 1
+        self._add_layer(layer, sums, masks, width)
+        if self.sample is not None:
+            self.sample.update_from_scores(
+                layer, query, key, lengths, scaling=scaling, softcap=softcap, window=window,
+                excluded_keys=self.excluded_keys,
+            )
 
     def update(self, layer: int, pattern: torch.Tensor) -> None:
-        """Add one layer's ``pattern: [batch, head, query, key]`` of the current batch.
+        """Add one layer's captured ``pattern: [batch, head, query, key]`` of the current batch.
 
         The pattern may be shorter than ``T`` (the batch's longest window); it is
-        treated as padded with invisible entries.
+        treated as padded with invisible entries. On the first batch, attention outside the
+        mask the adapter reported is refused (:data:`MASK_LEAK_TOLERANCE`).
         """
         self._require_batch("update")
         batch, heads, n_query, n_key = pattern.shape
@@ -181,29 +297,39 @@ class AttentionStatistics:
             )
         if self.log_floor is None:
             self.log_floor = default_log_floor(pattern.dtype if pattern.is_floating_point() else torch.float32)
-        if n_query < self.n_positions:
-            pad = self.n_positions - n_query
-            pattern = torch.nn.functional.pad(pattern, (0, pad, 0, pad))
-        pattern = pattern.to(self.device)
-        visible, masks = self._masks_for(self.sliding_windows[layer])
-        reduced = reduce_layer(
-            pattern,
-            visible,
-            self._index,
-            self.log_floor,
-            masks["doc_lag_count"],
-            keep_pattern=self.keep_pattern,
-            max_lag=self.sliding_windows[layer],
-            moments=compiled_entry_moments,
-        )
-        self._check_finite(layer, reduced)
+        window = self.sliding_windows[layer]
+        masks = self._masks_for(window, pattern.device)
+        lengths = self._lengths.to(pattern.device)
         if self.n_windows == 0:
-            self._check_mask(layer, pattern)
-        self._pending[layer] = (reduced, masks)
+            self._check_mask(layer, pattern, lengths)
+        sums = attention_sums_from_weights(
+            pattern, window=window, lengths=lengths, excluded_keys=self.excluded_keys, log_floor=self.log_floor,
+            key_bin=masks["key_bin"][:n_query], n_key_bins=self.key_bins, keep_pattern=self.keep_pattern,
+            block_size=self.block_size,
+        )
+        self.paths["weights"] = self.paths.get("weights", 0) + 1
+        self._add_layer(layer, sums, masks, n_query)
         if self.sample is not None:
-            window = self.sliding_windows[layer]
-            sizes = torch.arange(1, self.n_positions + 1, device=self.device)
-            self.sample.update(layer, pattern, visible, sizes if window is None else sizes.clamp(max=window))
+            self.sample.update(layer, pattern, lengths, window=window, excluded_keys=self.excluded_keys)
+
+    def _add_layer(self, layer: int, sums: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], width: int) -> None:
+        """Reduce a layer's per-window sums over the batch (and the per-window Toeplitz R²) and keep them pending."""
+        pad = self.n_positions - width
+
+        def padded(value: torch.Tensor, dims: int) -> torch.Tensor:
+            return value if pad == 0 else torch.nn.functional.pad(value, (0, pad) * dims)
+
+        per_window = {name: padded(sums[name], 1) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum")}
+        r2, has_variance = toeplitz_r2_per_window(per_window, masks["doc_lag_count"])
+        reduced = {name: value.sum(0) for name, value in per_window.items()}
+        reduced["floored"] = sums["floored"].sum(0)
+        reduced["doc_toeplitz_sum"] = r2.sum(0)
+        reduced["doc_toeplitz_count"] = has_variance.sum(0, dtype=torch.float64)
+        reduced["key_lag_sum"] = padded(sums["key_lag_sum"], 1)
+        if self.keep_pattern:
+            reduced["pattern_sum"] = padded(sums["pattern_sum"], 2)
+        self._check_finite(layer, reduced)
+        self._pending[layer] = reduced
 
     def _require_batch(self, method: str) -> None:
         if self._lengths is None:
@@ -214,6 +340,8 @@ class AttentionStatistics:
 
     @staticmethod
     def _check_finite(layer: int, reduced: dict[str, torch.Tensor]) -> None:
+        # One device sync per layer: the check must name the layer and stop the run before
+        # the next layer's sums are added.
         if not bool(torch.isfinite(reduced["raw_sum"]).all() & torch.isfinite(reduced["log_sum"]).all()):
             raise NonFiniteAttentionError(
                 f"layer {layer} produced NaN or infinite attention weights on visible entries; "
@@ -221,13 +349,14 @@ class AttentionStatistics:
                 "and run it in float32 or bfloat16. Statistics gathered before this batch are kept."
             )
 
-    def _check_mask(self, layer: int, pattern: torch.Tensor) -> None:
+    def _check_mask(self, layer: int, pattern: torch.Tensor, lengths: torch.Tensor) -> None:
         """On the first batch: the model must put no attention outside the mask we read.
 
         If it did, the adapter reported the wrong mask (e.g. a sliding window it did not
         know of) and every statistic would silently miss attention mass.
         """
-        model_mask = visible_mask(self.n_positions, self.sliding_windows[layer], self._lengths)
+        width = pattern.shape[-1]
+        model_mask = visible_mask(width, self.sliding_windows[layer], lengths)
         real_rows = model_mask.any(-1, keepdim=True).unsqueeze(1)
         outside = torch.where(real_rows & ~model_mask.unsqueeze(1), pattern.abs(), torch.zeros((), dtype=pattern.dtype, device=pattern.device))
         leaked = float(outside.sum(-1).max()) if outside.numel() else 0.0
@@ -243,21 +372,8 @@ class AttentionStatistics:
             "architecture, or pass an adapter with the right sliding windows"
         )
 
-    def _add_layer(self, layer: int, reduced: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]) -> None:
-        a = self.arrays
-        for name in ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum", "floored", "doc_toeplitz_sum", "doc_toeplitz_count"):
-            a[name][layer] += reduced[name]
-        a["key_lag_sum"] += reduced["key_lag_sum"]
-        if self.keep_pattern:
-            a["pattern_sum"][layer] += reduced["pattern_sum"]
-        a["query_count"][layer] += masks["query_count"]
-        a["lag_count"][layer] += masks["lag_count"]
-        a["lag_prior_sum"][layer] += masks["lag_prior_sum"]
-        a["key_lag_count"] += self.n_heads * masks["key_lag_count"]
-        a["key_lag_prior_sum"] += self.n_heads * masks["key_lag_prior_sum"]
-
     def end_batch(self) -> None:
-        """Add the batch: every layer must have been given to :meth:`update`."""
+        """Add the batch: every layer must have been given to :meth:`update` or :meth:`update_from_scores`."""
         missing = sorted(set(range(self.n_layers)) - set(self._pending))
         if missing:
             self.abort_batch()
@@ -265,25 +381,50 @@ class AttentionStatistics:
                 f"the batch ended without attention from layers {missing}, so it was not added; the adapter must "
                 "hand over every layer's attention once per batch"
             )
+        for layer, reduced in self._pending.items():
+            self._accumulate(layer, reduced)
         lengths = self._lengths
-        for layer, (reduced, masks) in self._pending.items():
-            self._add_layer(layer, reduced, masks)
-        covering = torch.arange(self.n_positions, device=self.device).view(1, -1) < lengths.view(-1, 1)
-        self.arrays["windows_covering"] += covering.sum(0, dtype=torch.float64)
+        masks = {}
+        for layer, window in enumerate(self.sliding_windows):
+            if window not in masks:
+                masks[window] = self._masks_for(window, self.device)
+            mask = masks[window]
+            a = self._arrays
+            a["query_count"][layer] += mask["query_count"]
+            a["lag_count"][layer] += mask["lag_count"]
+            a["lag_prior_sum"][layer] += mask["lag_prior_sum"]
+            a["key_lag_count"] += self.n_heads * mask["key_lag_count"]
+            a["key_lag_prior_sum"] += self.n_heads * mask["key_lag_prior_sum"]
+        self._arrays["windows_covering"] += next(iter(masks.values()))["windows_covering"]
         self.n_windows += int(lengths.numel())
         self.n_tokens += int(lengths.sum())
         self.window_fingerprints = _joined_fingerprints(self.window_fingerprints, self._batch_fingerprints)
         self._sample_before = None
         self.abort_batch()
 
+    def _accumulate(self, layer: int, reduced: dict[str, torch.Tensor]) -> None:
+        """Add a layer's batch sums to the arrays, or to its own device's sums when it ran elsewhere."""
+        device = next(iter(reduced.values())).device
+        if device == self.device:
+            for name, value in reduced.items():
+                target = self._arrays[name] if name == "key_lag_sum" else self._arrays[name][layer]
+                target += value
+            return
+        kept = self._elsewhere.setdefault(layer, {})
+        for name, value in reduced.items():
+            if name in kept:
+                kept[name] += value
+            else:
+                kept[name] = value.clone()
+
     def abort_batch(self) -> None:
         """Forget the current batch: the sums stay as after the last complete batch."""
         if self.sample is not None and self._sample_before is not None:
             self.sample.columns = self._sample_before
         self._sample_before = None
+        self._batch_fingerprints = None
         self._pending = {}
         self._batch_masks = {}
-        self._batch_visible = {}
         self._lengths = None
 
     @property
@@ -308,8 +449,9 @@ class AttentionStatistics:
 
         Returns:
             ``windows`` (per layer, the sliding window, ``None`` where it covers ``W``),
-            ``excluded_keys``, ``log_floor``, ``keep_pattern`` and ``check_mask`` (whether the
-            reduction must measure attention outside the mask: on the first batch).
+            ``excluded_keys``, ``log_floor``, ``keep_pattern``, ``key_bin`` (the bin of each of
+            the ``W`` key positions), ``n_key_bins`` and ``check_mask`` (whether the reduction
+            must measure attention outside the mask: on the first batch).
         """
         self._require_batch("reduction_plan")
         if self.log_floor is None:
@@ -317,11 +459,14 @@ class AttentionStatistics:
                 "the statistics need their log_floor before a reduction runs elsewhere; set it from the "
                 "model's dtype (statistics.log_floor = default_log_floor(dtype)) first"
             )
+        bins, count = key_bins(self.n_positions, self.key_bins)
         return {
             "windows": [None if w is None or w >= width else int(w) for w in self.sliding_windows],
             "excluded_keys": [int(k) for k in self.excluded_keys],
             "log_floor": float(self.log_floor),
             "keep_pattern": bool(self.keep_pattern),
+            "key_bin": [int(b) for b in bins[:width].tolist()],
+            "n_key_bins": count,
             "check_mask": self.n_windows == 0,
         }
 
@@ -331,15 +476,14 @@ class AttentionStatistics:
         Args:
             sums: float64 tensors for ``W = width`` and ``L`` layers: ``raw_sum, raw_sq,
                 log_sum, log_sq, lag_sum: [L, head, W]``; ``floored, doc_toeplitz_sum,
-                doc_toeplitz_count: [L, head]``; ``key_lag_sum: [W, W]`` (summed over layers);
+                doc_toeplitz_count: [L, head]``; ``key_lag_sum: [K, W]`` (summed over layers);
                 ``outside_mass: [L]`` (largest attention mass a real query put outside the
                 mask; 0 when not checked); and, with ``keep_pattern``, ``pattern_sum:
-                [L, head, W, W]``.
+                [L, head, W, W]`` (query-key layout).
             width: ``W``.
 
         The mask part is computed here, so the batch merges exactly like one given to
-        :meth:`update`. Key-lag arrays are indexed ``[t, dt]``: a narrower batch's entries
-        keep their ``(t, dt)``, so zero-padding to ``T`` embeds them exactly.
+        :meth:`update`: entries beyond ``W`` are 0, so zero-padding to ``T`` embeds them exactly.
         """
         self._require_batch("add_batch_sums")
         outside = sums["outside_mass"]
@@ -351,7 +495,7 @@ class AttentionStatistics:
         def padded(value: torch.Tensor, dims: int) -> torch.Tensor:
             return value if pad == 0 else torch.nn.functional.pad(value, (0, pad) * dims)
 
-        zero_key_lag = torch.zeros((self.n_positions, self.n_positions), dtype=torch.float64)
+        zero_key_lag = torch.zeros((self.key_bins, self.n_positions), dtype=torch.float64)
         for layer in range(self.n_layers):
             reduced = {name: padded(sums[name][layer], 1) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum")}
             for name in ("floored", "doc_toeplitz_sum", "doc_toeplitz_count"):
@@ -361,11 +505,11 @@ class AttentionStatistics:
             # The reduction summed key_lag_sum over layers (the statistics only keep that sum):
             # it goes with the last layer, zeros with the others.
             last = layer == self.n_layers - 1
-            reduced["key_lag_sum"] = padded(sums["key_lag_sum"], 2) if last else zero_key_lag
+            reduced["key_lag_sum"] = padded(sums["key_lag_sum"], 1) if last else zero_key_lag
             reduced = {name: value.to(device=self.device, dtype=torch.float64) for name, value in reduced.items()}
             self._check_finite(layer, reduced)
-            _, masks = self._masks_for(self.sliding_windows[layer])
-            self._pending[layer] = (reduced, masks)
+            self._pending[layer] = reduced
+        self.paths["remote"] = self.paths.get("remote", 0) + self.n_layers
 
     # -- merging --------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -378,6 +522,7 @@ class AttentionStatistics:
             "log_floor": self.log_floor,
             "excluded_keys": list(self.excluded_keys),
             "keep_pattern": self.keep_pattern,
+            "key_bins": self.key_bins,
         }
 
     @classmethod
@@ -395,6 +540,8 @@ class AttentionStatistics:
             log_floor=config["log_floor"],
             excluded_keys=config["excluded_keys"],
             keep_pattern=config["keep_pattern"],
+            # Files written before the key-position bins kept one per key.
+            key_bins=config.get("key_bins", config["n_positions"]),
             device=device,
         )
 
@@ -416,9 +563,16 @@ class AttentionStatistics:
     ) -> AttentionStatistics:
         """Statistics holding saved sums (on the CPU), without allocating arrays of their own first.
 
+        Sums saved before the key-position bins (a config without ``key_bins``: one key-lag row
+        per key, and the summed pattern in key-lag layout ``[t, dt]``) are brought to today's
+        layout: key rows summed into :data:`~equivariance_probe.statistics.masks.KEY_BINS` bins
+        (exact: the bins are sums of keys), the pattern moved to query-key layout.
+
         Raises:
             IncompatibleResultsError: ``arrays`` are not the arrays of ``config`` (names or shapes).
         """
+        if "key_bins" not in config:
+            config, arrays = _from_key_lag_layout(config, arrays)
         expected = cls.array_shapes(config)
         shapes = {name: tuple(value.shape) for name, value in arrays.items()}
         if shapes != expected:
@@ -489,9 +643,14 @@ class AttentionStatistics:
             log_floor=self.log_floor,
             excluded_keys=self.excluded_keys,
             keep_pattern=self.keep_pattern,
-            device=self.device,
+            key_bins=self.key_bins,
+            device="meta",
+            engine=self.engine,
+            block_size=self.block_size,
         )
+        new.device = self.device
         new.arrays = {name: value.clone() for name, value in self.arrays.items()}
+        new.paths = dict(self.paths)
         new.n_windows, new.n_tokens = self.n_windows, self.n_tokens
         new.window_fingerprints = self.window_fingerprints.copy()
         if self.sample is not None:
@@ -530,3 +689,23 @@ def _joined_fingerprints(kept: np.ndarray, new: np.ndarray | None) -> np.ndarray
     if new is None or len(new) == 0:
         return kept
     return np.sort(np.concatenate([kept, np.asarray(new, dtype=np.uint64)]))
+
+
+def _from_key_lag_layout(config: dict[str, Any], arrays: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Saved sums of one key-lag row per key (and a ``[t, dt]`` pattern) in today's binned, query-key layout."""
+    n_positions = int(config["n_positions"])
+    bins, count = key_bins(n_positions, KEY_BINS)
+    converted = dict(arrays)
+    for name in ("key_lag_sum", "key_lag_count", "key_lag_prior_sum"):
+        if name in arrays and tuple(arrays[name].shape) == (n_positions, n_positions):
+            rows = arrays[name].to(torch.float64)
+            converted[name] = torch.zeros((count, n_positions), dtype=torch.float64).index_add_(0, bins, rows)
+    if "pattern_sum" in arrays and arrays["pattern_sum"].shape[-2:] == (n_positions, n_positions):
+        key_lag = arrays["pattern_sum"].to(torch.float64)
+        t = torch.arange(n_positions).view(-1, 1)
+        dt = torch.arange(n_positions).view(1, -1)
+        inside = (t + dt < n_positions).expand(n_positions, n_positions)
+        query_key = torch.zeros_like(key_lag)
+        query_key[..., (t + dt).expand_as(inside)[inside], t.expand_as(inside)[inside]] = key_lag[..., inside]
+        converted["pattern_sum"] = query_key
+    return {**config, "key_bins": count}, converted

@@ -1,59 +1,36 @@
-"""Torch-only kernels of the statistics: masks, scores, and the reduction of one layer's attention.
+"""Torch-only kernels of the statistics that also run where the model runs: scores, masks, and
+the reduction of one layer's captured attention.
 
-Place in the seams: *statistics*, the functions that turn one layer's attention of one batch
-into float64 sums. They use torch, math and builtins alone, so the same code runs here and,
-shipped by value, inside a remote nnsight trace on a server where equivariance_probe is not
-installed (:mod:`~equivariance_probe.adapters.nnsight_remote`). The stateful
-:class:`~equivariance_probe.statistics.attention.AttentionStatistics` adds their output up.
+Place in the seams: *statistics*. The functions here use torch, math and builtins alone, so
+that, shipped by value, they run inside a remote nnsight trace on a server where
+equivariance_probe is not installed (:mod:`~equivariance_probe.adapters.nnsight_remote`). A
+remote batch is reduced by :func:`reduce_layer` from the whole pattern of one layer at a time
+(the server has the memory); local runs use the query-block engine of
+:mod:`~equivariance_probe.statistics.blocks`, which returns the same sums.
 
 Coordinates: ``query`` ``q`` and ``key`` ``k`` are absolute positions in a window; ``lag`` is
-``dt = q - k``. Key-lag arrays are indexed ``[key t, lag dt]``, i.e. entry ``a[t+dt, t]``.
+``dt = q - k``.
 """
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
+from .blocks import row_moments
+from .masks import default_log_floor, uniform_prior
+
 __all__ = [
     "default_log_floor",
-    "key_lag_index",
-    "visible_mask",
     "uniform_prior",
-    "mask_statistics",
+    "visible_mask",
     "entry_moments",
     "diagonal_sums",
     "reduce_layer",
     "attention_scores",
     "recompute_pattern",
 ]
-
-
-def default_log_floor(dtype: torch.dtype) -> float:
-    """The default ``eps`` of the log scale: the smallest normal number of ``dtype``."""
-    return float(torch.finfo(dtype).tiny)
-
-
-def key_lag_index(n_positions: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Flat ``[query, key]`` indices that lay a ``[T, T]`` matrix out as ``[key t, lag dt]``.
-
-    ``index[t * T + dt] = (t + dt) * T + t`` where ``t + dt < T``. Slots with
-    ``t + dt >= T`` point at ``(0, T-1)``, an entry above the diagonal, which every
-    causal mask hides and :func:`reduce_layer` zeroes.
-
-    Returns:
-        ``LongTensor [T * T]``.
-    """
-    t = torch.arange(n_positions, device=device).view(-1, 1)
-    dt = torch.arange(n_positions, device=device).view(1, -1)
-    query = t + dt
-    index = query * n_positions + t
-    hidden = torch.full_like(index, max(n_positions - 1, 0))
-    return torch.where(query < n_positions, index, hidden).reshape(-1)
 
 
 def visible_mask(
@@ -80,37 +57,6 @@ def visible_mask(
     return allowed.unsqueeze(0) & real_query.unsqueeze(-1)
 
 
-def uniform_prior(n_positions: int, window: int | None, device: torch.device | str = "cpu") -> torch.Tensor:
-    """``u(q) = 1/|V(q)|`` under the model's mask (no padding, no exclusions): ``[T]`` float64."""
-    visible = torch.arange(1, n_positions + 1, device=device, dtype=torch.float64)
-    if window is not None:
-        visible = visible.clamp(max=window)
-    return 1.0 / visible
-
-
-def mask_statistics(visible: torch.Tensor, prior: torch.Tensor, index: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The parts of the statistics that depend on the mask alone (shared by all heads).
-
-    Args:
-        visible: ``[batch, query, key]`` bool from :func:`visible_mask`.
-        prior: ``u(q)``, ``[T]`` float64.
-        index: :func:`key_lag_index` for ``T``.
-    """
-    batch, n_positions, _ = visible.shape
-    visible_kl = visible.reshape(batch, -1)[:, index].view(batch, n_positions, n_positions)
-    prior_kl = prior[index // n_positions].view(n_positions, n_positions)
-    count_kl = visible_kl.sum(0, dtype=torch.float64)  # [t, dt]
-    return {
-        "query_count": visible.sum((0, 2), dtype=torch.float64),
-        "lag_count": count_kl.sum(0),
-        "lag_prior_sum": (count_kl * prior_kl).sum(0),
-        "key_lag_count": count_kl,
-        "key_lag_prior_sum": count_kl * prior_kl,
-        "visible_kl": visible_kl,
-        "doc_lag_count": visible_kl.sum(1, dtype=torch.float64),  # [batch, dt]
-    }
-
-
 def entry_moments(
     pattern: torch.Tensor, mask: torch.Tensor, row_count: torch.Tensor, log_floor: float
 ) -> tuple[torch.Tensor, ...]:
@@ -133,89 +79,55 @@ def entry_moments(
     zero = torch.zeros((), dtype=pattern.dtype, device=pattern.device)
     visible_weights = torch.where(mask, pattern, zero)
     logs = torch.where(mask, torch.log(pattern.clamp_min(log_floor)), zero)
-    row_sum, row_sq = _row_moments(visible_weights, mask, row_count)
-    log_sum, log_sq = _row_moments(logs, mask, row_count)
+    row_sum, row_sq = row_moments(visible_weights, mask, row_count)
+    log_sum, log_sq = row_moments(logs, mask, row_count)
     floored = ((pattern < log_floor) & mask).sum((0, 2, 3), dtype=torch.float64)
     batch_sum = visible_weights.sum(0, dtype=torch.float64)
     return visible_weights, row_sum, row_sq, log_sum, log_sq, floored, batch_sum
 
 
-#: Patterns with at least this many entries go through the compiled ``entry_moments``.
-COMPILE_MIN_ENTRIES = 2**22
-_compiled_moments: Any = None
-_compile_failed = False
+def diagonal_sums(values: torch.Tensor) -> torch.Tensor:
+    """``D[..., dt] = Σ_t values[..., t+dt, t]``: sums along the diagonals at and below the main one, ``[..., T]``.
 
-
-def _moments_function(numel: int):
-    """``entry_moments``, compiled when worthwhile and possible, else eager.
-
-    Compilation costs ~20 s once per process (cached on disk by torch) and needs a C++
-    compiler; it is skipped for small patterns, when ``EQUIVARIANCE_PROBE_COMPILE=0``,
-    and after any failure (with a warning), so results never depend on it.
+    The matrix is padded with ``T - 1`` zero columns in front and read with row stride ``W + 1``
+    (``W = 2T - 1``), which shifts row ``i`` left by ``i``: diagonals become columns, and one sum
+    over the rows gives every diagonal at once (a strided view; no loop over lags).
     """
-    global _compiled_moments
-    if numel < COMPILE_MIN_ENTRIES or _compile_failed or os.environ.get("EQUIVARIANCE_PROBE_COMPILE", "1") == "0":
-        return entry_moments
-    if _compiled_moments is None:
-        _compiled_moments = torch.compile(entry_moments, dynamic=True)
-    return _compiled_moments
-
-
-def compiled_entry_moments(pattern, mask, row_count, log_floor):
-    """:func:`entry_moments` through ``torch.compile`` where that pays off, else eager (same maths)."""
-    global _compile_failed
-    function = _moments_function(pattern.numel())
-    if function is entry_moments:
-        return entry_moments(pattern, mask, row_count, log_floor)
-    try:
-        return function(pattern, mask, row_count, log_floor)
-    except Exception as error:  # noqa: BLE001 - any compiler failure falls back to the same maths
-        _compile_failed = True
-        warnings.warn(f"torch.compile of the attention reduction failed ({error!r:.200}); using eager torch", stacklevel=2)
-        return entry_moments(pattern, mask, row_count, log_floor)
-
-
-def diagonal_sums(visible_weights: torch.Tensor, max_lag: int) -> torch.Tensor:
-    """``D[b, h, dt] = Σ_t a[b, h, t+dt, t]`` for ``dt < max_lag`` (0 beyond): ``[batch, head, T]`` float64.
-
-    One strided view per lag: cheaper than gathering the whole pattern into key-lag layout.
-    """
-    batch, heads, n_positions, _ = visible_weights.shape
-    out = torch.zeros((batch, heads, n_positions), dtype=torch.float64, device=visible_weights.device)
-    for lag in range(min(max_lag, n_positions)):
-        out[..., lag] = torch.diagonal(visible_weights, offset=-lag, dim1=-2, dim2=-1).sum(-1, dtype=torch.float64)
-    return out
+    n_positions = values.shape[-1]
+    leading = values.shape[:-2]
+    flat = values.reshape(-1, n_positions, n_positions)
+    padded = torch.nn.functional.pad(flat, (n_positions - 1, 0)).contiguous()
+    width = 2 * n_positions - 1
+    skewed = padded.as_strided(
+        (flat.shape[0], n_positions, n_positions), (n_positions * width, width + 1, 1), padded.storage_offset()
+    )
+    return skewed.sum(-2, dtype=torch.float64).flip(-1).reshape(*leading, n_positions)
 
 
 def reduce_layer(
     pattern: torch.Tensor,
     visible: torch.Tensor,
-    index: torch.Tensor,
     log_floor: float,
-    doc_lag_count: torch.Tensor,
+    key_bin: torch.Tensor,
+    n_key_bins: int,
     keep_pattern: bool = False,
-    max_lag: int | None = None,
-    moments: Any = None,
 ) -> dict[str, torch.Tensor]:
-    """Reduce one layer's attention of one batch to per-head sums.
+    """Reduce one layer's captured attention of one batch to per-head sums (the remote path).
 
     Args:
         pattern: ``[batch, head, query, key]`` post-softmax weights, any float dtype
             (bf16/fp16 are upcast to float32 first).
         visible: ``[batch, query, key]`` bool, the entries to read (:func:`visible_mask`).
-        index: :func:`key_lag_index` for ``T``.
         log_floor: ``eps``; the log scale reads ``log max(a, eps)``.
-        doc_lag_count: ``[batch, dt]`` visible entries per lag in each window.
-        keep_pattern: also return the key-lag pattern summed over the batch.
-        max_lag: no visible entry has ``q - k >= max_lag`` (the sliding window); ``None``: ``T``.
-        moments: the function doing the per-entry work, :func:`entry_moments` by default;
-            local runs pass a compiled version of it. (Code that runs inside a remote
-            nnsight trace keeps the default: it must use plain torch.)
+        key_bin: ``[T]`` long, the key-position bin of every key.
+        n_key_bins: ``K``.
+        keep_pattern: also return the pattern summed over the batch.
 
     Returns:
         float64 tensors: ``raw_sum, raw_sq, log_sum, log_sq, lag_sum: [head, T]``,
-        ``floored, doc_toeplitz_sum, doc_toeplitz_count: [head]``, ``key_lag_sum: [T, T]``
-        and, if asked, ``pattern_sum: [head, T, T]`` (key-lag layout).
+        ``floored, doc_toeplitz_sum, doc_toeplitz_count: [head]``, ``key_lag_sum: [K, T]``
+        (summed over heads, indexed ``[key bin, lag]``) and, if asked, ``pattern_sum: [head, T, T]``
+        (query-key layout).
 
     Per window, the Toeplitz R² (TISA appendix B) of a head's pattern is
     ``1 - RSS/TSS`` with ``RSS = Σ a² - Σ_dt n_dt m_dt²`` (``m_dt`` the mean of the
@@ -223,66 +135,47 @@ def reduce_layer(
     """
     batch, heads, n_positions, _ = pattern.shape
     work_dtype = torch.float64 if pattern.dtype == torch.float64 else torch.float32
-    weights = pattern.to(work_dtype)
     mask = visible.unsqueeze(1)
     row_count = visible.sum(-1, dtype=torch.float64).unsqueeze(1)  # [batch, 1, query]
-    visible_weights, row_sum, row_sq, log_sum, log_sq, floored, batch_sum = (moments or entry_moments)(
-        weights, mask, row_count, log_floor
+    visible_weights, row_sum, row_sq, log_sum, log_sq, floored, batch_sum = entry_moments(
+        pattern.to(work_dtype), mask, row_count, log_floor
     )
+    diagonal_sum = diagonal_sums(visible_weights)  # [batch, head, dt]
     out = {
         "raw_sum": row_sum.sum(0),
         "raw_sq": row_sq.sum(0),
         "log_sum": log_sum.sum(0),
         "log_sq": log_sq.sum(0),
         "floored": floored,
+        "lag_sum": diagonal_sum.sum(0),
     }
-    # Lag sums from the batch-summed pattern: one gather of [head, T, T], not [batch, head, T, T].
-    key_lag = batch_sum.reshape(heads, -1)[:, index].view(heads, n_positions, n_positions)  # [head, t, dt]
-    out["lag_sum"] = key_lag.sum(1)
-    out["key_lag_sum"] = key_lag.sum(0)
+    # Key-bin lag sums: every entry (q, k) of the head-summed pattern goes to [bin(k), q - k].
+    query = torch.arange(n_positions, device=pattern.device).view(-1, 1)
+    key = torch.arange(n_positions, device=pattern.device).view(1, -1)
+    index = key_bin.to(pattern.device).view(1, -1) * n_positions + (query - key).clamp_min(0)
+    key_lag = torch.zeros(n_key_bins * n_positions, dtype=torch.float64, device=pattern.device)
+    key_lag.index_add_(0, index.reshape(-1), batch_sum.sum(0).reshape(-1))
+    out["key_lag_sum"] = key_lag.view(n_key_bins, n_positions)
     if keep_pattern:
-        out["pattern_sum"] = key_lag
-    diagonal_sum = diagonal_sums(visible_weights, max_lag or n_positions)  # [batch, head, dt]
+        out["pattern_sum"] = batch_sum
 
     # Per-window Toeplitz R².
+    doc_lag_count = diagonal_sums(visible.to(torch.float64))  # [batch, dt]
     n_entries = doc_lag_count.sum(-1).unsqueeze(1)  # [batch, 1]
     total = row_sum.sum(-1)  # [batch, head]
     square = row_sq.sum(-1)
     lag_count = doc_lag_count.unsqueeze(1)
-    diagonal_fit = torch.where(lag_count > 0, diagonal_sum.square() / lag_count.clamp_min(1), torch.zeros_like(diagonal_sum))
+    zero = torch.zeros((), dtype=torch.float64, device=pattern.device)
+    diagonal_fit = torch.where(lag_count > 0, diagonal_sum.square() / lag_count.clamp_min(1), zero)
     rss = (square - diagonal_fit.sum(-1)).clamp_min(0)
     tss = square - total.square() / n_entries.clamp_min(1)
     # A window whose pattern has no variance (one token, or exactly uniform over a
     # single diagonal) has no Toeplitz R²; it is left out and not counted.
     has_variance = tss > 1e-12 * square.clamp_min(1e-300)
-    r2 = torch.where(has_variance, 1 - rss / tss.clamp_min(1e-300), torch.zeros_like(tss))
+    r2 = torch.where(has_variance, 1 - rss / tss.clamp_min(1e-300), zero)
     out["doc_toeplitz_sum"] = r2.sum(0)
     out["doc_toeplitz_count"] = has_variance.sum(0, dtype=torch.float64)
     return out
-
-
-def _row_moments(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Σ_k y`` and ``Σ_k y²`` per row, in float64, accurate to float64 even for float32 ``y``.
-
-    Squaring float32 values rounds each square (relative 6e-8), which would leave a
-    spurious within-group variance of order 1e-7 where the truth is exactly 0 (uniform
-    attention). So the sum of squares is built from deviations around the row mean:
-    ``Σy² = Σ(y - m̃)² - n(m - m̃)² + n m²`` with ``m`` the float64 mean and ``m̃`` its
-    rounding to ``y``'s dtype.
-
-    Args:
-        values: ``[batch, head, query, key]``, zero where ``mask`` is false.
-        mask: ``[batch, 1, query, key]`` bool.
-        count: ``[batch, 1, query]`` float64 visible keys per row.
-    """
-    total = values.sum(-1, dtype=torch.float64)
-    mean = total / count.clamp_min(1)
-    mean_rounded = mean.to(values.dtype)
-    deviation = torch.where(mask, values - mean_rounded.unsqueeze(-1), torch.zeros((), dtype=values.dtype, device=values.device))
-    spread = (deviation * deviation).sum(-1, dtype=torch.float64)
-    offset = mean - mean_rounded.to(torch.float64)
-    squares = (spread - count * offset * offset + count * mean * mean).clamp_min(0)
-    return total, squares
 
 
 def attention_scores(

@@ -20,6 +20,7 @@ result has exactly the distribution of bottom-k sampling.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,9 @@ import torch
 from ..errors import InputError
 
 __all__ = ["EntrySample"]
+
+#: Sampled rows whose scores are formed in one matrix product (bounds the memory of a draw at long contexts).
+_ROWS_PER_PRODUCT = 256
 
 #: Columns of the sample, one value per kept entry.
 COLUMNS = ("key", "attention", "prior", "layer", "head", "query", "key_position")
@@ -57,41 +61,142 @@ class EntrySample:
         """Keys at or above this cannot enter the sample."""
         return float(self.columns["key"].max()) if len(self) >= self.size else 1.0
 
-    def update(self, layer: int, pattern: torch.Tensor, visible: torch.Tensor, visible_keys: torch.Tensor) -> None:
-        """Offer every visible entry of one layer of a batch.
+    def update(
+        self,
+        layer: int,
+        pattern: torch.Tensor,
+        lengths: torch.Tensor,
+        *,
+        window: int | None = None,
+        excluded_keys: Sequence[int] = (),
+    ) -> None:
+        """Offer every visible entry of one layer of a batch, from captured weights.
 
         Args:
             layer: the layer index.
             pattern: ``[batch, head, query, key]``.
-            visible: ``[batch, query, key]`` bool.
-            visible_keys: ``|V(q)|`` for this layer, ``[query]``.
+            lengths: ``[batch]`` real tokens per window.
+            window: the layer's sliding window, or ``None``.
+            excluded_keys: key positions left out of the statistics.
         """
-        heads = pattern.shape[1]
-        entries = visible.nonzero()  # [n_visible, 3]: batch, query, key
-        n_visible = entries.shape[0]
+        drawn = self._draw(pattern.shape[1], pattern.shape[-1], lengths, window, excluded_keys)
+        if drawn is None:
+            return
+        batch, head, query, key = (index.to(pattern.device) for index in drawn)
+        self._add(layer, drawn, pattern[batch, head, query, key], window)
+
+    def update_from_scores(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        lengths: torch.Tensor,
+        *,
+        scaling: float | None = None,
+        softcap: float | None = None,
+        window: int | None = None,
+        excluded_keys: Sequence[int] = (),
+    ) -> None:
+        """Offer every visible entry of one layer of a batch, recomputing only the sampled ones.
+
+        ``a[q, k] = exp(s[q, k] - logsumexp_k' s[q, k'])`` with the scores ``s = softcap(q·kᵀ·scaling)``
+        of the sampled rows only (the row's keys under the causal mask and the window), so the
+        sample costs ``O(rows drawn · T)``, not a pattern.
+
+        Args:
+            layer: the layer index.
+            query: ``[batch, head, query, head_dim]``; key: ``[batch, kv_head, key, head_dim]``.
+            lengths, window, excluded_keys: as in :meth:`update`.
+            scaling, softcap: the layer's score scale and soft-capping.
+        """
+        heads, width = query.shape[1], query.shape[2]
+        drawn = self._draw(heads, width, lengths, window, excluded_keys)
+        if drawn is None:
+            return
+        batch, head, row, column = (index.to(query.device) for index in drawn)
+        group = heads // key.shape[1]
+        dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        kv_heads = key.shape[1]
+
+        # Each sampled row's log-sum-exp over the keys its mask shows, one matrix product per
+        # (window, key head) and chunk of rows: memory is a chunk of rows × T, whatever T.
+        rows = torch.unique(torch.stack([batch, head, row]), dim=1)  # [3, R], sorted lexicographically
+        row_lse = torch.empty(rows.shape[1], dtype=dtype, device=query.device)
+        positions = torch.arange(width, device=query.device).view(1, -1)
+        pair_of_row = rows[0] * kv_heads + rows[1] // group
+        for pair in torch.unique(pair_of_row).tolist():
+            b, kv = divmod(int(pair), kv_heads)
+            selected = (pair_of_row == pair).nonzero().view(-1)
+            for chunk in selected.split(_ROWS_PER_PRODUCT):
+                scores = query[b, rows[1, chunk], rows[2, chunk]].to(dtype) @ key[b, kv].to(dtype).T * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                allowed = positions <= rows[2, chunk].view(-1, 1)
+                if window is not None:
+                    allowed &= rows[2, chunk].view(-1, 1) - positions < window
+                row_lse[chunk] = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), -1)
+        flat_rows = (rows[0] * heads + rows[1]) * width + rows[2]
+        which = torch.searchsorted(flat_rows, (batch * heads + head) * width + row)
+        sampled = (query[batch, head, row].to(dtype) * key[batch, head // group, column].to(dtype)).sum(-1) * scale
+        if softcap is not None:
+            sampled = torch.tanh(sampled / softcap) * softcap
+        self._add(layer, drawn, (sampled - row_lse[which]).exp(), window)
+
+    def _draw(
+        self, heads: int, width: int, lengths: torch.Tensor, window: int | None, excluded_keys: Sequence[int]
+    ) -> tuple[torch.Tensor, ...] | None:
+        """Which entries enter the sample from one layer of a batch: ``(batch, head, query, key)`` long tensors.
+
+        The visible entries are numbered in ``(window, query, key)`` order without building the
+        mask (each row ``q < length`` of a window holds the keys ``max(0, q - w + 1) .. q`` that
+        are not excluded), and ``m`` of the ``heads × n_visible`` entries are drawn as in the
+        module docstring.
+        """
+        lengths = lengths.detach().to("cpu", torch.long)
+        if window is not None and window >= width:
+            window = None
+        excluded = sorted({int(k) for k in excluded_keys if 0 <= int(k) < width})
+        query = torch.arange(width)
+        first = torch.zeros_like(query) if window is None else (query - window + 1).clamp_min(0)
+        per_row = query - first + 1
+        for key in excluded:
+            per_row -= ((first <= key) & (key <= query)).long()
+        row_count = torch.where(query.view(1, -1) < lengths.view(-1, 1), per_row.view(1, -1), 0).reshape(-1)
+        ends = row_count.cumsum(0)
+        n_visible = int(ends[-1]) if len(ends) else 0
         total = heads * n_visible
         if total == 0:
-            return
+            return None
         tau = self.threshold
         below = int(self.rng.binomial(total, tau))
         m = min(below, self.size)
         if m == 0:
-            return
+            return None
         spacings = np.cumsum(self.rng.standard_exponential(m))
-        keys = tau * spacings / (spacings[-1] + self.rng.gamma(below + 1 - m))
+        self._keys = tau * spacings / (spacings[-1] + self.rng.gamma(below + 1 - m))
         chosen = torch.from_numpy(self.rng.choice(total, size=m, replace=False))
         head = chosen // n_visible
-        where = entries[chosen % n_visible].cpu()
-        query, key = where[:, 1], where[:, 2]
-        attention = pattern[where[:, 0].to(pattern.device), head.to(pattern.device), query.to(pattern.device), key.to(pattern.device)]
+        entry = chosen % n_visible
+        flat_row = torch.searchsorted(ends, entry, right=True)
+        rank = entry - (ends[flat_row] - row_count[flat_row])
+        batch, row = flat_row // width, flat_row % width
+        column = first[row] + rank
+        for key in excluded:  # the rank-th key that is not excluded, counting from the row's first key
+            column += ((first[row] <= key) & (key <= column)).long()
+        return batch, head, row, column
+
+    def _add(self, layer: int, drawn: tuple[torch.Tensor, ...], attention: torch.Tensor, window: int | None) -> None:
+        batch, head, row, column = (index.cpu() for index in drawn)
+        visible_keys = (row + 1).double() if window is None else (row + 1).clamp(max=window).double()
         new = {
-            "key": keys,
+            "key": self._keys,
             "attention": attention.double().cpu().numpy(),
-            "prior": (1.0 / visible_keys.double().cpu()[query]).numpy(),
-            "layer": np.full(m, float(layer)),
+            "prior": (1.0 / visible_keys).numpy(),
+            "layer": np.full(len(row), float(layer)),
             "head": head.double().numpy(),
-            "query": query.double().numpy(),
-            "key_position": key.double().numpy(),
+            "query": row.double().numpy(),
+            "key_position": column.double().numpy(),
         }
         self._keep_smallest(new)
 

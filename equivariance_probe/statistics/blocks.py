@@ -1,0 +1,810 @@
+"""Per-window attention sums computed from queries and keys, one query block at a time.
+
+Place in the seams: *statistics*, the local engine. :class:`~equivariance_probe.statistics.
+AttentionStatistics` adds what these functions return; on CUDA the fused kernel of
+:mod:`~equivariance_probe.statistics.triton_kernels` computes the same sums in one launch.
+
+Every statistic of METHODS.md sections 1-3 is a function of a few float64 sums over the
+*visible* attention entries of each window (their streaming accumulator,
+:class:`~equivariance_probe.statistics.AttentionStatistics`, merges them across batches by
+adding). This module computes those sums for one layer and one
+batch of right-padded windows directly from the layer's queries and keys, without ever
+holding a ``[T, T]`` pattern per head: queries are processed in blocks of ``block_size``
+rows, and each block holds only ``[batch, head, block, keys it can see]`` scores (with a
+sliding window ``w``, the keys ``[q0 - w + 1, q1)``). A second entry point computes the
+same sums from captured post-softmax weights, for models whose attention cannot be
+recomputed from ``q`` and ``k`` (ALiBi biases, learned sink logits).
+
+Conventions (those of today's per-layer reduction and of the nnsight adapter's
+``recompute_pattern``):
+
+- ``query: [B, H, T, d]``, ``key: [B, H_kv, T, d]`` after rotary embeddings and q/k norms.
+  Query head ``h`` reads key head ``h // (H / H_kv)`` (transformers' ``repeat_kv``).
+- Scores ``s = softcap(q·kᵀ·scaling)`` with ``softcap(s) = c·tanh(s / c)``; ``scaling``
+  defaults to ``d**-0.5``. Scores are computed in float64 for float64 inputs and in
+  float32 otherwise (bf16/fp16 inputs are upcast, so products are exact and only the
+  accumulation rounds); float32 products are never taken in TF32 or bf16
+  (:func:`full_float32_matmul`).
+- The model's mask: query ``q`` sees key ``k`` iff ``k <= q`` and, for a sliding window
+  ``w``, ``q - k < w``. The softmax ``a = softmax(masked s)`` runs over those keys.
+- An entry ``(b, q, k)`` is *visible* to the statistics iff the mask allows it, ``q`` is
+  a real token of window ``b`` (``q < lengths[b]``, right padding) and ``k`` is not one of
+  ``excluded_keys``. Excluded keys stay in the softmax (the model attends to them, e.g.
+  an attention sink) but are left out of every sum.
+- The log scale reads ``y = log max(a, eps) = max(log a, log eps)``; from scores,
+  ``log a`` is computed as ``s - logsumexp(s)``, which stays accurate where ``a`` itself
+  underflows. An entry is *floored* when ``log a < log eps``.
+- ``key_bin: [T]`` maps each key position to one of ``K`` contiguous bins, for the
+  key-conditioned persistence curves (``key_bin = arange(T)``: one curve per key).
+
+The sums (float64, on the input's device):
+
+==============  ===============  ====================================================
+name            shape            meaning
+==============  ===============  ====================================================
+``raw_sum``     ``[B, H, T]``    ``Σ_k a[q, k]`` over the visible keys of row ``q``
+``raw_sq``      ``[B, H, T]``    ``Σ_k a[q, k]²``
+``log_sum``     ``[B, H, T]``    ``Σ_k y[q, k]``
+``log_sq``      ``[B, H, T]``    ``Σ_k y[q, k]²``
+``floored``     ``[B, H]``       visible entries with ``log a < log eps``
+``lag_sum``     ``[B, H, T]``    ``Σ_t a[t + dt, t]`` by lag ``dt = q - k``
+``key_lag_sum`` ``[K, T]``       ``Σ`` over windows and heads of ``a[q, k]`` with
+                                 ``key_bin[k] = κ`` and ``q - k = dt``, ``[κ, dt]``
+``pattern_sum`` ``[H, T, T]``    optional: ``Σ_b a[b, h, q, k]``, query-key layout
+==============  ===============  ====================================================
+
+Rows of padding queries (``q >= lengths[b]``) are 0 everywhere. The mask-only sums
+(entry counts and the uniform prior's curves) do not depend on the model; they come in
+closed form from :func:`~equivariance_probe.statistics.masks.mask_counts`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InputError
+from .masks import _check_key_bins, _effective_window, _excluded_flags, default_log_floor, visible_key_counts
+
+__all__ = [
+    "DEFAULT_BLOCK_MEMORY",
+    "SUM_NAMES",
+    "attention_sums_from_qk",
+    "attention_sums_from_weights",
+    "choose_block_size",
+    "full_float32_matmul",
+    "pattern_sum_from_qk",
+    "row_moments",
+    "toeplitz_r2_per_window",
+]
+
+#: The per-window sums every path returns (``pattern_sum`` is added on request).
+SUM_NAMES = ("raw_sum", "raw_sq", "log_sum", "log_sq", "floored", "lag_sum", "key_lag_sum")
+
+#: Default memory budget of one query block's temporaries, in bytes (see
+#: :func:`choose_block_size`): about a million block entries, which measured as fast as
+#: any block size on CPU at both T = 1024 and T = 8192.
+DEFAULT_BLOCK_MEMORY = 96 * 2**20
+
+#: Bytes of temporaries per ``[batch, head, query, key]`` entry of a block, by work dtype:
+#: the scores, weights and log weights in the work dtype, their float64 copies (the
+#: weights padded for the lag sums) and the deviations of the row moments. The figures
+#: are the measured peak resident memory per entry on CPU, rounded up (they include
+#: what the allocator holds on to); the live tensors alone come to about 44 bytes
+#: (float32 work) and 72 (float64).
+_BYTES_PER_ENTRY = {torch.float32: 96, torch.float64: 128}
+
+#: Query blocks are a multiple of this many rows (when there are that many), which keeps
+#: the matrix products on their fast paths.
+_BLOCK_MULTIPLE = 16
+
+#: Upper bound on the automatic block size. Beyond a few hundred rows a block's
+#: temporaries fall out of the CPU caches and nothing is gained in the matrix products.
+_MAX_AUTO_BLOCK = 256
+
+
+# -- small helpers --------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def full_float32_matmul(device: torch.device | str) -> Iterator[None]:
+    """Inside, float32 matrix products on ``device`` use IEEE float32 (no TF32 or bf16).
+
+    torch may be configured (``torch.backends.cuda.matmul.allow_tf32``,
+    ``torch.set_float32_matmul_precision``, the ``fp32_precision`` settings) to take
+    float32 products in TF32 on CUDA or bf16 through oneDNN on CPU, which rounds the
+    inputs to 10 or 7 mantissa bits: far too coarse for scores whose softmax we sum to
+    float64. The setting is process-global, so it is changed only for the duration of the
+    block and restored afterwards (not thread-safe, like the settings themselves).
+    """
+    device = torch.device(device)
+    backend = torch.backends.cuda.matmul if device.type == "cuda" else getattr(
+        getattr(torch.backends, "mkldnn", None), "matmul", None
+    )
+    previous_precision = getattr(backend, "fp32_precision", None) if backend is not None else None
+    previous_tf32 = None
+    try:
+        if previous_precision is not None:
+            backend.fp32_precision = "ieee"
+        elif device.type == "cuda":
+            previous_tf32 = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = False
+    except (AttributeError, RuntimeError, ValueError):
+        previous_precision = previous_tf32 = None  # a torch without these settings
+    try:
+        yield
+    finally:
+        if previous_precision is not None:
+            backend.fp32_precision = previous_precision
+        if previous_tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+
+
+def choose_block_size(
+    batch: int,
+    heads: int,
+    n_positions: int,
+    window: int | None,
+    dtype: torch.dtype = torch.float32,
+    memory_budget: int = DEFAULT_BLOCK_MEMORY,
+) -> int:
+    """Rows per query block so that one block's temporaries fit ``memory_budget`` bytes.
+
+    A block of ``n`` query rows holds about ``B·H·n·n_keys(n)·bytes_per_entry`` bytes,
+    with ``n_keys(n) = T`` under full causal attention and ``min(T, w + n - 1)`` under a
+    sliding window ``w``, and ``bytes_per_entry`` 96 for float32 work, 128 for float64
+    (measured peaks). The rule takes the largest ``n`` with
+    ``B·H·n·n_keys(n)·bytes_per_entry <= budget`` (solving the quadratic for windows),
+    rounds it down to a multiple of 16 and clamps it to ``[1, min(T, 256)]``: blocks of
+    more than a few hundred rows only fall out of the caches. With the default 96 MiB:
+    64 rows at ``B·H = 16``, ``T = 1024`` (full causal), 96 with window 512, and 32 rows
+    at ``B·H = 4``, ``T = 8192``.
+
+    Args:
+        batch, heads: ``B`` and ``H`` (query heads).
+        n_positions: ``T``.
+        window: sliding window width or ``None``.
+        dtype: the work dtype (float32 or float64).
+        memory_budget: bytes allowed for one block's temporaries.
+
+    Returns:
+        The block size, between 1 and ``T``.
+    """
+    window = _effective_window(window, n_positions)
+    per_row_entry = max(1, batch * heads) * _BYTES_PER_ENTRY.get(dtype, _BYTES_PER_ENTRY[torch.float32])
+    entries = memory_budget / per_row_entry  # allowed n·n_keys(n)
+    if window is None:
+        rows = entries / max(n_positions, 1)
+    else:
+        # n·(w + n) <= entries, the positive root of n² + w·n - entries.
+        rows = (-window + math.sqrt(window * window + 4.0 * entries)) / 2.0
+        if rows + window - 1 > n_positions:
+            rows = entries / max(n_positions, 1)
+    rows = int(rows)
+    if rows >= _BLOCK_MULTIPLE:
+        rows -= rows % _BLOCK_MULTIPLE
+    return max(1, min(rows, _MAX_AUTO_BLOCK, n_positions))
+
+
+# -- inputs ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Layout:
+    """One batch's mask, validated and laid out for the block loop."""
+
+    batch: int
+    heads: int
+    n_positions: int
+    window: int | None  # None when the window covers the context
+    lengths: torch.Tensor  # [B] long, on the device
+    host_lengths: list[int]
+    key_keep: torch.Tensor  # [T] bool: not excluded
+    excluded: list[int]  # excluded positions inside [0, T)
+    row_count: torch.Tensor  # [B, T] float64 visible keys per row
+    key_bin: torch.Tensor  # [T] long
+    n_key_bins: int
+    log_floor: float
+    device: torch.device
+
+    def key_start(self, q0: int) -> int:
+        """First key any query of a block starting at ``q0`` can see."""
+        return 0 if self.window is None else max(0, q0 - self.window + 1)
+
+    def allowed(self, q0: int, q1: int, k0: int) -> torch.Tensor:
+        """The model's mask on rows ``[q0, q1)`` and keys ``[k0, q1)``: ``[rows, keys]`` bool."""
+        query = torch.arange(q0, q1, device=self.device).view(-1, 1)
+        key = torch.arange(k0, q1, device=self.device).view(1, -1)
+        allowed = key <= query
+        if self.window is not None:
+            allowed = allowed & (query - key < self.window)
+        return allowed
+
+    def visible(self, q0: int, q1: int, k0: int, allowed: torch.Tensor) -> torch.Tensor:
+        """Entries the statistics read in the block: ``[B, 1, rows, keys]`` bool."""
+        real = torch.arange(q0, q1, device=self.device).view(1, -1) < self.lengths.view(-1, 1)
+        visible = allowed.unsqueeze(0) & real.unsqueeze(-1)
+        if self.excluded:
+            visible = visible & self.key_keep[k0:q1]
+        return visible.unsqueeze(1)
+
+
+def _layout(
+    *,
+    batch: int,
+    heads: int,
+    n_positions: int,
+    device: torch.device,
+    window: int | None,
+    lengths: torch.Tensor | None,
+    excluded_keys: Sequence[int],
+    log_floor: float | None,
+    key_bin: torch.Tensor | None,
+    n_key_bins: int | None,
+    input_dtype: torch.dtype,
+) -> _Layout:
+    """Validate the mask arguments shared by every entry point."""
+    if lengths is None:
+        lengths = torch.full((batch,), n_positions, dtype=torch.long, device=device)
+    lengths = torch.as_tensor(lengths, device=device).long().reshape(-1)
+    if lengths.numel() != batch:
+        raise InputError(f"lengths has {lengths.numel()} entries for a batch of {batch} windows")
+    host_lengths = [int(n) for n in lengths.tolist()]
+    if any(n < 0 or n > n_positions for n in host_lengths):
+        raise InputError(f"lengths must lie in [0, {n_positions}], got {host_lengths}")
+    key_bin, n_key_bins = _check_key_bins(key_bin, n_key_bins, n_positions, device)
+    if log_floor is None:
+        log_floor = default_log_floor(input_dtype)
+    if not log_floor > 0:
+        raise InputError(f"log_floor must be positive, got {log_floor}")
+    window = _effective_window(window, n_positions)
+    excluded = sorted({int(k) for k in excluded_keys if 0 <= int(k) < n_positions})
+    key_keep = ~_excluded_flags(n_positions, excluded, device)
+    per_query = visible_key_counts(n_positions, window, excluded, device)
+    real = torch.arange(n_positions, device=device).view(1, -1) < lengths.view(-1, 1)
+    row_count = torch.where(real, per_query, torch.zeros((), dtype=torch.float64, device=device))
+    return _Layout(
+        batch=batch,
+        heads=heads,
+        n_positions=n_positions,
+        window=window,
+        lengths=lengths,
+        host_lengths=host_lengths,
+        key_keep=key_keep,
+        excluded=excluded,
+        row_count=row_count,
+        key_bin=key_bin,
+        n_key_bins=n_key_bins,
+        log_floor=float(log_floor),
+        device=device,
+    )
+
+
+def _check_qk(query: torch.Tensor, key: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """Shapes ``(B, H, H_kv, T, d)`` of matching query and key tensors."""
+    if query.dim() != 4 or key.dim() != 4:
+        raise InputError(
+            f"query and key must be [batch, head, position, head_dim], got {tuple(query.shape)} and {tuple(key.shape)}"
+        )
+    batch, heads, n_positions, dim = query.shape
+    kb, kv_heads, n_keys, kdim = key.shape
+    if kb != batch or n_keys != n_positions or kdim != dim:
+        raise InputError(f"key {tuple(key.shape)} does not match query {tuple(query.shape)}")
+    if kv_heads < 1 or heads % kv_heads:
+        raise InputError(f"{heads} query heads cannot share {kv_heads} key heads evenly")
+    if key.device != query.device:
+        raise InputError(f"query is on {query.device} but key is on {key.device}")
+    return batch, heads, kv_heads, n_positions, dim
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 for float64 inputs, float32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _empty_sums(layout: _Layout, keep_pattern: bool) -> dict[str, torch.Tensor]:
+    shape = (layout.batch, layout.heads, layout.n_positions)
+    zeros = lambda *size: torch.zeros(size, dtype=torch.float64, device=layout.device)  # noqa: E731
+    out = {name: zeros(*shape) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum")}
+    out["floored"] = zeros(layout.batch, layout.heads)
+    out["key_lag_sum"] = zeros(layout.n_key_bins, layout.n_positions)
+    if keep_pattern:
+        out["pattern_sum"] = zeros(layout.heads, layout.n_positions, layout.n_positions)
+    return out
+
+
+def _blocks(layout: _Layout, block_size: int | None, dtype: torch.dtype) -> Iterator[tuple[int, int, int]]:
+    """``(q0, q1, k0)`` per query block, up to the longest window (later rows are padding)."""
+    if block_size is None:
+        block_size = choose_block_size(layout.batch, layout.heads, layout.n_positions, layout.window, dtype)
+    block_size = int(block_size)
+    if block_size < 1:
+        raise InputError(f"block_size must be at least 1, got {block_size}")
+    n_real = max(layout.host_lengths, default=0)
+    for q0 in range(0, n_real, block_size):
+        yield q0, min(q0 + block_size, n_real), layout.key_start(q0)
+
+
+# -- per-block maths ----------------------------------------------------------------------
+
+
+def row_moments(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Σ_k y`` and ``Σ_k y²`` per row, in float64, accurate to float64 even for float32 ``y``.
+
+    Squaring float32 values rounds each square (relative 6e-8), which would leave a
+    spurious within-group variance of order 1e-7 where the truth is exactly 0 (uniform
+    attention). So the sum of squares is built from deviations around the row mean:
+    ``Σy² = Σ(y - m̃)² - n(m - m̃)² + n m²`` with ``m`` the float64 mean and ``m̃`` its
+    rounding to ``y``'s dtype. A row of identical values has an exact float64 sum, so
+    ``m = m̃ = y`` and every deviation is 0: it gets ``Σy² = (n·m)·m``, exactly
+    ``count·mean²``. (The block functions pass float64 copies of float32 values, for
+    which ``m̃ = m`` and the deviations and their squares are float64 too.)
+
+    Args:
+        values: ``[..., key]`` float32 or float64, zero (and finite) where ``mask`` is false.
+        mask: bool, broadcastable to ``values``.
+        count: ``[...]`` float64 visible keys per row.
+
+    Returns:
+        ``(Σy, Σy²)``, each ``[...]`` float64.
+    """
+    total = values.sum(-1, dtype=torch.float64)
+    mean = total / count.clamp_min(1)
+    mean_rounded = mean.to(values.dtype)
+    # Hidden entries hold 0, so their deviation is finite and multiplying it by the 0/1
+    # mask zeroes it exactly; on CPU that is ~3x faster than torch.where with a
+    # broadcast mask.
+    deviation = (values - mean_rounded.unsqueeze(-1)).mul_(mask.to(values.dtype))
+    if values.dtype == torch.float64:
+        spread = torch.linalg.vecdot(deviation, deviation)
+    else:
+        spread = (deviation * deviation).sum(-1, dtype=torch.float64)
+    offset = mean - mean_rounded.to(torch.float64)
+    squares = (spread - count * offset * offset + count * mean * mean).clamp_min(0)
+    return total, squares
+
+
+def _block_from_scores(
+    scores: torch.Tensor, visible: torch.Tensor, row_count: torch.Tensor, log_eps: float, pad: int
+) -> tuple[torch.Tensor, ...]:
+    """Softmax and row moments of one query block, from masked scores.
+
+    ``log a = s - logsumexp(s)``, computed as ``(s - m) - log Σ exp(s - m)`` with ``m``
+    the row maximum, and ``a = exp(s - m) / Σ exp(s - m)`` (one exponential per entry
+    serves both), in the scores' dtype. The visible weights and floored log weights
+    are then copied to float64 once and every sum is taken from those copies: a
+    float32 value squared in float64 is exact, so the moments are accurate to float64
+    (see :func:`row_moments` for rows of identical values). Converting once costs about
+    what float64-accumulating reductions of float32 data would (each converts its input
+    anyway), and the lag and key-lag sums reuse the copy.
+
+    Args:
+        scores: ``[B, H, rows, keys]`` float32/64, ``-inf`` where the model's mask hides
+            an entry (every row keeps at least its diagonal). Overwritten.
+        visible: ``[B, 1, rows, keys]`` bool, the entries the statistics read.
+        row_count: ``[B, 1, rows]`` float64, visible keys per row.
+        log_eps: ``log eps``, the floor of the log scale.
+        pad: zero columns put in front of the weights (for :func:`_lag_sums`).
+
+    Returns:
+        ``padded_weights`` (``[B, H, rows, pad + keys]`` float64, 0 where not visible),
+        the per-row ``Σa, Σa², Σy, Σy²`` (``[B, H, rows]`` float64) and the floored
+        entries per ``(b, h)`` (``[B, H]`` float64).
+
+    Elementwise maths and row reductions only, so ``torch.compile`` can fuse it.
+    """
+    shifted = scores.sub_(scores.amax(-1, keepdim=True))
+    weights = torch.exp(shifted)
+    normaliser = weights.sum(-1, keepdim=True)
+    weights.div_(normaliser)
+    log_weights = shifted.sub_(normaliser.log_())
+    floored = torch.count_nonzero((log_weights < log_eps).logical_and_(visible), dim=(-2, -1)).to(torch.float64)
+    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
+    logs = torch.where(visible, log_weights.clamp_min_(log_eps), zero)
+    weights = torch.where(visible, weights, zero)
+    return _weights_and_moments(weights, logs, floored, visible, row_count, pad)
+
+
+def _block_from_weights(
+    weights: torch.Tensor, visible: torch.Tensor, row_count: torch.Tensor, log_floor: float, pad: int
+) -> tuple[torch.Tensor, ...]:
+    """:func:`_block_from_scores` for captured weights: ``y = log max(a, eps)``, floored ``a < eps``."""
+    zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
+    floored = torch.count_nonzero((weights < log_floor).logical_and_(visible), dim=(-2, -1)).to(torch.float64)
+    logs = torch.where(visible, torch.log(weights.clamp_min(log_floor)), zero)
+    return _weights_and_moments(torch.where(visible, weights, zero), logs, floored, visible, row_count, pad)
+
+
+def _weights_and_moments(
+    weights: torch.Tensor,
+    logs: torch.Tensor,
+    floored: torch.Tensor,
+    visible: torch.Tensor,
+    row_count: torch.Tensor,
+    pad: int,
+) -> tuple[torch.Tensor, ...]:
+    """Float64 copies of the visible weights (padded for the lag sums) and log weights,
+    and both scales' row moments (shared by both block kinds)."""
+    batch, heads, rows, keys = weights.shape
+    padded = torch.zeros((batch, heads, rows, pad + keys), dtype=torch.float64, device=weights.device)
+    weights64 = padded[..., pad:]
+    weights64.copy_(weights)
+    raw_sum, raw_sq = row_moments(weights64, visible, row_count)
+    log_sum, log_sq = row_moments(logs.to(torch.float64), visible, row_count)
+    return padded, raw_sum, raw_sq, log_sum, log_sq, floored
+
+
+def _lag_sums(padded: torch.Tensor, rows: int, n_keys: int) -> torch.Tensor:
+    """Sums of a block's weights along its diagonals: ``[B, H, n_keys]`` float64 by lag.
+
+    The block holds rows ``q = q0 + i`` and keys ``k = k0 + j`` with
+    ``n_keys = q1 - k0``, so its lags ``q - k`` run over ``[0, n_keys)`` (entries with
+    ``k > q`` are zero). ``padded`` is the block with ``rows - 1`` zero columns in front
+    (width ``W = n_keys + rows - 1``). Reading it with row stride ``W + 1`` shifts row
+    ``i`` left by ``i``: element ``[i, c]`` of the strided view is ``a[i, c + i - rows + 1]``,
+    whose lag is ``n_keys - 1 - c`` for every ``i``. So diagonals become columns, and one
+    reduction over the rows of this view, with no copy and no index arithmetic, gives
+    every diagonal sum at once (reversed).
+
+    Why the skew and not a scatter: ``index_add_``/``scatter_add_`` on CPU run a serial,
+    non-vectorised loop over ``B·H·rows·keys`` elements with an int64 index each, while
+    the skewed reduction is a plain vectorised sum of contiguous rows. On a
+    ``[4, 4, 48, 1024]`` float64 block (2 CPU cores) the skewed sum took 0.14 ms against
+    1.9 ms for ``index_add_`` and 4 ms for ``scatter_add_``. The price is the
+    ``rows - 1`` zero columns, which cost nothing extra here because the float64 copy
+    of the weights is written straight into the padded buffer.
+    """
+    batch, heads, _, width = padded.shape
+    padded = padded.contiguous()
+    skewed = padded.as_strided(
+        (batch, heads, rows, n_keys),
+        (heads * rows * width, rows * width, width + 1, 1),
+        padded.storage_offset(),
+    )
+    return skewed.sum(-2).flip(-1)
+
+
+def _key_lag_index(layout: _Layout, q0: int, q1: int, k0: int) -> torch.Tensor:
+    """Flat ``[κ, dt]`` index of each entry of a block into ``key_lag_sum``: ``[rows, keys]``.
+
+    Entries above the diagonal (which hold 0) point at ``dt = 0`` of their key's bin.
+    """
+    query = torch.arange(q0, q1, device=layout.device).view(-1, 1)
+    key = torch.arange(k0, q1, device=layout.device).view(1, -1)
+    lag = (query - key).clamp_min(0)
+    return layout.key_bin[k0:q1].view(1, -1) * layout.n_positions + lag
+
+
+def _accumulate(
+    out: dict[str, torch.Tensor],
+    layout: _Layout,
+    q0: int,
+    q1: int,
+    k0: int,
+    block: tuple[torch.Tensor, ...],
+) -> None:
+    """Add one block's results (from ``_block_from_*``) to the sums."""
+    padded, raw_sum, raw_sq, log_sum, log_sq, floored = block
+    rows, n_keys = q1 - q0, q1 - k0
+    out["raw_sum"][..., q0:q1] = raw_sum
+    out["raw_sq"][..., q0:q1] = raw_sq
+    out["log_sum"][..., q0:q1] = log_sum
+    out["log_sq"][..., q0:q1] = log_sq
+    out["floored"] += floored
+    out["lag_sum"][..., :n_keys] += _lag_sums(padded, rows, n_keys)
+    weights = padded[..., rows - 1 :]
+    if "pattern_sum" in out:
+        per_head = weights.sum(0)  # [H, rows, keys]
+        out["pattern_sum"][:, q0:q1, k0:q1] += per_head
+        summed = per_head.sum(0)
+    else:
+        summed = weights.sum((0, 1))  # [rows, keys]
+    # One scatter of the batch- and head-summed block, 1/(B·H) of the entries: the
+    # key bins vary along both axes of the block, so no skew lines them up.
+    out["key_lag_sum"].view(-1).index_add_(0, _key_lag_index(layout, q0, q1, k0).reshape(-1), summed.reshape(-1))
+
+
+# -- optional compilation of the per-block maths ------------------------------------------
+
+_compiled: dict[str, object] = {}
+_compile_failed = False
+
+
+def _block_function(name: str, compile_blocks: bool):
+    """The per-block function ``name`` (``"scores"``/``"weights"``), compiled if asked.
+
+    Compilation is tried once per process; any failure (no C++ compiler, an unsupported
+    torch) falls back to the eager function for the rest of the process, with a warning,
+    so a run never fails because of it. (Compiled and eager blocks agree to float32
+    rounding of the weights, not bit for bit; see ``compile_blocks``.)
+    """
+    eager = _block_from_scores if name == "scores" else _block_from_weights
+    if not compile_blocks or _compile_failed:
+        return eager
+    if name not in _compiled:
+        _compiled[name] = torch.compile(eager, dynamic=True)
+    return _compiled[name]
+
+
+def _run_block(name: str, compile_blocks: bool, arguments: Callable[[], tuple]) -> tuple[torch.Tensor, ...]:
+    """Run the per-block function ``name`` on ``arguments()``, compiled if asked.
+
+    ``arguments`` builds the inputs afresh: the score block is overwritten in place, so
+    after a compiler failure the eager fallback recomputes it rather than reuse a
+    tensor the failed call may have touched.
+    """
+    global _compile_failed
+    function = _block_function(name, compile_blocks)
+    eager = _block_from_scores if name == "scores" else _block_from_weights
+    if function is eager:
+        return eager(*arguments())
+    try:
+        return function(*arguments())
+    except Exception as error:  # noqa: BLE001 - any compiler failure falls back to the same maths
+        _compile_failed = True
+        warnings.warn(f"torch.compile of the attention block sums failed ({error!r:.200}); using eager torch", stacklevel=3)
+        return eager(*arguments())
+
+
+# -- public entry points --------------------------------------------------------------------
+
+
+def _block_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    q0: int,
+    q1: int,
+    k0: int,
+    scaling: float,
+    softcap: float | None,
+    allowed: torch.Tensor,
+) -> torch.Tensor:
+    """Masked scores of query rows ``[q0, q1)`` against keys ``[k0, q1)``: ``[B, H, rows, keys]``.
+
+    ``query`` is ``[B, H_kv, G, T, d]`` (the query heads grouped by the key head they
+    read), ``key`` is ``[B, H_kv, T, d]``: one batched product per key head serves its
+    ``G`` query heads, with no repeated keys.
+    """
+    batch, kv_heads, group, _, dim = query.shape
+    rows = q1 - q0
+    block = query[:, :, :, q0:q1].reshape(batch, kv_heads, group * rows, dim)
+    scores = torch.matmul(block, key[:, :, k0:q1].transpose(-1, -2))
+    scores = scores.view(batch, kv_heads * group, rows, q1 - k0).mul_(scaling)
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    # Adding a 0/-inf bias broadcasts ~5x faster on CPU than masked_fill_ with a
+    # broadcast mask, with the same result (s + 0 = s, s - inf = -inf).
+    bias = torch.zeros(allowed.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~allowed, float("-inf"))
+    return scores.add_(bias)
+
+
+def _grouped(query: torch.Tensor, key: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """Queries as ``[B, H_kv, G, T, d]`` and keys, both in the work dtype."""
+    dtype = _work_dtype(query.dtype)
+    batch, heads, n_positions, dim = query.shape
+    grouped = query.to(dtype).reshape(batch, kv_heads, heads // kv_heads, n_positions, dim)
+    return grouped, key.to(dtype), dtype
+
+
+def attention_sums_from_qk(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    lengths: torch.Tensor | None = None,
+    excluded_keys: Sequence[int] = (),
+    log_floor: float | None = None,
+    key_bin: torch.Tensor | None = None,
+    n_key_bins: int | None = None,
+    keep_pattern: bool = False,
+    block_size: int | None = None,
+    compile_blocks: bool = False,
+) -> dict[str, torch.Tensor]:
+    """One layer's per-window attention sums, from its queries and keys, in query blocks.
+
+    For each block of query rows ``[q0, q1)``: scores against the keys ``[k0, q1)`` the
+    block can see (``k0 = max(0, q0 - w + 1)`` under a window ``w``), the model's mask,
+    ``log a = s - logsumexp(s)``, ``a = exp(log a)``, then per-row moments and
+    diagonal sums. Peak memory is one block's temporaries (:func:`choose_block_size`).
+
+    Args:
+        query: ``[B, H, T, d]``, any float dtype, after rotary embeddings and q-norm.
+        key: ``[B, H_kv, T, d]`` with ``H % H_kv == 0``.
+        scaling: score scale; ``None`` means ``d**-0.5``.
+        softcap: logit soft-capping ``c`` (``s -> c·tanh(s/c)``), or ``None``.
+        window: sliding window width ``w``, or ``None`` for full causal attention.
+        lengths: ``[B]`` real tokens per window (right padding); ``None``: all ``T``.
+        excluded_keys: key positions kept in the softmax but left out of every sum.
+        log_floor: ``eps`` of the log scale; ``None``: the smallest normal number of
+            ``query.dtype``.
+        key_bin: ``[T]`` non-decreasing bin of each key position; ``None``: one bin per key.
+        n_key_bins: ``K``; ``None``: ``key_bin.max() + 1``.
+        keep_pattern: also return ``pattern_sum: [H, T, T]`` (query-key layout, summed
+            over the batch).
+        block_size: query rows per block; ``None`` chooses it from a memory budget
+            (:func:`choose_block_size`). Results do not depend on it beyond float64
+            rounding.
+        compile_blocks: run the per-block elementwise maths through
+            ``torch.compile(dynamic=True)``, falling back to eager (with a warning) on
+            any compiler failure. Off by default: on CPU the compiled blocks were
+            20-30% faster once warm, but the first call compiles for 30-40 s, and the
+            compiled maths round differently from eager (relative differences of
+            about 5e-7 in float32 work; rows of identical values stay exact), so
+            results would depend on whether a C++ compiler is present
+            (``bench_cpu.py`` measures all three).
+
+    Returns:
+        float64 tensors on ``query.device``: ``raw_sum, raw_sq, log_sum, log_sq,
+        lag_sum: [B, H, T]``, ``floored: [B, H]``, ``key_lag_sum: [K, T]`` and, if
+        ``keep_pattern``, ``pattern_sum: [H, T, T]`` (see the module docstring).
+    """
+    batch, heads, kv_heads, n_positions, dim = _check_qk(query, key)
+    layout = _layout(
+        batch=batch,
+        heads=heads,
+        n_positions=n_positions,
+        device=query.device,
+        window=window,
+        lengths=lengths,
+        excluded_keys=excluded_keys,
+        log_floor=log_floor,
+        key_bin=key_bin,
+        n_key_bins=n_key_bins,
+        input_dtype=query.dtype,
+    )
+    grouped_query, work_key, dtype = _grouped(query, key, kv_heads)
+    scale = float(dim**-0.5 if scaling is None else scaling)
+    log_eps = math.log(layout.log_floor)
+    out = _empty_sums(layout, keep_pattern)
+    with full_float32_matmul(query.device), torch.no_grad():
+        for q0, q1, k0 in _blocks(layout, block_size, dtype):
+            allowed = layout.allowed(q0, q1, k0)
+            visible = layout.visible(q0, q1, k0, allowed)
+            count = layout.row_count[:, q0:q1].unsqueeze(1)
+
+            def arguments(q0=q0, q1=q1, k0=k0, allowed=allowed, visible=visible, count=count) -> tuple:
+                scores = _block_scores(grouped_query, work_key, q0, q1, k0, scale, softcap, allowed)
+                return scores, visible, count, log_eps, q1 - q0 - 1
+
+            _accumulate(out, layout, q0, q1, k0, _run_block("scores", compile_blocks, arguments))
+    return out
+
+
+def attention_sums_from_weights(
+    pattern: torch.Tensor,
+    *,
+    window: int | None = None,
+    lengths: torch.Tensor | None = None,
+    excluded_keys: Sequence[int] = (),
+    log_floor: float | None = None,
+    key_bin: torch.Tensor | None = None,
+    n_key_bins: int | None = None,
+    keep_pattern: bool = False,
+    block_size: int | None = None,
+    compile_blocks: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The sums of :func:`attention_sums_from_qk` from captured post-softmax weights.
+
+    For models whose attention cannot be recomputed from queries and keys (ALiBi
+    biases, learned sink logits). Here ``y = log max(a, eps)`` is taken from the weights
+    themselves and an entry is floored when ``a < eps``. Weights outside the mask (or
+    on padding rows, or excluded keys) are ignored. The work runs in query blocks of
+    the given pattern (float32, or float64 for float64 weights).
+
+    Args:
+        pattern: ``[B, H, T, T]`` post-softmax weights, any float dtype.
+        window, lengths, excluded_keys, log_floor, key_bin, n_key_bins, keep_pattern,
+        block_size, compile_blocks: as in :func:`attention_sums_from_qk`
+            (``log_floor=None`` takes the smallest normal number of ``pattern.dtype``).
+
+    Returns:
+        The same dict as :func:`attention_sums_from_qk`.
+    """
+    if pattern.dim() != 4 or pattern.shape[-1] != pattern.shape[-2]:
+        raise InputError(f"pattern must be [batch, head, query, key] with as many keys as queries, got {tuple(pattern.shape)}")
+    batch, heads, n_positions, _ = pattern.shape
+    layout = _layout(
+        batch=batch,
+        heads=heads,
+        n_positions=n_positions,
+        device=pattern.device,
+        window=window,
+        lengths=lengths,
+        excluded_keys=excluded_keys,
+        log_floor=log_floor,
+        key_bin=key_bin,
+        n_key_bins=n_key_bins,
+        input_dtype=pattern.dtype,
+    )
+    dtype = _work_dtype(pattern.dtype)
+    out = _empty_sums(layout, keep_pattern)
+    with torch.no_grad():
+        for q0, q1, k0 in _blocks(layout, block_size, dtype):
+            visible = layout.visible(q0, q1, k0, layout.allowed(q0, q1, k0))
+            count = layout.row_count[:, q0:q1].unsqueeze(1)
+            weights = pattern[:, :, q0:q1, k0:q1].to(dtype)
+            arguments = (weights, visible, count, layout.log_floor, q1 - q0 - 1)
+            _accumulate(out, layout, q0, q1, k0, _run_block("weights", compile_blocks, lambda a=arguments: a))
+    return out
+
+
+def pattern_sum_from_qk(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    lengths: torch.Tensor | None = None,
+    excluded_keys: Sequence[int] = (),
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Only ``pattern_sum``: ``Σ_b a[b, h, q, k]`` over visible entries, ``[H, T, T]`` float64.
+
+    The batch-summed pattern in query-key layout, recomputed block by block like
+    :func:`attention_sums_from_qk` (for paths that compute the other sums elsewhere,
+    such as the Triton kernel).
+    """
+    batch, heads, kv_heads, n_positions, dim = _check_qk(query, key)
+    layout = _layout(
+        batch=batch,
+        heads=heads,
+        n_positions=n_positions,
+        device=query.device,
+        window=window,
+        lengths=lengths,
+        excluded_keys=excluded_keys,
+        log_floor=1.0,
+        key_bin=None,
+        n_key_bins=None,
+        input_dtype=query.dtype,
+    )
+    grouped_query, work_key, dtype = _grouped(query, key, kv_heads)
+    scale = float(dim**-0.5 if scaling is None else scaling)
+    out = torch.zeros((heads, n_positions, n_positions), dtype=torch.float64, device=query.device)
+    with full_float32_matmul(query.device), torch.no_grad():
+        for q0, q1, k0 in _blocks(layout, block_size, dtype):
+            allowed = layout.allowed(q0, q1, k0)
+            scores = _block_scores(grouped_query, work_key, q0, q1, k0, scale, softcap, allowed)
+            weights = torch.softmax(scores, -1)
+            visible = layout.visible(q0, q1, k0, allowed)
+            weights = torch.where(visible, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+            out[:, q0:q1, k0:q1] += weights.sum(0, dtype=torch.float64)
+    return out
+
+
+def toeplitz_r2_per_window(sums: dict[str, torch.Tensor], doc_lag_count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each window's Toeplitz R² (TISA appendix B) per head, from the per-window sums.
+
+    Over a window's visible entries, the best Toeplitz fit puts the mean ``m_dt`` of each
+    diagonal on it, so ``RSS = Σa² - Σ_dt n_dt·m_dt² = Σa² - Σ_dt D_dt²/n_dt`` with
+    ``D_dt`` the diagonal sum (``lag_sum``) and ``n_dt`` its entry count
+    (``doc_lag_count``), and ``TSS = Σa² - (Σa)²/N``. A window without variance (one
+    token, or exactly uniform over a single diagonal) has no R²; it is reported as 0
+    and flagged.
+
+    Args:
+        sums: the dict of :func:`attention_sums_from_qk` (``raw_sum, raw_sq, lag_sum``).
+        doc_lag_count: ``[B, T]`` from :func:`mask_counts`.
+
+    Returns:
+        ``(r2, has_variance)``: ``[B, H]`` float64 and bool.
+    """
+    n_entries = doc_lag_count.sum(-1).unsqueeze(1)  # [B, 1]
+    total = sums["raw_sum"].sum(-1)  # [B, H]
+    square = sums["raw_sq"].sum(-1)
+    lag_count = doc_lag_count.unsqueeze(1)  # [B, 1, T]
+    zero = torch.zeros((), dtype=torch.float64, device=total.device)
+    diagonal_fit = torch.where(lag_count > 0, sums["lag_sum"].square() / lag_count.clamp_min(1), zero)
+    rss = (square - diagonal_fit.sum(-1)).clamp_min(0)
+    tss = square - total.square() / n_entries.clamp_min(1)
+    has_variance = tss > 1e-12 * square.clamp_min(1e-300)
+    r2 = torch.where(has_variance, 1 - rss / tss.clamp_min(1e-300), zero)
+    return r2, has_variance

@@ -1,0 +1,456 @@
+"""A fused Triton kernel for the per-window attention sums, and the dispatcher.
+
+Place in the seams: *statistics*, the CUDA engine beside the torch one. It is imported only
+when a run is on CUDA (or by its tests), so importing the package never imports Triton.
+:func:`attention_sums_triton` computes the same dict as
+:func:`~equivariance_probe.statistics.blocks.attention_sums_from_qk` in one kernel launch on
+CUDA, never writing a score or a weight to memory. :func:`attention_sums` picks it on CUDA
+when Triton is importable and the torch path otherwise, and says which ran.
+
+The kernel, one program per (window ``b``, query head ``h``, block of ``BLOCK`` query
+rows), in the manner of a flash-attention forward pass:
+
+1. Pass 1 over the key tiles the block can see (the loop runs from the first key of the
+   sliding window, rounded down to a tile, to the block's last row or the window's
+   length, so tiles that the causal mask or the window hide entirely are never
+   visited): ``s = softcap(q·kᵀ·scaling)`` and the running row maximum ``m`` and
+   ``l = Σ exp(s - m)`` (online softmax).
+2. Pass 2 over the same tiles, recomputing ``s``: ``a = exp(s - m) / l`` and
+   ``y = (s - m) - log l`` (``= s - logsumexp(s) = log a``, as in the torch path), and
+   accumulating per row ``Σa, Σa², Σy, Σy²`` (``y`` floored at ``log eps``) in float64
+   from the float32 values, the visible and floored counts, and the lag and key-bin
+   lag sums with float64 atomic adds.
+
+Grouped-query attention reads key head ``h // (H / H_kv)`` by index: no repeated keys.
+
+Precision:
+
+- Scores: float32 inputs (and bf16/fp16 inputs, upcast to float32 on load, so products
+  are exact) use ``tl.dot(..., input_precision="ieee")``: full float32 products, never
+  TF32. Float64 inputs use a float64 ``tl.dot`` and float64 throughout.
+- ``tanh`` of the soft cap is evaluated in float64 from ``exp`` (a Taylor polynomial
+  near 0), about 1e-15 relative, then rounded to the work dtype; the Triton interpreter
+  has no libdevice, and this keeps one code path for the GPU and the tests.
+- Rows of identical values (uniform attention: the statistics need ``Σy² = count·mean²``
+  *exactly* there, or a spurious within-row variance of order 1e-7 appears): the row's
+  largest score ``m`` is known after pass 1, and every entry of a row of equal scores
+  takes the value ``c = exp(m - m) / l`` (or ``max((m - m) - log l, log eps)``),
+  computed the same way. Pass 2 counts the visible entries that differ from ``c``; a
+  row with none gets ``Σ = n·c`` and ``Σ² = (n·c)·c`` in float64, exactly what the
+  torch path gives (there the float64 sum of ``n`` equal float32 values is exact and
+  the mean-centred squares vanish). Other rows sum float64 squares of float32 values,
+  which are exact, so their ``Σ²`` is accurate to float64 too. (A three-pass kernel
+  that centres on the row mean would also be exact, at the cost of a third ``q·kᵀ``.)
+- Lag sums: a tile's diagonals are lined up by a cyclic skew with ``tl.gather``
+  (``skewed[i, c] = a[i, (i + c) mod BLOCK]``, so a column holds two lags), reduced over
+  the tile's rows in float64 and added with ``2·BLOCK`` atomic adds instead of
+  ``BLOCK²``. The key-bin lag sums use the same column sums when all of a tile's keys
+  fall in one bin (the common case for coarse bins) and one atomic add per entry
+  otherwise. The order of float64 atomic adds varies between runs, so ``lag_sum`` and
+  ``key_lag_sum`` are reproducible to float64 rounding, not bit for bit.
+
+``pattern_sum`` (``keep_pattern=True``) is not computed by the kernel: it is a
+``[H, T, T]`` array that a fused kernel would have to write anyway; it comes from the
+torch helper :func:`~equivariance_probe.statistics.blocks.pattern_sum_from_qk`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import InputError, check_choice
+from .blocks import (
+    _check_qk,
+    _empty_sums,
+    _layout,
+    attention_sums_from_qk,
+    pattern_sum_from_qk,
+)
+
+try:  # Triton is optional: without it (or without CUDA) the torch path runs.
+    import triton
+    import triton.language as tl
+
+    _TRITON_IMPORT_ERROR: Exception | None = None
+except Exception as error:  # noqa: BLE001 - any import failure means "no Triton"
+    triton = None
+    tl = None
+    _TRITON_IMPORT_ERROR = error
+
+__all__ = ["attention_sums", "attention_sums_triton", "triton_available"]
+
+
+def triton_available() -> bool:
+    """Whether Triton is importable in this process."""
+    return triton is not None
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tanh64(x):
+        """``tanh`` in float64 from ``exp`` (the Triton interpreter has no libdevice).
+
+        ``(1 - e)/(1 + e)`` with ``e = exp(-2|x|)`` for ``|x| >= 0.3`` (no cancellation
+        there) and the Taylor series of ``tanh(x)/x`` to ``x^24`` below; about 1e-15
+        relative everywhere, so float32 callers get a correctly rounded value up to a
+        rare last-bit tie. Coefficients enter through ``tl.full(..., tl.float64)`` so they
+        are not rounded to float32 literals.
+        """
+        x = x.to(tl.float64)
+        ax = tl.abs(x)
+        e = tl.exp(-2.0 * ax)
+        far = (1.0 - e) / (1.0 + e)
+        x2 = ax * ax
+        p = tl.full([], 1.5918905069328964e-05, tl.float64)
+        p = p * x2 + tl.full([], -3.927832388331683e-05, tl.float64)
+        p = p * x2 + tl.full([], 9.691537956929451e-05, tl.float64)
+        p = p * x2 + tl.full([], -0.00023912911424355248, tl.float64)
+        p = p * x2 + tl.full([], 0.000590027440945586, tl.float64)
+        p = p * x2 + tl.full([], -0.0014558343870513183, tl.float64)
+        p = p * x2 + tl.full([], 0.003592128036572481, tl.float64)
+        p = p * x2 + tl.full([], -0.008863235529902197, tl.float64)
+        p = p * x2 + tl.full([], 0.021869488536155203, tl.float64)
+        p = p * x2 + tl.full([], -0.05396825396825397, tl.float64)
+        p = p * x2 + tl.full([], 0.13333333333333333, tl.float64)
+        p = p * x2 + tl.full([], -0.3333333333333333, tl.float64)
+        p = p * x2 + tl.full([], 1.0, tl.float64)
+        magnitude = tl.where(ax < 0.3, ax * p, far)
+        return tl.where(x < 0, -magnitude, magnitude)
+
+    @triton.jit
+    def _score_tile(
+        q, k_ptrs, key_ok, scaling, softcap,
+        DTYPE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ):
+        """One tile of scores ``softcap(q·kᵀ·scaling)``, ``[BLOCK, BLOCK]`` in ``DTYPE``.
+
+        ``q`` is ``[BLOCK, BLOCK_D]`` in ``DTYPE``; ``k_ptrs`` point at ``kᵀ``,
+        ``[BLOCK_D, BLOCK]``. Float32 uses IEEE products (``input_precision="ieee"``),
+        never TF32.
+        """
+        k = tl.load(k_ptrs, mask=key_ok, other=0.0).to(DTYPE)
+        if DTYPE == tl.float64:
+            s = tl.dot(q, k) * scaling
+        else:
+            s = tl.dot(q, k, input_precision="ieee") * scaling
+        if HAS_SOFTCAP:
+            s = (softcap * _tanh64(s / softcap)).to(DTYPE)
+        return s
+
+    @triton.jit
+    def _attention_sums_kernel(
+        q_ptr, k_ptr, lengths_ptr, keep_ptr, key_bin_ptr, params_ptr,
+        raw_sum_ptr, raw_sq_ptr, log_sum_ptr, log_sq_ptr, floored_ptr, lag_sum_ptr, key_lag_ptr,
+        stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
+        n_heads, group, n_positions, window,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_EXCLUDED: tl.constexpr,
+    ):
+        """Sums of one (window, query head, block of ``BLOCK`` query rows); see the module docstring.
+
+        Outputs are float64: per row ``[B, H, T]`` (stored, each row owned by one program),
+        ``lag_sum [B, H, T]`` and ``key_lag_sum [K, T]`` (atomic adds; zeroed by the caller).
+        ``params`` holds ``(scaling, softcap, log eps)`` in float64.
+        """
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1).to(tl.int64)
+        b = pid_bh // n_heads
+        h = pid_bh % n_heads
+        kv_head = h // group
+        length = tl.load(lengths_ptr + b).to(tl.int32)
+        q0 = pid_m * BLOCK
+        if q0 < length:  # blocks of padding rows contribute nothing
+            scaling = tl.load(params_ptr).to(DTYPE)
+            softcap = tl.load(params_ptr + 1).to(DTYPE)
+            log_eps = tl.load(params_ptr + 2).to(DTYPE)
+            offs = tl.arange(0, BLOCK)
+            rows = q0 + offs
+            dims = tl.arange(0, BLOCK_D)
+            q_ptrs = q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + dims[None, :]
+            q = tl.load(q_ptrs, mask=(rows[:, None] < n_positions) & (dims[None, :] < HEAD_DIM), other=0.0).to(DTYPE)
+            real = rows < length
+            # Keys [lo, hi): real rows see keys k <= q < hi; tiles left of the sliding
+            # window or right of the block's last row are never visited.
+            hi = tl.minimum(q0 + BLOCK, length)
+            if HAS_WINDOW:
+                lo = tl.maximum(q0 - window + 1, 0) // BLOCK * BLOCK
+            else:
+                lo = 0
+            k_base = k_ptr + b * stride_kb + kv_head * stride_kh
+
+            # Pass 1: row maximum and Σ exp(s - max) (online softmax).
+            m_i = tl.full([BLOCK], float("-inf"), DTYPE)
+            l_i = tl.zeros([BLOCK], DTYPE)
+            for n0 in range(lo, hi, BLOCK):
+                cols = n0 + offs
+                k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
+                key_ok = (cols[None, :] < hi) & (dims[:, None] < HEAD_DIM)
+                s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, HAS_SOFTCAP)
+                allowed = (cols[None, :] <= rows[:, None]) & (cols[None, :] < hi)
+                if HAS_WINDOW:
+                    allowed = allowed & (rows[:, None] - cols[None, :] < window)
+                s = tl.where(allowed, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                l_i = l_i * tl.exp(m_i - m_safe) + tl.sum(tl.exp(s - m_safe[:, None]), 1)
+                m_i = m_new
+            # As in the torch path: a = exp(s - m) / l and log a = (s - m) - log l, which is
+            # s - logsumexp(s) and stays accurate where a underflows.
+            m_row = tl.where(m_i == float("-inf"), 0.0, m_i)
+            l_row = tl.where(l_i > 0, l_i, 1.0)
+            log_l = tl.log(l_row)
+            # The value every entry of a row of equal scores takes, computed as entries are.
+            top = m_i - m_row
+            c_a = tl.exp(top) / l_row
+            c_y = tl.maximum(top - log_l, log_eps)
+
+            # Pass 2: recompute the scores, accumulate the sums.
+            sum_a = tl.zeros([BLOCK], tl.float64)
+            sq_a = tl.zeros([BLOCK], tl.float64)
+            sum_y = tl.zeros([BLOCK], tl.float64)
+            sq_y = tl.zeros([BLOCK], tl.float64)
+            n_visible = tl.zeros([BLOCK], tl.int32)
+            differ_a = tl.zeros([BLOCK], tl.int32)
+            differ_y = tl.zeros([BLOCK], tl.int32)
+            n_floored = tl.zeros([BLOCK], tl.int32)
+            lag_base = lag_sum_ptr + pid_bh * n_positions
+            # Cyclic skew of a tile: skewed[i, c] = a[i, (i + c) mod BLOCK]. Column c then
+            # holds key j = i + c (lag q0 - n0 - c) where i + c < BLOCK and j = i + c - BLOCK
+            # (lag q0 - n0 - c + BLOCK) elsewhere.
+            skew_index = (offs[:, None] + offs[None, :]) % BLOCK
+            lower = (offs[:, None] + offs[None, :]) < BLOCK
+            for n0 in range(lo, hi, BLOCK):
+                cols = n0 + offs
+                k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
+                key_ok = (cols[None, :] < hi) & (dims[:, None] < HEAD_DIM)
+                s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, HAS_SOFTCAP)
+                allowed = (cols[None, :] <= rows[:, None]) & (cols[None, :] < hi)
+                if HAS_WINDOW:
+                    allowed = allowed & (rows[:, None] - cols[None, :] < window)
+                visible = allowed & real[:, None]
+                if HAS_EXCLUDED:
+                    keep = tl.load(keep_ptr + cols, mask=cols < n_positions, other=0) != 0
+                    visible = visible & keep[None, :]
+                shifted = tl.where(allowed, s, float("-inf")) - m_row[:, None]
+                y = shifted - log_l[:, None]
+                a = tl.where(visible, tl.exp(shifted) / l_row[:, None], 0.0)
+                floored_y = tl.where(visible, tl.maximum(y, log_eps), 0.0)
+                a64 = a.to(tl.float64)
+                y64 = floored_y.to(tl.float64)
+                sum_a += tl.sum(a64, 1)
+                sq_a += tl.sum(a64 * a64, 1)
+                sum_y += tl.sum(y64, 1)
+                sq_y += tl.sum(y64 * y64, 1)
+                n_visible += tl.sum(visible.to(tl.int32), 1)
+                differ_a += tl.sum((visible & (a != c_a[:, None])).to(tl.int32), 1)
+                differ_y += tl.sum((visible & (floored_y != c_y[:, None])).to(tl.int32), 1)
+                n_floored += tl.sum((visible & (y < log_eps)).to(tl.int32), 1)
+
+                # Lag sums: 2·BLOCK atomic adds per tile instead of BLOCK².
+                skewed = tl.gather(a, skew_index, axis=1).to(tl.float64)
+                low_sum = tl.sum(tl.where(lower, skewed, 0.0), 0)
+                high_sum = tl.sum(tl.where(lower, 0.0, skewed), 0)
+                low_lag = q0 - n0 - offs
+                high_lag = low_lag + BLOCK
+                low_ok = (low_lag >= 0) & (low_lag < n_positions)
+                high_ok = (high_lag >= 0) & (high_lag < n_positions)
+                tl.atomic_add(lag_base + low_lag, low_sum, mask=low_ok)
+                tl.atomic_add(lag_base + high_lag, high_sum, mask=high_ok)
+
+                # Key-bin lag sums, summed over windows and heads.
+                last = tl.minimum(n0 + BLOCK, hi) - 1
+                first_bin = tl.load(key_bin_ptr + n0)
+                last_bin = tl.load(key_bin_ptr + last)
+                if first_bin == last_bin:
+                    # The whole tile is one bin: reuse the column sums.
+                    bin_base = key_lag_ptr + first_bin * n_positions
+                    tl.atomic_add(bin_base + low_lag, low_sum, mask=low_ok)
+                    tl.atomic_add(bin_base + high_lag, high_sum, mask=high_ok)
+                else:
+                    bins = tl.load(key_bin_ptr + cols, mask=cols < n_positions, other=0)
+                    lags = rows[:, None] - cols[None, :]
+                    tl.atomic_add(key_lag_ptr + bins[None, :] * n_positions + lags, a64, mask=visible)
+
+            # Rows of identical values: exactly n·c and (n·c)·c (see the module docstring).
+            count = n_visible.to(tl.float64)
+            c_a64 = c_a.to(tl.float64)
+            c_y64 = c_y.to(tl.float64)
+            same_a = (differ_a == 0) & (n_visible > 0)
+            same_y = (differ_y == 0) & (n_visible > 0)
+            sum_a = tl.where(same_a, count * c_a64, sum_a)
+            sq_a = tl.where(same_a, (count * c_a64) * c_a64, sq_a)
+            sum_y = tl.where(same_y, count * c_y64, sum_y)
+            sq_y = tl.where(same_y, (count * c_y64) * c_y64, sq_y)
+            out = pid_bh * n_positions + rows
+            row_ok = rows < n_positions
+            tl.store(raw_sum_ptr + out, sum_a, mask=row_ok)
+            tl.store(raw_sq_ptr + out, sq_a, mask=row_ok)
+            tl.store(log_sum_ptr + out, sum_y, mask=row_ok)
+            tl.store(log_sq_ptr + out, sq_y, mask=row_ok)
+            tl.store(floored_ptr + out, n_floored.to(tl.float64), mask=row_ok)
+
+
+def _tile_size(block_size: int | None, head_dim: int) -> int:
+    """Query rows (and keys) per tile: a power of two, at least 16 (``tl.dot``'s minimum).
+
+    Without ``block_size``: 64 for head dimensions up to 64, 32 above, so that a float32
+    ``[BLOCK, d]`` query tile stays in registers. Untuned defaults.
+    """
+    if block_size is None:
+        return 64 if head_dim <= 64 else 32
+    return max(16, triton.next_power_of_2(int(block_size)))
+
+
+def attention_sums_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    lengths: torch.Tensor | None = None,
+    excluded_keys: Sequence[int] = (),
+    log_floor: float | None = None,
+    key_bin: torch.Tensor | None = None,
+    n_key_bins: int | None = None,
+    keep_pattern: bool = False,
+    block_size: int | None = None,
+    compile_blocks: bool = False,
+) -> dict[str, torch.Tensor]:
+    """:func:`~equivariance_probe.statistics.blocks.attention_sums_from_qk` as one fused Triton kernel (CUDA).
+
+    Same arguments and the same dict, except that ``block_size`` is the kernel's tile
+    (query rows per program and keys per tile; rounded up to a power of two of at least
+    16), ``compile_blocks`` is accepted for the common signature and ignored (the
+    kernel is fused already), and ``pattern_sum`` (``keep_pattern=True``) comes from
+    the torch helper :func:`~equivariance_probe.statistics.blocks.pattern_sum_from_qk`. Results agree with the torch path to
+    float32 rounding of the scores (relative 1e-6 in the tests); sums assembled from
+    float64 atomic adds (``lag_sum``, ``key_lag_sum``) may differ between runs in the
+    last float64 bits.
+
+    Raises:
+        InputError: Triton cannot be imported, or the tensors are not on a CUDA device (outside the Triton
+            interpreter, ``TRITON_INTERPRET=1``, which runs kernels on CPU tensors).
+    """
+    if triton is None:
+        raise InputError(
+            f"attention_sums_triton needs Triton, which cannot be imported here ({_TRITON_IMPORT_ERROR!r}); "
+            "use attention_sums_from_qk, or attention_sums, which picks the torch path without it"
+        )
+    if not query.is_cuda and not _interpreting():
+        raise InputError(
+            f"attention_sums_triton runs on CUDA tensors, got {query.device}; use attention_sums_from_qk "
+            "(or attention_sums), or set TRITON_INTERPRET=1 to run the kernel in Triton's CPU interpreter"
+        )
+    batch, heads, kv_heads, n_positions, dim = _check_qk(query, key)
+    layout = _layout(
+        batch=batch,
+        heads=heads,
+        n_positions=n_positions,
+        device=query.device,
+        window=window,
+        lengths=lengths,
+        excluded_keys=excluded_keys,
+        log_floor=log_floor,
+        key_bin=key_bin,
+        n_key_bins=n_key_bins,
+        input_dtype=query.dtype,
+    )
+    out = _empty_sums(layout, keep_pattern=False)
+    n_real = max(layout.host_lengths, default=0)
+    if n_real > 0:
+        use_fp64 = query.dtype == torch.float64
+        q = query if query.stride(-1) == 1 else query.contiguous()
+        k = key if key.stride(-1) == 1 else key.contiguous()
+        tile = _tile_size(block_size, dim)
+        block_d = max(16, triton.next_power_of_2(dim))
+        scale = float(dim**-0.5 if scaling is None else scaling)
+        params = torch.tensor(
+            [scale, 1.0 if softcap is None else float(softcap), math.log(layout.log_floor)],
+            dtype=torch.float64,
+            device=query.device,
+        )
+        floored_rows = torch.zeros((batch, heads, n_positions), dtype=torch.float64, device=query.device)
+        grid = (triton.cdiv(n_real, tile), batch * heads)
+        _attention_sums_kernel[grid](
+            q, k, layout.lengths, layout.key_keep.to(torch.int8), layout.key_bin, params,
+            out["raw_sum"], out["raw_sq"], out["log_sum"], out["log_sq"], floored_rows,
+            out["lag_sum"], out["key_lag_sum"],
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            heads, heads // kv_heads, n_positions, 0 if layout.window is None else layout.window,
+            HEAD_DIM=dim,
+            BLOCK_D=block_d,
+            BLOCK=tile,
+            DTYPE=tl.float64 if use_fp64 else tl.float32,
+            HAS_WINDOW=layout.window is not None,
+            HAS_SOFTCAP=softcap is not None,
+            HAS_EXCLUDED=bool(layout.excluded),
+            num_warps=4 if block_d <= 64 else 8,
+        )
+        out["floored"] = floored_rows.sum(-1)
+    if keep_pattern:
+        out["pattern_sum"] = pattern_sum_from_qk(
+            query, key, scaling=scaling, softcap=softcap, window=window, lengths=lengths, excluded_keys=excluded_keys
+        )
+    return out
+
+
+def attention_sums(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    window: int | None = None,
+    lengths: torch.Tensor | None = None,
+    excluded_keys: Sequence[int] = (),
+    log_floor: float | None = None,
+    key_bin: torch.Tensor | None = None,
+    n_key_bins: int | None = None,
+    keep_pattern: bool = False,
+    block_size: int | None = None,
+    compile_blocks: bool = False,
+    backend: str = "auto",
+) -> tuple[dict[str, torch.Tensor], str]:
+    """One layer's attention sums by the fastest available path, and which path ran.
+
+    ``backend="auto"`` runs :func:`attention_sums_triton` for CUDA tensors when Triton
+    is importable, and :func:`~equivariance_probe.statistics.blocks.attention_sums_from_qk` (torch, in query
+    blocks) otherwise; ``"triton"`` and ``"torch"`` force one (``"triton"`` raises where
+    it cannot run). The arguments are those of
+    :func:`~equivariance_probe.statistics.blocks.attention_sums_from_qk` (``block_size`` is passed to the
+    path that runs, with that path's meaning).
+
+    Returns:
+        ``(sums, path)``: the dict of sums (the same keys and shapes on both paths) and
+        ``"triton"`` or ``"torch"``. The path is returned beside the dict, not inside
+        it, so that the dict holds tensors only and merges like any other.
+    """
+    check_choice("backend", backend, ("auto", "torch", "triton"))
+    use_triton = backend == "triton" or (backend == "auto" and query.is_cuda and triton is not None)
+    arguments = dict(
+        scaling=scaling,
+        softcap=softcap,
+        window=window,
+        lengths=lengths,
+        excluded_keys=excluded_keys,
+        log_floor=log_floor,
+        key_bin=key_bin,
+        n_key_bins=n_key_bins,
+        keep_pattern=keep_pattern,
+        block_size=block_size,
+        compile_blocks=compile_blocks,
+    )
+    if use_triton:
+        return attention_sums_triton(query, key, **arguments), "triton"
+    return attention_sums_from_qk(query, key, **arguments), "torch"

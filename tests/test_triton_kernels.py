@@ -1,0 +1,181 @@
+"""The fused Triton kernel against the torch path, and the dispatcher.
+
+Without a CUDA device the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``,
+set by conftest.py before the kernel module is imported), on tiny shapes only: the
+interpreter executes each program in numpy, about a second per case here. Float32
+results agree with the torch path to 1e-6 relative (both round scores in float32, in
+different orders); float64 to 1e-12.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from equivariance_probe.errors import InputError  # noqa: E402
+from equivariance_probe.statistics import triton_kernels as fused  # noqa: E402
+from equivariance_probe.statistics.blocks import attention_sums_from_qk  # noqa: E402
+from equivariance_probe.statistics.masks import visible_key_counts  # noqa: E402
+
+import attention_reference as reference  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not fused.triton_available(), reason="triton is not importable")
+runnable = pytest.mark.skipif(
+    not (torch.cuda.is_available() or fused._interpreting()),
+    reason="no CUDA device and TRITON_INTERPRET is not set",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_qk(n_positions, dtype, seed=0, batch=2, heads=4, kv_heads=2, dim=16):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, heads, n_positions, dim, generator=generator, dtype=torch.float64)
+    key = torch.randn(batch, kv_heads, n_positions, dim, generator=generator, dtype=torch.float64)
+    return query.to(dtype).to(DEVICE), key.to(dtype).to(DEVICE)
+
+
+def assert_same_sums(out, ref, dtype):
+    tolerance = {"rtol": 1e-12, "atol": 1e-14} if dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-10}
+    assert set(out) == set(ref)
+    for name in ref:
+        if name == "floored":
+            continue
+        assert out[name].dtype == torch.float64 and out[name].shape == ref[name].shape, name
+        torch.testing.assert_close(out[name], ref[name], **tolerance, msg=lambda m, n=name: f"{n}: {m}")
+
+
+CASES = [
+    # (T, window, softcap, excluded keys, key bins, dtype)
+    (16, None, None, (), "per_key", torch.float32),
+    (37, None, None, (), "width5", torch.float32),
+    (37, 7, None, (0, 5), "width16", torch.float32),
+    (37, None, 3.0, (0,), "width5", torch.float32),
+    (37, 20, 3.0, (), "per_key", torch.bfloat16),
+    (37, 9, None, (2,), "width5", torch.float64),
+]
+
+
+@needs_triton
+@runnable
+@pytest.mark.parametrize("n_positions, window, softcap, excluded, bins, dtype", CASES)
+def test_kernel_matches_torch_path(n_positions, window, softcap, excluded, bins, dtype):
+    query, key = make_qk(n_positions, dtype)
+    # Bins of width 16 line up with the 16-key tiles (one bin per tile: the column-sum
+    # branch); widths 1 and 5 straddle tiles (the per-entry branch).
+    width = {"per_key": 1, "width5": 5, "width16": 16}[bins]
+    options = dict(
+        softcap=softcap, window=window, lengths=torch.tensor([n_positions, n_positions - 9]),
+        excluded_keys=excluded, log_floor=1e-2, key_bin=torch.arange(n_positions, device=DEVICE) // width,
+    )
+    ref = attention_sums_from_qk(query, key, **options)
+    out = fused.attention_sums_triton(query, key, block_size=16, **options)
+    assert_same_sums(out, ref, dtype)
+    # Floored counts: identical unless a weight sits on the floor to rounding.
+    log_pattern = reference.float64_log_pattern(query.cpu(), key.cpu(), softcap=softcap, window=window)
+    near = reference.sums_from_log_pattern(
+        log_pattern, window=window, lengths=options["lengths"], excluded_keys=excluded, log_floor=1e-2,
+        key_bin=options["key_bin"].cpu(), n_key_bins=int(options["key_bin"].max()) + 1,
+    )["near_floor"]
+    assert bool(((out["floored"].cpu() - ref["floored"].cpu()).abs() <= near).all())
+    assert ref["floored"].sum() > 0
+
+
+@needs_triton
+@runnable
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_keeps_identical_rows_exact(dtype):
+    """Uniform attention (all-zero queries): Σa² = count·mean² bit for bit, as on the torch path."""
+    n_positions = 37
+    query, key = make_qk(n_positions, dtype, seed=1)
+    query = torch.zeros_like(query)
+    lengths = torch.tensor([37, 20])
+    out = fused.attention_sums_triton(query, key, window=11, lengths=lengths, excluded_keys=[0, 3], block_size=16)
+    ref = attention_sums_from_qk(query, key, window=11, lengths=lengths, excluded_keys=[0, 3])
+    count = visible_key_counts(n_positions, 11, [0, 3], DEVICE).expand(2, -1).clone()
+    count[torch.arange(n_positions, device=DEVICE).view(1, -1) >= lengths.to(DEVICE).view(-1, 1)] = 0
+    count = count.unsqueeze(1)
+    for total_name, square_name in (("raw_sum", "raw_sq"), ("log_sum", "log_sq")):
+        mean = out[total_name] / count.clamp_min(1)
+        if dtype == torch.float64:
+            # n·c of a float64 c rounds, so mean = (n·c)/n only to rounding.
+            torch.testing.assert_close(out[square_name], count * mean * mean, rtol=1e-15, atol=0)
+        else:
+            assert torch.equal(out[square_name], count * mean * mean), square_name
+            # Both paths give each row n·c and (n·c)·c; c itself is computed the same way.
+            assert torch.equal(out[total_name], ref[total_name]), total_name
+            assert torch.equal(out[square_name], ref[square_name]), square_name
+
+
+@needs_triton
+@runnable
+def test_kernel_with_kept_pattern_and_single_key_head():
+    query, key = make_qk(20, torch.float32, seed=2, kv_heads=1)
+    options = dict(window=6, lengths=torch.tensor([20, 13]), excluded_keys=[1], keep_pattern=True)
+    out = fused.attention_sums_triton(query, key, **options)
+    ref = attention_sums_from_qk(query, key, **options)
+    assert_same_sums(out, ref, torch.float32)
+
+
+@needs_triton
+@runnable
+def test_tanh_in_the_kernel_is_accurate():
+    """The kernel's exp-based tanh against float64 tanh, near 0, at the switch and far out."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tanh_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+        tl.store(out_ptr + offs, fused._tanh64(x), mask=offs < n)
+
+    x = torch.cat(
+        [
+            torch.tensor([0.0, 1e-300, -1e-8, 1e-4, 0.2999999, 0.3, -0.3000001, 0.7, 3.0, -20.0, 400.0]),
+            torch.linspace(-2, 2, 53, dtype=torch.float64),
+        ]
+    ).to(torch.float64).to(DEVICE)
+    out = torch.empty_like(x)
+    tanh_kernel[(1,)](x, out, x.numel(), BLOCK=64)
+    torch.testing.assert_close(out, torch.tanh(x), rtol=2e-15, atol=0)
+
+
+def test_dispatcher_picks_the_torch_path_without_cuda():
+    query, key = make_qk(12, torch.float32, seed=3)
+    if query.is_cuda:
+        pytest.skip("this test is about the CPU path")
+    sums, path = fused.attention_sums(query, key, window=4)
+    assert path == "torch"
+    ref = attention_sums_from_qk(query, key, window=4)
+    for name in ref:
+        assert torch.equal(sums[name], ref[name])
+
+
+@needs_triton
+@runnable
+def test_dispatcher_runs_triton_when_asked():
+    query, key = make_qk(16, torch.float32, seed=4)
+    sums, path = fused.attention_sums(query, key, backend="triton", block_size=16)
+    assert path == "triton"
+    assert_same_sums(sums, attention_sums_from_qk(query, key), torch.float32)
+    with pytest.raises(ValueError, match="backend"):
+        fused.attention_sums(query, key, backend="cuda")
+
+
+def test_triton_wrapper_explains_what_is_missing(monkeypatch):
+    query, key = make_qk(8, torch.float32)
+    monkeypatch.setattr(fused, "triton", None)
+    monkeypatch.setattr(fused, "_TRITON_IMPORT_ERROR", ImportError("No module named 'triton'"))
+    with pytest.raises(InputError, match="needs Triton"):
+        fused.attention_sums_triton(query, key)
+    if not query.is_cuda:
+        _, path = fused.attention_sums(query, key)
+        assert path == "torch"
+
+
+@needs_triton
+def test_triton_wrapper_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    query, key = make_qk(8, torch.float32)
+    with pytest.raises(ValueError, match="CUDA"):
+        fused.attention_sums_triton(query.cpu(), key.cpu())
