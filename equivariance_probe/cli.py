@@ -8,6 +8,7 @@ files it wrote.
 * ``run``        — the whole study on a model and corpus (default: Gemma 3 270M on the packaged
   Wikipedia articles, trained vs random init vs zero), writing results, figures and a summary.
 * ``merge``      — add result files of shards of one study into one.
+* ``show``       — the headline numbers of result files, read from their headers (no array is loaded).
 * ``report``     — an offline HTML report from a results file (``--views``: with CircuitsVis
   views of the most and least position-bound heads, reloading the model the results name).
 * ``compare``    — the study on several models over the same windows, one table and figure.
@@ -200,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="merge results that share windows (the same token ids), counting those windows twice "
                             "(default: refused, naming how many are shared)")
 
+    show = commands.add_parser("show", help="print the headline numbers of result files (header only: instant, "
+                                            "whatever the file's size)")
+    show.set_defaults(handler=_show)
+    show.add_argument("results", nargs="+", help="result files (any format version), one column each")
+    show.add_argument("--json", action="store_true", help="print the stored summaries as JSON instead of a table")
+
     report = commands.add_parser("report", help="write an offline HTML report from a results file")
     report.set_defaults(handler=_report)
     report.add_argument("results", help="a results.safetensors written by 'run' (or a result file of any version)")
@@ -349,6 +356,32 @@ def _merge(args: argparse.Namespace) -> int:
     note = f"; shards {missing} of {shards['count']} are still missing" if missing else ""
     table = f"merged {len(results)} results ({merged.n_windows} windows, {merged.n_tokens} tokens){note}"
     _print(args, table, {"summary": merged.summary(), "missing_shards": missing}, [output])
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from .result import ProbeResult, summary_table
+
+    results = {str(path): ProbeResult.load(path) for path in args.results}
+    if args.json:
+        print(json.dumps(jsonable({path: {"model": result.model_name, "variant": result.metadata.get("label"),
+                                          "complete": result.complete, "metadata": result.metadata,
+                                          "summary": result.summary()}
+                                   for path, result in results.items()}), indent=1))
+        return 0
+    columns: dict[str, dict[str, Any]] = {}
+    for path, result in results.items():
+        label = str(result.metadata.get("label") or Path(path).name)
+        label = label if label not in columns else f"{label} ({path})"
+        summary = result.summary()
+        if summary.get("n_windows", 0) == 0:
+            raise InputError(f"{path} holds no windows (an empty result): there is nothing to show")
+        columns[label] = summary
+        state = "" if result.complete else " (PARTIAL: the run stopped before the end)"
+        print(f"{label}: {path}, model {result.model_name}, log floor eps = {result.log_floor:.3g}, excluded keys "
+              f"{list(result.excluded_keys) or 'none'}{state}")
+    print("\nQuery-position R² over every visible entry (log scale: y = log max(a, eps))\n")
+    print(summary_table(columns, extended=True))
     return 0
 
 
