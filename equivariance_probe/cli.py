@@ -391,9 +391,14 @@ def _report(args: argparse.Namespace) -> int:
     from .display.views import parse_heads, views_for_result
     from .result import ProbeResult
     from .runs.positional import PositionalStudy
+    from .runs.study import load_study_baselines
 
     result = ProbeResult.load(args.results)
     output = Path(args.output) if args.output else Path(args.results).with_name("report.html")
+    # A study's trained result: its baselines lie beside it, shown side by side.
+    baselines, missing = load_study_baselines(args.results, result)
+    if missing:
+        print(f"the study's baselines {missing} are not beside {args.results}; reporting without them", file=sys.stderr)
     views = None
     if args.views:
         heads = parse_heads(args.heads) if args.heads else None  # bad heads: exit 2, not a silent report
@@ -406,7 +411,7 @@ def _report(args: argparse.Namespace) -> int:
     # The positional analyses' section, when the study wrote them beside its results.
     positional = Path(args.results).with_name("positional.json")
     extra = [positional_report_section(PositionalStudy.load(positional))] if positional.is_file() else []
-    output.write_text(render_report(result, views=views, extra_sections=extra), encoding="utf-8")
+    output.write_text(render_report(result, baselines=baselines, views=views, extra_sections=extra), encoding="utf-8")
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB)")
     return 0
 

@@ -32,7 +32,7 @@ from .records.sharding import merged_provenance
 from .sources.registry import name_of_converted_copy
 from .statistics import AttentionStatistics
 
-__all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION", "summary_table"]
+__all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION", "summary_table", "summary_rows"]
 
 #: Key-position bins of the Figure 1c numbers in :meth:`ProbeResult.summary`.
 SUMMARY_KEY_BINS = 16
@@ -439,20 +439,12 @@ class ProbeResult:
         return result
 
 
-def summary_table(summaries: dict[str, dict[str, Any]], *, extended: bool = False) -> str:
-    """Markdown table of :meth:`ProbeResult.summary` dicts side by side, one column per label.
-
-    Rows: query-position R² in every scale and form, the R² of each fit to ``P(dt)``, the mean
-    per-window Toeplitz R², windows / tokens. ``extended`` adds the fits' parameters, Figure 1c
-    (in how many key-position bins the parameter-free prior fits better than both two-parameter
-    fits, and the range of its R²), the Toeplitz R² of the document-averaged pattern, the most and
-    least position-bound heads and the floored entries.
-    """
-    names = list(summaries)
-    lines = ["| scale | form | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False) -> list[tuple[str, str, list[str]]]:
+    """The rows of :func:`summary_table`: ``(group, what, one cell per summary)``, cells as text."""
+    rows: list[tuple[str, str, list[str]]] = []
 
     def row(group: str, what: str, cell) -> None:
-        lines.append(f"| {group} | {what} | " + " | ".join(cell(summaries[n]) for n in names) + " |")
+        rows.append((group, what, [cell(summary) for summary in summaries.values()]))
 
     for scale in metrics.SCALES:
         for form in metrics.FORMS:
@@ -473,6 +465,20 @@ def summary_table(summaries: dict[str, dict[str, Any]], *, extended: bool = Fals
     row("", "windows / tokens", lambda s: f"{s['n_windows']} / {s['n_tokens']}")
     if extended:
         row("", "floored entries (log scale)", lambda s: f"{s['floored_entries']} of {s['n_entries']:,}")
+    return rows
+
+
+def summary_table(summaries: dict[str, dict[str, Any]], *, extended: bool = False) -> str:
+    """Markdown table of :meth:`ProbeResult.summary` dicts side by side, one column per label.
+
+    Rows: query-position R² in every scale and form, the R² of each fit to ``P(dt)``, the mean
+    per-window Toeplitz R², windows / tokens. ``extended`` adds the fits' parameters, Figure 1c
+    (in how many key-position bins the parameter-free prior fits better than both two-parameter
+    fits, and the range of its R²), the Toeplitz R² of the document-averaged pattern, the most and
+    least position-bound heads and the floored entries.
+    """
+    lines = ["| scale | form | " + " | ".join(summaries) + " |", "|---|---|" + "---|" * len(summaries)]
+    lines += [f"| {group} | {what} | " + " | ".join(cells) + " |" for group, what, cells in summary_rows(summaries, extended=extended)]
     return "\n".join(lines)
 
 

@@ -125,7 +125,16 @@ def write_container(path: str | os.PathLike, tensors: Mapping[str, np.ndarray], 
     header["header_checksum"] = header_checksum(header)
     text = json.dumps(header, allow_nan=False)
     arrays = {name: _little_endian(value) for name, value in tensors.items()}
-    return write_atomically(path, lambda temporary: save_file(arrays, temporary, metadata={HEADER_KEY: text}))
+
+    def write(temporary: Path) -> None:
+        # safetensors makes its files readable by their owner only; a result file gets the
+        # permissions of any file the user writes (the umask's), read from a file created here first.
+        open(temporary, "wb").close()
+        mode = os.stat(temporary).st_mode & 0o777
+        save_file(arrays, str(temporary), metadata={HEADER_KEY: text})
+        os.chmod(temporary, mode)
+
+    return write_atomically(path, write)
 
 
 @dataclass(frozen=True)

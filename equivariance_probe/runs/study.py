@@ -31,7 +31,7 @@ from ..sources.devices import parse_dtype, resolve_device
 from ..sources.models import load_model
 from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun
 
-__all__ = ["Study", "run_study", "result_filename", "BASELINES", "DEFAULT_STUDY"]
+__all__ = ["Study", "run_study", "result_filename", "load_study_baselines", "BASELINES", "DEFAULT_STUDY"]
 
 #: Baselines: name -> what it is.
 BASELINES = {
@@ -101,6 +101,32 @@ class Study:
 def result_filename(variant: str) -> str:
     """The file of a study variant: ``results.safetensors`` (trained) or ``baseline_<variant>.safetensors``."""
     return f"results{RESULT_SUFFIX}" if variant == "trained" else f"baseline_{variant}{RESULT_SUFFIX}"
+
+
+def load_study_baselines(path: str | os.PathLike, result: ProbeResult) -> tuple[dict[str, ProbeResult], list[str]]:
+    """The baselines of the study whose trained result ``result`` was loaded from ``path``.
+
+    The study's metadata names its variants (``metadata["study"]["baselines"]``); each is looked
+    for beside ``path`` as :func:`result_filename` writes it (``baseline_<name>.safetensors``), or
+    as the ``.json`` files of earlier versions. Loaded lazily (headers only).
+
+    Returns:
+        ``(found, missing)``: name -> result, and the names of baselines not found. Both are empty
+        for a result that is not a study's trained model.
+    """
+    if result.metadata.get("label") != "trained":
+        return {}, []
+    folder = Path(path).parent
+    found: dict[str, ProbeResult] = {}
+    missing: list[str] = []
+    for name in (result.metadata.get("study") or {}).get("baselines") or []:
+        candidates = [folder / result_filename(name), folder / f"baseline_{name}.json"]
+        existing = next((candidate for candidate in candidates if candidate.is_file()), None)
+        if existing is None:
+            missing.append(name)
+        else:
+            found[name] = ProbeResult.load(existing)
+    return found, missing
 
 
 def check_baselines(baselines: Sequence[str]) -> None:
