@@ -409,8 +409,9 @@ def _report(args: argparse.Namespace) -> int:
         except ModelNotFoundError as error:
             print(f"writing the report without views: {error}", file=sys.stderr)
     # The positional analyses' section, when the study wrote them beside its results.
-    positional = Path(args.results).with_name("positional.json")
-    extra = [positional_report_section(PositionalStudy.load(positional))] if positional.is_file() else []
+    candidates = [Path(args.results).with_name(name) for name in ("positional.safetensors", "positional.json")]
+    positional = next((path for path in candidates if path.is_file()), None)
+    extra = [positional_report_section(PositionalStudy.load(positional))] if positional is not None else []
     output.write_text(render_report(result, baselines=baselines, views=views, extra_sections=extra), encoding="utf-8")
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB)")
     return 0
@@ -434,7 +435,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _positional_into(out: Path, args: argparse.Namespace, *, model_name: str, analyses: list[str], documents: Any,
                      **settings: Any) -> dict[str, Any]:
-    """Run the positional analyses into ``out``: ``positional.json``, one PNG per analysis, ``positional.html``."""
+    """Run the positional analyses into ``out``: ``positional.safetensors``, one PNG per analysis, ``positional.html``."""
     from .display.figures import save_figures
     from .display.positional import positional_figures, render_positional_page
     from .runs.positional import run_positional
@@ -445,7 +446,7 @@ def _positional_into(out: Path, args: argparse.Namespace, *, model_name: str, an
     docs = load_corpus(documents) if isinstance(documents, (str, Path)) else documents
     study = run_positional(model, tokenizer, docs=docs, analyses=analyses, batch_size=args.batch_size,
                            exclude_keys=args.exclude_keys, seed=args.seed, progress=not args.no_progress, **settings)
-    wrote = [study.save(out / "positional.json")]
+    wrote = [study.save(out / "positional.safetensors")]
     wrote += save_figures(positional_figures(study), out, prefix="positional_")
     page = out / "positional.html"
     page.write_text(render_positional_page(study), encoding="utf-8")

@@ -2,7 +2,7 @@
 
 Place in the seams: *display*, rendering only; matplotlib is imported when a figure is drawn
 (see :mod:`equivariance_probe.display.figures`). :func:`positional_report_section` is the study
-report's section (the command line adds it when a ``positional.json`` lies beside the results);
+report's section (the command line adds it when a ``positional.safetensors`` lies beside the results);
 :func:`render_positional_page` wraps it in a standalone page.
 
 Figures:
