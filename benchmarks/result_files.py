@@ -140,7 +140,7 @@ def main() -> None:
         ("format 3 (safetensors), default: no summed pattern", plain, lambda r, p: r.save(p), ".safetensors"),
         ("format 3 (safetensors), keep_pattern=True", result, lambda r, p: r.save(p), ".safetensors"),
     ]
-    print(f"\n| file | size | save | load + summary | full load |\n|---|---|---|---|---|")
+    print("\n| file | size | save | load + summary | full load |\n|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         default_file = None
         for index, (name, variant, save, suffix) in enumerate(cases):

@@ -64,6 +64,10 @@ def test_packaged_models_are_shown_by_their_registry_name_not_their_cache_path()
     assert result.model_name == "gemma-3-270m" and "gemma-3-270m" in repr(result) and cache_path not in repr(result)
     assert ProbeResult(statistics, {"model": {"name": cache_path}, "study": {"model": "./my copy"}}).model_name == "./my copy"
     assert ProbeResult(statistics, {"model": {"name": "/data/my-model"}}).model_name == "/data/my-model"
+    from equivariance_probe import PositionalStudy
+
+    assert PositionalStudy(metadata={"model": cache_path}).model_name == "gemma-3-270m"
+    assert "gemma-3-270m" in repr(PositionalStudy(metadata={"model": cache_path}))
 
 
 def test_no_figure_title_runs_past_the_figure(study):

@@ -207,7 +207,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _title(study: PositionalStudy) -> str:
-    return f"Where order comes from: {study.metadata.get('model', '?')}"
+    return f"Where order comes from: {study.model_name}"
 
 
 def render_positional_body(study: PositionalStudy) -> str:
@@ -257,5 +257,5 @@ def render_positional_section(study: PositionalStudy) -> str:
 
 def render_positional_page(study: PositionalStudy) -> str:
     """A standalone HTML page holding only the positional section."""
-    return html_page(f"equivariance_probe positional analyses: {study.metadata.get('model', '?')}",
+    return html_page(f"equivariance_probe positional analyses: {study.model_name}",
                      render_positional_section(study))

@@ -60,6 +60,7 @@ from ..records.container import file_kind, read_container, read_tensors, tensor_
 from ..records.fileformat import check_version
 from ..sources.baselines import random_init_like
 from ..sources.corpus import load_corpus
+from ..sources.registry import name_of_converted_copy
 
 __all__ = ["ANALYSES", "PositionalStudy", "run_positional", "POSITIONAL_KIND", "POSITIONAL_FORMAT_VERSION"]
 
@@ -92,7 +93,14 @@ class PositionalStudy:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        return f"PositionalStudy(model={self.metadata.get('model')!r}, analyses={sorted(self.parts)}, skipped={sorted(self.skipped)})"
+        return f"PositionalStudy(model={self.model_name!r}, analyses={sorted(self.parts)}, skipped={sorted(self.skipped)})"
+
+    @property
+    def model_name(self) -> str:
+        """The model for display: a packaged model's registry name rather than its converted copy's
+        path (``metadata["model"]`` keeps the path)."""
+        name = str(self.metadata.get("model", "?"))
+        return name_of_converted_copy(name) or name
 
     # -- numbers -------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
