@@ -60,7 +60,7 @@ def main() -> None:
         start = time.perf_counter()
         checkpointed = run_study(**common, checkpoint_dir=Path(folder) / "checkpoint", checkpoint_every=args.every)
         checkpointed_s = time.perf_counter() - start
-        sizes = [p.stat().st_size for p in (Path(folder) / "checkpoint").glob("*.json")]
+        sizes = [p.stat().st_size for p in (Path(folder) / "checkpoint").glob("*.safetensors")]
     ProbeResult.save = original_save
     assert plain.trained.n_windows == checkpointed.trained.n_windows
     n_writes = (len(docs) - 1) // args.every + 1  # checkpoints inside the run + the finished result
@@ -78,7 +78,7 @@ def main() -> None:
         # Empty sums: the file's size does not depend on the values (and an empty result has no summary to fit).
         with tempfile.TemporaryDirectory() as folder:
             start = time.perf_counter()
-            path = big.save(Path(folder) / "checkpoint.json")
+            path = big.save(Path(folder) / "checkpoint.safetensors")
             write_s = time.perf_counter() - start
             print(f"one checkpoint write at context 1024 (Gemma 3 270M shape, summed pattern kept): "
                   f"{write_s:.1f} s, {path.stat().st_size / 1e6:.0f} MB")

@@ -40,7 +40,7 @@ def main() -> None:
     docs = load_corpus(n_docs=args.docs, min_chars=20_000)  # long articles: every window is full
     timings["load"] = time.perf_counter() - start
     start = time.perf_counter()
-    result = probe.run(docs, context_length=args.context, batch_size=2, progress=False)
+    result = probe.run(docs, context_length=args.context, batch_size=2, keep_pattern=True, progress=False)
     timings["probe"] = time.perf_counter() - start
     start = time.perf_counter()
     ranking = result.rank_heads()

@@ -25,7 +25,7 @@ Models and documents: :func:`load_model`, :func:`load_tokenizer`, :func:`random_
 models), :func:`load_positional_model`.
 
 Studies: :func:`run_study` / :class:`Study` (trained vs baselines; checkpoints, shards:
-:class:`Shard`), :func:`compare_models` / :class:`Comparison` (several models on the same
+:class:`Shard`; :func:`window_fingerprint`, by which merges refuse a window counted twice), :func:`compare_models` / :class:`Comparison` (several models on the same
 windows), :func:`run_positional` / :class:`PositionalStudy` (where order comes from).
 
 Heads and reports: :func:`rank_heads` / :class:`HeadRanking`, :func:`head_views` /
@@ -67,6 +67,7 @@ from .errors import (
 from .maths.fitting import fit_tisa_kernel
 from .maths.metrics import toeplitz_r2
 from .probe import EquivarianceProbe
+from .records.provenance import window_fingerprint
 from .records.sharding import Shard
 from .result import PersistenceCurves, ProbeResult
 from .runs.compare import Comparison, compare_models
@@ -104,6 +105,7 @@ __all__ = [
     "run_study",
     "Study",
     "Shard",
+    "window_fingerprint",
     "compare_models",
     "Comparison",
     "run_positional",

@@ -8,6 +8,7 @@ files it wrote.
 * ``run``        — the whole study on a model and corpus (default: Gemma 3 270M on the packaged
   Wikipedia articles, trained vs random init vs zero), writing results, figures and a summary.
 * ``merge``      — add result files of shards of one study into one.
+* ``show``       — the headline numbers of result files, read from their headers (no array is loaded).
 * ``report``     — an offline HTML report from a results file (``--views``: with CircuitsVis
   views of the most and least position-bound heads, reloading the model the results name).
 * ``compare``    — the study on several models over the same windows, one table and figure.
@@ -200,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="merge results that share windows (the same token ids), counting those windows twice "
                             "(default: refused, naming how many are shared)")
 
+    show = commands.add_parser("show", help="print the headline numbers of result files (header only: instant, "
+                                            "whatever the file's size)")
+    show.set_defaults(handler=_show)
+    show.add_argument("results", nargs="+", help="result files (any format version), one column each")
+    show.add_argument("--json", action="store_true", help="print the stored summaries as JSON instead of a table")
+
     report = commands.add_parser("report", help="write an offline HTML report from a results file")
     report.set_defaults(handler=_report)
     report.add_argument("results", help="a results.safetensors written by 'run' (or a result file of any version)")
@@ -352,15 +359,46 @@ def _merge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _show(args: argparse.Namespace) -> int:
+    from .result import ProbeResult, summary_table
+
+    results = {str(path): ProbeResult.load(path) for path in args.results}
+    if args.json:
+        print(json.dumps(jsonable({path: {"model": result.model_name, "variant": result.metadata.get("label"),
+                                          "complete": result.complete, "metadata": result.metadata,
+                                          "summary": result.summary()}
+                                   for path, result in results.items()}), indent=1))
+        return 0
+    columns: dict[str, dict[str, Any]] = {}
+    for path, result in results.items():
+        label = str(result.metadata.get("label") or Path(path).name)
+        label = label if label not in columns else f"{label} ({path})"
+        summary = result.summary()
+        if summary.get("n_windows", 0) == 0:
+            raise InputError(f"{path} holds no windows (an empty result): there is nothing to show")
+        columns[label] = summary
+        state = "" if result.complete else " (PARTIAL: the run stopped before the end)"
+        print(f"{label}: {path}, model {result.model_name}, log floor eps = {result.log_floor:.3g}, excluded keys "
+              f"{list(result.excluded_keys) or 'none'}{state}")
+    print("\nQuery-position R² over every visible entry (log scale: y = log max(a, eps))\n")
+    print(summary_table(columns, extended=True))
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from .display.positional import positional_report_section
     from .display.report import render_report
     from .display.views import parse_heads, views_for_result
     from .result import ProbeResult
     from .runs.positional import PositionalStudy
+    from .runs.study import load_study_baselines
 
     result = ProbeResult.load(args.results)
     output = Path(args.output) if args.output else Path(args.results).with_name("report.html")
+    # A study's trained result: its baselines lie beside it, shown side by side.
+    baselines, missing = load_study_baselines(args.results, result)
+    if missing:
+        print(f"the study's baselines {missing} are not beside {args.results}; reporting without them", file=sys.stderr)
     views = None
     if args.views:
         heads = parse_heads(args.heads) if args.heads else None  # bad heads: exit 2, not a silent report
@@ -371,9 +409,10 @@ def _report(args: argparse.Namespace) -> int:
         except ModelNotFoundError as error:
             print(f"writing the report without views: {error}", file=sys.stderr)
     # The positional analyses' section, when the study wrote them beside its results.
-    positional = Path(args.results).with_name("positional.json")
-    extra = [positional_report_section(PositionalStudy.load(positional))] if positional.is_file() else []
-    output.write_text(render_report(result, views=views, extra_sections=extra), encoding="utf-8")
+    candidates = [Path(args.results).with_name(name) for name in ("positional.safetensors", "positional.json")]
+    positional = next((path for path in candidates if path.is_file()), None)
+    extra = [positional_report_section(PositionalStudy.load(positional))] if positional is not None else []
+    output.write_text(render_report(result, baselines=baselines, views=views, extra_sections=extra), encoding="utf-8")
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB)")
     return 0
 
@@ -396,7 +435,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _positional_into(out: Path, args: argparse.Namespace, *, model_name: str, analyses: list[str], documents: Any,
                      **settings: Any) -> dict[str, Any]:
-    """Run the positional analyses into ``out``: ``positional.json``, one PNG per analysis, ``positional.html``."""
+    """Run the positional analyses into ``out``: ``positional.safetensors``, one PNG per analysis, ``positional.html``."""
     from .display.figures import save_figures
     from .display.positional import positional_figures, render_positional_page
     from .runs.positional import run_positional
@@ -407,7 +446,7 @@ def _positional_into(out: Path, args: argparse.Namespace, *, model_name: str, an
     docs = load_corpus(documents) if isinstance(documents, (str, Path)) else documents
     study = run_positional(model, tokenizer, docs=docs, analyses=analyses, batch_size=args.batch_size,
                            exclude_keys=args.exclude_keys, seed=args.seed, progress=not args.no_progress, **settings)
-    wrote = [study.save(out / "positional.json")]
+    wrote = [study.save(out / "positional.safetensors")]
     wrote += save_figures(positional_figures(study), out, prefix="positional_")
     page = out / "positional.html"
     page.write_text(render_positional_page(study), encoding="utf-8")

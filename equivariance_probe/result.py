@@ -33,7 +33,7 @@ from .sources.registry import name_of_converted_copy
 from .statistics import AttentionStatistics
 from .statistics.masks import key_bin_edges
 
-__all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION"]
+__all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION", "summary_table", "summary_rows"]
 
 #: Key-position bins of the Figure 1c numbers in :meth:`ProbeResult.summary`.
 SUMMARY_KEY_BINS = 16
@@ -60,6 +60,9 @@ class ProbeResult:
         # A loaded result: the opened file (arrays not read yet) and the summary its header holds.
         self._file: ResultFile | None = None
         self._stored_summary: dict[str, Any] | None = None
+        # The last computed summary and the state it describes (statistics object, windows, tokens):
+        # a run adds windows to its statistics in place, so a summary of fewer windows is stale.
+        self._computed_summary: tuple[tuple[int, int, int], dict[str, Any]] | None = None
 
     @property
     def statistics(self) -> AttentionStatistics:
@@ -324,6 +327,12 @@ class ProbeResult:
             return _undefined_as_nan(copy.deepcopy(self._stored_summary))
         if self.n_windows == 0:
             return {"n_windows": 0}
+        state = (id(self.statistics), self.statistics.n_windows, self.statistics.n_tokens)
+        if self._computed_summary is None or self._computed_summary[0] != state:
+            self._computed_summary = (state, self._compute_summary())
+        return copy.deepcopy(self._computed_summary[1])
+
+    def _compute_summary(self) -> dict[str, Any]:
         scores = head_scores(self)
         persistence = self.persistence()
         bins = min(SUMMARY_KEY_BINS, self.statistics.n_positions)
@@ -432,8 +441,85 @@ class ProbeResult:
         result._statistics = None
         result._file = opened
         result._stored_summary = opened.summary
+        result._computed_summary = None
         result.metadata = opened.metadata
         return result
+
+
+def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False) -> list[tuple[str, str, list[str]]]:
+    """The rows of :func:`summary_table`: ``(group, what, one cell per summary)``, cells as text."""
+    rows: list[tuple[str, str, list[str]]] = []
+
+    def row(group: str, what: str, cell) -> None:
+        rows.append((group, what, [cell(summary) for summary in summaries.values()]))
+
+    for scale in metrics.SCALES:
+        for form in metrics.FORMS:
+            row(scale, form, lambda s, scale=scale, form=form: _number(s["query_position_r2"][scale][form]))
+    for fit in fitting.FIT_NAMES:
+        row("P(dt)", f"{fit} fit R²", lambda s, fit=fit: _number(s["persistence_fit_r2"][fit]))
+    if extended:
+        row("P(dt)", "power fit c, α", lambda s: _parameters(s, "power", ("c", "alpha")))
+        row("P(dt)", "exponential fit c, λ", lambda s: _parameters(s, "exponential", ("c", "lambda")))
+        row("Fig. 1c", "key bins where the prior fits best", _prior_best_bins)
+        row("Fig. 1c", "prior fit R² over key bins", lambda s: _spread(s.get("fit_r2_by_key_position", {}).get("prior")))
+    row("Toeplitz", "mean per-window R²", lambda s: _number(s["toeplitz_r2_per_doc_mean"]))
+    if extended:
+        row("Toeplitz", "document-averaged pattern R²",
+            lambda s: "not kept" if _undefined(s.get("toeplitz_r2_mean_pattern_mean")) else _number(s["toeplitz_r2_mean_pattern_mean"]))
+        row("heads", "most position-bound (log η²)", lambda s: str(s["most_position_bound_head"]))
+        row("heads", "least position-bound (log η²)", lambda s: str(s["least_position_bound_head"]))
+    row("", "windows / tokens", lambda s: f"{s['n_windows']} / {s['n_tokens']}")
+    if extended:
+        row("", "floored entries (log scale)", lambda s: f"{s['floored_entries']} of {s['n_entries']:,}")
+    return rows
+
+
+def summary_table(summaries: dict[str, dict[str, Any]], *, extended: bool = False) -> str:
+    """Markdown table of :meth:`ProbeResult.summary` dicts side by side, one column per label.
+
+    Rows: query-position R² in every scale and form, the R² of each fit to ``P(dt)``, the mean
+    per-window Toeplitz R², windows / tokens. ``extended`` adds the fits' parameters, Figure 1c
+    (in how many key-position bins the parameter-free prior fits better than both two-parameter
+    fits, and the range of its R²), the Toeplitz R² of the document-averaged pattern, the most and
+    least position-bound heads and the floored entries.
+    """
+    lines = ["| scale | form | " + " | ".join(summaries) + " |", "|---|---|" + "---|" * len(summaries)]
+    lines += [f"| {group} | {what} | " + " | ".join(cells) + " |" for group, what, cells in summary_rows(summaries, extended=extended)]
+    return "\n".join(lines)
+
+
+def _undefined(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _number(value: Any) -> str:
+    return "n/a" if _undefined(value) else f"{value:.4f}"
+
+
+def _parameters(summary: dict[str, Any], fit: str, names: tuple[str, ...]) -> str:
+    fits = summary.get("persistence_fits")
+    if not fits:
+        return "–"
+    return ", ".join("n/a" if _undefined(fits[fit]["params"].get(n)) else f"{fits[fit]['params'][n]:.4g}" for n in names)
+
+
+def _prior_best_bins(summary: dict[str, Any]) -> str:
+    by_key = summary.get("fit_r2_by_key_position")
+    if not by_key:
+        return "–"
+    prior, power, exponential = (np.asarray(by_key[n], dtype=np.float64) for n in ("prior", "power", "exponential"))
+    defined = np.isfinite(prior)
+    best = defined & (prior > np.where(np.isfinite(power), power, -np.inf)) & (prior > np.where(np.isfinite(exponential), exponential, -np.inf))
+    return f"{int(best.sum())} of {int(defined.sum())}"
+
+
+def _spread(values: Any) -> str:
+    if values is None:
+        return "–"
+    finite = np.asarray(values, dtype=np.float64)
+    finite = finite[np.isfinite(finite)]
+    return "n/a" if finite.size == 0 else f"{finite.min():.3f} … {finite.max():.3f}"
 
 
 def _undefined_as_nan(value: Any) -> Any:

@@ -29,7 +29,8 @@ def main() -> None:
     docs = load_corpus(n_docs=args.docs)  # list of str
 
     probe = EquivarianceProbe(model, tokenizer=tokenizer)
-    result = probe.run(docs, context_length=args.context_length, batch_size=4)
+    # keep_pattern: also keep the window-summed pattern, which toeplitz_r2(by="head") below reads
+    result = probe.run(docs, context_length=args.context_length, batch_size=4, keep_pattern=True)
     print(result)
     print("fitted query-position R² (log):", round(result.query_position_r2(scale="log", form="fitted"), 4))
     by_head = result.query_position_r2(scale="log", form="fitted", by="head")  # numpy [layer, head]
@@ -40,9 +41,12 @@ def main() -> None:
     print("Toeplitz R² [layer, head] (document-averaged):", result.toeplitz_r2(by="head").shape)
 
     with tempfile.TemporaryDirectory() as folder:
-        path = result.save(Path(folder) / "run.json")
-        again = ProbeResult.load(path)
-        more = probe.run(load_corpus(n_docs=args.docs + 4)[args.docs :], context_length=args.context_length, progress=False)
+        path = result.save(Path(folder) / "run.safetensors")
+        again = ProbeResult.load(path)  # reads the header; the sums load when a number needs them
+        header_numbers = again.summary()["query_position_r2"]["log"]
+        print("query-position R² (log) from the file's header:", {form: round(v, 4) for form, v in header_numbers.items()})
+        more = probe.run(load_corpus(n_docs=args.docs + 4)[args.docs :], context_length=args.context_length,
+                         keep_pattern=True, progress=False)
         merged = again + more
         print(f"saved, loaded and merged: {merged.n_windows} windows, {merged.n_tokens} tokens")
 

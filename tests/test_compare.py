@@ -23,7 +23,7 @@ from synthetic import tiny_gpt2, tiny_llama  # noqa: E402
 from equivariance_probe import EquivarianceProbe, ProbeResult, load_model  # noqa: E402
 from equivariance_probe.cli import main  # noqa: E402
 from equivariance_probe.display.comparison import save_comparison  # noqa: E402
-from equivariance_probe.runs.compare import common_windows, compare_models  # noqa: E402
+from equivariance_probe.runs.compare import common_windows, compare_models, model_folder  # noqa: E402
 from equivariance_probe.errors import EmptyCorpusError, InputError, InsufficientMemoryError  # noqa: E402
 from equivariance_probe.maths.metrics import FORMS, SCALES  # noqa: E402
 from equivariance_probe.sources.resources import PeakMemory, count_parameters, estimate_memory  # noqa: E402
@@ -142,8 +142,15 @@ def test_compare_command(tiny, tmp_path, capsys):
                  "--n-docs", "2", "--context-length", str(T), "--no-progress"]
     assert main(arguments) == 0
     assert "| QPVE raw | prior |" in capsys.readouterr().out
-    for name in ("comparison.md", "comparison.csv", "comparison.json", "comparison.png"):
+    for name in ("comparison.md", "comparison.csv", "comparison.json", "comparison.png", "comparison.html"):
         assert (out / name).stat().st_size > 0
+    # each model's report shows its trained weights beside its baseline, named as given
+    page = (out / "comparison.html").read_text()
+    for model in (gemma, llama):
+        folder = model_folder(model)
+        assert f'href="models/{folder}/report.html"' in page
+        report = (out / "models" / folder / "report.html").read_text()
+        assert "<th>trained</th><th>random_init</th>" in report and f"Equivariance probe: {model}" in report
     assert main(arguments + ["--memory-limit-gib", "0.001"]) == 2
     assert "not enough memory" in capsys.readouterr().err
 

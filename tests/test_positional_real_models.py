@@ -15,7 +15,7 @@ def test_minilm_gram_and_positional_logits_from_the_command_line(tmp_path):
     out = tmp_path / "minilm"
     assert main(["positional", "--model", "all-minilm-l6-v2", "--out", str(out), "--analyses", "gram,positional_logits",
                  "--context-length", "128"]) == 0
-    study = PositionalStudy.load(out / "positional.json")
+    study = PositionalStudy.load(out / "positional.safetensors")
     gram = study.parts["gram"]
     assert gram.gram.shape == (512, 512) and gram.offset == 0  # BERT numbers positions from 0
     # Learned positions are far from Toeplitz here, and the diagonal (squared norms) matters.
@@ -31,7 +31,7 @@ def test_gemma_permutation_ablations_and_shrinkage_from_the_command_line(tmp_pat
     out = tmp_path / "gemma"
     assert main(["positional", "--out", str(out), "--analyses", "permutation,shrinkage", "--n-docs", "2",
                  "--context-length", "64", "--n-prompts", "1", "--prompt-length", "32", "--n-permutations", "2"]) == 0
-    study = PositionalStudy.load(out / "positional.json")
+    study = PositionalStudy.load(out / "positional.safetensors")
     summary = study.summary()
     permutation = summary["permutation"]
     for name in ("no_mask", "no_positions", "no_mask+no_positions"):

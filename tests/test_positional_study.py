@@ -35,7 +35,7 @@ def test_every_analysis_runs_on_a_gpt2_and_round_trips(gpt2_study, tmp_path):
     assert summary["gram"]["n_positions"] == 64 and len(summary["positional_logits"]["per_head"]) == 4
     assert gpt2_study.parts["correlation"].shape == (2, 20, 20)
     path = gpt2_study.save(tmp_path)
-    assert path.name == "positional.json"
+    assert path.name == "positional.safetensors"
     loaded = PositionalStudy.load(path)
     assert json.dumps(loaded.summary(), sort_keys=True) == json.dumps(summary, sort_keys=True)
     np.testing.assert_array_equal(loaded.parts["correlation"], gpt2_study.parts["correlation"])
@@ -85,7 +85,7 @@ def test_command_line_writes_json_figures_and_the_report_section(tmp_path, capsy
     assert main(["run", "--out", str(out), "--model", model, "--corpus", corpus, "--n-docs", "3",
                  "--context-length", "16", "--baselines", "none", "--no-progress", "--sample-size", "0",
                  "--analyses", "gram,permutation,shrinkage"]) == 0
-    study = PositionalStudy.load(out / "positional.json")
+    study = PositionalStudy.load(out / "positional.safetensors")
     assert set(study.parts) == {"gram", "permutation", "shrinkage", "shrinkage_baseline"}
     for name in ("positional_gram.png", "positional_permutation.png", "positional_shrinkage.png", "positional.html"):
         assert (out / name).stat().st_size > 0, name
@@ -96,7 +96,7 @@ def test_command_line_writes_json_figures_and_the_report_section(tmp_path, capsy
     assert main(["positional", "--out", str(tmp_path / "p"), "--model", model, "--corpus", corpus,
                  "--analyses", "tisa,correlation", "--n-docs", "2", "--context-length", "12", "--kernels", "2",
                  "--baseline", "none"]) == 0
-    assert set(PositionalStudy.load(tmp_path / "p" / "positional.json").parts) == {"tisa", "correlation"}
+    assert set(PositionalStudy.load(tmp_path / "p" / "positional.safetensors").parts) == {"tisa", "correlation"}
     assert len(WORDS) > 0
 
 
@@ -136,3 +136,57 @@ def test_wrapped_models_and_probes_use_the_raw_hugging_face_weights(tmp_path):
                              progress=False)
     assert study.parts["gram"].r2_whole == reference.r2_whole
     assert study.parts["permutation"].kl["none"].shape == (1, 2)
+
+
+POSITIONAL_V1 = __import__("pathlib").Path(__file__).parent / "data" / "positional_format_v1.json"
+
+
+def test_the_file_round_trips_every_array_bitwise_in_the_result_format_family(gpt2_study, tmp_path):
+    from safetensors import safe_open
+
+    path = gpt2_study.save(tmp_path / "study.safetensors")
+    with safe_open(str(path), framework="np") as handle:  # what a user sees without the package
+        header = json.loads(handle.metadata()["equivariance_probe"])
+        names = set(handle.keys())
+        gram = handle.get_tensor("parts/gram/gram")
+    assert header["kind"] == "equivariance_probe.PositionalStudy" and header["format_version"] == 2
+    assert {"parts/gram/gram", "parts/correlation", "parts/tisa/profile/sums"} <= names
+    np.testing.assert_array_equal(gram, gpt2_study.parts["gram"].gram)
+    loaded = PositionalStudy.load(path)
+    assert set(loaded.parts) == set(gpt2_study.parts) and loaded.metadata == gpt2_study.metadata
+    for name in ("correlation", "correlation_baseline"):
+        np.testing.assert_array_equal(loaded.parts[name], gpt2_study.parts[name])
+    np.testing.assert_array_equal(loaded.parts["positional_logits"].scores, gpt2_study.parts["positional_logits"].scores)
+    np.testing.assert_array_equal(loaded.parts["positional_logits"].visible, gpt2_study.parts["positional_logits"].visible)
+    for stream, values in gpt2_study.parts["shrinkage"].across_documents.items():
+        np.testing.assert_array_equal(loaded.parts["shrinkage"].across_documents[stream], values)
+    for ablation, values in gpt2_study.parts["permutation"].kl.items():
+        np.testing.assert_array_equal(loaded.parts["permutation"].kl[ablation], values)
+    fits, fits_loaded = gpt2_study.parts["tisa"]["fits"].fits, loaded.parts["tisa"]["fits"].fits
+    np.testing.assert_array_equal(fits_loaded[1][0].c, fits[1][0].c)
+    assert fits_loaded[1][0].r2 == fits[1][0].r2
+    assert not (tmp_path / "study.safetensors.tmp").exists()
+    # the arrays are checked against the header's checksum
+    from synthetic import edited_result_file
+
+    edited_result_file(path, tmp_path / "edited.safetensors", lambda h: None,
+                       tensors_edit=lambda t: t["parts/correlation"].__setitem__((0, 1, 1), 0.5))
+    with pytest.raises(ResultFileError, match="checksum does not match the arrays"):
+        PositionalStudy.load(tmp_path / "edited.safetensors")
+
+
+def test_a_version_1_json_file_still_loads():
+    data = json.loads(POSITIONAL_V1.read_text())
+    assert data["format"] == "equivariance_probe.positional" and data["version"] == 1
+    study = PositionalStudy.load(POSITIONAL_V1)
+    assert set(study.parts) == set(data["parts"])
+    np.testing.assert_array_equal(study.parts["gram"].gram, np.asarray(data["parts"]["gram"]["gram"]))
+    assert json.dumps(study.summary(), sort_keys=True) == json.dumps(data["summary"], sort_keys=True)
+
+
+def test_a_result_file_is_not_a_positional_study(tmp_path):
+    from equivariance_probe import EquivarianceProbe
+
+    result = EquivarianceProbe(tiny_gpt2()).run(_windows(2, 8), progress=False)
+    with pytest.raises(ResultFileError, match="holds 'equivariance_probe.ProbeResult'.*ProbeResult.load"):
+        PositionalStudy.load(result.save(tmp_path / "results.safetensors"))

@@ -190,3 +190,29 @@ def test_default_result_files_hold_only_what_the_statistics_need(tmp_path):
     with safe_open(str(tmp_path / "r.safetensors"), framework="np") as handle:
         names = set(handle.keys())
     assert "pattern_sum" not in names and not any(name.startswith("sample/") for name in names)
+
+
+def test_show_prints_every_headline_number_without_reading_an_array(result, tmp_path, monkeypatch, capsys):
+    from equivariance_probe.cli import main
+
+    path = result.save(tmp_path / "results.safetensors")
+
+    def no_arrays(*args, **kwargs):
+        raise AssertionError("an array was read")
+
+    monkeypatch.setattr(result_file, "read_tensors", no_arrays)
+    assert main(["show", str(path)]) == 0
+    printed = capsys.readouterr().out
+    for row in ("| log | prior |", "| log | fitted |", "| log | eta2 |", "| raw | prior |", "| raw | fitted |",
+                "| raw | eta2 |", "| P(dt) | power fit R² |", "| P(dt) | exponential fit c, λ |",
+                "| Fig. 1c | key bins where the prior fits best |", "| Toeplitz | mean per-window R² |",
+                "| heads | most position-bound (log η²) |", "|  | windows / tokens | 5 / "):
+        assert row in printed, row
+    assert f"| log | eta2 | {result.query_position_r2('log', 'eta2'):.4f} |" in printed
+    assert main(["show", "--json", str(path)]) == 0
+    shown = json.loads(capsys.readouterr().out)[str(path)]
+    assert shown["summary"]["query_position_r2"]["raw"]["fitted"] == result.query_position_r2("raw", "fitted")
+    assert shown["complete"] is True
+    (tmp_path / "broken.safetensors").write_bytes(path.read_bytes()[:50])
+    assert main(["show", str(tmp_path / "broken.safetensors")]) == 2
+    assert "cut inside its header" in capsys.readouterr().err

@@ -1,26 +1,31 @@
-"""The comparison figure: every model's persistence curve and headline R², side by side.
+"""The comparison on screen: every model's persistence curve and headline R² side by side, and
+one report per model with its trained weights beside its baselines.
 
-Place in the seams: *display*, plotting only, from a
+Place in the seams: *display*, drawing only, from a
 :class:`~equivariance_probe.runs.compare.Comparison`'s results; matplotlib is imported when a
 figure is drawn (through :mod:`equivariance_probe.display.figures`).
 """
 
 from __future__ import annotations
 
+import html
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .figures import log_log_axes, pyplot, save_figures
+from .figures import figure_title, log_log_axes, pyplot, save_figures
+from .report import figures_html, html_page, render_report
+
+from ..runs.compare import model_folder
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from ..runs.compare import Comparison
 
-__all__ = ["comparison_figure", "save_comparison"]
+__all__ = ["comparison_figure", "comparison_page", "save_comparison"]
 
 #: The bars of the right panel: (row key of Comparison.rows, label).
 _BARS = (("log_fitted", "QPVE log fitted"), ("log_eta2", "QPVE log η²"), ("raw_eta2", "QPVE raw η²"),
@@ -63,13 +68,41 @@ def comparison_figure(comparison: Comparison) -> Figure:
     bars_ax.set_title("Position dependence per model (solid: trained, hatched: baselines)")
     bars_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=min(len(rows), 3))
     windows, tokens = rows[0]["windows"], rows[0]["tokens"]
-    fig.suptitle(f"Across architectures: {windows} windows, {tokens} tokens per model and variant")
+    figure_title(fig, f"Across architectures: {windows} windows, {tokens} tokens per model and variant", fontsize=12)
     fig.tight_layout()
     return fig
 
 
+def comparison_page(comparison: Comparison, reports: dict[str, str] | None = None) -> str:
+    """The comparison as one self-contained HTML page: its table (a column per model and variant),
+    its figure, and links to each model's report (``reports``: model -> relative path)."""
+    rows = comparison.rows()
+    header = "<tr><th></th><th></th>" + "".join(
+        f"<th>{html.escape(r['model'])}<br>{html.escape(r['variant'])}</th>" for r in rows) + "</tr>"
+    lines = ["<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in (group, name, *cells)) + "</tr>"
+             for group, name, cells in comparison.table_rows()]
+    links = "".join(f'<li><a href="{html.escape(path)}">{html.escape(model)}</a>: trained beside its baselines</li>'
+                    for model, path in (reports or {}).items())
+    body = (f"<h1>Equivariance probe: comparison across models</h1><p>{html.escape(comparison.config.get('windows_description', ''))}</p>"
+            f"<table>{header}{''.join(lines)}</table>"
+            + figures_html({"Persistence P(dt) per model and variant; headline R² per model and variant": comparison_figure(comparison)})
+            + (f"<h2>Each model's report</h2><ul>{links}</ul>" if links else ""))
+    return html_page("equivariance_probe comparison", body)
+
+
 def save_comparison(comparison: Comparison, folder: str | os.PathLike) -> dict[str, Path]:
-    """Write the comparison's tables and studies (:meth:`Comparison.save`) and its figure ``comparison.png``."""
+    """Write the comparison's tables and studies (:meth:`Comparison.save`), its figure
+    ``comparison.png``, each model's report ``models/<model>/report.html`` (trained and baselines
+    side by side) and ``comparison.html`` (table, figure, links to the reports)."""
     paths = comparison.save(folder)
+    folder = Path(folder)
     paths["figure"] = save_figures({"comparison": comparison_figure(comparison)}, folder)[0]
+    reports = {}
+    for label, study in comparison.studies.items():
+        report = folder / "models" / model_folder(label) / "report.html"
+        report.write_text(render_report(study.trained, baselines=study.baselines()), encoding="utf-8")
+        paths[f"report {label}"] = report
+        reports[label] = str(report.relative_to(folder))
+    paths["html"] = folder / "comparison.html"
+    paths["html"].write_text(comparison_page(comparison, reports), encoding="utf-8")
     return paths

@@ -5,7 +5,8 @@ matplotlib is imported when a figure is drawn, never at package import.
 
 * ``persistence``  — Fig. 1a: ``P(dt)`` with power, exponential and uniform-prior fits.
 * ``head_curves``  — Fig. 1b: ``P(dt)`` of every head.
-* ``fit_by_key``   — Fig. 1c: R² of each fit to ``P_t(dt)`` against key position ``t``.
+* ``fit_by_key``   — Fig. 1c: R² of each fit to ``P_t(dt)`` against key position ``t`` (one
+  panel per result: trained and its baselines side by side).
 * ``scatter``      — Fig. 1d: attention against the uniform prior, log-log, from the
   run's bounded entry sample, with the query-position R² in the title.
 * ``heatmaps``     — per-head query-position R² (log, fitted) and Toeplitz R².
@@ -14,6 +15,7 @@ matplotlib is imported when a figure is drawn, never at package import.
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +36,8 @@ __all__ = [
     "save_figures",
     "pyplot",
     "log_log_axes",
+    "fitted_title",
+    "figure_title",
 ]
 
 _FIT_STYLE = {"power": ("tab:orange", "--"), "exponential": ("tab:green", ":"), "prior": ("black", "-.")}
@@ -51,26 +55,51 @@ def pyplot() -> Any:
     return plt
 
 
+def fitted_title(text: str, width_inches: float, fontsize: float) -> str:
+    """``text`` wrapped into lines that fit ``width_inches`` at ``fontsize`` points.
+
+    matplotlib centres a title and clips whatever runs past the figure's edges; an average
+    character is about 0.55 em wide, so a line holds ``72·width / (0.55·fontsize)`` characters.
+    """
+    characters = max(12, int(72 * width_inches / (0.55 * fontsize)))
+    return "\n".join(textwrap.wrap(text, characters)) or text
+
+
+def figure_title(fig: Any, text: str, fontsize: float = 11) -> None:
+    """A figure title (``suptitle``) wrapped to the figure's width, so that no caption is clipped."""
+    fig.suptitle(fitted_title(text, fig.get_figwidth(), fontsize), fontsize=fontsize)
+
+
+def _axes_title(ax: Any, text: str, fontsize: float = 10) -> None:
+    ax.set_title(fitted_title(text, ax.get_position().width * ax.figure.get_figwidth(), fontsize), fontsize=fontsize)
+
+
 def log_log_axes(ax: Any, title: str) -> None:
     """Persistence axes: log distance ``dt + 1`` against log mean attention."""
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("distance dt + 1")
     ax.set_ylabel("mean attention")
-    ax.set_title(title)
+    _axes_title(ax, title)
     ax.legend(fontsize=8)
 
 
 def _label(result: ProbeResult) -> str:
-    name = result.metadata.get("label") or result.metadata.get("model", {}).get("name", "model")
-    return str(name)
+    """A result's name in a figure: its study variant with the model (``gemma-3-270m (trained)``)
+    or the model alone, as the user named it."""
+    variant = result.metadata.get("label")
+    return f"{result.model_name} ({variant})" if variant else result.model_name
+
+
+def _results(results: ProbeResult | dict[str, ProbeResult]) -> dict[str, ProbeResult]:
+    return results if isinstance(results, dict) else {_label(results): results}
 
 
 def persistence_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
     """Fig. 1a: mean attention by distance with its three fits, one panel per result."""
     plt = pyplot()
-    results = results if isinstance(results, dict) else {_label(results): results}
-    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    results = _results(results)
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.2), squeeze=False)
     for ax, (label, result) in zip(axes[0], results.items()):
         curves = result.persistence()
         has = curves.count > 0
@@ -86,7 +115,8 @@ def persistence_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
         if values.size:
             ax.set_ylim(values.min() / 3, values.max() * 3)
         log_log_axes(ax, label)
-    fig.suptitle("Persistence: mean attention a[t+dt, t] over windows, t, layers and heads")
+    model = next(iter(results.values())).model_name
+    figure_title(fig, f"Persistence of {model}: mean attention a[t+dt, t] over windows, t, layers and heads")
     fig.tight_layout()
     return fig
 
@@ -110,20 +140,22 @@ def head_curves_figure(result: ProbeResult) -> Figure:
     return fig
 
 
-def fit_by_key_figure(result: ProbeResult, bins: int = 16) -> Figure:
-    """Fig. 1c: R² of the power, exponential and prior fits to ``P_t(dt)`` by key position bin."""
+def fit_by_key_figure(results: ProbeResult | dict[str, ProbeResult], bins: int = 16) -> Figure:
+    """Fig. 1c: R² of the power, exponential and prior fits to ``P_t(dt)`` by key position bin,
+    one panel per result (a study's trained model and its baselines side by side)."""
     plt = pyplot()
-    bins = min(bins, result.statistics.n_positions)
-    curves = result.persistence(by="key_position", bins=bins)
-    centres = 0.5 * (curves.key_bins[:-1] + curves.key_bins[1:] - 1)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name in ("power", "exponential", "prior"):
-        color, style = _FIT_STYLE[name]
-        ax.plot(centres, curves.r2(name), color=color, ls=style, marker="o", ms=3, label=name)
-    ax.set_xlabel("key position t (bin centre)")
-    ax.set_ylabel("R² of fit to P_t(dt)")
-    ax.set_title(f"{_label(result)}: fit quality by key position")
-    ax.legend(fontsize=8)
+    results = _results(results)
+    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
+    for ax, (label, result) in zip(axes[0], results.items()):
+        curves = result.persistence(by="key_position", bins=min(bins, result.statistics.n_positions))
+        centres = 0.5 * (curves.key_bins[:-1] + curves.key_bins[1:] - 1)
+        for name in ("power", "exponential", "prior"):
+            color, style = _FIT_STYLE[name]
+            ax.plot(centres, curves.r2(name), color=color, ls=style, marker="o", ms=3, label=name)
+        ax.set_xlabel("key position t (bin centre)")
+        ax.set_ylabel("R² of fit to P_t(dt)")
+        _axes_title(ax, f"{label}: fit quality by key position")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -143,8 +175,9 @@ def scatter_figure(result: ProbeResult) -> Figure:
     ax.set_xlabel("uniform prior u(q) = 1/|V(q)|")
     ax.set_ylabel("attention a (floored at eps)")
     r2 = {form: result.query_position_r2("log", form) for form in ("prior", "fitted", "eta2")}
-    ax.set_title(
-        f"{_label(result)}: log scale R² prior {r2['prior']:.3f}, fitted {r2['fitted']:.3f}, η² {r2['eta2']:.3f}\n"
+    _axes_title(
+        ax,
+        f"{_label(result)}: log scale R² prior {r2['prior']:.3f}, fitted {r2['fitted']:.3f}, η² {r2['eta2']:.3f} "
         f"({len(attention)} sampled of {result.n_entries():,} entries; R² over all entries)",
         fontsize=9,
     )
@@ -168,26 +201,34 @@ def heatmaps_figure(result: ProbeResult) -> Figure:
     fig, axes = plt.subplots(1, len(panels), figsize=(3 + 2.2 * len(panels) * max(n_heads, 4) / 4, 1.5 + 0.25 * n_layers), squeeze=False)
     for ax, (title, values) in zip(axes[0], panels.items()):
         image = ax.imshow(values, vmin=0, vmax=1, cmap="magma", aspect="auto")
-        ax.set_title(title, fontsize=9)
+        _axes_title(ax, title, fontsize=9)
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         fig.colorbar(image, ax=ax)
-    fig.suptitle(_label(result))
+    figure_title(fig, f"Per-head scores: {_label(result)}")
     fig.tight_layout()
     return fig
 
 
 def study_figures(result: ProbeResult, baselines: dict[str, ProbeResult] | None = None) -> dict[str, Figure]:
-    """Every figure of the study for one result (and its baselines in Fig. 1a)."""
+    """Every figure of the study for one result, with its baselines side by side in Fig. 1a and 1c
+    (each baseline's heatmaps: :func:`heatmaps_figure`)."""
+    variants = _variants(result, baselines)
     figures = {
-        "persistence": persistence_figure({_label(result): result, **(baselines or {})}),
+        "persistence": persistence_figure(variants),
         "head_curves": head_curves_figure(result),
-        "fit_by_key": fit_by_key_figure(result),
+        "fit_by_key": fit_by_key_figure(variants),
         "heatmaps": heatmaps_figure(result),
     }
     if result.statistics.sample is not None and len(result.statistics.sample):
         figures["scatter"] = scatter_figure(result)
     return figures
+
+
+def _variants(result: ProbeResult, baselines: dict[str, ProbeResult] | None) -> dict[str, ProbeResult]:
+    """Panel titles: the trained result's variant name (or model), then each baseline's name."""
+    first = str(result.metadata.get("label") or result.model_name)
+    return {first: result, **(baselines or {})}
 
 
 def save_figures(figures: dict[str, Any], folder: str | os.PathLike, prefix: str = "") -> list[Path]:

@@ -2,7 +2,7 @@
 
 Place in the seams: *display*, rendering only; matplotlib is imported when a figure is drawn
 (see :mod:`equivariance_probe.display.figures`). :func:`positional_report_section` is the study
-report's section (the command line adds it when a ``positional.json`` lies beside the results);
+report's section (the command line adds it when a ``positional.safetensors`` lies beside the results);
 :func:`render_positional_page` wraps it in a standalone page.
 
 Figures:
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .figures import pyplot
+from .figures import figure_title, fitted_title, pyplot
 from .report import ReportSection, figures_html, html_page
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,7 +52,8 @@ def gram_figure(gram: Any, title: str = "") -> Figure:
     fig.colorbar(image, ax=ax)
     ax.set_xlabel("position j")
     ax.set_ylabel("position i")
-    ax.set_title(f"{title}Gram E_P E_Pᵀ: Toeplitz R² {gram.r2_whole:.3f} whole, {gram.r2_off_diagonal:.3f} off-diag.", fontsize=9)
+    ax.set_title(fitted_title(f"{title}Gram E_P E_Pᵀ: Toeplitz R² {gram.r2_whole:.3f} whole, {gram.r2_off_diagonal:.3f} "
+                              "off-diag.", 4.0, 9), fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -75,7 +76,7 @@ def positional_logits_figure(logits: Any) -> Figure:
         ax.set_title(f"H{head} R²={logits.toeplitz_r2[head]:.2f}", fontsize=8)
         ax.set_xticks([])
         ax.set_yticks([])
-    fig.suptitle(f"Layer {logits.layer} positional logits (word embeddings = vocabulary mean)", fontsize=10)
+    figure_title(fig, f"Layer {logits.layer} positional logits (word embeddings = vocabulary mean)", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -99,7 +100,7 @@ def tisa_figure(tisa: dict[str, Any], max_panels: int = 24) -> Figure:
             ax.plot(profile.lags[has], fit.predict(profile.lags[has]), color="tab:red", ls="--", lw=1)
         ax.set_title(f"L{layer}H{head} R²={fit.r2:.2f}", fontsize=8)
         ax.tick_params(labelsize=6)
-    fig.suptitle(f"Mean pre-softmax score by lag k = q - key (blue) and {fits.n_kernels}-kernel TISA fit (red)", fontsize=10)
+    figure_title(fig, f"Mean pre-softmax score by lag k = q - key (blue) and {fits.n_kernels}-kernel TISA fit (red)", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -115,7 +116,7 @@ def permutation_figure(permutation: Any) -> Figure:
         ax.set_xticks(range(1, len(names) + 1), [n.replace("+", "+\n") for n in names], fontsize=8)
         ax.set_yscale("log")
         ax.set_title(label, fontsize=9)
-    fig.suptitle(f"Permutation sensitivity ({permutation.n_tokens}-token prompts, tokens {permutation.keep_first}..n-2 permuted)", fontsize=10)
+    figure_title(fig, f"Permutation sensitivity ({permutation.n_tokens}-token prompts, tokens {permutation.keep_first}..n-2 permuted)", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -169,7 +170,7 @@ def correlation_figure(correlation: np.ndarray, max_layers: int = 6, title: str 
         ax.set_xticks([])
         ax.set_yticks([])
     fig.colorbar(image, ax=list(axes[: len(layers)]), shrink=0.8)
-    fig.suptitle(f"{title}Correlation across documents between positions i, j (residual stream)", fontsize=10)
+    figure_title(fig, f"{title}Correlation across documents between positions i, j (residual stream)", fontsize=10)
     return fig
 
 
@@ -206,7 +207,7 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _title(study: PositionalStudy) -> str:
-    return f"Where order comes from: {study.metadata.get('model', '?')}"
+    return f"Where order comes from: {study.model_name}"
 
 
 def render_positional_body(study: PositionalStudy) -> str:
@@ -256,5 +257,5 @@ def render_positional_section(study: PositionalStudy) -> str:
 
 def render_positional_page(study: PositionalStudy) -> str:
     """A standalone HTML page holding only the positional section."""
-    return html_page(f"equivariance_probe positional analyses: {study.metadata.get('model', '?')}",
+    return html_page(f"equivariance_probe positional analyses: {study.model_name}",
                      render_positional_section(study))

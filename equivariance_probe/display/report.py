@@ -1,9 +1,13 @@
-"""A self-contained HTML report of one result, built as a list of sections.
+"""A self-contained HTML report of one result, or of a study's trained model beside its
+baselines, built as a list of sections.
 
-Place in the seams: *display*. Sections, in order: the summary table, the study's figures
-(embedded as base64 PNG), the head ranking (:mod:`equivariance_probe.analyses.heads`) and, when
-given, CircuitsVis views of heads (:mod:`equivariance_probe.display.views`). Other analyses add their own :class:`ReportSection`
-through ``extra_sections``. The file opens offline with nothing else: no external script,
+Place in the seams: *display*. Sections, in order: the summary table (one column per variant:
+trained, random init, zero), the study's figures (embedded as base64 PNG: persistence and
+Figure 1c of every variant side by side, per-head heatmaps of each), the head ranking
+(:mod:`equivariance_probe.analyses.heads`) and, when given, CircuitsVis views of heads
+(:mod:`equivariance_probe.display.views`). Other analyses add their own :class:`ReportSection`
+through ``extra_sections``. The model is named as the user named it
+(:attr:`~equivariance_probe.result.ProbeResult.model_name`). The file opens offline with nothing else: no external script,
 style sheet or image; when any section draws with CircuitsVis, its inline bundle is
 included once, in the page's head, and every view is drawn from it.
 """
@@ -13,14 +17,14 @@ from __future__ import annotations
 import base64
 import html
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import NotRunError
-from ..maths.metrics import FORMS, SCALES
+from ..result import summary_rows
 from .circuitsvis import circuitsvis_bundle_script
-from .figures import study_figures
+from .figures import fit_by_key_figure, head_curves_figure, heatmaps_figure, persistence_figure, scatter_figure
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..result import ProbeResult
@@ -54,9 +58,10 @@ def _png(figure) -> str:
 
 
 def figures_html(figures: dict[str, Any]) -> str:
-    """matplotlib figures (name -> figure) as captioned ``<figure>`` elements with embedded PNG (closes them)."""
+    """matplotlib figures (caption -> figure) as captioned ``<figure>`` elements with embedded PNG (closes them)."""
     return "".join(
-        f'<figure><img alt="{name}" src="data:image/png;base64,{_png(figure)}"><figcaption>{name}</figcaption></figure>'
+        f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,{_png(figure)}">'
+        f"<figcaption>{html.escape(name)}</figcaption></figure>"
         for name, figure in figures.items()
     )
 
@@ -66,34 +71,60 @@ def html_page(title: str, body: str, head: str = "") -> str:
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:auto}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:3px 8px}}img{{max-width:100%}}caption{{text-align:left;padding:4px 0}}</style>
+td,th{{border:1px solid #ccc;padding:3px 8px}}img{{max-width:100%}}caption{{text-align:left;padding:4px 0}}
+figure{{margin:1em 0}}figcaption{{font-size:90%;color:#444}}</style>
 {head}</head><body>
 {body}
 </body></html>"""
 
 
-def summary_section(result: ProbeResult) -> ReportSection:
-    """Run facts, query-position R² in every scale and form, persistence fits."""
-    summary = result.summary()
+def _variants(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None) -> dict[str, ProbeResult]:
+    """Column name -> result: the result's study variant (``trained``) or model, then each baseline."""
+    return {str(result.metadata.get("label") or result.model_name): result, **dict(baselines or {})}
+
+
+def summary_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None = None) -> ReportSection:
+    """Run facts, then one table with a column per variant: query-position R² in every scale and
+    form, the persistence fits and their parameters, Figure 1c, Toeplitz scores and heads."""
+    variants = _variants(result, baselines)
+    summaries = {name: variant.summary() for name, variant in variants.items()}
+    first = summaries[next(iter(summaries))]
+    header = "<tr><th></th><th></th>" + "".join(f"<th>{html.escape(name)}</th>" for name in summaries) + "</tr>"
     rows = "".join(
-        f"<tr><td>{scale}</td><td>{form}</td><td>{summary['query_position_r2'][scale][form]:.4f}</td></tr>"
-        for scale in SCALES
-        for form in FORMS
+        f"<tr><td>{html.escape(group)}</td><td>{html.escape(what)}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+        + "</tr>"
+        for group, what, cells in summary_rows(summaries, extended=True)
     )
-    fits = "".join(f"<tr><td>{name}</td><td>{value:.4f}</td></tr>" for name, value in summary["persistence_fit_r2"].items())
-    body = f"""<p>{result.n_windows} windows, {result.n_tokens} tokens, {summary['n_entries']:,} visible entries; log floor
-{result.log_floor:.3g} ({summary['floored_entries']} entries floored); excluded keys: {list(result.excluded_keys) or 'none'}.</p>
-<h3>Query-position R² (all visible entries)</h3>
-<table><tr><th>scale</th><th>form</th><th>R²</th></tr>{rows}</table>
-<h3>Persistence fits (R² on P(dt))</h3><table><tr><th>fit</th><th>R²</th></tr>{fits}</table>
-<p>Most position-bound head: {summary['most_position_bound_head']}; least: {summary['least_position_bound_head']}
-(query-position η², log scale). Mean per-window Toeplitz R²: {summary['toeplitz_r2_per_doc_mean']:.4f}.</p>"""
+    compared = ""
+    if len(variants) > 1:
+        compared = (" Baselines (METHODS.md section 5): <code>random_init</code> is the same architecture at its own "
+                    "random initialisation, <code>zero</code> has every weight zero (every head exactly uniform).")
+    body = f"""<p>{result.n_windows} windows, {result.n_tokens} tokens, {first['n_entries']:,} visible entries per variant;
+log scale y = log max(a, eps) with eps = {result.log_floor:.3g}; excluded keys: {list(result.excluded_keys) or 'none'}.{compared}</p>
+<h3>Query-position R², persistence fits, Toeplitz R² and heads{' per variant' if len(variants) > 1 else ''}</h3>
+<p>Rows: query-position R² over all visible entries (QPVE: prior, fitted, η²; log and raw scale); R² and parameters of
+the fits to the persistence curve P(dt); Figure 1c (the fits to P_t(dt) per key-position bin); Toeplitz R²; the most and
+least position-bound heads (log η²).</p>
+<table class="summary">{header}{rows}</table>"""
     return ReportSection("Summary", body)
 
 
-def figures_section(result: ProbeResult) -> ReportSection:
-    """The study's figures for this result, as embedded PNG."""
-    return ReportSection("Figures", figures_html(study_figures(result)))
+def figures_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None = None) -> ReportSection:
+    """The study's figures: persistence (Fig. 1a) and fit quality by key position (Fig. 1c) of every
+    variant side by side, per-head persistence (1b) and the scatter (1d) of the result, and the
+    per-head heatmaps of every variant."""
+    variants = _variants(result, baselines)
+    side_by_side = " (trained and baselines side by side)" if len(variants) > 1 else ""
+    figures = {
+        f"Fig. 1a — persistence P(dt) with power, exponential and uniform-prior fits{side_by_side}": persistence_figure(variants),
+        f"Fig. 1b — per-head persistence, {result.metadata.get('label') or result.model_name}": head_curves_figure(result),
+        f"Fig. 1c — R² of each fit to P_t(dt) by key position{side_by_side}": fit_by_key_figure(variants),
+    }
+    if result.statistics.sample is not None and len(result.statistics.sample):
+        figures[f"Fig. 1d — sampled entries against the uniform prior, {result.metadata.get('label') or result.model_name}"] = scatter_figure(result)
+    for name, variant in variants.items():
+        figures[f"Per-head query-position R² and Toeplitz R², {name}"] = heatmaps_figure(variant)
+    return ReportSection("Figures", figures_html(figures))
 
 
 def ranking_section(result: ProbeResult) -> ReportSection:
@@ -116,9 +147,15 @@ def views_section(views: Sequence[HeadViews]) -> ReportSection:
     )
 
 
-def report_sections(result: ProbeResult, *, views: HeadViews | Sequence[HeadViews] | None = None) -> list[ReportSection]:
-    """The standard sections: summary, figures, head ranking, and views if any are given."""
-    sections = [summary_section(result), figures_section(result), ranking_section(result)]
+def report_sections(
+    result: ProbeResult,
+    *,
+    baselines: Mapping[str, ProbeResult] | None = None,
+    views: HeadViews | Sequence[HeadViews] | None = None,
+) -> list[ReportSection]:
+    """The standard sections: summary and figures (with the baselines side by side), the head
+    ranking of ``result``, and views if any are given."""
+    sections = [summary_section(result, baselines), figures_section(result, baselines), ranking_section(result)]
     if views is not None:
         views = [views] if not isinstance(views, Sequence) else list(views)
         if views:
@@ -129,23 +166,27 @@ def report_sections(result: ProbeResult, *, views: HeadViews | Sequence[HeadView
 def render_report(
     result: ProbeResult,
     *,
+    baselines: Mapping[str, ProbeResult] | None = None,
     views: HeadViews | Sequence[HeadViews] | None = None,
     extra_sections: Sequence[ReportSection] = (),
 ) -> str:
     """The report as one HTML string (no external scripts, stylesheets or images).
 
     Args:
-        result: the result to report.
+        result: the result to report (a study's trained model).
+        baselines: the same study's baselines, name -> result (``Study.baselines()``, or the
+            ``baseline_<name>`` files beside a study's results), shown side by side with ``result``.
         views: :class:`~equivariance_probe.display.views.HeadViews` to include (one or several).
         extra_sections: more :class:`ReportSection` objects, appended after the standard ones.
 
     Raises:
-        NotRunError: the result holds no windows.
+        NotRunError: the result (or a baseline) holds no windows.
     """
-    if result.n_windows == 0:
-        raise NotRunError("this result holds no windows yet: run EquivarianceProbe(model).run(docs) before reporting it")
-    sections = report_sections(result, views=views) + list(extra_sections)
-    model = str(result.metadata.get("model", {}).get("name", "?"))
+    for variant in [result, *dict(baselines or {}).values()]:
+        if variant.n_windows == 0:
+            raise NotRunError("this result holds no windows yet: run EquivarianceProbe(model).run(docs) before reporting it")
+    sections = report_sections(result, baselines=baselines, views=views) + list(extra_sections)
+    model = result.model_name
     bundle = ""
     if any(section.uses_circuitsvis for section in sections):
         bundle = circuitsvis_bundle_script()

@@ -43,6 +43,7 @@ from ..probe import EquivarianceProbe
 from ..result import ProbeResult
 from ..sources.corpus import load_corpus
 from ..sources.models import load_model
+from ..sources.registry import name_of_converted_copy
 from ..statistics.kernels import default_log_floor, uniform_prior, visible_mask
 from .circuitsvis import CircuitsVisFigure, attention_heads_figure, circuitsvis_bundle, figure_div
 
@@ -388,7 +389,7 @@ def head_views(
         start=start,
         log_floor=log_floor,
         decimals=decimals,
-        title=f"Model {adapter.model_name()}, one document of {len(ids)} tokens.",
+        title=f"Model {_display_name(adapter.model_name())}, one document of {len(ids)} tokens.",
         scores=scores,
     )
 
@@ -443,3 +444,8 @@ def views_for_result(
     )
     corpus_name = "the packaged corpus" if source is None else str(source)
     return views, f"views of {', '.join(views.labels)} on document {document} of {corpus_name} with model {name}"
+
+
+def _display_name(name: str) -> str:
+    """A packaged model's registry name rather than its converted copy's path."""
+    return name_of_converted_copy(name) or name

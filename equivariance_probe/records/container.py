@@ -86,7 +86,7 @@ def file_kind(path: str | os.PathLike) -> str:
 def header_checksum(header: Mapping[str, Any]) -> str:
     """``"sha256:<hex>"`` of ``header`` without its ``header_checksum`` field, as compact JSON with sorted keys."""
     body = {key: value for key, value in header.items() if key != "header_checksum"}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -116,16 +116,26 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
 def write_container(path: str | os.PathLike, tensors: Mapping[str, np.ndarray], header: Mapping[str, Any]) -> Path:
     """Write ``tensors`` and the JSON ``header`` (with its ``header_checksum`` added) atomically.
 
-    ``header`` must be JSON without NaN or infinities (see
-    :func:`~equivariance_probe.records.fileformat.jsonable`).
+    ``header`` must be JSON; NaN and infinities are written as Python's ``json`` writes them
+    (``NaN``, ``Infinity``), which ``json.loads`` reads back. Result files have none
+    (:func:`~equivariance_probe.records.fileformat.jsonable` writes them as ``null``).
     """
     from safetensors.numpy import save_file
 
     header = dict(header)
     header["header_checksum"] = header_checksum(header)
-    text = json.dumps(header, allow_nan=False)
+    text = json.dumps(header)
     arrays = {name: _little_endian(value) for name, value in tensors.items()}
-    return write_atomically(path, lambda temporary: save_file(arrays, temporary, metadata={HEADER_KEY: text}))
+
+    def write(temporary: Path) -> None:
+        # safetensors makes its files readable by their owner only; a result file gets the
+        # permissions of any file the user writes (the umask's), read from a file created here first.
+        open(temporary, "wb").close()
+        mode = os.stat(temporary).st_mode & 0o777
+        save_file(arrays, str(temporary), metadata={HEADER_KEY: text})
+        os.chmod(temporary, mode)
+
+    return write_atomically(path, write)
 
 
 @dataclass(frozen=True)
@@ -184,12 +194,7 @@ def read_container(path: str | os.PathLike, kind: str) -> Container:
             f"{path} holds {header.get('kind')!r}, not {kind!r}"
             + (f"; read it with {str(header['kind']).rsplit('.', 1)[-1]}.load" if isinstance(header.get("kind"), str) else "")
         )
-    stored = header.get("header_checksum")
-    try:
-        matches = stored == header_checksum(header)
-    except ValueError:  # NaN or infinity in a header this package never writes so
-        matches = False
-    if not matches:
+    if header.get("header_checksum") != header_checksum(header):
         raise ResultFileError(
             f"{path}: the header checksum does not match its header (the header was edited or corrupted after saving)"
         )

@@ -55,6 +55,7 @@ __all__ = [
     "common_windows",
     "DEFAULT_COMPARE_MODELS",
     "DEFAULT_COMPARISON",
+    "model_folder",
 ]
 
 #: The packaged models (:data:`equivariance_probe.sources.registry.REGISTRY`), smallest context first.
@@ -129,14 +130,13 @@ class Comparison:
                 rows.append(row)
         return rows
 
-    def table(self) -> str:
-        """Markdown: one column per ``(model, variant)``, one row per statistic."""
+    def table_rows(self) -> list[tuple[str, str, list[str]]]:
+        """The rows of :meth:`table`: ``(group, statistic, one cell per (model, variant))``, cells as text."""
         rows = self.rows()
-        header = [f"{r['model']}<br>{r['variant']}" for r in rows]
-        lines = ["| | | " + " | ".join(header) + " |", "|---|---|" + "---|" * len(rows)]
+        lines: list[tuple[str, str, list[str]]] = []
 
         def line(group: str, name: str, cells: list[str]) -> None:
-            lines.append(f"| {group} | {name} | " + " | ".join(cells) + " |")
+            lines.append((group, name, cells))
 
         for scale in SCALES:
             for form in FORMS:
@@ -149,6 +149,13 @@ class Comparison:
         line("cost", "windows per minute", [f"{r['windows_per_minute']:.1f}" for r in rows])
         line("cost", "peak memory (GiB)", ["–" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.2f}" for r in rows])
         line("cost", "estimated memory (GiB)", [f"{r['estimated_memory_gib']:.2f}" for r in rows])
+        return lines
+
+    def table(self) -> str:
+        """Markdown: one column per ``(model, variant)``, one row per statistic."""
+        header = [f"{r['model']}<br>{r['variant']}" for r in self.rows()]
+        lines = ["| | | " + " | ".join(header) + " |", "|---|---|" + "---|" * len(header)]
+        lines += [f"| {group} | {name} | " + " | ".join(cells) + " |" for group, name, cells in self.table_rows()]
         return "\n".join(lines)
 
     def save(self, folder: str | os.PathLike) -> dict[str, Path]:
@@ -180,11 +187,12 @@ class Comparison:
             encoding="utf-8",
         )
         for label, study in self.studies.items():
-            study.save(folder / "models" / _folder_name(label))
+            study.save(folder / "models" / model_folder(label))
         return paths
 
 
-def _folder_name(label: str) -> str:
+def model_folder(label: str) -> str:
+    """The folder of a model's study in a saved comparison (``models/<folder>/``): its label, safe as a file name."""
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "model"
 
 

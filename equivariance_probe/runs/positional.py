@@ -4,8 +4,10 @@ Place in the seams: *runs*, orchestration like :mod:`~equivariance_probe.runs.st
 ``positional`` command and ``run --analyses``). It picks windows from the corpus, runs the
 analyses of :mod:`~equivariance_probe.analyses.positional` and
 :mod:`~equivariance_probe.analyses.order` (METHODS.md sections 3-4), and keeps their results in a
-:class:`PositionalStudy` that saves to and loads from JSON (``positional.json``); its figures and
-HTML section are drawn by :mod:`~equivariance_probe.display.positional`.
+:class:`PositionalStudy` that saves to and loads from one file of the result format family
+(``positional.safetensors``: every array a safetensors tensor, the rest JSON in the header, see
+:mod:`~equivariance_probe.records.container`; the ``positional.json`` of earlier versions still
+loads); its figures and HTML section are drawn by :mod:`~equivariance_probe.display.positional`.
 
 Analyses (``ANALYSES``):
 
@@ -54,15 +56,25 @@ from ..analyses.positional import (
     score_profile,
 )
 from ..errors import InputError, ResultFileError
+from ..records.container import file_kind, read_container, read_tensors, tensor_checksum, write_container
+from ..records.fileformat import check_version
 from ..sources.baselines import random_init_like
 from ..sources.corpus import load_corpus
+from ..sources.registry import name_of_converted_copy
 
-__all__ = ["ANALYSES", "PositionalStudy", "run_positional"]
+__all__ = ["ANALYSES", "PositionalStudy", "run_positional", "POSITIONAL_KIND", "POSITIONAL_FORMAT_VERSION"]
 
 ANALYSES = ("gram", "positional_logits", "tisa", "permutation", "shrinkage", "correlation")
 #: Analyses that need a causal language model with a decoder-layer stack.
 _CAUSAL_ONLY = ("permutation", "shrinkage", "correlation")
-FORMAT_VERSION = 1
+#: The ``kind`` of a positional study's file header.
+POSITIONAL_KIND = "equivariance_probe.PositionalStudy"
+#: The version :meth:`PositionalStudy.save` writes: 2, safetensors arrays and a JSON header (1: one JSON file).
+POSITIONAL_FORMAT_VERSION = 2
+#: What version-1 JSON files call their format and version.
+_JSON_FORMAT, _JSON_VERSION = "equivariance_probe.positional", 1
+#: A JSON value that stands for a tensor of the file (``{"tensor": name}``).
+_TENSOR = "tensor"
 
 
 @dataclass
@@ -81,7 +93,14 @@ class PositionalStudy:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        return f"PositionalStudy(model={self.metadata.get('model')!r}, analyses={sorted(self.parts)}, skipped={sorted(self.skipped)})"
+        return f"PositionalStudy(model={self.model_name!r}, analyses={sorted(self.parts)}, skipped={sorted(self.skipped)})"
+
+    @property
+    def model_name(self) -> str:
+        """The model for display: a packaged model's registry name rather than its converted copy's
+        path (``metadata["model"]`` keeps the path)."""
+        name = str(self.metadata.get("model", "?"))
+        return name_of_converted_copy(name) or name
 
     # -- numbers -------------------------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -140,53 +159,123 @@ class PositionalStudy:
         return "\n".join(["| analysis | result |", "|---|---|"] + [f"| {name} | {text} |" for name, text in rows])
 
     # -- files ---------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
+    def _parts_dict(self) -> dict[str, Any]:
+        """Every part as plain values (lists and numbers), as each analysis' ``to_dict`` writes it."""
         parts: dict[str, Any] = {}
         for name, part in self.parts.items():
             if name == "tisa":
                 parts[name] = {"profile": part["profile"].to_dict(), "fits": part["fits"].to_dict()}
             elif name.startswith("correlation"):
-                parts[name] = np.asarray(part).tolist()
+                parts[name] = np.asarray(part)
             else:
                 parts[name] = part.to_dict()
-        return {"format": "equivariance_probe.positional", "version": FORMAT_VERSION, "metadata": self.metadata,
-                "skipped": self.skipped, "summary": self.summary(), "parts": parts}
+        return parts
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PositionalStudy:
-        if data.get("format") != "equivariance_probe.positional" or data.get("version") != FORMAT_VERSION:
-            raise ResultFileError(
-                f"not a positional results file of version {FORMAT_VERSION} (format={data.get('format')!r}, "
-                f"version={data.get('version')!r}); write it with 'equivariance-probe positional'"
-            )
+    def _from_parts(cls, parts_data: dict[str, Any], skipped: dict[str, str], metadata: dict[str, Any]) -> PositionalStudy:
         readers = {"gram": GramToeplitz.from_dict, "positional_logits": PositionalLogits.from_dict,
                    "permutation": PermutationSensitivity.from_dict, "shrinkage": VarianceShrinkage.from_dict,
                    "shrinkage_baseline": VarianceShrinkage.from_dict}
         parts: dict[str, Any] = {}
-        for name, value in data["parts"].items():
+        for name, value in parts_data.items():
             if name == "tisa":
                 parts[name] = {"profile": ScoreProfile.from_dict(value["profile"]), "fits": ScoreProfileFits.from_dict(value["fits"])}
             elif name.startswith("correlation"):
                 parts[name] = np.asarray(value, dtype=np.float64)
             else:
                 parts[name] = readers[name](value)
-        return cls(parts, dict(data.get("skipped", {})), dict(data.get("metadata", {})))
+        return cls(parts, dict(skipped), dict(metadata))
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write JSON to ``path`` (a folder gets ``positional.json``); returns the file."""
+        """Write the study to ``path`` (a folder gets ``positional.safetensors``) atomically; returns the file.
+
+        Every numeric array of every analysis is a safetensors tensor named by where it sits
+        (``parts/gram/gram``, ``parts/correlation``, ...); the header (``__metadata__
+        ["equivariance_probe"]``, JSON) holds ``kind``, ``format_version`` (2), ``checksum`` (of the
+        tensors), ``metadata``, ``skipped``, ``summary`` and ``parts``, whose arrays are
+        ``{"tensor": name}``. Written to a temporary file, flushed to disk, then renamed.
+        """
         path = Path(path)
         if path.is_dir():
-            path = path / "positional.json"
-        path.write_text(json.dumps(self.to_dict(), allow_nan=True) + "\n", encoding="utf-8")
-        return path
+            path = path / "positional.safetensors"
+        tensors: dict[str, np.ndarray] = {}
+        parts = _arrays_to_tensors(self._parts_dict(), "parts", tensors)
+        header = {"kind": POSITIONAL_KIND, "format_version": POSITIONAL_FORMAT_VERSION,
+                  "checksum": tensor_checksum(tensors), "metadata": self.metadata, "skipped": self.skipped,
+                  "summary": self.summary(), "parts": parts}
+        return write_container(path, tensors, json.loads(json.dumps(header, default=_plain)))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> PositionalStudy:
+        """Read a study written by :meth:`save` (``positional.safetensors``) or by earlier versions (``positional.json``).
+
+        Raises:
+            ResultFileError: unreadable, truncated, edited, or not a positional study.
+        """
+        path = Path(path)
+        if file_kind(path) == "json":
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, json.JSONDecodeError) as error:
+                raise ResultFileError(f"cannot read positional results {str(path)!r}: {error}") from None
+            if not isinstance(data, dict) or data.get("format") != _JSON_FORMAT or data.get("version") != _JSON_VERSION:
+                raise ResultFileError(
+                    f"{path} is not a positional results file (format={data.get('format') if isinstance(data, dict) else None!r}, "
+                    f"version={data.get('version') if isinstance(data, dict) else None!r}); write it with "
+                    "'equivariance-probe positional'"
+                )
+            return cls._from_parts(data["parts"], data.get("skipped", {}), data.get("metadata", {}))
+        container = read_container(path, POSITIONAL_KIND)
+        header = container.header
+        check_version(header.get("format_version"), str(path))
+        if header.get("format_version") != POSITIONAL_FORMAT_VERSION or not isinstance(header.get("parts"), dict):
+            raise ResultFileError(f"{path}: a positional study must have format_version {POSITIONAL_FORMAT_VERSION} and "
+                                  "'parts'; the file is malformed (was it edited?)")
+        tensors = read_tensors(path)
+        if tensor_checksum(tensors) != header.get("checksum"):
+            raise ResultFileError(f"{path}: the checksum does not match the arrays (changed or corrupted after saving)")
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as error:
-            raise ResultFileError(f"cannot read positional results {str(path)!r}: {error}") from None
-        return cls.from_dict(data)
+            parts = _tensors_to_arrays(header["parts"], tensors)
+            return cls._from_parts(parts, header.get("skipped", {}), header.get("metadata", {}))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ResultFileError(f"{path} is missing or has a malformed field: {error!r}") from None
+
+
+def _arrays_to_tensors(value: Any, name: str, tensors: dict[str, np.ndarray]) -> Any:
+    """``value`` with every numeric array (or rectangular list of numbers) moved into ``tensors``
+    under its path ``name`` and replaced by ``{"tensor": name}``."""
+    if isinstance(value, dict):
+        return {key: _arrays_to_tensors(item, f"{name}/{key}", tensors) for key, item in value.items()}
+    if isinstance(value, (list, tuple, np.ndarray)):
+        try:
+            array = np.asarray(value)
+        except ValueError:  # ragged: not an array
+            array = None
+        if array is not None and array.ndim >= 1 and array.dtype.kind in "biuf":
+            tensors[name] = np.ascontiguousarray(array)
+            return {_TENSOR: name}
+        return [_arrays_to_tensors(item, f"{name}/{index}", tensors) for index, item in enumerate(value)]
+    return value
+
+
+def _tensors_to_arrays(value: Any, tensors: dict[str, np.ndarray]) -> Any:
+    """The inverse of :func:`_arrays_to_tensors`: ``{"tensor": name}`` back to the array."""
+    if isinstance(value, dict):
+        if set(value) == {_TENSOR}:
+            return tensors[value[_TENSOR]]
+        return {key: _tensors_to_arrays(item, tensors) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_tensors_to_arrays(item, tensors) for item in value]
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars and arrays left in the header as plain numbers and lists."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON")
 
 
 def _mean_off_diagonal(correlation: np.ndarray) -> np.ndarray:

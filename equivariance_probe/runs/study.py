@@ -19,22 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..errors import InputError
-from ..maths.metrics import FORMS, SCALES
 from ..probe import EquivarianceProbe
 from ..records.provenance import config_fingerprint, corpus_fingerprint, model_identity
 from ..records.result_file import RESULT_SUFFIX
 from ..records.sharding import Shard, shard_metadata
-from ..result import ProbeResult
+from ..result import ProbeResult, summary_table
 from ..sources.baselines import random_init_like, zero_like
 from ..sources.corpus import load_corpus
 from ..sources.devices import parse_dtype, resolve_device
 from ..sources.models import load_model
 from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun
 
-__all__ = ["Study", "run_study", "result_filename", "BASELINES", "DEFAULT_STUDY"]
+__all__ = ["Study", "run_study", "result_filename", "load_study_baselines", "BASELINES", "DEFAULT_STUDY"]
 
 #: Baselines: name -> what it is.
 BASELINES = {
@@ -64,25 +61,11 @@ class Study:
     def baselines(self) -> dict[str, ProbeResult]:
         return {k: v for k, v in self.results.items() if k != "trained"}
 
-    def table(self) -> str:
-        """Markdown table: query-position R² in every form and scale, per variant."""
-        names = list(self.results)
-        lines = [
-            "| scale | form | " + " | ".join(names) + " |",
-            "|---|---|" + "---|" * len(names),
-        ]
-        for scale in SCALES:
-            for form in FORMS:
-                cells = [f"{self.results[n].query_position_r2(scale, form):.4f}" for n in names]
-                lines.append(f"| {scale} | {form} | " + " | ".join(cells) + " |")
-        persistence = {n: self.results[n].persistence() for n in names}
-        for fit in ("power", "exponential", "prior"):
-            cells = [f"{persistence[n].fits[fit].r2:.4f}" for n in names]
-            lines.append(f"| P(dt) | {fit} fit R² | " + " | ".join(cells) + " |")
-        cells = [f"{float(np.nanmean(self.results[n].toeplitz_r2('head_per_doc'))):.4f}" for n in names]
-        lines.append("| Toeplitz | mean per-window R² | " + " | ".join(cells) + " |")
-        lines.append("| | windows / tokens | " + " | ".join(f"{self.results[n].n_windows} / {self.results[n].n_tokens}" for n in names) + " |")
-        return "\n".join(lines)
+    def table(self, *, extended: bool = False) -> str:
+        """Markdown table, one column per variant: query-position R² in every form and scale, the
+        fits to ``P(dt)``, the mean per-window Toeplitz R² (:func:`~equivariance_probe.result.summary_table`;
+        ``extended`` adds fit parameters, Figure 1c and the heads)."""
+        return summary_table({name: result.summary() for name, result in self.results.items()}, extended=extended)
 
     def heads(self) -> str:
         """The most and least position-bound heads of the trained model (log η²)."""
@@ -118,6 +101,32 @@ class Study:
 def result_filename(variant: str) -> str:
     """The file of a study variant: ``results.safetensors`` (trained) or ``baseline_<variant>.safetensors``."""
     return f"results{RESULT_SUFFIX}" if variant == "trained" else f"baseline_{variant}{RESULT_SUFFIX}"
+
+
+def load_study_baselines(path: str | os.PathLike, result: ProbeResult) -> tuple[dict[str, ProbeResult], list[str]]:
+    """The baselines of the study whose trained result ``result`` was loaded from ``path``.
+
+    The study's metadata names its variants (``metadata["study"]["baselines"]``); each is looked
+    for beside ``path`` as :func:`result_filename` writes it (``baseline_<name>.safetensors``), or
+    as the ``.json`` files of earlier versions. Loaded lazily (headers only).
+
+    Returns:
+        ``(found, missing)``: name -> result, and the names of baselines not found. Both are empty
+        for a result that is not a study's trained model.
+    """
+    if result.metadata.get("label") != "trained":
+        return {}, []
+    folder = Path(path).parent
+    found: dict[str, ProbeResult] = {}
+    missing: list[str] = []
+    for name in (result.metadata.get("study") or {}).get("baselines") or []:
+        candidates = [folder / result_filename(name), folder / f"baseline_{name}.json"]
+        existing = next((candidate for candidate in candidates if candidate.is_file()), None)
+        if existing is None:
+            missing.append(name)
+        else:
+            found[name] = ProbeResult.load(existing)
+    return found, missing
 
 
 def check_baselines(baselines: Sequence[str]) -> None:

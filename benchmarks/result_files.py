@@ -1,0 +1,168 @@
+"""Result files by format version: size, save time, load + summary time, full load time.
+
+    python benchmarks/result_files.py [--n-docs 8] [--context-length 1024] [--tiny] [--study-out DIR]
+
+Runs the packaged Gemma 3 270M (``--tiny``: a tiny random Gemma 3, for a quick check of shapes)
+on ``--n-docs`` windows of ``--context-length`` tokens once, keeping the summed pattern, and
+writes the same sums, in one process, as
+
+* format 2 (JSON, as every release before format 3 wrote it), with the summed pattern (what
+  ``run`` wrote by default whenever the pattern fit in 1 GiB) and without;
+* format 3 (safetensors), without the pattern (the default now) and with it (``keep_pattern``).
+
+For each it prints the file's size, the time to save it, the time to load it and print its
+summary (``ProbeResult.load(path).summary()``), and the time of a full load (every array read,
+checksum verified). ``--study-out DIR`` also runs ``equivariance-probe run --n-docs 4
+--context-length 512 --out DIR`` in this process and prints the size of every file it wrote,
+against the format-2 size of its three results.
+
+Timings are one measurement each, on whatever machine runs this (the README says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from equivariance_probe import AttentionStatistics, EquivarianceProbe, ProbeResult
+from equivariance_probe.records.fileformat import checksum, encode_array, jsonable, write_json_atomically
+
+
+def write_format_2(result: ProbeResult, path: Path) -> Path:
+    """The result as format 2 wrote it: every array base64 float64 inside one JSON object."""
+    statistics = result.statistics
+    data = {
+        "format_version": 2,
+        "kind": "equivariance_probe.ProbeResult",
+        "complete": result.complete,
+        "metadata": result.metadata,
+        "statistics": {
+            "config": statistics.config(),
+            "n_windows": statistics.n_windows,
+            "n_tokens": statistics.n_tokens,
+            "arrays": {name: encode_array(value) for name, value in statistics.arrays.items()},
+            "sample": None if statistics.sample is None else {
+                "size": statistics.sample.size,
+                "columns": {c: encode_array(torch.from_numpy(v)) for c, v in statistics.sample.to_arrays().items()},
+            },
+        },
+        "summary": jsonable(result.summary()),
+    }
+    data["checksum"] = checksum(data["statistics"])
+    return write_json_atomically(path, jsonable(data))
+
+
+def without_pattern(result: ProbeResult) -> ProbeResult:
+    """The same sums without the summed pattern (what a run with keep_pattern=False holds)."""
+    statistics = result.statistics
+    config = {**statistics.config(), "keep_pattern": False}
+    arrays = {name: value for name, value in statistics.arrays.items() if name != "pattern_sum"}
+    kept = AttentionStatistics.from_arrays(config, arrays, n_windows=statistics.n_windows, n_tokens=statistics.n_tokens,
+                                           window_fingerprints=statistics.window_fingerprints, sample=statistics.sample)
+    return ProbeResult(kept, dict(result.metadata))
+
+
+def measure(result: ProbeResult, path: Path, save) -> dict[str, float]:
+    start = time.perf_counter()
+    save(result, path)
+    saved = time.perf_counter() - start
+    start = time.perf_counter()
+    summary = ProbeResult.load(path).summary()
+    text = json.dumps(jsonable(summary["query_position_r2"]))
+    summarised = time.perf_counter() - start
+    start = time.perf_counter()
+    ProbeResult.load(path).statistics
+    loaded = time.perf_counter() - start
+    assert text
+    return {"bytes": path.stat().st_size, "save_s": saved, "load_summary_s": summarised, "full_load_s": loaded}
+
+
+def build(args: argparse.Namespace) -> ProbeResult:
+    if args.tiny:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from synthetic import tiny_gemma3
+
+        tokens = torch.randint(3, 97, (args.n_docs, min(args.context_length, 128)), generator=torch.Generator().manual_seed(0))
+        return EquivarianceProbe(tiny_gemma3()).run(tokens, keep_pattern=True, progress=False)
+    from equivariance_probe import load_corpus, load_model
+
+    model, tokenizer = load_model("gemma-3-270m")
+    docs = load_corpus(n_docs=args.n_docs, min_chars=20_000)  # long articles: every window is full
+    probe = EquivarianceProbe(model, tokenizer=tokenizer)
+    return probe.run(docs, context_length=args.context_length, batch_size=4, keep_pattern=True, progress=False)
+
+
+def study_sizes(folder: Path) -> None:
+    from equivariance_probe.cli import main as cli
+
+    start = time.perf_counter()
+    assert cli(["run", "--n-docs", "4", "--context-length", "512", "--out", str(folder), "--no-progress"]) == 0
+    seconds = time.perf_counter() - start
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    total = sum(p.stat().st_size for p in files)
+    print(f"\nequivariance-probe run --n-docs 4 --context-length 512 ({seconds:.0f} s): {len(files)} files, {total / 1e6:.1f} MB")
+    for path in files:
+        print(f"  {path.name:40s} {path.stat().st_size / 1e6:8.2f} MB")
+    with tempfile.TemporaryDirectory() as scratch:
+        old = 0
+        for path in folder.glob("*.safetensors"):
+            result = ProbeResult.load(path)
+            old += write_format_2(result, Path(scratch) / "old.json").stat().st_size
+        print(f"  the three results in format 2 (without the pattern): {old / 1e6:.1f} MB; "
+              f"with the pattern (the old default), add 3 × 8·L·H·T² · 4/3 (base64) bytes")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n-docs", type=int, default=8)
+    parser.add_argument("--context-length", type=int, default=1024)
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Gemma 3 instead of Gemma 3 270M")
+    parser.add_argument("--study-out", default=None, help="also run the small default study into this folder")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    result = build(args)
+    print(f"{'tiny Gemma 3' if args.tiny else 'Gemma 3 270M'}, {result.n_windows} windows × {args.context_length} "
+          f"tokens ({result.n_tokens} tokens), {result.n_layers} layers × {result.n_heads} heads; probed in "
+          f"{time.perf_counter() - start:.0f} s; torch threads {torch.get_num_threads()}")
+    plain = without_pattern(result)
+    plain.summary(), result.summary()  # computed once here, so that saving times only the writing
+    cases = [
+        ("format 2 (JSON), summed pattern kept (the old default)", result, write_format_2, ".json"),
+        ("format 2 (JSON), no summed pattern", plain, write_format_2, ".json"),
+        ("format 3 (safetensors), default: no summed pattern", plain, lambda r, p: r.save(p), ".safetensors"),
+        ("format 3 (safetensors), keep_pattern=True", result, lambda r, p: r.save(p), ".safetensors"),
+    ]
+    print("\n| file | size | save | load + summary | full load |\n|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        default_file = None
+        for index, (name, variant, save, suffix) in enumerate(cases):
+            path = Path(folder) / f"case{index}{suffix}"
+            numbers = measure(variant, path, save)
+            print(f"| {name} | {numbers['bytes'] / 1e6:.2f} MB | {numbers['save_s']:.2f} s | "
+                  f"{numbers['load_summary_s']:.3f} s | {numbers['full_load_s']:.2f} s |", flush=True)
+            if index == 2:
+                default_file = path
+                sizes = {k: v.nbytes for k, v in plain.statistics.arrays.items()}
+            if index != 2:
+                path.unlink()
+        start = time.perf_counter()
+        shown = subprocess.run([sys.executable, "-m", "equivariance_probe.cli", "show", str(default_file)],
+                               capture_output=True, text=True, env={**os.environ})
+        print(f"\n'equivariance-probe show' of the default file, a new process (Python and torch imports included): "
+              f"{time.perf_counter() - start:.2f} s, status {shown.returncode}")
+        largest = sorted(sizes.items(), key=lambda item: -item[1])[:4]
+        print("largest arrays of the default file: " + ", ".join(f"{name} {size / 1e6:.2f} MB" for name, size in largest))
+    if args.study_out:
+        study_sizes(Path(args.study_out))
+
+
+if __name__ == "__main__":
+    main()
