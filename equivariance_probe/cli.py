@@ -58,6 +58,7 @@ FLAGS = {
     "analyses": "--analyses",
     "memory_limit": "--memory-limit-gib",
     "heads": "--heads",
+    "attn_implementation": "--attn-implementation",
     "document": "--document",
     "allow_duplicate_windows": "--allow-duplicate-windows",
 }
@@ -130,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
             (("--cache-dir",), {"default": None, "help": "where converted packaged models are cached"}),
         )
 
+    def kernel() -> argparse.ArgumentParser:
+        return _parent((("--attn-implementation",), {
+            "default": "sdpa", "help": "the attention kernel the model runs: sdpa (default), eager or flash_attention_2; "
+                                       "the probe reads queries and keys whatever the kernel"}))
+
     def corpus() -> argparse.ArgumentParser:
         return _parent(
             (("--corpus",), {"default": None, "help": "text file, folder of .txt, .jsonl, or a datasets save_to_disk folder "
@@ -169,8 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", parents=[output(), model(), corpus(), windows(**DEFAULT_STUDY), baselines(BASELINES),
-                                              measured(), display()],
+    run = commands.add_parser("run", parents=[output(), model(), kernel(), corpus(), windows(**DEFAULT_STUDY),
+                                              baselines(BASELINES), measured(), display()],
                               help="run the study on a model and corpus and write results and figures")
     run.set_defaults(handler=_run)
     run.add_argument("--backend", default="huggingface", choices=["huggingface", "transformer_lens", "nnsight"])
@@ -221,8 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--decimals", type=int, default=3, help="round view values to this many decimals (default 3)")
 
     sizes = {key: DEFAULT_COMPARISON[key] for key in ("n_docs", "context_length", "batch_size")}
-    compare = commands.add_parser("compare", parents=[output(), corpus(), windows(**sizes), baselines(DEFAULT_COMPARISON["baselines"]),
-                                                      measured(), display()],
+    compare = commands.add_parser("compare", parents=[output(), kernel(), corpus(), windows(**sizes),
+                                                      baselines(DEFAULT_COMPARISON["baselines"]), measured(), display()],
                                   help="run the study on several models over the same windows: one table and figure")
     compare.set_defaults(handler=_compare)
     compare.add_argument("--models", type=_names, default=list(DEFAULT_COMPARE_MODELS),
@@ -279,7 +285,7 @@ def _study_options(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
     """The keyword arguments ``run`` and ``compare`` pass alike to their study function."""
     return dict(corpus=documents, n_docs=args.n_docs, context_length=args.context_length, batch_size=args.batch_size,
                 baselines=args.baselines, exclude_keys=args.exclude_keys, seed=args.seed, cache_dir=args.cache_dir,
-                progress=not args.no_progress)
+                progress=not args.no_progress, attn_implementation=args.attn_implementation)
 
 
 def _print(args: argparse.Namespace, table: str, numbers: Any, wrote: Sequence[Path]) -> None:

@@ -98,8 +98,9 @@ def test_compare_two_tiny_models_end_to_end(tiny, tmp_path):
     assert (rows[0]["n_layers"], rows[0]["n_heads"]) == (3, 4) and (rows[3]["n_layers"], rows[3]["n_heads"]) == (2, 4)
     assert rows[3]["n_parameters"] == count_parameters(tiny_llama())
 
-    # The table reports what the probe measures on those windows (no parallel computation).
-    model, tokenizer = load_model(llama)
+    # The table reports what the probe measures on those windows (no parallel computation), with the
+    # model running the kernel the comparison loads it with.
+    model, tokenizer = load_model(llama, attn_implementation="sdpa")
     from equivariance_probe.sources.corpus import load_corpus
 
     texts = common_windows(load_corpus(corpus), {"g": load_model(gemma)[1], "l": tokenizer}, T, 3)

@@ -284,6 +284,7 @@ def compare_models(
     cache_dir: str | os.PathLike | None = None,
     memory_limit: int | None = None,
     progress: bool = True,
+    attn_implementation: str = "sdpa",
 ) -> Comparison:
     """Run the study on several models over the same windows and collect one table.
 
@@ -302,6 +303,8 @@ def compare_models(
         cache_dir: where converted packaged models are cached.
         memory_limit: bytes a model may use; ``None``: the memory available now.
         progress: show progress bars.
+        attn_implementation: the attention kernel each model runs (see
+            :func:`~equivariance_probe.runs.study.run_study`).
 
     Returns:
         A :class:`Comparison`.
@@ -347,7 +350,8 @@ def compare_models(
     for label, entry in entries.items():
         with PeakMemory() as peak:
             start = time.perf_counter()
-            loaded = load_model(entry, cache_dir=cache_dir) if isinstance(entry, str) else entry
+            loaded = (load_model(entry, cache_dir=cache_dir, attn_implementation=attn_implementation)
+                      if isinstance(entry, str) else entry)
             load_seconds = time.perf_counter() - start
             study = run_study(label, corpus=texts, n_docs=len(texts), context_length=context_length,
                               batch_size=batch_size, baselines=baselines, exclude_keys=exclude_keys, seed=seed,

@@ -171,6 +171,7 @@ def run_study(
     shard: Shard | str | None = None,
     device: str | None = "auto",
     dtype: str | None = None,
+    attn_implementation: str = "sdpa",
 ) -> Study:
     """Run the study: the trained model and each baseline on the same documents.
 
@@ -202,6 +203,9 @@ def run_study(
         device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         dtype: the model's parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``);
             ``None``: as loaded (float32).
+        attn_implementation: the attention kernel the model runs (``"sdpa"``, ``"eager"``,
+            ``"flash_attention_2"``); the probe reads queries and keys whatever the kernel, so the
+            numbers agree to float32 rounding, and the fused kernels are faster.
     """
     check_baselines(baselines)
     timings: dict[str, float] = {}
@@ -216,7 +220,7 @@ def run_study(
         network, tokenizer = loaded
     else:
         network, tokenizer = load_model(model, backend, cache_dir=cache_dir, device=resolve_device(device),
-                                        dtype=parse_dtype(dtype))
+                                        dtype=parse_dtype(dtype), attn_implementation=attn_implementation)
     timings["load_model"] = time.perf_counter() - start
     config = {
         "model": str(model),
@@ -232,6 +236,7 @@ def run_study(
         "sample_size": sample_size,
         "keep_pattern": bool(keep_pattern),
         "checkpoint_every": checkpoint_every if checkpoint_dir is not None else None,
+        "attn_implementation": attn_implementation if loaded is None else None,
     }
     identity = {"model": model_identity(network), "corpus": corpus_identity,
                 "config": {**config, "shard": None if shard is None else str(shard)}}

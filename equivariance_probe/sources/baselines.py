@@ -47,9 +47,8 @@ def _rewrap(original: Any, hf_model: PreTrainedModel, backend: str) -> Any:
 
 
 def _fresh_config(model: PreTrainedModel) -> Any:
-    config = copy.deepcopy(model.config)
-    config._attn_implementation = "eager"
-    return config
+    # A deep copy keeps the model's attention implementation: the baseline runs the same kernel.
+    return copy.deepcopy(model.config)
 
 
 def random_init_like(model: Any, seed: int = 0) -> Any:
@@ -60,7 +59,7 @@ def random_init_like(model: Any, seed: int = 0) -> Any:
     linear and embedding weights, zero biases, norm weights at their identity values), under
     ``torch.manual_seed(seed)`` inside :func:`torch.random.fork_rng`, so the caller's random
     state is left as it was and the same seed always gives the same weights. The result has
-    the original's dtype, device, eager attention and ``eval()`` mode, and comes wrapped like
+    the original's dtype, device, attention implementation and ``eval()`` mode, and comes wrapped like
     the original (Hugging Face model, TransformerLens bridge or nnsight model).
 
     Args:
@@ -113,5 +112,4 @@ def zero_like(model: Any) -> Any:
     with torch.no_grad():
         for parameter in baseline.parameters():  # tied parameters are visited once; zeroed once
             parameter.zero_()
-    baseline.config._attn_implementation = "eager"
     return _rewrap(model, baseline.eval(), backend)

@@ -2,8 +2,8 @@
 
 Place in the seams: *sources*, in front of the adapters. It produces the framework objects the
 adapters wrap (a Hugging Face model, a TransformerLens ``TransformerBridge`` or an nnsight
-``TransformersModel``), always with eager attention so that attention weights can be captured,
-and never from the network. It imports ``torch`` at import time and every framework only
+``TransformersModel``), with the attention kernel asked for (the probe reads queries and keys
+whatever the kernel), and never from the network. It imports ``torch`` at import time and every framework only
 inside the function that needs it.
 
 * :func:`load_model` / :func:`load_tokenizer` / :func:`load_config` — a causal LM by name:
@@ -92,7 +92,7 @@ def _resolve(name: str, cache: str | os.PathLike[str] | None) -> tuple[str, bool
 
 
 def _load_hf(
-    source: str, *, local_folder: bool, dtype: torch.dtype, device: str | torch.device
+    source: str, *, local_folder: bool, dtype: torch.dtype, device: str | torch.device, attn_implementation: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a folder or the local hub cache, never the network."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -101,9 +101,16 @@ def _load_hf(
         # local_files_only is HF_HUB_OFFLINE for one call: nothing is downloaded, even
         # for a hub name, and a missing file fails at once instead of reaching the network.
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation="eager", local_files_only=True
+            source, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         )
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    except (ValueError, ImportError) as error:
+        if "attn" not in str(error).lower() and "attention" not in str(error).lower():
+            raise
+        raise InputError(
+            f"attn_implementation={attn_implementation!r} cannot be used here ({error!s:.300}); pass "
+            "attn_implementation='eager' (the default) or 'sdpa'"
+        ) from error
     except OSError as error:
         if local_folder:
             raise ModelNotFoundError(
@@ -130,7 +137,7 @@ def load_model(
     attn_implementation: str = "eager",
     device: str | torch.device = "cpu",
 ) -> tuple[Any, PreTrainedTokenizerBase]:
-    """Load a causal language model and its tokenizer, offline, with eager attention.
+    """Load a causal language model and its tokenizer, offline.
 
     ``name`` is one of:
 
@@ -148,9 +155,12 @@ def load_model(
             ``TransformersModel`` around it.
         cache_dir: Where converted packaged models live (see :func:`model_cache_dir`).
         dtype: Parameter dtype. The converted copy is float32; anything else is a cast.
-        attn_implementation: Must be ``"eager"``: fused kernels (sdpa, flash) never form the
-            attention weights the probe reads. The argument exists so that a wrong value fails
-            loudly instead of being silently overridden.
+        attn_implementation: The attention kernel the model runs: ``"eager"`` (default: the
+            reference computation, whose weights views and positional analyses read), ``"sdpa"``
+            (faster; what :func:`~equivariance_probe.runs.study.run_study` loads), or
+            ``"flash_attention_2"`` where installed. The probe reads queries and keys whatever the
+            kernel and recomputes the weights. A TransformerBridge computes its own attention and
+            is always loaded eager.
         device: Where to put the model.
 
     Returns:
@@ -159,24 +169,22 @@ def load_model(
 
     Raises:
         ModelNotFoundError: The model is not packaged, not a local folder, and not cached.
-        InputError: Unknown ``backend`` or an ``attn_implementation`` other than eager.
+        InputError: Unknown ``backend``, or an ``attn_implementation`` transformers refuses.
 
     Example:
         >>> model, tokenizer = load_model()                       # ~4 s once converted
         >>> ids = tokenizer("Albedo is", return_tensors="pt").input_ids
-        >>> pattern = model(ids, output_attentions=True).attentions[0]   # batch head query key
+        >>> fast, _ = load_model(attn_implementation="sdpa")      # the same weights, a fused kernel
     """
     if backend not in BACKENDS:
         raise InputError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-    if attn_implementation != "eager":
-        raise InputError(
-            f"attn_implementation={attn_implementation!r} cannot be probed: only 'eager' attention "
-            "forms the attention weights; load with attn_implementation='eager' (the default)."
-        )
+    if backend == "transformer_lens":
+        attn_implementation = "eager"  # the bridge replaces the attention modules with its own
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InputError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
     source, local_folder = _resolve(str(name), cache_dir)
-    model, tokenizer = _load_hf(source, local_folder=local_folder, dtype=dtype, device=device)
+    model, tokenizer = _load_hf(source, local_folder=local_folder, dtype=dtype, device=device,
+                                attn_implementation=attn_implementation)
     return wrap_model(model, tokenizer, backend=backend, source=source, dtype=dtype, device=device), tokenizer
 
 

@@ -225,6 +225,11 @@ class _Layout:
             allowed = allowed & (query - key < self.window)
         return allowed
 
+    def masks_more_than_the_model(self, q0: int, q1: int, k0: int) -> bool:
+        """Whether the block holds entries the model sees but the statistics do not read: an
+        excluded key among ``[k0, q1)``, or a padding row among ``[q0, q1)``."""
+        return any(k0 <= key < q1 for key in self.excluded) or min(self.host_lengths, default=q1) < q1
+
     def visible(self, q0: int, q1: int, k0: int, allowed: torch.Tensor) -> torch.Tensor:
         """Entries the statistics read in the block: ``[B, 1, rows, keys]`` bool."""
         real = torch.arange(q0, q1, device=self.device).view(1, -1) < self.lengths.view(-1, 1)
@@ -370,18 +375,15 @@ def row_moments(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -
 
 
 def _block_from_scores(
-    scores: torch.Tensor, visible: torch.Tensor, row_count: torch.Tensor, log_eps: float, pad: int
+    scores: torch.Tensor, visible: torch.Tensor, row_count: torch.Tensor, log_eps: float, pad: int, masked: bool
 ) -> tuple[torch.Tensor, ...]:
     """Softmax and row moments of one query block, from masked scores.
 
     ``log a = s - logsumexp(s)``, computed as ``(s - m) - log Σ exp(s - m)`` with ``m``
     the row maximum, and ``a = exp(s - m) / Σ exp(s - m)`` (one exponential per entry
-    serves both), in the scores' dtype. The visible weights and floored log weights
-    are then copied to float64 once and every sum is taken from those copies: a
-    float32 value squared in float64 is exact, so the moments are accurate to float64
-    (see :func:`row_moments` for rows of identical values). Converting once costs about
-    what float64-accumulating reductions of float32 data would (each converts its input
-    anyway), and the lag and key-lag sums reuse the copy.
+    serves both), in the scores' dtype, written straight into the zero-padded buffer the
+    lag sums read. Every sum accumulates in float64 (:func:`row_moments`): a float32 value
+    squared in float64 is exact, and rows of identical values stay exact.
 
     Args:
         scores: ``[B, H, rows, keys]`` float32/64, ``-inf`` where the model's mask hides
@@ -390,52 +392,59 @@ def _block_from_scores(
         row_count: ``[B, 1, rows]`` float64, visible keys per row.
         log_eps: ``log eps``, the floor of the log scale.
         pad: zero columns put in front of the weights (for :func:`_lag_sums`).
+        masked: whether the block holds entries the model sees but the statistics do not
+            (excluded keys, padding rows); without them ``exp(-inf) = 0`` already zeroes every
+            hidden weight.
 
     Returns:
-        ``padded_weights`` (``[B, H, rows, pad + keys]`` float64, 0 where not visible),
-        the per-row ``Σa, Σa², Σy, Σy²`` (``[B, H, rows]`` float64) and the floored
+        ``padded_weights`` (``[B, H, rows, pad + keys]`` in the scores' dtype, 0 where not
+        visible), the per-row ``Σa, Σa², Σy, Σy²`` (``[B, H, rows]`` float64) and the floored
         entries per ``(b, h)`` (``[B, H]`` float64).
 
     Elementwise maths and row reductions only, so ``torch.compile`` can fuse it.
     """
+    batch, heads, rows, keys = scores.shape
     shifted = scores.sub_(scores.amax(-1, keepdim=True))
-    weights = torch.exp(shifted)
+    padded = torch.empty((batch, heads, rows, pad + keys), dtype=scores.dtype, device=scores.device)
+    padded[..., :pad].zero_()
+    weights = torch.exp(shifted, out=padded[..., pad:])
     normaliser = weights.sum(-1, keepdim=True)
     weights.div_(normaliser)
     log_weights = shifted.sub_(normaliser.log_())
+    hidden = ~visible
     floored = torch.count_nonzero((log_weights < log_eps).logical_and_(visible), dim=(-2, -1)).to(torch.float64)
-    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
-    logs = torch.where(visible, log_weights.clamp_min_(log_eps), zero)
-    weights = torch.where(visible, weights, zero)
-    return _weights_and_moments(weights, logs, floored, visible, row_count, pad)
+    logs = log_weights.clamp_min_(log_eps).masked_fill_(hidden, 0.0)
+    if masked:
+        weights.masked_fill_(hidden, 0.0)
+    return _moments(padded, weights, logs, visible, row_count, floored)
 
 
 def _block_from_weights(
     weights: torch.Tensor, visible: torch.Tensor, row_count: torch.Tensor, log_floor: float, pad: int
 ) -> tuple[torch.Tensor, ...]:
     """:func:`_block_from_scores` for captured weights: ``y = log max(a, eps)``, floored ``a < eps``."""
-    zero = torch.zeros((), dtype=weights.dtype, device=weights.device)
+    batch, heads, rows, keys = weights.shape
+    hidden = ~visible
     floored = torch.count_nonzero((weights < log_floor).logical_and_(visible), dim=(-2, -1)).to(torch.float64)
-    logs = torch.where(visible, torch.log(weights.clamp_min(log_floor)), zero)
-    return _weights_and_moments(torch.where(visible, weights, zero), logs, floored, visible, row_count, pad)
+    logs = torch.log(weights.clamp_min(log_floor)).masked_fill_(hidden, 0.0)
+    padded = torch.empty((batch, heads, rows, pad + keys), dtype=weights.dtype, device=weights.device)
+    padded[..., :pad].zero_()
+    kept = padded[..., pad:]
+    kept.copy_(weights).masked_fill_(hidden, 0.0)
+    return _moments(padded, kept, logs, visible, row_count, floored)
 
 
-def _weights_and_moments(
+def _moments(
+    padded: torch.Tensor,
     weights: torch.Tensor,
     logs: torch.Tensor,
-    floored: torch.Tensor,
     visible: torch.Tensor,
     row_count: torch.Tensor,
-    pad: int,
+    floored: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
-    """Float64 copies of the visible weights (padded for the lag sums) and log weights,
-    and both scales' row moments (shared by both block kinds)."""
-    batch, heads, rows, keys = weights.shape
-    padded = torch.zeros((batch, heads, rows, pad + keys), dtype=torch.float64, device=weights.device)
-    weights64 = padded[..., pad:]
-    weights64.copy_(weights)
-    raw_sum, raw_sq = row_moments(weights64, visible, row_count)
-    log_sum, log_sq = row_moments(logs.to(torch.float64), visible, row_count)
+    """Both scales' row moments of a block (shared by both block kinds), with the padded weights."""
+    raw_sum, raw_sq = row_moments(weights, visible, row_count)
+    log_sum, log_sq = row_moments(logs, visible, row_count)
     return padded, raw_sum, raw_sq, log_sum, log_sq, floored
 
 
@@ -466,7 +475,7 @@ def _lag_sums(padded: torch.Tensor, rows: int, n_keys: int) -> torch.Tensor:
         (heads * rows * width, rows * width, width + 1, 1),
         padded.storage_offset(),
     )
-    return skewed.sum(-2).flip(-1)
+    return skewed.sum(-2, dtype=torch.float64).flip(-1)
 
 
 def _key_lag_index(layout: _Layout, q0: int, q1: int, k0: int) -> torch.Tensor:
@@ -499,11 +508,11 @@ def _accumulate(
     out["lag_sum"][..., :n_keys] += _lag_sums(padded, rows, n_keys)
     weights = padded[..., rows - 1 :]
     if "pattern_sum" in out:
-        per_head = weights.sum(0)  # [H, rows, keys]
+        per_head = weights.sum(0, dtype=torch.float64)  # [H, rows, keys]
         out["pattern_sum"][:, q0:q1, k0:q1] += per_head
         summed = per_head.sum(0)
     else:
-        summed = weights.sum((0, 1))  # [rows, keys]
+        summed = weights.sum((0, 1), dtype=torch.float64)  # [rows, keys]
     # One scatter of the batch- and head-summed block, 1/(B·H) of the entries: the
     # key bins vary along both axes of the block, so no skew lines them up.
     out["key_lag_sum"].view(-1).index_add_(0, _key_lag_index(layout, q0, q1, k0).reshape(-1), summed.reshape(-1))
@@ -668,10 +677,11 @@ def attention_sums_from_qk(
             allowed = layout.allowed(q0, q1, k0)
             visible = layout.visible(q0, q1, k0, allowed)
             count = layout.row_count[:, q0:q1].unsqueeze(1)
+            masked = layout.masks_more_than_the_model(q0, q1, k0)
 
-            def arguments(q0=q0, q1=q1, k0=k0, allowed=allowed, visible=visible, count=count) -> tuple:
+            def arguments(q0=q0, q1=q1, k0=k0, allowed=allowed, visible=visible, count=count, masked=masked) -> tuple:
                 scores = _block_scores(grouped_query, work_key, q0, q1, k0, scale, softcap, allowed)
-                return scores, visible, count, log_eps, q1 - q0 - 1
+                return scores, visible, count, log_eps, q1 - q0 - 1, masked
 
             _accumulate(out, layout, q0, q1, k0, _run_block("scores", compile_blocks, arguments))
     return out
