@@ -3,7 +3,9 @@
     python benchmarks/_measure.py MODE N_DOCS CONTEXT BATCH
 
 Prints one JSON line. Used by overhead.py and memory.py so that each number has its own
-process (peak RSS cannot be reset inside one).
+process (peak RSS cannot be reset inside one). Modes: ``full`` (eager forward with logits),
+``bare`` (eager forward without them), ``sdpa`` (the same with the sdpa kernel), ``probe`` (the
+probe on the sdpa model), ``naive`` (TransformerLens run_with_cache of every pattern, then numpy).
 """
 
 from __future__ import annotations
@@ -20,16 +22,19 @@ import torch
 def windows(tokenizer, n_docs: int, context: int) -> torch.Tensor:
     from equivariance_probe import load_corpus
 
-    rows = []
+    rows, stream = [], []
     for doc in load_corpus(n_docs=None, min_chars=1):
         ids = tokenizer(doc)["input_ids"]
+        stream += ids
         if len(ids) >= context:
             rows.append(ids[:context])
         if len(rows) == n_docs:
             break
-    if len(rows) < n_docs:  # fewer long articles than asked: reuse them (timing only)
-        rows = (rows * (n_docs // max(len(rows), 1) + 1))[:n_docs]
-    return torch.tensor(rows)
+    # Fewer articles this long than asked: windows cut from the articles one after the other.
+    while len(rows) < n_docs and len(stream) >= context:
+        rows.append(stream[:context])
+        stream = stream[context:]
+    return torch.tensor(rows[:n_docs])
 
 
 def main() -> None:
@@ -37,7 +42,8 @@ def main() -> None:
     from equivariance_probe import EquivarianceProbe, load_model
 
     backend = "transformer_lens" if mode == "naive" else "huggingface"
-    model, tokenizer = load_model("gemma-3-270m", backend)
+    kernel = "sdpa" if mode in ("sdpa", "probe") else "eager"
+    model, tokenizer = load_model("gemma-3-270m", backend, attn_implementation=kernel)
     tokens = windows(tokenizer, n_docs, context)
     baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.perf_counter()
@@ -45,7 +51,7 @@ def main() -> None:
         if mode == "full":  # plain eager forward, logits for every position
             for i in range(0, n_docs, batch):
                 model(tokens[i : i + batch], use_cache=False)
-        elif mode == "bare":  # eager forward that skips the projection to the vocabulary
+        elif mode in ("bare", "sdpa"):  # eager (sdpa) forward that skips the projection to the vocabulary
             for i in range(0, n_docs, batch):
                 model.base_model(tokens[i : i + batch], use_cache=False)
         elif mode == "probe":

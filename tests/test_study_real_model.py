@@ -34,3 +34,27 @@ def test_gemma_sliding_layers_at_context_above_the_window():
     assert windows.count(512) == 15 and windows.count(None) == 3  # Gemma 3: 5 local layers per global one
     counts = result.statistics.arrays["query_count"]
     assert float(counts[0, 599]) == 512 and float(counts[5, 599]) == 600
+
+
+@pytest.mark.slow
+def test_gemma_gives_the_same_numbers_loaded_eager_or_sdpa():
+    """The probe reads queries and keys whatever kernel the model runs: the two kernels differ only in
+    the float32 rounding of each layer's attention output, which later layers' queries inherit."""
+    import numpy as np
+
+    from equivariance_probe import EquivarianceProbe, load_corpus, load_model
+
+    docs = load_corpus(n_docs=3)
+    results = {}
+    for kernel in ("eager", "sdpa"):
+        model, tokenizer = load_model(attn_implementation=kernel)
+        results[kernel] = EquivarianceProbe(model, tokenizer=tokenizer).run(docs, context_length=600, batch_size=3,
+                                                                          progress=False)
+        assert results[kernel].metadata["engine"]["source"] == "recompute"
+    eager, sdpa = results["eager"], results["sdpa"]
+    for name, value in eager.statistics.arrays.items():
+        other = sdpa.statistics.arrays[name]
+        assert np.allclose(value.numpy(), other.numpy(), rtol=1e-4, atol=1e-6 * float(value.abs().max())), name
+    for scale in ("log", "raw"):
+        for form in ("prior", "fitted", "eta2"):
+            assert sdpa.query_position_r2(scale, form) == pytest.approx(eager.query_position_r2(scale, form), rel=1e-5)

@@ -155,6 +155,7 @@ class AttentionStatistics:
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         self._batch_masks: dict[tuple[int | None, str], dict[str, torch.Tensor]] = {}
         self._lengths: torch.Tensor | None = None
+        self._host_lengths: torch.Tensor | None = None
         self.sample = EntrySample(sample_size, sample_seed) if sample_size else None
         self._sample_before: dict[str, Any] | None = None
         #: Sorted ``uint64`` fingerprints of the windows added so far (those given one in :meth:`begin_batch`).
@@ -207,20 +208,26 @@ class AttentionStatistics:
                 )
         self.abort_batch()
         self._batch_fingerprints = fingerprints
-        self._lengths = lengths.to(self.device).long()
+        # On the host for the block bounds and the mask's closed forms (no device-to-host copy
+        # per layer), and on the device for what runs there.
+        self._host_lengths = lengths.detach().to("cpu", torch.long)
+        self._lengths = self._host_lengths.to(self.device)
         if self.sample is not None:
             self._sample_before = self.sample.to_arrays()
 
     def _masks_for(self, window: int | None, device: torch.device) -> dict[str, torch.Tensor]:
-        """The mask's sums of this batch for one sliding window (computed once per batch and device)."""
+        """The mask's sums of this batch for one sliding window (computed once per batch on the host, from
+        the window lengths, and copied to each device that needs them)."""
         key = (window, str(device))
         if key not in self._batch_masks:
-            bins, count = key_bins(self.n_positions, self.key_bins, device)
-            self._batch_masks[key] = mask_counts(
-                self._lengths.to(device), self.n_positions, window=window, excluded_keys=self.excluded_keys,
-                key_bin=bins, n_key_bins=count,
-            )
-            self._batch_masks[key]["key_bin"] = bins
+            host = (window, "cpu")
+            if host not in self._batch_masks:
+                bins, count = key_bins(self.n_positions, self.key_bins)
+                counts = mask_counts(self._host_lengths, self.n_positions, window=window,
+                                     excluded_keys=self.excluded_keys, key_bin=bins, n_key_bins=count)
+                self._batch_masks[host] = {**counts, "key_bin": bins}
+            self._batch_masks[key] = {name: value.to(device, non_blocking=True)
+                                      for name, value in self._batch_masks[host].items()}
         return self._batch_masks[key]
 
     def update_from_scores(
@@ -258,9 +265,8 @@ class AttentionStatistics:
             self.log_floor = default_log_floor(query.dtype)
         window = self.sliding_windows[layer]
         masks = self._masks_for(window, query.device)
-        lengths = self._lengths.to(query.device)
         arguments = dict(
-            scaling=scaling, softcap=softcap, window=window, lengths=lengths, excluded_keys=self.excluded_keys,
+            scaling=scaling, softcap=softcap, window=window, lengths=self._host_lengths, excluded_keys=self.excluded_keys,
             log_floor=self.log_floor, key_bin=masks["key_bin"][:width], n_key_bins=self.key_bins,
             keep_pattern=self.keep_pattern, block_size=self.block_size,
         )
@@ -276,7 +282,7 @@ class AttentionStatistics:
         self._add_layer(layer, sums, masks, width)
         if self.sample is not None:
             self.sample.update_from_scores(
-                layer, query, key, lengths, scaling=scaling, softcap=softcap, window=window,
+                layer, query, key, self._host_lengths, scaling=scaling, softcap=softcap, window=window,
                 excluded_keys=self.excluded_keys,
             )
 
@@ -299,18 +305,17 @@ class AttentionStatistics:
             self.log_floor = default_log_floor(pattern.dtype if pattern.is_floating_point() else torch.float32)
         window = self.sliding_windows[layer]
         masks = self._masks_for(window, pattern.device)
-        lengths = self._lengths.to(pattern.device)
         if self.n_windows == 0:
-            self._check_mask(layer, pattern, lengths)
+            self._check_mask(layer, pattern, self._lengths.to(pattern.device))
         sums = attention_sums_from_weights(
-            pattern, window=window, lengths=lengths, excluded_keys=self.excluded_keys, log_floor=self.log_floor,
+            pattern, window=window, lengths=self._host_lengths, excluded_keys=self.excluded_keys, log_floor=self.log_floor,
             key_bin=masks["key_bin"][:n_query], n_key_bins=self.key_bins, keep_pattern=self.keep_pattern,
             block_size=self.block_size,
         )
         self.paths["weights"] = self.paths.get("weights", 0) + 1
         self._add_layer(layer, sums, masks, n_query)
         if self.sample is not None:
-            self.sample.update(layer, pattern, lengths, window=window, excluded_keys=self.excluded_keys)
+            self.sample.update(layer, pattern, self._host_lengths, window=window, excluded_keys=self.excluded_keys)
 
     def _add_layer(self, layer: int, sums: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], width: int) -> None:
         """Reduce a layer's per-window sums over the batch (and the per-window Toeplitz R²) and keep them pending."""
@@ -328,7 +333,7 @@ class AttentionStatistics:
         reduced["key_lag_sum"] = padded(sums["key_lag_sum"], 1)
         if self.keep_pattern:
             reduced["pattern_sum"] = padded(sums["pattern_sum"], 2)
-        self._check_finite(layer, reduced)
+        # Checked for NaN and inf in end_batch, all layers at once: one device sync per batch, not per layer.
         self._pending[layer] = reduced
 
     def _require_batch(self, method: str) -> None:
@@ -340,14 +345,16 @@ class AttentionStatistics:
 
     @staticmethod
     def _check_finite(layer: int, reduced: dict[str, torch.Tensor]) -> None:
-        # One device sync per layer: the check must name the layer and stop the run before
-        # the next layer's sums are added.
         if not bool(torch.isfinite(reduced["raw_sum"]).all() & torch.isfinite(reduced["log_sum"]).all()):
-            raise NonFiniteAttentionError(
-                f"layer {layer} produced NaN or infinite attention weights on visible entries; "
-                "check the model's weights for NaN/inf (e.g. a failed load or an fp16 overflow) "
-                "and run it in float32 or bfloat16. Statistics gathered before this batch are kept."
-            )
+            AttentionStatistics._refuse_nonfinite(layer)
+
+    @staticmethod
+    def _refuse_nonfinite(layer: int) -> None:
+        raise NonFiniteAttentionError(
+            f"layer {layer} produced NaN or infinite attention weights on visible entries; "
+            "check the model's weights for NaN/inf (e.g. a failed load or an fp16 overflow) "
+            "and run it in float32 or bfloat16. Statistics gathered before this batch are kept."
+        )
 
     def _check_mask(self, layer: int, pattern: torch.Tensor, lengths: torch.Tensor) -> None:
         """On the first batch: the model must put no attention outside the mask we read.
@@ -381,9 +388,15 @@ class AttentionStatistics:
                 f"the batch ended without attention from layers {missing}, so it was not added; the adapter must "
                 "hand over every layer's attention once per batch"
             )
+        finite = [torch.isfinite(reduced["raw_sum"]).all() & torch.isfinite(reduced["log_sum"]).all()
+                  for reduced in self._pending.values()]
+        if not bool(torch.stack([flag.to(self.device) for flag in finite]).all()):
+            layer = next(layer for layer, flag in zip(self._pending, finite) if not bool(flag))
+            self.abort_batch()
+            self._refuse_nonfinite(layer)
         for layer, reduced in self._pending.items():
             self._accumulate(layer, reduced)
-        lengths = self._lengths
+        lengths = self._host_lengths
         masks = {}
         for layer, window in enumerate(self.sliding_windows):
             if window not in masks:
@@ -426,6 +439,7 @@ class AttentionStatistics:
         self._pending = {}
         self._batch_masks = {}
         self._lengths = None
+        self._host_lengths = None
 
     @property
     def batch_lengths(self) -> torch.Tensor | None:

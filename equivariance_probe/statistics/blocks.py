@@ -255,11 +255,13 @@ def _layout(
 ) -> _Layout:
     """Validate the mask arguments shared by every entry point."""
     if lengths is None:
-        lengths = torch.full((batch,), n_positions, dtype=torch.long, device=device)
-    lengths = torch.as_tensor(lengths, device=device).long().reshape(-1)
+        lengths = torch.full((batch,), n_positions, dtype=torch.long)
+    # The lengths are read on the host (block bounds) before they go to the device, so that lengths
+    # given on the CPU cost no device-to-host copy.
+    host_lengths = [int(n) for n in torch.as_tensor(lengths).reshape(-1).tolist()]
+    lengths = torch.as_tensor(lengths).to(device=device, dtype=torch.long, non_blocking=True).reshape(-1)
     if lengths.numel() != batch:
         raise InputError(f"lengths has {lengths.numel()} entries for a batch of {batch} windows")
-    host_lengths = [int(n) for n in lengths.tolist()]
     if any(n < 0 or n > n_positions for n in host_lengths):
         raise InputError(f"lengths must lie in [0, {n_positions}], got {host_lengths}")
     key_bin, n_key_bins = _check_key_bins(key_bin, n_key_bins, n_positions, device)

@@ -1,0 +1,120 @@
+"""The engine end to end: statistics from queries and keys equal those from captured weights, the
+model keeps its own attention kernel, what the recomputation cannot model falls back to weights,
+and the key-bin state gives the key-conditioned curves exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from equivariance_probe import AttentionCaptureError, EquivarianceProbe
+from equivariance_probe.statistics.masks import key_bin_edges
+
+from synthetic import tiny_gemma3, tiny_gpt2, tiny_llama
+
+BUILDERS = {"gemma3-sliding": lambda: tiny_gemma3(window=8), "llama-gqa": tiny_llama, "gpt2": tiny_gpt2}
+
+
+def _windows() -> list[torch.Tensor]:
+    tokens = torch.randint(3, 90, (5, 24), generator=torch.Generator().manual_seed(1))
+    return [tokens[i, : 24 - 3 * i] for i in range(5)]  # ragged lengths: right padding in a batch
+
+
+def _assert_close(a, b, rtol=2e-6) -> None:
+    assert (a.n_windows, a.n_tokens) == (b.n_windows, b.n_tokens)
+    for name, value in a.statistics.arrays.items():
+        other = b.statistics.arrays[name]
+        scale = float(value.abs().max()) or 1.0
+        assert float((value - other).abs().max()) <= rtol * scale, name
+
+
+@pytest.mark.parametrize("name", BUILDERS)
+def test_recomputed_from_queries_and_keys_equals_captured_weights(name):
+    model = BUILDERS[name]()
+    options = dict(context_length=24, batch_size=2, exclude_keys=[0, 5], keep_pattern=True, progress=False)
+    weights = EquivarianceProbe(model, pattern_source="weights").run(_windows(), **options)
+    recomputed = EquivarianceProbe(model, pattern_source="recompute").run(_windows(), **options)
+    _assert_close(recomputed, weights)
+    assert recomputed.metadata["engine"]["source"] == "recompute" and recomputed.metadata["engine"]["paths"] == {
+        "torch": model.config.num_hidden_layers * 3}
+    assert weights.metadata["engine"]["paths"] == {"weights": model.config.num_hidden_layers * 3}
+    for scale in ("log", "raw"):
+        for form in ("prior", "fitted", "eta2"):
+            assert recomputed.query_position_r2(scale, form) == pytest.approx(weights.query_position_r2(scale, form), abs=1e-6)
+
+
+def test_a_model_keeps_its_own_kernel_and_agrees_with_eager():
+    from transformers.integrations import sdpa_attention
+
+    model = tiny_llama()
+    model.set_attn_implementation("sdpa")
+    calls = []
+    original = sdpa_attention.sdpa_attention_forward
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register("sdpa", spy)
+    try:
+        fused = EquivarianceProbe(model).run(_windows(), batch_size=2, progress=False)
+    finally:
+        ALL_ATTENTION_FUNCTIONS.register("sdpa", original)
+    assert calls and model.config._attn_implementation == "sdpa"  # ran sdpa; never switched to eager
+    eager = tiny_llama()
+    eager.set_attn_implementation("eager")
+    _assert_close(fused, EquivarianceProbe(eager).run(_windows(), batch_size=2, progress=False), rtol=1e-5)
+
+
+def _alibi(model):
+    """Add an ALiBi-style bias (slope · -(q - k)) to every attention mask: attention the recomputation,
+    which reads only q, k, the scale and the causal mask, cannot model."""
+
+    def hook(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        n = kwargs["hidden_states"].shape[1]
+        distance = (torch.arange(n).view(-1, 1) - torch.arange(n).view(1, -1)).clamp_min(0).float()
+        bias = -0.5 * distance
+        causal = torch.where(torch.arange(n).view(1, -1) <= torch.arange(n).view(-1, 1), 0.0, float("-inf"))
+        kwargs["attention_mask"] = (causal + bias)[None, None] if mask is None or mask.dtype == torch.bool else mask + bias
+        return args, kwargs
+
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(hook, with_kwargs=True)
+    return model
+
+
+def test_attention_the_recomputation_cannot_model_falls_back_to_weights():
+    model = _alibi(tiny_llama())
+    model.set_attn_implementation("eager")
+    with pytest.warns(UserWarning, match="differ from its own eager weights"):
+        auto = EquivarianceProbe(model).run(_windows(), batch_size=2, progress=False)
+    assert auto.metadata["engine"]["source"] == "weights"
+    assert auto.metadata["engine"]["check"]["max_difference"] > auto.metadata["engine"]["check"]["tolerance"]
+    weights = EquivarianceProbe(model, pattern_source="weights").run(_windows(), batch_size=2, progress=False)
+    _assert_close(auto, weights, rtol=0)
+    with pytest.raises(AttentionCaptureError, match="differ from its own eager weights.*pattern_source='weights'"):
+        EquivarianceProbe(model, pattern_source="recompute").run(_windows(), batch_size=2, progress=False)
+
+
+@pytest.mark.parametrize("n_positions", [32, 128])
+def test_key_bins_give_the_key_conditioned_curves_exactly(n_positions):
+    """P_t(dt) by key bin from the binned state equals the same curves summed from the whole pattern."""
+    model = tiny_llama()
+    tokens = torch.randint(3, 90, (3, n_positions), generator=torch.Generator().manual_seed(2))
+    result = EquivarianceProbe(model).run(tokens, keep_pattern=True, progress=False)
+    stored = result.statistics.key_bins
+    assert stored == min(n_positions, 64)
+    curves = result.persistence(by="key_position", bins=16)
+    assert np.array_equal(curves.key_bins, key_bin_edges(n_positions, 16).numpy())
+    # Brute force: the batch-summed pattern (query-key layout), summed over heads and layers, by key bin and lag.
+    pattern = result.statistics.arrays["pattern_sum"].sum((0, 1)).numpy()  # [q, k]
+    expected = np.zeros((16, n_positions))
+    for q in range(n_positions):
+        for k in range(q + 1):
+            expected[np.searchsorted(curves.key_bins, k, side="right") - 1, q - k] += pattern[q, k]
+    summed = np.where(curves.count > 0, curves.curve * curves.count, 0.0)  # the curve is NaN where no entry is
+    assert np.allclose(summed, expected, rtol=1e-12, atol=1e-12)
