@@ -1,4 +1,4 @@
-"""Overhead of checkpointing a study every 50 documents (issue 7).
+"""Overhead of checkpointing a study every 50 documents.
 
     python benchmarks/checkpoint_overhead.py                      # Gemma 3 270M, 100 documents, context 256
     python benchmarks/checkpoint_overhead.py --docs 100 --context-length 128 --every 50

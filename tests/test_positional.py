@@ -1,4 +1,4 @@
-"""Known answers for equivariance_probe.positional and attention_internals (issue 6), on tiny models built from configs."""
+"""Known answers for equivariance_probe.analyses.positional and adapters.internals, on tiny models built from configs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Precision and devices (issue 7): bf16/fp16 models through the log floor and the floored-entry
+"""Precision and devices: bf16/fp16 models through the log floor and the floored-entry
 count, checked against the model's own attention; device selection; what results record."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Result file versions: version 1 files still load, version 2 checks its schema and checksum,
-and a partial result never reads as a complete one (issue 7). Version 3 (safetensors) has its
+and a partial result never reads as a complete one. Version 3 (safetensors) has its
 own tests in test_result_file_format.py."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ V2_FIXTURE = Path(__file__).parent / "data" / "result_format_v2.json"
 
 
 def _v1_run() -> ProbeResult:
-    """The run that wrote the version-1 fixture (equivariance_probe 0.1.0, before issue 7)."""
+    """The run that wrote the version-1 fixture (equivariance_probe 0.1.0, JSON format version 1)."""
     tokens = torch.randint(0, 97, (3, 8), generator=torch.Generator().manual_seed(11))
     return EquivarianceProbe(tiny_gpt2(n_layer=2, n_head=2)).run(tokens, progress=False, sample_size=20, sample_seed=0)
 

@@ -1,5 +1,5 @@
 """Shards: deterministic disjoint slices whose merged result equals the single run; merges of
-duplicate, overlapping, foreign or partial shards are refused (issue 7)."""
+duplicate, overlapping, foreign or partial shards are refused."""
 
 from __future__ import annotations
 
