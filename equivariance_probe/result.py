@@ -31,7 +31,7 @@ from .records.result_file import FORMAT_VERSION, ResultFile, open_result_file, w
 from .records.sharding import merged_provenance
 from .sources.registry import name_of_converted_copy
 from .statistics import AttentionStatistics
-from .statistics.masks import key_bin_edges
+from .statistics.masks import key_bin_edges, layer_groups
 
 __all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION", "summary_table", "summary_rows"]
 
@@ -136,6 +136,19 @@ class ProbeResult:
         return self.statistics.numpy()
 
     # -- query-position R² ------------------------------------------------------------------
+    def layer_groups(self) -> dict[str, tuple[int, ...]]:
+        """Layers by the kind of mask the model declares: ``{"all": ...}``, plus ``"sliding"`` and
+        ``"global"`` for a model with both kinds (Gemma 2 and 3: sliding-window and global layers).
+
+        The kinds are the model's (``metadata["layout"]["windows"]``), whatever the context length:
+        at ``T <= w`` a sliding layer sees what a global one sees, but stays in its group
+        (:func:`~equivariance_probe.statistics.masks.layer_groups`).
+        """
+        declared = self.metadata.get("layout", {}).get("windows")
+        if declared is None or len(declared) != self.n_layers:
+            declared = self.statistics.sliding_windows
+        return layer_groups(declared)
+
     def query_position_r2(self, scale: str = "log", form: str = "fitted", by: str | None = None) -> Any:
         """How much of the variance of attention the query position alone explains.
 
@@ -146,18 +159,31 @@ class ProbeResult:
                 (R² of ``y ≈ α + βx``) or ``"eta2"`` (``1 - Σ(y-ȳ_g)²/Σ(y-ȳ)²``, groups = query
                 position and visible key set).
             by: ``None`` for one number over all entries, ``"layer"`` for ``[layer]``,
-                ``"head"`` for ``[layer, head]``.
+                ``"head"`` for ``[layer, head]``, ``"layer_group"`` for ``{group: R²}`` over the
+                entries of each group of :meth:`layer_groups` (``"all"`` equals ``by=None``).
         """
         check_choice("scale", scale, metrics.SCALES)
         check_choice("form", form, metrics.FORMS)
-        check_choice("by", by, (None, "total", "layer", "head"))
+        check_choice("by", by, (None, "total", "layer", "head", "layer_group"))
         arrays = self._require_data()
         prefix = "log" if scale == "log" else "raw"
+        visible = self.statistics.visible_keys().numpy()
+        if by == "layer_group":
+            return {
+                group: float(metrics.query_position_r2(
+                    arrays["query_count"][list(layers)],
+                    arrays[f"{prefix}_sum"][list(layers)],
+                    arrays[f"{prefix}_sq"][list(layers)],
+                    visible[list(layers)],
+                    scale=scale,
+                )[form])
+                for group, layers in self.layer_groups().items()
+            }
         values = metrics.query_position_r2(
             arrays["query_count"],
             arrays[f"{prefix}_sum"],
             arrays[f"{prefix}_sq"],
-            self.statistics.visible_keys().numpy(),
+            visible,
             scale=scale,
             by=None if by == "total" else by,
         )
@@ -183,18 +209,32 @@ class ProbeResult:
         return int(self._require_data()["query_count"].sum() * self.n_heads)
 
     # -- persistence -------------------------------------------------------------------------
-    def persistence(self, by: str | None = None, bins: int = 16) -> PersistenceCurves:
+    def persistence(self, by: str | None = None, bins: int = 16) -> Any:
         """Mean attention by distance ``P(dt)`` with power, exponential and uniform-prior fits.
 
         Args:
-            by: ``None`` (over all layers and heads), ``"layer"``, ``"head"``, or
+            by: ``None`` (over all layers and heads), ``"layer"``, ``"head"``,
                 ``"key_position"`` (the study's Figure 1c: ``P_t(dt)`` for key positions ``t``
-                grouped into ``bins`` equal-width bins).
+                grouped into ``bins`` equal-width bins), or ``"layer_group"``: a dict
+                ``{group: PersistenceCurves}`` over the layers of each group of :meth:`layer_groups`.
             bins: number of key-position bins for ``by="key_position"``.
+
+        Returns:
+            :class:`PersistenceCurves` (a dict of them for ``by="layer_group"``).
         """
-        check_choice("by", by, (None, "layer", "head", "key_position"))
+        check_choice("by", by, (None, "layer", "head", "key_position", "layer_group"))
         arrays = self._require_data()
         heads = self.n_heads
+        if by == "layer_group":
+            return {
+                group: persistence_curves(
+                    arrays["lag_sum"][list(layers)].sum((0, 1)),
+                    heads * arrays["lag_prior_sum"][list(layers)].sum(0),
+                    heads * arrays["lag_count"][list(layers)].sum(0),
+                    None,
+                )
+                for group, layers in self.layer_groups().items()
+            }
         if by == "head":
             counts = np.broadcast_to(arrays["lag_count"][:, None, :], arrays["lag_sum"].shape)
             priors = np.broadcast_to(arrays["lag_prior_sum"][:, None, :], arrays["lag_sum"].shape)
@@ -318,7 +358,9 @@ class ProbeResult:
         per bin, 16 bins); ``toeplitz_r2_per_doc_mean`` and ``toeplitz_r2_mean_pattern_mean``
         (NaN without ``keep_pattern``); ``most_position_bound_head`` /
         ``least_position_bound_head`` (log η²); ``head_scores`` (every score of
-        :data:`~equivariance_probe.analyses.heads.RANKING_SCORES` as ``[layer][head]`` lists).
+        :data:`~equivariance_probe.analyses.heads.RANKING_SCORES` as ``[layer][head]`` lists);
+        ``layer_groups`` (for models with sliding-window and global layers: per group its
+        ``layers``, ``query_position_r2`` and ``persistence_fit_r2``; empty otherwise).
         NaN where a number is undefined.
 
         A loaded result returns the numbers stored in its file without reading any array.
@@ -356,6 +398,27 @@ class ProbeResult:
             "most_position_bound_head": _head_label(scores["log_eta2"], np.nanargmax),
             "least_position_bound_head": _head_label(scores["log_eta2"], np.nanargmin),
             "head_scores": {name: values.tolist() for name, values in scores.items()},
+            "layer_groups": self._layer_group_summary(),
+        }
+
+    def _layer_group_summary(self) -> dict[str, Any]:
+        """Per layer group (only for models with more than one kind of layer): its layers, every
+        query-position R² form and scale over its entries, and the R² of each fit to its ``P(dt)``."""
+        groups = self.layer_groups()
+        if len(groups) == 1:
+            return {}
+        tables = {scale: {form: self.query_position_r2(scale, form, by="layer_group") for form in metrics.FORMS}
+                  for scale in metrics.SCALES}
+        curves = self.persistence(by="layer_group")
+        return {
+            group: {
+                "layers": list(layers),
+                "query_position_r2": {scale: {form: tables[scale][form][group] for form in metrics.FORMS}
+                                      for scale in metrics.SCALES},
+                "persistence_fit_r2": {name: curves[group].fits[name].r2 for name in fitting.FIT_NAMES},
+            }
+            for group, layers in groups.items()
+            if group != "all"
         }
 
     def _headline(self) -> tuple[dict[str, dict[str, float]], str, str]:
@@ -456,11 +519,23 @@ def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False
     for scale in metrics.SCALES:
         for form in metrics.FORMS:
             row(scale, form, lambda s, scale=scale, form=form: _number(s["query_position_r2"][scale][form]))
+    # Models with sliding-window and global layers: the same numbers over each group's entries
+    # (the log scale; both scales in the extended table).
+    groups = [g for g in ("sliding", "global") if any(g in (s.get("layer_groups") or {}) for s in summaries.values())]
+    for group in groups:
+        for scale in metrics.SCALES if extended else ("log",):
+            for form in metrics.FORMS:
+                row(f"{scale}, {group} layers", form,
+                    lambda s, group=group, scale=scale, form=form: _group_number(s, group, ("query_position_r2", scale, form)))
     for fit in fitting.FIT_NAMES:
         row("P(dt)", f"{fit} fit R²", lambda s, fit=fit: _number(s["persistence_fit_r2"][fit]))
     if extended:
         row("P(dt)", "power fit c, α", lambda s: _parameters(s, "power", ("c", "alpha")))
         row("P(dt)", "exponential fit c, λ", lambda s: _parameters(s, "exponential", ("c", "lambda")))
+        for group in groups:
+            for fit in fitting.FIT_NAMES:
+                row(f"P(dt), {group} layers", f"{fit} fit R²",
+                    lambda s, group=group, fit=fit: _group_number(s, group, ("persistence_fit_r2", fit)))
         row("Fig. 1c", "key bins where the prior fits best", _prior_best_bins)
         row("Fig. 1c", "prior fit R² over key bins", lambda s: _spread(s.get("fit_r2_by_key_position", {}).get("prior")))
     row("Toeplitz", "mean per-window R²", lambda s: _number(s["toeplitz_r2_per_doc_mean"]))
@@ -495,6 +570,16 @@ def _undefined(value: Any) -> bool:
 
 def _number(value: Any) -> str:
     return "n/a" if _undefined(value) else f"{value:.4f}"
+
+
+def _group_number(summary: dict[str, Any], group: str, path: tuple[str, ...]) -> str:
+    """A layer group's number from a summary, ``–`` where the model has no such group."""
+    value: Any = (summary.get("layer_groups") or {}).get(group)
+    for key in path:
+        if value is None:
+            return "–"
+        value = value.get(key)
+    return _number(value)
 
 
 def _parameters(summary: dict[str, Any], fit: str, names: tuple[str, ...]) -> str:

@@ -29,12 +29,48 @@ __all__ = [
     "key_bins",
     "key_bin_edges",
     "mask_counts",
+    "LAYER_GROUPS",
+    "layer_groups",
 ]
 
 #: Key-position bins the statistics keep for the key-conditioned persistence curves (the
 #: study's Figure 1c): one bin per key when ``T <= KEY_BINS``, else ``KEY_BINS`` bins of (nearly)
 #: equal width, so that this state grows as ``K·T``, not ``T²``. Figures use 16 bins, a divisor.
 KEY_BINS = 64
+
+
+#: Names of the layer groups, in display order: every layer, the sliding-window layers, the global
+#: (full-context) layers.
+LAYER_GROUPS = ("all", "sliding", "global")
+
+
+def layer_groups(sliding_windows: Sequence[int | None]) -> dict[str, tuple[int, ...]]:
+    """Layers grouped by the kind of mask the model declares for them.
+
+    ``"all"`` holds every layer; where the model has both kinds, ``"sliding"`` holds the layers
+    with a sliding window and ``"global"`` those that see the whole context. A group is defined by
+    the model's declared kind, not by what a window of a given length makes of it: at ``T <= w``
+    a sliding layer's mask equals a global one's, but it is still the other kind of layer
+    (Gemma 3's local layers also use another rotary base), so a scan over lengths compares the
+    same layers at every length.
+
+    Args:
+        sliding_windows: per layer, ``None`` (global) or the declared window width.
+
+    Returns:
+        ``{name: layer indices}``, names in :data:`LAYER_GROUPS` order; only ``"all"`` for a
+        model whose layers are all of one kind.
+
+    Example:
+        >>> layer_groups([512, 512, None])
+        {'all': (0, 1, 2), 'sliding': (0, 1), 'global': (2,)}
+    """
+    layers = tuple(range(len(sliding_windows)))
+    sliding = tuple(layer for layer in layers if sliding_windows[layer] is not None)
+    glob = tuple(layer for layer in layers if sliding_windows[layer] is None)
+    if not sliding or not glob:
+        return {"all": layers}
+    return {"all": layers, "sliding": sliding, "global": glob}
 
 
 def default_log_floor(dtype: torch.dtype) -> float:
