@@ -62,6 +62,7 @@ from .errors import (
     NotRunError,
     RemoteExecutionError,
     ResultFileError,
+    UndefinedStatisticError,
     UnsupportedModelError,
 )
 from .maths.fitting import fit_tisa_kernel
@@ -141,6 +142,7 @@ __all__ = [
     "RemoteExecutionError",
     "MissingAPIKeyError",
     "NotRunError",
+    "UndefinedStatisticError",
     "IncompatibleResultsError",
     "ResultFileError",
     "CheckpointError",

@@ -37,6 +37,7 @@ __all__ = [
     "MissingAPIKeyError",
     # results, files and checkpoints
     "NotRunError",
+    "UndefinedStatisticError",
     "IncompatibleResultsError",
     "ResultFileError",
     "CheckpointError",
@@ -100,6 +101,11 @@ class MissingAPIKeyError(RemoteExecutionError):
 # -- results, files and checkpoints -----------------------------------------------------------------
 class NotRunError(EquivarianceProbeError, RuntimeError):
     """Results were asked for before any data was run, or from state a run did not keep."""
+
+
+class UndefinedStatisticError(EquivarianceProbeError, ValueError):
+    """A statistic has no value for this model or data, for a reason it names (e.g. the query-position
+    prior of a bidirectional encoder is the same for every query: there is nothing for it to explain)."""
 
 
 class IncompatibleResultsError(EquivarianceProbeError, ValueError):

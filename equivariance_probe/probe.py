@@ -234,6 +234,7 @@ class EquivarianceProbe:
             device=device if device is not None else self.adapter.device,
             key_bins=key_bins,
             engine=engine,
+            causal=layout.causal,
         )
         metadata = self._metadata(context_length, batch_size, min_tokens)
         result = ProbeResult(statistics, metadata)
@@ -292,7 +293,8 @@ class EquivarianceProbe:
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
         width = int(lengths.max())
         # Right padding: under a causal mask no real query sees a padding key, so the pad
-        # id is irrelevant and no attention mask is needed.
+        # id is irrelevant and no attention mask is needed (an encoder's adapter masks padding
+        # keys itself, from the lengths begin_batch records).
         tokens = torch.zeros((len(rows), width), dtype=torch.long)
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
@@ -321,6 +323,7 @@ class EquivarianceProbe:
                 "n_heads": layout.n_heads,
                 "windows": list(layout.sliding_windows),
                 "max_context": layout.max_context,
+                "causal": layout.causal,
             },
             "context_length": context_length,
             "batch_size": batch_size,

@@ -24,19 +24,26 @@ from typing import Any
 import numpy as np
 
 from .analyses.heads import HeadRanking, head_scores, rank_heads
-from .errors import IncompatibleResultsError, InputError, NotRunError, check_choice
+from .errors import IncompatibleResultsError, InputError, NotRunError, UndefinedStatisticError, check_choice
 from .maths import fitting, metrics
 from .maths.persistence import PersistenceCurves, persistence_curves
 from .records.result_file import FORMAT_VERSION, ResultFile, open_result_file, write_result_file
 from .records.sharding import merged_provenance
 from .sources.registry import name_of_converted_copy
 from .statistics import AttentionStatistics
-from .statistics.masks import key_bin_edges, layer_groups
+from .statistics.masks import key_bin_edges, lag_values, layer_groups
 
 __all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION", "summary_table", "summary_rows"]
 
 #: Key-position bins of the Figure 1c numbers in :meth:`ProbeResult.summary`.
 SUMMARY_KEY_BINS = 16
+
+#: Why the prior and fitted query-position R² have no value for a bidirectional encoder.
+BIDIRECTIONAL_PRIOR = (
+    "undefined for a bidirectional encoder: every query of a window sees the same keys, so the uniform prior "
+    "1/|V(q)| is the same for every query position and there is no query-position variance for it to explain "
+    "(form='eta2', the query position as a categorical factor, is defined)"
+)
 
 
 class ProbeResult:
@@ -123,6 +130,17 @@ class ProbeResult:
         return name_of_converted_copy(name) or name
 
     @property
+    def causal(self) -> bool:
+        """``False`` for a bidirectional encoder's statistics (signed lags, no query-position prior)."""
+        return bool(self._config().get("causal", True))
+
+    def undefined(self) -> dict[str, str]:
+        """Statistics this result has no value for, each with the reason (``{"query_position_r2.prior": why}``)."""
+        if self.causal:
+            return {}
+        return {f"query_position_r2.{form}": BIDIRECTIONAL_PRIOR for form in ("prior", "fitted")}
+
+    @property
     def complete(self) -> bool:
         """False for the partial result of a run that stopped (``metadata["complete"]``)."""
         return bool(self.metadata.get("complete", True))
@@ -165,6 +183,8 @@ class ProbeResult:
         check_choice("scale", scale, metrics.SCALES)
         check_choice("form", form, metrics.FORMS)
         check_choice("by", by, (None, "total", "layer", "head", "layer_group"))
+        if f"query_position_r2.{form}" in self.undefined():
+            raise UndefinedStatisticError(f"the {form} query-position R² is {self.undefined()[f'query_position_r2.{form}']}")
         arrays = self._require_data()
         prefix = "log" if scale == "log" else "raw"
         visible = self.statistics.visible_keys().numpy()
@@ -190,9 +210,12 @@ class ProbeResult:
         value = values[form]
         return float(value) if np.ndim(value) == 0 else value
 
-    def query_position_table(self) -> dict[str, dict[str, float]]:
-        """Every form on every scale over all entries: ``{scale: {form: R²}}``."""
-        return {s: {f: self.query_position_r2(scale=s, form=f) for f in metrics.FORMS} for s in metrics.SCALES}
+    def query_position_table(self) -> dict[str, dict[str, float | None]]:
+        """Every form on every scale over all entries: ``{scale: {form: R²}}`` (``None`` for a form
+        :meth:`undefined` names)."""
+        undefined = self.undefined()
+        return {s: {f: None if f"query_position_r2.{f}" in undefined else self.query_position_r2(scale=s, form=f)
+                    for f in metrics.FORMS} for s in metrics.SCALES}
 
     def floored(self, by: str | None = None) -> Any:
         """Visible entries below ``eps`` (floored on the log scale): total, ``[layer]`` or ``[layer, head]``."""
@@ -225,6 +248,7 @@ class ProbeResult:
         check_choice("by", by, (None, "layer", "head", "key_position", "layer_group"))
         arrays = self._require_data()
         heads = self.n_heads
+        dt = lag_values(self.statistics.n_positions, self.causal).numpy()
         if by == "layer_group":
             return {
                 group: persistence_curves(
@@ -232,15 +256,17 @@ class ProbeResult:
                     heads * arrays["lag_prior_sum"][list(layers)].sum(0),
                     heads * arrays["lag_count"][list(layers)].sum(0),
                     None,
+                    dt=dt,
                 )
                 for group, layers in self.layer_groups().items()
             }
         if by == "head":
             counts = np.broadcast_to(arrays["lag_count"][:, None, :], arrays["lag_sum"].shape)
             priors = np.broadcast_to(arrays["lag_prior_sum"][:, None, :], arrays["lag_sum"].shape)
-            return persistence_curves(arrays["lag_sum"], priors, counts, by)
+            return persistence_curves(arrays["lag_sum"], priors, counts, by, dt=dt)
         if by == "layer":
-            return persistence_curves(arrays["lag_sum"].sum(1), heads * arrays["lag_prior_sum"], heads * arrays["lag_count"], by)
+            return persistence_curves(arrays["lag_sum"].sum(1), heads * arrays["lag_prior_sum"], heads * arrays["lag_count"], by,
+                                      dt=dt)
         if by == "key_position":
             stored = self.statistics.key_bins
             if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
@@ -257,9 +283,11 @@ class ProbeResult:
                 np.add.at(out, which, arrays[name])
                 return out
 
-            return persistence_curves(binned("key_lag_sum"), binned("key_lag_prior_sum"), binned("key_lag_count"), by, edges)
+            return persistence_curves(binned("key_lag_sum"), binned("key_lag_prior_sum"), binned("key_lag_count"), by, edges,
+                                      dt=dt)
         return persistence_curves(
-            arrays["lag_sum"].sum((0, 1)), heads * arrays["lag_prior_sum"].sum(0), heads * arrays["lag_count"].sum(0), None
+            arrays["lag_sum"].sum((0, 1)), heads * arrays["lag_prior_sum"].sum(0), heads * arrays["lag_count"].sum(0), None,
+            dt=dt,
         )
 
     # -- Toeplitz --------------------------------------------------------------------------------
@@ -282,12 +310,28 @@ class ProbeResult:
                 "not keep; run with keep_pattern=True, or use toeplitz_r2(by='head_per_doc')"
             )
         covering = arrays["windows_covering"]
+        if not self.causal:
+            return self._bidirectional_mean_pattern_toeplitz(arrays["pattern_sum"], covering)
         mean = metrics.mean_pattern_key_lag(metrics.key_lag_layout(arrays["pattern_sum"]), covering)
         out = np.empty((self.n_layers, self.n_heads))
         for layer, window in enumerate(self.statistics.sliding_windows):
             visible = metrics.key_lag_visible(self.statistics.n_positions, window, covering, self.excluded_keys)
             out[layer] = metrics.toeplitz_r2_key_lag(mean[layer], visible)
         return out
+
+    def _bidirectional_mean_pattern_toeplitz(self, pattern_sum: np.ndarray, covering: np.ndarray) -> np.ndarray:
+        """Toeplitz R² of an encoder's document-averaged pattern, over every entry that some window
+        holds (query and key both real: ``#windows(q, k) = c[max(q, k)]``) and whose key is not excluded."""
+        n = self.statistics.n_positions
+        both = covering[np.maximum.outer(np.arange(n), np.arange(n))]
+        visible = both > 0
+        for key in self.excluded_keys:
+            if 0 <= key < n:
+                visible[:, key] = False
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = np.where(visible, pattern_sum / np.where(visible, both, 1), 0.0)
+        return np.array([[metrics.toeplitz_r2(mean[layer, head], visible) for head in range(self.n_heads)]
+                         for layer in range(self.n_layers)])
 
     def entry_sample(self) -> dict[str, np.ndarray]:
         """The uniform sample of visible entries kept during the run (``sample_size``).
@@ -393,12 +437,15 @@ class ProbeResult:
                                  for name in fitting.FIT_NAMES},
             "fit_r2_by_key_position": {"key_bins": by_key.key_bins.tolist(),
                                        **{name: np.asarray(by_key.r2(name)).tolist() for name in fitting.FIT_NAMES}},
-            "toeplitz_r2_per_doc_mean": float(np.nanmean(scores["toeplitz_per_doc"])),
+            "toeplitz_r2_per_doc_mean": math.nan if np.all(np.isnan(scores["toeplitz_per_doc"]))
+            else float(np.nanmean(scores["toeplitz_per_doc"])),
             "toeplitz_r2_mean_pattern_mean": math.nan if np.all(np.isnan(mean_pattern)) else float(np.nanmean(mean_pattern)),
             "most_position_bound_head": _head_label(scores["log_eta2"], np.nanargmax),
             "least_position_bound_head": _head_label(scores["log_eta2"], np.nanargmin),
             "head_scores": {name: values.tolist() for name, values in scores.items()},
             "layer_groups": self._layer_group_summary(),
+            "causal": self.causal,
+            "undefined": self.undefined(),
         }
 
     def _layer_group_summary(self) -> dict[str, Any]:
@@ -435,7 +482,7 @@ class ProbeResult:
             return f"ProbeResult(model={model!r}, empty)"
         table, most, least = self._headline()
         cells = ", ".join(
-            f"{s}: " + " ".join(f"{f}={table[s][f]:.3f}" for f in metrics.FORMS) for s in metrics.SCALES
+            f"{s}: " + " ".join(f"{f}={_formatted(table[s][f], 3)}" for f in metrics.FORMS) for s in metrics.SCALES
         )
         excluded = f", excluded keys {list(self.excluded_keys)}" if self.excluded_keys else ""
         return (
@@ -449,7 +496,7 @@ class ProbeResult:
             return f"<b>ProbeResult</b> for <code>{model}</code>: no data yet"
         table, most, least = self._headline()
         rows = "".join(
-            f"<tr><th>{s}</th>" + "".join(f"<td>{table[s][f]:.4f}</td>" for f in metrics.FORMS) + "</tr>"
+            f"<tr><th>{s}</th>" + "".join(f"<td>{_formatted(table[s][f], 4)}</td>" for f in metrics.FORMS) + "</tr>"
             for s in metrics.SCALES
         )
         floored = self.summary()["floored_entries"] if self._stored_summary is not None else self.floored()
@@ -518,7 +565,7 @@ def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False
 
     for scale in metrics.SCALES:
         for form in metrics.FORMS:
-            row(scale, form, lambda s, scale=scale, form=form: _number(s["query_position_r2"][scale][form]))
+            row(scale, form, lambda s, scale=scale, form=form: _qpve_cell(s, scale, form))
     # Models with sliding-window and global layers: the same numbers over each group's entries
     # (the log scale; both scales in the extended table).
     groups = [g for g in ("sliding", "global") if any(g in (s.get("layer_groups") or {}) for s in summaries.values())]
@@ -570,6 +617,17 @@ def _undefined(value: Any) -> bool:
 
 def _number(value: Any) -> str:
     return "n/a" if _undefined(value) else f"{value:.4f}"
+
+
+def _formatted(value: Any, digits: int) -> str:
+    """A headline number, or ``undefined`` (a form the result names in :meth:`ProbeResult.undefined`)."""
+    return "undefined" if _undefined(value) else f"{value:.{digits}f}"
+
+
+def _qpve_cell(summary: dict[str, Any], scale: str, form: str) -> str:
+    if f"query_position_r2.{form}" in (summary.get("undefined") or {}):
+        return "undefined (encoder)"
+    return _number(summary["query_position_r2"][scale][form])
 
 
 def _group_number(summary: dict[str, Any], group: str, path: tuple[str, ...]) -> str:

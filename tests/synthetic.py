@@ -119,6 +119,21 @@ def tiny_llama(seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
+def tiny_bert(seed: int = 0, zero: bool = False, max_positions: int = 64, attn_implementation: str = "eager"):
+    """A tiny BERT encoder (``BertModel``: bidirectional attention, learned absolute positions)."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=max_positions, pad_token_id=0)
+    model = BertModel._from_config(config, attn_implementation=attn_implementation)
+    if zero:
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.zero_()
+    return model.eval()
+
+
 def collect_patterns(adapter: Adapter, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
     """Every layer's full pattern (only for tests: the probe never does this)."""
     patterns: dict[int, torch.Tensor] = {}

@@ -37,12 +37,15 @@ class AttentionLayout:
             sliding window, in which query ``q`` sees keys ``max(0, q-w+1) .. q``
             (``|V(q)| = min(q+1, w)``; Gemma 3 local layers, Mistral).
         max_context: the longest window the model accepts, or ``None`` if unbounded.
+        causal: ``False`` for a bidirectional encoder (BERT): query ``q`` sees every real key of
+            its window, and padding keys are hidden by the attention mask the adapter passes.
     """
 
     n_layers: int
     n_heads: int
     sliding_windows: tuple[int | None, ...]
     max_context: int | None = None
+    causal: bool = True
 
     def __post_init__(self) -> None:
         if len(self.sliding_windows) != self.n_layers:
@@ -50,11 +53,6 @@ class AttentionLayout:
                 f"AttentionLayout: {len(self.sliding_windows)} sliding windows given for {self.n_layers} layers; "
                 "give one per layer (None for full causal attention)"
             )
-
-    def visible_keys(self, layer: int, query: int) -> int:
-        """``|V(q)|``: how many keys query ``query`` may see in ``layer`` (no padding)."""
-        window = self.sliding_windows[layer]
-        return query + 1 if window is None else min(query + 1, window)
 
 
 @dataclass

@@ -38,8 +38,8 @@ import torch
 
 from ..errors import AttentionCaptureError, check_choice
 from .base import Adapter, AttentionLayout, PatternCallback
-from .internals import AttentionCall, intercept_attention
-from .modules import find_attention_modules, layer_windows, text_config
+from .internals import AttentionCall, intercept_attention, position_embedding_modules
+from .modules import find_attention_modules, is_bidirectional, layer_windows, text_config
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -61,9 +61,10 @@ def recompute_tolerance(dtype: torch.dtype) -> float:
     return 1e-4 if dtype in (torch.float32, torch.float64) else 1e-2
 
 
-def eager_weights(call: AttentionCall, window: int | None) -> torch.Tensor:
+def eager_weights(call: AttentionCall, window: int | None, causal: bool = True) -> torch.Tensor:
     """``softmax(mask(softcap(q·kᵀ·scaling)))`` as transformers' eager attention computes it: scores in
-    the model's dtype, a float32 softmax, the weights rounded back to the model's dtype.
+    the model's dtype, a float32 softmax, the weights rounded back to the model's dtype. The mask is
+    causal (and the sliding window), or nothing for a bidirectional encoder's unpadded window.
 
     The first-batch check compares the model's own weights with this, so that it tests what the
     attention *is* (no biases, no sinks), not the precision of half-precision scores, which the
@@ -76,14 +77,26 @@ def eager_weights(call: AttentionCall, window: int | None) -> torch.Tensor:
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
     if call.softcap is not None:
         scores = torch.tanh(scores / call.softcap) * call.softcap
-    n_query, n_key = scores.shape[-2:]
-    position = torch.arange(n_query, device=scores.device).view(-1, 1)
-    other = torch.arange(n_key, device=scores.device).view(1, -1)
-    hidden = other > position
-    if window is not None:
-        hidden |= position - other >= window
-    scores = scores.masked_fill(hidden, float("-inf"))
+    if causal:
+        n_query, n_key = scores.shape[-2:]
+        position = torch.arange(n_query, device=scores.device).view(-1, 1)
+        other = torch.arange(n_key, device=scores.device).view(1, -1)
+        hidden = other > position
+        if window is not None:
+            hidden |= position - other >= window
+        scores = scores.masked_fill(hidden, float("-inf"))
     return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+
+
+def _positions_in_table(model: Any) -> int | None:
+    """Positions a learned absolute position table can embed, where it holds offset rows: RoBERTa numbers
+    positions from ``padding_idx + 1`` (514 rows, 512 positions), OPT keeps an ``offset`` of 2."""
+    for table in position_embedding_modules(model):
+        offset = getattr(table, "offset", None)
+        if offset is None:
+            offset = table.padding_idx + 1 if table.padding_idx is not None else 0
+        return int(table.num_embeddings) - int(offset)
+    return None
 
 
 class _LastPatternSeen(Exception):
@@ -91,11 +104,13 @@ class _LastPatternSeen(Exception):
 
 
 class HuggingFaceAdapter(Adapter):
-    """Streams post-softmax attention out of a ``transformers`` causal LM.
+    """Streams the attention of a ``transformers`` model: a causal LM, or a bidirectional encoder
+    (BERT, MiniLM: every real token sees every real token of its window; the adapter passes the
+    attention mask that hides the padding of shorter windows).
 
     Args:
-        model: a ``PreTrainedModel`` (e.g. ``AutoModelForCausalLM``), any attention
-            implementation.
+        model: a ``PreTrainedModel`` (e.g. ``AutoModelForCausalLM``, ``AutoModel`` for an
+            encoder), any attention implementation.
         tokenizer: its tokenizer, if strings are to be run.
         pattern_source: ``"auto"``, ``"recompute"`` or ``"weights"`` (see the module docstring).
     """
@@ -121,11 +136,16 @@ class HuggingFaceAdapter(Adapter):
             or getattr(config, "n_positions", None)
             or getattr(config, "n_ctx", None)
         )
+        if max_context:
+            max_context = min(int(max_context), _positions_in_table(model) or int(max_context))
+        bidirectional = is_bidirectional(self.attention_modules)
         self._layout = AttentionLayout(
             n_layers=len(self.attention_modules),
             n_heads=int(n_heads),
-            sliding_windows=layer_windows(model.config, len(self.attention_modules)),
+            sliding_windows=(None,) * len(self.attention_modules) if bidirectional
+            else layer_windows(model.config, len(self.attention_modules)),
             max_context=int(max_context) if max_context else None,
+            causal=not bidirectional,
         )
 
     @property
@@ -188,7 +208,18 @@ class HuggingFaceAdapter(Adapter):
                     )
             self.model.train(was_training)
 
-    def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback) -> None:
+    def _forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None) -> None:
+        """The base model's forward pass over right-padded ``tokens``. A causal model needs no mask (no
+        real query sees a padding key); an encoder gets the attention mask of its windows' real tokens."""
+        mask = None
+        if not self.layout.causal and lengths is not None:
+            lengths = lengths.to(self.device)
+            mask = (torch.arange(tokens.shape[1], device=self.device).view(1, -1) < lengths.view(-1, 1)).long()
+        self.model.base_model(input_ids=tokens.to(self.device), attention_mask=mask, use_cache=False)
+
+    def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback, lengths: torch.Tensor | None = None) -> None:
+        """:meth:`Adapter.run_patterns`; ``lengths: [batch]`` real tokens per window, which an encoder's
+        attention mask needs (``None``: every window is ``tokens.shape[1]`` long)."""
         seen: list[int] = []
         last = len(self.attention_modules) - 1
 
@@ -212,7 +243,7 @@ class HuggingFaceAdapter(Adapter):
         with self._eager_eval(), torch.no_grad():
             handles = [m.register_forward_hook(make_hook(i)) for i, m in enumerate(self.attention_modules)]
             try:
-                self.model.base_model(input_ids=tokens.to(self.device), use_cache=False)
+                self._forward(tokens, lengths)
             except _LastPatternSeen:
                 pass
             finally:
@@ -231,8 +262,9 @@ class HuggingFaceAdapter(Adapter):
                     f"{type(self.model).__name__}: {self.source_decision['reason']}; its statistics come from eager "
                     "attention weights instead (pattern_source='weights')", stacklevel=4,
                 )
+        lengths = statistics.batch_lengths
         if self.resolved_source() == "weights":
-            self.run_patterns(tokens, statistics.update)
+            self.run_patterns(tokens, statistics.update, lengths)
             return
         last = len(self.attention_modules) - 1
         windows = self.layout.sliding_windows
@@ -249,9 +281,12 @@ class HuggingFaceAdapter(Adapter):
             if call.layer == last:
                 raise _LastPatternSeen  # nothing after the last layer's attention is read
 
-        self._run_intercepted(tokens, on_call, eager=False)
+        self._run_intercepted(tokens, on_call, eager=False, lengths=lengths)
 
-    def _run_intercepted(self, tokens: torch.Tensor, on_call: Any, *, eager: bool, keep_weights: bool = False) -> list[int]:
+    def _run_intercepted(
+        self, tokens: torch.Tensor, on_call: Any, *, eager: bool, keep_weights: bool = False,
+        lengths: torch.Tensor | None = None,
+    ) -> list[int]:
         """Run ``tokens`` through the base model with every attention call intercepted; the layers seen."""
         was_training = self.model.training
         seen: list[int] = []
@@ -261,7 +296,7 @@ class HuggingFaceAdapter(Adapter):
                 self.model, on_call, eager=eager, keep_weights=keep_weights, layers=self.attention_modules
             ) as seen:
                 try:
-                    self.model.base_model(input_ids=tokens.to(self.device), use_cache=False)
+                    self._forward(tokens, lengths)
                 except _LastPatternSeen:
                     pass
         finally:
@@ -284,7 +319,7 @@ class HuggingFaceAdapter(Adapter):
         def on_call(call: AttentionCall) -> None:
             if call.weights is None:
                 raise AttentionCaptureError(f"layer {call.layer} returned no attention weights under eager attention")
-            recomputed = eager_weights(call, windows[call.layer])
+            recomputed = eager_weights(call, windows[call.layer], self.layout.causal)
             differences.append(float((recomputed.float() - call.weights.float()).abs().max()))
 
         tolerance = recompute_tolerance(self.dtype)

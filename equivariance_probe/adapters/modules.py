@@ -35,14 +35,17 @@ __all__ = [
     "hf_model_of",
     "CAUSAL_LM_SUFFIXES",
     "is_causal_lm",
+    "is_bidirectional",
     "BACKENDS",
     "wrap_model",
 ]
 
 
 #: Attribute names under which layer stacks (``LAYER_LISTS``) and, inside each layer, attention
-#: modules (``ATTENTION_NAMES``) are found, in the order they are tried.
-LAYER_LISTS = ("layers", "h", "blocks", "decoder.layers")
+#: modules (``ATTENTION_NAMES``) are found, in the order they are tried. BERT-style encoders keep
+#: their layers in ``encoder.layer`` and wrap the module that calls the attention function in
+#: ``attention.self`` (``BertAttention`` adds the output projection around ``BertSelfAttention``).
+LAYER_LISTS = ("layers", "h", "blocks", "decoder.layers", "encoder.layer")
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 
 
@@ -81,11 +84,19 @@ def layer_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
 
 
 def parent_layer(model: torch.nn.Module, attention: torch.nn.Module) -> torch.nn.Module:
-    """The decoder layer that holds an attention module (its output is the residual stream).
+    """The layer that holds an attention module (its output is the residual stream): the element
+    of the model's layer list (:data:`LAYER_LISTS`) that contains it, else its direct parent.
 
     Raises:
         AttentionCaptureError: no module of ``model`` holds ``attention``.
     """
+    base = getattr(model, "base_model", model)
+    for path in LAYER_LISTS:
+        layers = _get_path(base, path)
+        if isinstance(layers, torch.nn.ModuleList):
+            for layer in layers:
+                if any(module is attention for module in layer.modules()):
+                    return layer
     for module in model.modules():
         if any(child is attention for child in module.children()):
             return module
@@ -110,7 +121,8 @@ def find_attention_modules(model: Any) -> list[torch.nn.Module]:
                 attention = next((getattr(layer, n) for n in ATTENTION_NAMES if hasattr(layer, n)), None)
                 if attention is None:
                     break
-                modules.append(attention)
+                inner = getattr(attention, "self", None)  # BERT: the module that calls the attention function
+                modules.append(inner if isinstance(inner, torch.nn.Module) else attention)
             else:
                 return modules
     raise AttentionCaptureError(
@@ -175,6 +187,12 @@ def hf_model_of(model: Any) -> Any:
 
 #: Class-name endings of causal language models (GPT-2's is ``GPT2LMHeadModel``).
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+
+def is_bidirectional(attention_modules: list[torch.nn.Module]) -> bool:
+    """Whether the attention modules attend both ways (an encoder: BERT, or Gemma 3 with
+    ``use_bidirectional_attention``): transformers 5 attention modules say so in ``is_causal``."""
+    return bool(attention_modules) and not any(getattr(module, "is_causal", True) for module in attention_modules)
 
 
 def is_causal_lm(model: Any) -> bool:

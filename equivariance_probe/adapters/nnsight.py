@@ -140,6 +140,13 @@ class NNsightAdapter(Adapter):
         # The Hugging Face adapter knows how to find layers, heads and windows in a
         # transformers model; the envoys mirror the same module tree.
         self._hf = HuggingFaceAdapter(inner, tokenizer=tokenizer)
+        if not self._hf.layout.causal:
+            # The traces run right-padded windows without an attention mask, which only a causal mask makes
+            # harmless; an encoder needs its padding masked, as the Hugging Face adapter does.
+            raise AttentionCaptureError(
+                f"{type(inner).__name__} is a bidirectional encoder; probe the Hugging Face model inside the nnsight "
+                "wrapper directly: EquivarianceProbe(model._module) (encoders run locally)"
+            )
         paths = {id(module): name for name, module in inner.named_modules()}
         self.attention_paths = [paths[id(module)] for module in self._hf.attention_modules]
         if self.is_remote:

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import InputError, NotRunError
+from ..errors import InputError, NotRunError, UndefinedStatisticError
 from ..maths.fitting import curve_r2
 from ..maths.metrics import FORMS, SCALES
 
@@ -198,13 +198,17 @@ class HeadRanking:
 
 def head_scores(result: RankableResult) -> dict[str, np.ndarray]:
     """Every score of :data:`RANKING_SCORES` as a ``[layer, head]`` array (NaN ``toeplitz`` when
-    the run kept no summed pattern)."""
+    the run kept no summed pattern, NaN for a query-position form the result names as undefined:
+    ``result.undefined()``)."""
     scores: dict[str, np.ndarray] = {}
     for name in RANKING_SCORES:
         if name in ("toeplitz", "toeplitz_per_doc", "prior_fit"):
             continue
         scale, form = name.split("_")
-        scores[name] = np.asarray(result.query_position_r2(scale, form, by="head"), dtype=np.float64)
+        try:
+            scores[name] = np.asarray(result.query_position_r2(scale, form, by="head"), dtype=np.float64)
+        except UndefinedStatisticError:  # a form the result names as undefined (an encoder's prior forms)
+            scores[name] = np.full((result.n_layers, result.n_heads), np.nan)
     try:
         scores["toeplitz"] = result.toeplitz_r2("head")
     except NotRunError:  # the run kept no summed pattern: only the per-window score exists

@@ -37,6 +37,7 @@ from ..maths.fitting import KernelFit, fit_tisa_kernel
 from ..maths.metrics import toeplitz_r2
 
 __all__ = [
+    "AttentionToeplitz",
     "GramToeplitz",
     "PositionalLogits",
     "ScoreProfile",
@@ -137,6 +138,36 @@ def gram_toeplitz(embeddings: torch.Tensor | np.ndarray, offset: int = 0) -> Gra
     gram = table @ table.T
     off_diagonal = ~np.eye(len(gram), dtype=bool)
     return GramToeplitz(gram, toeplitz_r2(gram), toeplitz_r2(gram, off_diagonal), offset)
+
+
+@dataclass
+class AttentionToeplitz:
+    """Toeplitz R² of each head's attention (TISA appendix B), to set beside the Gram matrix's.
+
+    Computed by the probe (:meth:`~equivariance_probe.ProbeResult.toeplitz_r2`) over every visible
+    entry: causal for decoders, both ways (signed lags) for encoders.
+
+    Attributes:
+        mean_pattern: ``[layer, head]`` R² of the document-averaged pattern.
+        per_window: ``[layer, head]`` mean of the per-window R².
+        n_windows, context_length: what they rest on.
+        causal: whether the model's attention is causal (``False``: a bidirectional encoder).
+    """
+
+    mean_pattern: np.ndarray
+    per_window: np.ndarray
+    n_windows: int
+    context_length: int
+    causal: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mean_pattern": np.asarray(self.mean_pattern).tolist(), "per_window": np.asarray(self.per_window).tolist(),
+                "n_windows": int(self.n_windows), "context_length": int(self.context_length), "causal": bool(self.causal)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AttentionToeplitz:
+        return cls(np.asarray(data["mean_pattern"], dtype=np.float64), np.asarray(data["per_window"], dtype=np.float64),
+                   int(data["n_windows"]), int(data["context_length"]), bool(data.get("causal", True)))
 
 
 # -- positional logits (TISA eq. 9-12) -------------------------------------------------------

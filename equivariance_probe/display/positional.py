@@ -219,6 +219,8 @@ def render_positional_body(study: PositionalStudy) -> str:
         blocks.append("<h3>Position-embedding Gram matrix</h3>" + _table(
             ["positions", "offset rows dropped", "Toeplitz R² (whole, diagonal included)", "Toeplitz R² (diagonal excluded)"],
             [[str(gram["n_positions"]), str(gram["offset"]), _number(gram["r2_whole"]), _number(gram["r2_off_diagonal"])]]))
+    if "attention_toeplitz" in summary:
+        blocks.append(_attention_beside_gram(summary))
     for key, title in (("positional_logits", "Layer-0 positional logits, Toeplitz R² per head"),
                        ("tisa", "TISA kernel fits to mean pre-softmax score profiles, R² over heads")):
         if key in summary:
@@ -243,6 +245,27 @@ def render_positional_body(study: PositionalStudy) -> str:
     if study.skipped:
         blocks.append("<p>Skipped: " + "; ".join(f"{html.escape(k)} ({html.escape(v)})" for k, v in study.skipped.items()) + "</p>")
     return "".join(blocks) + figures_html(positional_figures(study))
+
+
+def _attention_beside_gram(summary: dict) -> str:
+    """Each head's attention Toeplitz R² beside the position code's: the Gram matrix's (one per model)
+    and, for layer 0, the head's positional logits (TISA eq. 9-12)."""
+    part = summary["attention_toeplitz"]
+    mean, per_window = part["mean_pattern"]["per_head"], part["per_window"]["per_head"]
+    gram = summary.get("gram")
+    logits = summary.get("positional_logits", {}).get("per_head")
+    header = ["layer", "head", "attention R² (document-averaged pattern)", "attention R² (mean per window)",
+              "Gram E_P E_Pᵀ R² (whole)", "Gram R² (off-diagonal)", "layer-0 positional-logit R²"]
+    rows = []
+    for layer, heads in enumerate(mean):
+        for head, value in enumerate(heads):
+            rows.append([str(layer), str(head), _number(value), _number(per_window[layer][head]),
+                         _number(gram["r2_whole"]) if gram else "–", _number(gram["r2_off_diagonal"]) if gram else "–",
+                         _number(logits[head]) if logits is not None and layer == 0 and head < len(logits) else "–"])
+    kind = "causal" if part["causal"] else "bidirectional: both directions, signed lags"
+    return (f"<h3>Attention Toeplitz R² per head beside the position code's</h3><p>{part['n_windows']} windows of "
+            f"{part['context_length']} tokens, every visible entry ({kind}). The Gram matrix is one per model; "
+            "positional logits are layer 0's.</p>" + _table(header, rows))
 
 
 def positional_report_section(study: PositionalStudy) -> ReportSection:

@@ -28,7 +28,8 @@ class PersistenceCurves:
 
     Attributes:
         by: ``None``, ``"layer"``, ``"head"`` or ``"key_position"``.
-        dt: lags ``[n_lag]``.
+        dt: lags ``[n_lag]``: ``0 .. T-1`` for a causal model, signed ``-(T-1) .. T-1`` for a
+            bidirectional encoder (whose power and exponential fits read the distance ``|dt|``).
         curve: ``[*shape, n_lag]`` mean attention (NaN where no entry has that lag).
         prior: ``[*shape, n_lag]`` mean uniform prior over the same entries.
         count: ``[*shape, n_lag]`` entries behind each point.
@@ -80,7 +81,8 @@ class PersistenceCurves:
 
 def _fit_curve(dt: np.ndarray, curve: np.ndarray, prior: np.ndarray, count: np.ndarray) -> dict[str, fitting.CurveFit]:
     has = count > 0
-    x, y, p = dt[has], curve[has], prior[has]
+    # Power and exponential decay are functions of the distance: signed lags (encoders) fit |dt|.
+    x, y, p = np.abs(dt[has]), curve[has], prior[has]
     return {
         "power": fitting.fit_power(x, y),
         "exponential": fitting.fit_exponential(x, y),
@@ -94,6 +96,7 @@ def persistence_curves(
     counts: np.ndarray,
     by: str | None,
     key_bins: np.ndarray | None = None,
+    dt: np.ndarray | None = None,
 ) -> PersistenceCurves:
     """Mean curves ``sums / counts`` by lag and their three fits.
 
@@ -103,10 +106,11 @@ def persistence_curves(
         counts: ``[*shape, lag]`` entries behind each sum.
         by: what ``shape`` indexes (``None``, ``"layer"``, ``"head"``, ``"key_position"``).
         key_bins: bin edges when ``by="key_position"``.
+        dt: the lag of each column (default ``0 .. n_lag - 1``; signed for encoders).
     """
     shape = sums.shape[:-1]
     n_lag = sums.shape[-1]
-    dt = np.arange(n_lag, dtype=np.float64)
+    dt = np.arange(n_lag, dtype=np.float64) if dt is None else np.asarray(dt, dtype=np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
         curve = np.where(counts > 0, sums / np.where(counts > 0, counts, 1), np.nan)
         prior = np.where(counts > 0, prior_sums / np.where(counts > 0, counts, 1), np.nan)

@@ -13,6 +13,9 @@ Analyses (``ANALYSES``):
 
 * ``gram`` — Gram matrix of learned absolute position embeddings, Toeplitz R² whole and
   off-diagonal (models without them, e.g. Gemma 3, record why they were skipped).
+* ``attention_toeplitz`` — each head's attention Toeplitz R² on the same windows (the probe,
+  keeping the summed pattern; encoders both ways), to read beside the Gram matrix's: whether
+  attention is as translation-invariant as the position code it starts from.
 * ``positional_logits`` — layer-0 positional logits per head (TISA eq. 9-12), Toeplitz R².
 * ``tisa`` — per-head diagonal profiles of mean pre-softmax scores and TISA kernel fits.
 * ``permutation`` — permutation sensitivity under no ablation, ``no_mask``, ``no_positions``
@@ -45,6 +48,7 @@ from ..analyses.order import (
     token_windows,
 )
 from ..analyses.positional import (
+    AttentionToeplitz,
     GramToeplitz,
     PositionalLogits,
     ScoreProfile,
@@ -60,11 +64,12 @@ from ..records.container import file_kind, read_container, read_tensors, tensor_
 from ..records.fileformat import check_version
 from ..sources.baselines import random_init_like
 from ..sources.corpus import load_corpus
+from ..probe import EquivarianceProbe
 from ..sources.registry import name_of_converted_copy
 
 __all__ = ["ANALYSES", "PositionalStudy", "run_positional", "POSITIONAL_KIND", "POSITIONAL_FORMAT_VERSION"]
 
-ANALYSES = ("gram", "positional_logits", "tisa", "permutation", "shrinkage", "correlation")
+ANALYSES = ("gram", "attention_toeplitz", "positional_logits", "tisa", "permutation", "shrinkage", "correlation")
 #: Analyses that need a causal language model with a decoder-layer stack.
 _CAUSAL_ONLY = ("permutation", "shrinkage", "correlation")
 #: The ``kind`` of a positional study's file header.
@@ -110,6 +115,13 @@ class PositionalStudy:
             gram = self.parts["gram"]
             out["gram"] = {"r2_whole": gram.r2_whole, "r2_off_diagonal": gram.r2_off_diagonal,
                            "n_positions": int(gram.gram.shape[0]), "offset": gram.offset}
+        if "attention_toeplitz" in self.parts:
+            part = self.parts["attention_toeplitz"]
+            out["attention_toeplitz"] = {
+                "mean_pattern": _describe(part.mean_pattern) | {"per_head": np.asarray(part.mean_pattern).tolist()},
+                "per_window": _describe(part.per_window) | {"per_head": np.asarray(part.per_window).tolist()},
+                "n_windows": part.n_windows, "context_length": part.context_length, "causal": part.causal,
+            }
         if "positional_logits" in self.parts:
             r2 = self.parts["positional_logits"].toeplitz_r2
             out["positional_logits"] = _describe(r2) | {"per_head": r2.tolist()}
@@ -139,6 +151,11 @@ class PositionalStudy:
             gram = summary["gram"]
             rows.append(("gram", f"Toeplitz R² whole {gram['r2_whole']:.4f}, off-diagonal {gram['r2_off_diagonal']:.4f} "
                                  f"({gram['n_positions']} positions)"))
+        if "attention_toeplitz" in summary:
+            s = summary["attention_toeplitz"]["mean_pattern"]
+            rows.append(("attention_toeplitz", f"attention Toeplitz R² per head (document-averaged pattern, "
+                                               f"{summary['attention_toeplitz']['n_windows']} windows): median "
+                                               f"{s['median']:.4g} (min {s['min']:.4g}, max {s['max']:.4g})"))
         for key, what in (("positional_logits", "layer-0 positional-logit Toeplitz R² per head"),
                           ("tisa", "TISA kernel-fit R² per head")):
             if key in summary:
@@ -174,6 +191,7 @@ class PositionalStudy:
     @classmethod
     def _from_parts(cls, parts_data: dict[str, Any], skipped: dict[str, str], metadata: dict[str, Any]) -> PositionalStudy:
         readers = {"gram": GramToeplitz.from_dict, "positional_logits": PositionalLogits.from_dict,
+                   "attention_toeplitz": AttentionToeplitz.from_dict,
                    "permutation": PermutationSensitivity.from_dict, "shrinkage": VarianceShrinkage.from_dict,
                    "shrinkage_baseline": VarianceShrinkage.from_dict}
         parts: dict[str, Any] = {}
@@ -333,13 +351,14 @@ def run_positional(
         tokenizer: its tokenizer (default: the probe's or model's own).
         docs: strings or a LongTensor ``[n, T]`` (default: the packaged Wikipedia articles).
         analyses: a subset of ``ANALYSES``.
-        n_docs, context_length: windows for ``tisa``, ``shrinkage`` and ``correlation``.
+        n_docs, context_length: windows for ``attention_toeplitz``, ``tisa``, ``shrinkage`` and ``correlation``.
         n_prompts, prompt_length, n_permutations: the permutation protocol.
         n_kernels: ``S`` of the TISA fits.
         baseline: ``"random_init"`` (shrinkage and correlations also on the model's own random
             initialisation, seed ``seed``) or ``None``.
         batch_size: windows per forward pass.
-        exclude_keys: key positions left out of the ``tisa`` profiles (e.g. ``[0]``, a BOS sink).
+        exclude_keys: key positions left out of the ``tisa`` profiles and the attention Toeplitz R²
+            (e.g. ``[0]``, a BOS sink).
         seed: seed of permutations and baseline.
         progress: print one line per analysis.
 
@@ -392,10 +411,19 @@ def run_positional(
             if "positional_logits" in analyses:
                 study.parts["positional_logits"] = positional_logits(hf, min(context_length, len(table)))
                 say(f"positional logits: Toeplitz R² per head {np.round(study.parts['positional_logits'].toeplitz_r2, 3)}")
-    needs_windows = [a for a in ("tisa", "shrinkage", "correlation") if a in analyses and a not in study.skipped]
+    needs_windows = [a for a in ("attention_toeplitz", "tisa", "shrinkage", "correlation")
+                     if a in analyses and a not in study.skipped]
     windows = token_windows(docs, tokenizer, context_length, n_docs) if needs_windows else None
     if windows is not None:
         study.metadata["windows"] = [int(windows.shape[0]), int(windows.shape[1])]
+    if "attention_toeplitz" in analyses:
+        result = EquivarianceProbe(hf, tokenizer=tokenizer).run(
+            windows, batch_size=batch_size, exclude_keys=exclude_keys, keep_pattern=True, progress=False)
+        study.parts["attention_toeplitz"] = AttentionToeplitz(
+            result.toeplitz_r2("head"), result.toeplitz_r2("head_per_doc"), result.n_windows,
+            int(windows.shape[1]), result.causal)
+        say(f"attention toeplitz: per-head R² of the document-averaged pattern, median "
+            f"{np.nanmedian(study.parts['attention_toeplitz'].mean_pattern):.3f}")
     if "tisa" in analyses:
         profile = score_profile(hf, windows, batch_size=batch_size, exclude_keys=exclude_keys)
         fits = fit_score_profiles(profile, n_kernels, seed=seed)

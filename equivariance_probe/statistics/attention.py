@@ -25,7 +25,9 @@ A layer's sums stay on the device its queries are on (a model spread over device
 ``device_map``) until they are read, and are moved once, not per batch.
 
 Coordinates: ``query`` ``q`` and ``key`` ``k`` are absolute positions in a window; ``lag`` is
-``dt = q - k``. Key-lag arrays are indexed ``[key bin κ, lag dt]``.
+``dt = q - k``. Key-lag arrays are indexed ``[key bin κ, lag dt]``. A causal model has ``D = T``
+lags ``0 .. T-1``; a bidirectional encoder (``causal=False``: BERT, where every real token sees
+every real token of its window) has ``D = 2T - 1`` signed lags, lag ``dt`` at index ``dt + T - 1``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import torch
 from ..errors import AttentionCaptureError, IncompatibleResultsError, InputError, NonFiniteAttentionError, option
 from .blocks import attention_sums_from_qk, attention_sums_from_weights, toeplitz_r2_per_window
 from .kernels import visible_mask
-from .masks import KEY_BINS, default_log_floor, key_bins, mask_counts, uniform_prior
+from .masks import KEY_BINS, default_log_floor, key_bins, mask_counts, n_lags, uniform_prior
 from .sample import EntrySample
 
 __all__ = ["AttentionStatistics", "STATISTICS", "MASK_LEAK_TOLERANCE", "ENGINES"]
@@ -52,7 +54,7 @@ MASK_LEAK_TOLERANCE = 1e-3
 #: ``"auto"`` (the fused Triton kernel on CUDA where Triton imports, else torch), ``"torch"``, ``"triton"``.
 ENGINES = ("auto", "torch", "triton")
 
-#: Every statistic, its shape (in terms of L layers, H heads, T positions, K key bins) and meaning.
+#: Every statistic, its shape (in terms of L layers, H heads, T positions, D lags, K key bins) and meaning.
 STATISTICS: dict[str, tuple[str, str]] = {
     "query_count": ("L T", "visible entries per query position, summed over windows (per head)"),
     "raw_sum": ("L H T", "Σ_k a[q,k] over visible keys, summed over windows"),
@@ -60,12 +62,12 @@ STATISTICS: dict[str, tuple[str, str]] = {
     "log_sum": ("L H T", "Σ_k log max(a, eps) over visible keys"),
     "log_sq": ("L H T", "Σ_k (log max(a, eps))² over visible keys"),
     "floored": ("L H", "visible entries with a < eps (floored on the log scale)"),
-    "lag_sum": ("L H T", "Σ a[t+dt, t] over windows and key positions t, by lag dt"),
-    "lag_count": ("L T", "entries behind lag_sum (per head)"),
-    "lag_prior_sum": ("L T", "Σ u(t+dt) over the same entries: the uniform prior's curve"),
-    "key_lag_sum": ("K T", "Σ over layers, heads, windows of a[t+dt, t] for keys t in bin κ, indexed [κ, dt]"),
-    "key_lag_count": ("K T", "entries behind key_lag_sum"),
-    "key_lag_prior_sum": ("K T", "Σ u(t+dt) over the same entries"),
+    "lag_sum": ("L H D", "Σ a[t+dt, t] over windows and key positions t, by lag dt"),
+    "lag_count": ("L D", "entries behind lag_sum (per head)"),
+    "lag_prior_sum": ("L D", "Σ u(t+dt) over the same entries: the uniform prior's curve"),
+    "key_lag_sum": ("K D", "Σ over layers, heads, windows of a[t+dt, t] for keys t in bin κ, indexed [κ, dt]"),
+    "key_lag_count": ("K D", "entries behind key_lag_sum"),
+    "key_lag_prior_sum": ("K D", "Σ u(t+dt) over the same entries"),
     "doc_toeplitz_sum": ("L H", "Σ over windows of the per-window Toeplitz R²"),
     "doc_toeplitz_count": ("L H", "windows behind doc_toeplitz_sum (those with nonzero variance)"),
     "windows_covering": ("T", "number of windows that have a query at position q"),
@@ -90,6 +92,9 @@ class AttentionStatistics:
             the Toeplitz R² of the document-averaged pattern; 8·L·H·T² bytes).
         key_bins: how many key-position bins the key-conditioned lag sums keep (one per key
             up to this many positions).
+        causal: ``False`` for a bidirectional encoder: every real token of a window sees every
+            real token of it (no sliding windows), lags are signed (``D = 2T - 1``), and the
+            uniform prior ``1/|V|`` is the same for every query of a window.
         sample_size: also keep a uniform sample of this many entries
             (:class:`~equivariance_probe.statistics.sample.EntrySample`, for scatter plots); 0 for none.
         sample_seed: seed of that sample.
@@ -121,9 +126,11 @@ class AttentionStatistics:
         device: torch.device | str = "cpu",
         engine: str = "auto",
         block_size: int | None = None,
+        causal: bool = True,
     ) -> None:
         if engine not in ENGINES:
             raise InputError(f"engine={engine!r} is not one of {ENGINES}")
+        self.causal = bool(causal)
         self.n_layers = int(n_layers)
         self.n_heads = int(n_heads)
         self.n_positions = int(n_positions)
@@ -131,6 +138,11 @@ class AttentionStatistics:
         if len(self.sliding_windows) != self.n_layers:
             raise InputError(
                 f"{len(self.sliding_windows)} sliding windows given for {self.n_layers} layers; give one per layer"
+            )
+        if not self.causal and any(w is not None for w in self.sliding_windows):
+            raise InputError(
+                f"sliding_windows={list(sliding_windows)} with causal=False: the statistics know causal sliding "
+                "windows and full bidirectional attention, not bidirectional windows"
             )
         self.log_floor = None if log_floor is None else float(log_floor)
         self.excluded_keys = tuple(sorted({int(k) for k in excluded_keys}))
@@ -165,8 +177,13 @@ class AttentionStatistics:
         #: how many layer-batches went through captured weights (:meth:`update`).
         self.paths: dict[str, int] = {}
 
+    @property
+    def n_lags(self) -> int:
+        """``D``: lags of the lag sums, ``T`` causal, ``2T - 1`` bidirectional."""
+        return n_lags(self.n_positions, self.causal)
+
     def _shape(self, spec: str) -> tuple[int, ...]:
-        sizes = {"L": self.n_layers, "H": self.n_heads, "T": self.n_positions, "K": self.key_bins}
+        sizes = {"L": self.n_layers, "H": self.n_heads, "T": self.n_positions, "D": self.n_lags, "K": self.key_bins}
         return tuple(sizes[s] for s in spec.split())
 
     @property
@@ -224,7 +241,7 @@ class AttentionStatistics:
             if host not in self._batch_masks:
                 bins, count = key_bins(self.n_positions, self.key_bins)
                 counts = mask_counts(self._host_lengths, self.n_positions, window=window,
-                                     excluded_keys=self.excluded_keys, key_bin=bins, n_key_bins=count)
+                                     excluded_keys=self.excluded_keys, key_bin=bins, n_key_bins=count, causal=self.causal)
                 self._batch_masks[host] = {**counts, "key_bin": bins}
             self._batch_masks[key] = {name: value.to(device, non_blocking=True)
                                       for name, value in self._batch_masks[host].items()}
@@ -270,7 +287,12 @@ class AttentionStatistics:
             log_floor=self.log_floor, key_bin=masks["key_bin"][:width], n_key_bins=self.key_bins,
             keep_pattern=self.keep_pattern, block_size=self.block_size,
         )
-        if query.is_cuda and self.engine != "torch":
+        if not self.causal:
+            # The fused kernel knows causal masks only; bidirectional encoders go through the torch blocks.
+            if self.engine == "triton":
+                raise InputError("engine='triton' computes causal attention only; use engine='auto' or 'torch' for an encoder")
+            sums, path = attention_sums_from_qk(query, key, causal=False, **arguments), "torch"
+        elif query.is_cuda and self.engine != "torch":
             from . import triton_kernels  # imported on CUDA only: Triton is heavy, and absent on CPU installs
 
             sums, path = triton_kernels.attention_sums(query, key, backend=self.engine, **arguments)
@@ -283,7 +305,7 @@ class AttentionStatistics:
         if self.sample is not None:
             self.sample.update_from_scores(
                 layer, query, key, self._host_lengths, scaling=scaling, softcap=softcap, window=window,
-                excluded_keys=self.excluded_keys,
+                excluded_keys=self.excluded_keys, causal=self.causal,
             )
 
     def update(self, layer: int, pattern: torch.Tensor) -> None:
@@ -310,12 +332,13 @@ class AttentionStatistics:
         sums = attention_sums_from_weights(
             pattern, window=window, lengths=self._host_lengths, excluded_keys=self.excluded_keys, log_floor=self.log_floor,
             key_bin=masks["key_bin"][:n_query], n_key_bins=self.key_bins, keep_pattern=self.keep_pattern,
-            block_size=self.block_size,
+            block_size=self.block_size, causal=self.causal,
         )
         self.paths["weights"] = self.paths.get("weights", 0) + 1
         self._add_layer(layer, sums, masks, n_query)
         if self.sample is not None:
-            self.sample.update(layer, pattern, self._host_lengths, window=window, excluded_keys=self.excluded_keys)
+            self.sample.update(layer, pattern, self._host_lengths, window=window, excluded_keys=self.excluded_keys,
+                               causal=self.causal)
 
     def _add_layer(self, layer: int, sums: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], width: int) -> None:
         """Reduce a layer's per-window sums over the batch (and the per-window Toeplitz R²) and keep them pending."""
@@ -324,13 +347,18 @@ class AttentionStatistics:
         def padded(value: torch.Tensor, dims: int) -> torch.Tensor:
             return value if pad == 0 else torch.nn.functional.pad(value, (0, pad) * dims)
 
-        per_window = {name: padded(sums[name], 1) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum")}
+        def padded_lags(value: torch.Tensor) -> torch.Tensor:
+            # Signed lags of a narrower batch sit at dt + W - 1: centre them at dt + T - 1.
+            return padded(value, 1) if self.causal or pad == 0 else torch.nn.functional.pad(value, (pad, pad))
+
+        per_window = {name: padded(sums[name], 1) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq")}
+        per_window["lag_sum"] = padded_lags(sums["lag_sum"])
         r2, has_variance = toeplitz_r2_per_window(per_window, masks["doc_lag_count"])
         reduced = {name: value.sum(0) for name, value in per_window.items()}
         reduced["floored"] = sums["floored"].sum(0)
         reduced["doc_toeplitz_sum"] = r2.sum(0)
         reduced["doc_toeplitz_count"] = has_variance.sum(0, dtype=torch.float64)
-        reduced["key_lag_sum"] = padded(sums["key_lag_sum"], 1)
+        reduced["key_lag_sum"] = padded_lags(sums["key_lag_sum"])
         if self.keep_pattern:
             reduced["pattern_sum"] = padded(sums["pattern_sum"], 2)
         # Checked for NaN and inf in end_batch, all layers at once: one device sync per batch, not per layer.
@@ -363,7 +391,12 @@ class AttentionStatistics:
         know of) and every statistic would silently miss attention mass.
         """
         width = pattern.shape[-1]
-        model_mask = visible_mask(width, self.sliding_windows[layer], lengths)
+        if self.causal:
+            model_mask = visible_mask(width, self.sliding_windows[layer], lengths)
+        else:
+            position = torch.arange(width, device=lengths.device)
+            real = position.view(1, -1) < lengths.view(-1, 1)  # [B, T]
+            model_mask = real.unsqueeze(-1) & real.unsqueeze(-2)
         real_rows = model_mask.any(-1, keepdim=True).unsqueeze(1)
         outside = torch.where(real_rows & ~model_mask.unsqueeze(1), pattern.abs(), torch.zeros((), dtype=pattern.dtype, device=pattern.device))
         leaked = float(outside.sum(-1).max()) if outside.numel() else 0.0
@@ -372,9 +405,10 @@ class AttentionStatistics:
 
     def _refuse_mask(self, layer: int, leaked: float) -> None:
         window = self.sliding_windows[layer]
+        mask = "bidirectional" if not self.causal else "full causal" if window is None else f"sliding window {window}"
         raise AttentionCaptureError(
             f"layer {layer} puts attention mass up to {leaked:.3g} per query on keys outside the mask the "
-            f"adapter reported ({'full causal' if window is None else f'sliding window {window}'}); the "
+            f"adapter reported ({mask}); the "
             "statistics would miss it. The model's mask is not one this adapter understands: report the "
             "architecture, or pass an adapter with the right sliding windows"
         )
@@ -468,6 +502,11 @@ class AttentionStatistics:
             must measure attention outside the mask: on the first batch).
         """
         self._require_batch("reduction_plan")
+        if not self.causal:
+            raise AttentionCaptureError(
+                "a bidirectional encoder's attention cannot be reduced inside a remote trace (the remote reduction "
+                "knows causal masks); run the encoder locally"
+            )
         if self.log_floor is None:
             raise AttentionCaptureError(
                 "the statistics need their log_floor before a reduction runs elsewhere; set it from the "
@@ -537,6 +576,7 @@ class AttentionStatistics:
             "excluded_keys": list(self.excluded_keys),
             "keep_pattern": self.keep_pattern,
             "key_bins": self.key_bins,
+            "causal": self.causal,
         }
 
     @classmethod
@@ -557,6 +597,8 @@ class AttentionStatistics:
             # Files written before the key-position bins kept one per key.
             key_bins=config.get("key_bins", config["n_positions"]),
             device=device,
+            # Files written before encoders were supported hold causal statistics only.
+            causal=config.get("causal", True),
         )
 
     @classmethod
@@ -661,6 +703,7 @@ class AttentionStatistics:
             device="meta",
             engine=self.engine,
             block_size=self.block_size,
+            causal=self.causal,
         )
         new.device = self.device
         new.arrays = {name: value.clone() for name, value in self.arrays.items()}
@@ -684,7 +727,13 @@ class AttentionStatistics:
         return {name: value.detach().cpu().numpy() for name, value in self.arrays.items()}
 
     def visible_keys(self) -> torch.Tensor:
-        """``|V(q)|`` per layer under the model's mask: ``[L, T]`` float64."""
+        """``|V(q)|`` per layer under the model's mask: ``[L, T]`` float64.
+
+        For a bidirectional encoder the visible keys are the window's, the same for every query:
+        ``T`` (a full window) everywhere, so that the query-position groups are the positions alone.
+        """
+        if not self.causal:
+            return torch.full((self.n_layers, self.n_positions), float(self.n_positions), dtype=torch.float64)
         return torch.stack([1.0 / uniform_prior(self.n_positions, w) for w in self.sliding_windows])
 
     def nbytes(self) -> int:

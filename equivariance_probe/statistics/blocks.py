@@ -69,7 +69,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from .masks import _check_key_bins, _effective_window, _excluded_flags, default_log_floor, visible_key_counts
+from .masks import _check_key_bins, _effective_window, _excluded_flags, default_log_floor, n_lags, visible_key_counts
 
 __all__ = [
     "DEFAULT_BLOCK_MEMORY",
@@ -211,32 +211,50 @@ class _Layout:
     n_key_bins: int
     log_floor: float
     device: torch.device
+    causal: bool = True
 
-    def key_start(self, q0: int) -> int:
-        """First key any query of a block starting at ``q0`` can see."""
-        return 0 if self.window is None else max(0, q0 - self.window + 1)
+    @property
+    def n_lags(self) -> int:
+        """Lags of the lag sums: ``T`` (``0 .. T-1``) causal, ``2T - 1`` (``-(T-1) .. T-1``) bidirectional."""
+        return n_lags(self.n_positions, self.causal)
 
-    def allowed(self, q0: int, q1: int, k0: int) -> torch.Tensor:
-        """The model's mask on rows ``[q0, q1)`` and keys ``[k0, q1)``: ``[rows, keys]`` bool."""
+    @property
+    def lag_offset(self) -> int:
+        """Index of lag 0 in a lag array."""
+        return 0 if self.causal else self.n_positions - 1
+
+    def key_range(self, q0: int, q1: int) -> tuple[int, int]:
+        """Keys ``[k0, k1)`` any query of rows ``[q0, q1)`` can see: up to the block's last row under a
+        causal mask (from ``q0 - w + 1`` with a window ``w``), every real key of the batch otherwise."""
+        if not self.causal:
+            return 0, max(self.host_lengths, default=0)
+        return (0 if self.window is None else max(0, q0 - self.window + 1)), q1
+
+    def allowed(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """The model's mask on rows ``[q0, q1)`` and keys ``[k0, k1)``, broadcastable to
+        ``[B, 1, rows, keys]`` bool: ``[1, 1, rows, keys]`` causal, ``[B, 1, 1, keys]`` (the
+        window's real keys) bidirectional."""
+        key = torch.arange(k0, k1, device=self.device)
+        if not self.causal:
+            return (key.view(1, -1) < self.lengths.view(-1, 1)).view(-1, 1, 1, k1 - k0)
         query = torch.arange(q0, q1, device=self.device).view(-1, 1)
-        key = torch.arange(k0, q1, device=self.device).view(1, -1)
-        allowed = key <= query
+        allowed = key.view(1, -1) <= query
         if self.window is not None:
-            allowed = allowed & (query - key < self.window)
-        return allowed
+            allowed = allowed & (query - key.view(1, -1) < self.window)
+        return allowed.view(1, 1, q1 - q0, k1 - k0)
 
-    def masks_more_than_the_model(self, q0: int, q1: int, k0: int) -> bool:
+    def masks_more_than_the_model(self, q0: int, q1: int, k0: int, k1: int) -> bool:
         """Whether the block holds entries the model sees but the statistics do not read: an
-        excluded key among ``[k0, q1)``, or a padding row among ``[q0, q1)``."""
-        return any(k0 <= key < q1 for key in self.excluded) or min(self.host_lengths, default=q1) < q1
+        excluded key among ``[k0, k1)``, or a padding row among ``[q0, q1)``."""
+        return any(k0 <= key < k1 for key in self.excluded) or min(self.host_lengths, default=q1) < q1
 
-    def visible(self, q0: int, q1: int, k0: int, allowed: torch.Tensor) -> torch.Tensor:
+    def visible(self, q0: int, q1: int, k0: int, k1: int, allowed: torch.Tensor) -> torch.Tensor:
         """Entries the statistics read in the block: ``[B, 1, rows, keys]`` bool."""
         real = torch.arange(q0, q1, device=self.device).view(1, -1) < self.lengths.view(-1, 1)
-        visible = allowed.unsqueeze(0) & real.unsqueeze(-1)
+        visible = allowed & real.view(-1, 1, q1 - q0, 1)
         if self.excluded:
-            visible = visible & self.key_keep[k0:q1]
-        return visible.unsqueeze(1)
+            visible = visible & self.key_keep[k0:k1]
+        return visible
 
 
 def _layout(
@@ -252,6 +270,7 @@ def _layout(
     key_bin: torch.Tensor | None,
     n_key_bins: int | None,
     input_dtype: torch.dtype,
+    causal: bool = True,
 ) -> _Layout:
     """Validate the mask arguments shared by every entry point."""
     if lengths is None:
@@ -270,10 +289,16 @@ def _layout(
     if not log_floor > 0:
         raise InputError(f"log_floor must be positive, got {log_floor}")
     window = _effective_window(window, n_positions)
+    if window is not None and not causal:
+        raise InputError(f"a bidirectional mask with a sliding window ({window}) is not supported")
     excluded = sorted({int(k) for k in excluded_keys if 0 <= int(k) < n_positions})
     key_keep = ~_excluded_flags(n_positions, excluded, device)
-    per_query = visible_key_counts(n_positions, window, excluded, device)
     real = torch.arange(n_positions, device=device).view(1, -1) < lengths.view(-1, 1)
+    if causal:
+        per_query = visible_key_counts(n_positions, window, excluded, device).view(1, -1)
+    else:
+        # Every real query of window b sees its L_b real keys that are not excluded.
+        per_query = (lengths - sum((lengths > key).long() for key in excluded)).to(torch.float64).view(-1, 1)
     row_count = torch.where(real, per_query, torch.zeros((), dtype=torch.float64, device=device))
     return _Layout(
         batch=batch,
@@ -289,6 +314,7 @@ def _layout(
         n_key_bins=n_key_bins,
         log_floor=float(log_floor),
         device=device,
+        causal=bool(causal),
     )
 
 
@@ -317,16 +343,17 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 def _empty_sums(layout: _Layout, keep_pattern: bool) -> dict[str, torch.Tensor]:
     shape = (layout.batch, layout.heads, layout.n_positions)
     zeros = lambda *size: torch.zeros(size, dtype=torch.float64, device=layout.device)  # noqa: E731
-    out = {name: zeros(*shape) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum")}
+    out = {name: zeros(*shape) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq")}
+    out["lag_sum"] = zeros(layout.batch, layout.heads, layout.n_lags)
     out["floored"] = zeros(layout.batch, layout.heads)
-    out["key_lag_sum"] = zeros(layout.n_key_bins, layout.n_positions)
+    out["key_lag_sum"] = zeros(layout.n_key_bins, layout.n_lags)
     if keep_pattern:
         out["pattern_sum"] = zeros(layout.heads, layout.n_positions, layout.n_positions)
     return out
 
 
-def _blocks(layout: _Layout, block_size: int | None, dtype: torch.dtype) -> Iterator[tuple[int, int, int]]:
-    """``(q0, q1, k0)`` per query block, up to the longest window (later rows are padding)."""
+def _blocks(layout: _Layout, block_size: int | None, dtype: torch.dtype) -> Iterator[tuple[int, int, int, int]]:
+    """``(q0, q1, k0, k1)`` per query block, up to the longest window (later rows are padding)."""
     if block_size is None:
         block_size = choose_block_size(layout.batch, layout.heads, layout.n_positions, layout.window, dtype)
     block_size = int(block_size)
@@ -334,7 +361,8 @@ def _blocks(layout: _Layout, block_size: int | None, dtype: torch.dtype) -> Iter
         raise InputError(f"block_size must be at least 1, got {block_size}")
     n_real = max(layout.host_lengths, default=0)
     for q0 in range(0, n_real, block_size):
-        yield q0, min(q0 + block_size, n_real), layout.key_start(q0)
+        q1 = min(q0 + block_size, n_real)
+        yield (q0, q1, *layout.key_range(q0, q1))
 
 
 # -- per-block maths ----------------------------------------------------------------------
@@ -377,7 +405,8 @@ def row_moments(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -
 
 
 def _block_from_scores(
-    scores: torch.Tensor, visible: torch.Tensor, row_count: torch.Tensor, log_eps: float, pad: int, masked: bool
+    scores: torch.Tensor, visible: torch.Tensor, row_count: torch.Tensor, log_eps: float, pad: int, masked: bool,
+    pad_after: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """Softmax and row moments of one query block, from masked scores.
 
@@ -397,19 +426,21 @@ def _block_from_scores(
         masked: whether the block holds entries the model sees but the statistics do not
             (excluded keys, padding rows); without them ``exp(-inf) = 0`` already zeroes every
             hidden weight.
+        pad_after: zero columns put after the weights (signed lags of a bidirectional block).
 
     Returns:
-        ``padded_weights`` (``[B, H, rows, pad + keys]`` in the scores' dtype, 0 where not
-        visible), the per-row ``Σa, Σa², Σy, Σy²`` (``[B, H, rows]`` float64) and the floored
+        ``padded_weights`` (``[B, H, rows, pad + keys + pad_after]`` in the scores' dtype, 0 where
+        not visible), the per-row ``Σa, Σa², Σy, Σy²`` (``[B, H, rows]`` float64) and the floored
         entries per ``(b, h)`` (``[B, H]`` float64).
 
     Elementwise maths and row reductions only, so ``torch.compile`` can fuse it.
     """
     batch, heads, rows, keys = scores.shape
     shifted = scores.sub_(scores.amax(-1, keepdim=True))
-    padded = torch.empty((batch, heads, rows, pad + keys), dtype=scores.dtype, device=scores.device)
+    padded = torch.empty((batch, heads, rows, pad + keys + pad_after), dtype=scores.dtype, device=scores.device)
     padded[..., :pad].zero_()
-    weights = torch.exp(shifted, out=padded[..., pad:])
+    padded[..., pad + keys :].zero_()
+    weights = torch.exp(shifted, out=padded[..., pad : pad + keys])
     normaliser = weights.sum(-1, keepdim=True)
     weights.div_(normaliser)
     log_weights = shifted.sub_(normaliser.log_())
@@ -422,16 +453,18 @@ def _block_from_scores(
 
 
 def _block_from_weights(
-    weights: torch.Tensor, visible: torch.Tensor, row_count: torch.Tensor, log_floor: float, pad: int
+    weights: torch.Tensor, visible: torch.Tensor, row_count: torch.Tensor, log_floor: float, pad: int,
+    pad_after: int = 0,
 ) -> tuple[torch.Tensor, ...]:
     """:func:`_block_from_scores` for captured weights: ``y = log max(a, eps)``, floored ``a < eps``."""
     batch, heads, rows, keys = weights.shape
     hidden = ~visible
     floored = torch.count_nonzero((weights < log_floor).logical_and_(visible), dim=(-2, -1)).to(torch.float64)
     logs = torch.log(weights.clamp_min(log_floor)).masked_fill_(hidden, 0.0)
-    padded = torch.empty((batch, heads, rows, pad + keys), dtype=weights.dtype, device=weights.device)
+    padded = torch.empty((batch, heads, rows, pad + keys + pad_after), dtype=weights.dtype, device=weights.device)
     padded[..., :pad].zero_()
-    kept = padded[..., pad:]
+    padded[..., pad + keys :].zero_()
+    kept = padded[..., pad : pad + keys]
     kept.copy_(weights).masked_fill_(hidden, 0.0)
     return _moments(padded, kept, logs, visible, row_count, floored)
 
@@ -480,15 +513,27 @@ def _lag_sums(padded: torch.Tensor, rows: int, n_keys: int) -> torch.Tensor:
     return skewed.sum(-2, dtype=torch.float64).flip(-1)
 
 
-def _key_lag_index(layout: _Layout, q0: int, q1: int, k0: int) -> torch.Tensor:
+def _signed_lag_sums(padded: torch.Tensor, rows: int, n_keys: int) -> torch.Tensor:
+    """:func:`_lag_sums` of a bidirectional block, every lag signed: ``[B, H, rows + n_keys - 1]``.
+
+    ``padded`` holds the block's ``n_keys`` key columns between ``rows - 1`` zero columns on
+    each side (width ``W = n_keys + 2(rows - 1)``). The same skewed view (row stride ``W + 1``),
+    now ``rows + n_keys - 1`` columns wide, puts at column ``c`` the entries of lag
+    ``q0 - k0 + rows - 1 - c``; reversed, index ``m`` holds lag ``q0 - k1 + 1 + m``.
+    """
+    return _lag_sums(padded, rows, rows + n_keys - 1)
+
+
+def _key_lag_index(layout: _Layout, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
     """Flat ``[κ, dt]`` index of each entry of a block into ``key_lag_sum``: ``[rows, keys]``.
 
-    Entries above the diagonal (which hold 0) point at ``dt = 0`` of their key's bin.
+    Under a causal mask, entries above the diagonal (which hold 0) point at ``dt = 0`` of their
+    key's bin; signed lags sit at ``dt + T - 1``.
     """
     query = torch.arange(q0, q1, device=layout.device).view(-1, 1)
-    key = torch.arange(k0, q1, device=layout.device).view(1, -1)
-    lag = (query - key).clamp_min(0)
-    return layout.key_bin[k0:q1].view(1, -1) * layout.n_positions + lag
+    key = torch.arange(k0, k1, device=layout.device).view(1, -1)
+    lag = (query - key).clamp_min(0) if layout.causal else query - key + layout.lag_offset
+    return layout.key_bin[k0:k1].view(1, -1) * layout.n_lags + lag
 
 
 def _accumulate(
@@ -497,27 +542,32 @@ def _accumulate(
     q0: int,
     q1: int,
     k0: int,
+    k1: int,
     block: tuple[torch.Tensor, ...],
 ) -> None:
     """Add one block's results (from ``_block_from_*``) to the sums."""
     padded, raw_sum, raw_sq, log_sum, log_sq, floored = block
-    rows, n_keys = q1 - q0, q1 - k0
+    rows, n_keys = q1 - q0, k1 - k0
     out["raw_sum"][..., q0:q1] = raw_sum
     out["raw_sq"][..., q0:q1] = raw_sq
     out["log_sum"][..., q0:q1] = log_sum
     out["log_sq"][..., q0:q1] = log_sq
     out["floored"] += floored
-    out["lag_sum"][..., :n_keys] += _lag_sums(padded, rows, n_keys)
-    weights = padded[..., rows - 1 :]
+    if layout.causal:
+        out["lag_sum"][..., :n_keys] += _lag_sums(padded, rows, n_keys)
+    else:
+        first = q0 - k1 + 1 + layout.lag_offset  # index of the block's most negative lag
+        out["lag_sum"][..., first : first + rows + n_keys - 1] += _signed_lag_sums(padded, rows, n_keys)
+    weights = padded[..., rows - 1 : rows - 1 + n_keys]
     if "pattern_sum" in out:
         per_head = weights.sum(0, dtype=torch.float64)  # [H, rows, keys]
-        out["pattern_sum"][:, q0:q1, k0:q1] += per_head
+        out["pattern_sum"][:, q0:q1, k0:k1] += per_head
         summed = per_head.sum(0)
     else:
         summed = weights.sum((0, 1), dtype=torch.float64)  # [rows, keys]
     # One scatter of the batch- and head-summed block, 1/(B·H) of the entries: the
     # key bins vary along both axes of the block, so no skew lines them up.
-    out["key_lag_sum"].view(-1).index_add_(0, _key_lag_index(layout, q0, q1, k0).reshape(-1), summed.reshape(-1))
+    out["key_lag_sum"].view(-1).index_add_(0, _key_lag_index(layout, q0, q1, k0, k1).reshape(-1), summed.reshape(-1))
 
 
 # -- optional compilation of the per-block maths ------------------------------------------
@@ -571,11 +621,12 @@ def _block_scores(
     q0: int,
     q1: int,
     k0: int,
+    k1: int,
     scaling: float,
     softcap: float | None,
     allowed: torch.Tensor,
 ) -> torch.Tensor:
-    """Masked scores of query rows ``[q0, q1)`` against keys ``[k0, q1)``: ``[B, H, rows, keys]``.
+    """Masked scores of query rows ``[q0, q1)`` against keys ``[k0, k1)``: ``[B, H, rows, keys]``.
 
     ``query`` is ``[B, H_kv, G, T, d]`` (the query heads grouped by the key head they
     read), ``key`` is ``[B, H_kv, T, d]``: one batched product per key head serves its
@@ -584,8 +635,8 @@ def _block_scores(
     batch, kv_heads, group, _, dim = query.shape
     rows = q1 - q0
     block = query[:, :, :, q0:q1].reshape(batch, kv_heads, group * rows, dim)
-    scores = torch.matmul(block, key[:, :, k0:q1].transpose(-1, -2))
-    scores = scores.view(batch, kv_heads * group, rows, q1 - k0).mul_(scaling)
+    scores = torch.matmul(block, key[:, :, k0:k1].transpose(-1, -2))
+    scores = scores.view(batch, kv_heads * group, rows, k1 - k0).mul_(scaling)
     if softcap is not None:
         scores.div_(softcap).tanh_().mul_(softcap)
     # Adding a 0/-inf bias broadcasts ~5x faster on CPU than masked_fill_ with a
@@ -617,6 +668,7 @@ def attention_sums_from_qk(
     keep_pattern: bool = False,
     block_size: int | None = None,
     compile_blocks: bool = False,
+    causal: bool = True,
 ) -> dict[str, torch.Tensor]:
     """One layer's per-window attention sums, from its queries and keys, in query blocks.
 
@@ -632,6 +684,9 @@ def attention_sums_from_qk(
         softcap: logit soft-capping ``c`` (``s -> c·tanh(s/c)``), or ``None``.
         window: sliding window width ``w``, or ``None`` for full causal attention.
         lengths: ``[B]`` real tokens per window (right padding); ``None``: all ``T``.
+        causal: ``False`` for a bidirectional encoder (BERT): every real query sees every real
+            key of its window (padding keys are hidden, as the model's attention mask hides
+            them), and lags are signed (``lag_sum: [B, H, 2T-1]``, lag ``dt`` at ``dt + T - 1``).
         excluded_keys: key positions kept in the softmax but left out of every sum.
         log_floor: ``eps`` of the log scale; ``None``: the smallest normal number of
             ``query.dtype``.
@@ -652,9 +707,10 @@ def attention_sums_from_qk(
             (``bench_cpu.py`` measures all three).
 
     Returns:
-        float64 tensors on ``query.device``: ``raw_sum, raw_sq, log_sum, log_sq,
-        lag_sum: [B, H, T]``, ``floored: [B, H]``, ``key_lag_sum: [K, T]`` and, if
-        ``keep_pattern``, ``pattern_sum: [H, T, T]`` (see the module docstring).
+        float64 tensors on ``query.device``: ``raw_sum, raw_sq, log_sum, log_sq: [B, H, T]``,
+        ``lag_sum: [B, H, D]``, ``floored: [B, H]``, ``key_lag_sum: [K, D]`` (``D`` lags: ``T``
+        causal, ``2T - 1`` bidirectional) and, if ``keep_pattern``, ``pattern_sum: [H, T, T]``
+        (see the module docstring).
     """
     batch, heads, kv_heads, n_positions, dim = _check_qk(query, key)
     layout = _layout(
@@ -669,23 +725,26 @@ def attention_sums_from_qk(
         key_bin=key_bin,
         n_key_bins=n_key_bins,
         input_dtype=query.dtype,
+        causal=causal,
     )
     grouped_query, work_key, dtype = _grouped(query, key, kv_heads)
     scale = float(dim**-0.5 if scaling is None else scaling)
     log_eps = math.log(layout.log_floor)
     out = _empty_sums(layout, keep_pattern)
     with full_float32_matmul(query.device), torch.no_grad():
-        for q0, q1, k0 in _blocks(layout, block_size, dtype):
-            allowed = layout.allowed(q0, q1, k0)
-            visible = layout.visible(q0, q1, k0, allowed)
+        for q0, q1, k0, k1 in _blocks(layout, block_size, dtype):
+            allowed = layout.allowed(q0, q1, k0, k1)
+            visible = layout.visible(q0, q1, k0, k1, allowed)
             count = layout.row_count[:, q0:q1].unsqueeze(1)
-            masked = layout.masks_more_than_the_model(q0, q1, k0)
+            masked = layout.masks_more_than_the_model(q0, q1, k0, k1)
+            pad_after = 0 if causal else q1 - q0 - 1
 
-            def arguments(q0=q0, q1=q1, k0=k0, allowed=allowed, visible=visible, count=count, masked=masked) -> tuple:
-                scores = _block_scores(grouped_query, work_key, q0, q1, k0, scale, softcap, allowed)
-                return scores, visible, count, log_eps, q1 - q0 - 1, masked
+            def arguments(q0=q0, q1=q1, k0=k0, k1=k1, allowed=allowed, visible=visible, count=count, masked=masked,
+                          pad_after=pad_after) -> tuple:
+                scores = _block_scores(grouped_query, work_key, q0, q1, k0, k1, scale, softcap, allowed)
+                return scores, visible, count, log_eps, q1 - q0 - 1, masked, pad_after
 
-            _accumulate(out, layout, q0, q1, k0, _run_block("scores", compile_blocks, arguments))
+            _accumulate(out, layout, q0, q1, k0, k1, _run_block("scores", compile_blocks, arguments))
     return out
 
 
@@ -701,6 +760,7 @@ def attention_sums_from_weights(
     keep_pattern: bool = False,
     block_size: int | None = None,
     compile_blocks: bool = False,
+    causal: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The sums of :func:`attention_sums_from_qk` from captured post-softmax weights.
 
@@ -734,16 +794,17 @@ def attention_sums_from_weights(
         key_bin=key_bin,
         n_key_bins=n_key_bins,
         input_dtype=pattern.dtype,
+        causal=causal,
     )
     dtype = _work_dtype(pattern.dtype)
     out = _empty_sums(layout, keep_pattern)
     with torch.no_grad():
-        for q0, q1, k0 in _blocks(layout, block_size, dtype):
-            visible = layout.visible(q0, q1, k0, layout.allowed(q0, q1, k0))
+        for q0, q1, k0, k1 in _blocks(layout, block_size, dtype):
+            visible = layout.visible(q0, q1, k0, k1, layout.allowed(q0, q1, k0, k1))
             count = layout.row_count[:, q0:q1].unsqueeze(1)
-            weights = pattern[:, :, q0:q1, k0:q1].to(dtype)
-            arguments = (weights, visible, count, layout.log_floor, q1 - q0 - 1)
-            _accumulate(out, layout, q0, q1, k0, _run_block("weights", compile_blocks, lambda a=arguments: a))
+            weights = pattern[:, :, q0:q1, k0:k1].to(dtype)
+            arguments = (weights, visible, count, layout.log_floor, q1 - q0 - 1, 0 if causal else q1 - q0 - 1)
+            _accumulate(out, layout, q0, q1, k0, k1, _run_block("weights", compile_blocks, lambda a=arguments: a))
     return out
 
 
@@ -757,6 +818,7 @@ def pattern_sum_from_qk(
     lengths: torch.Tensor | None = None,
     excluded_keys: Sequence[int] = (),
     block_size: int | None = None,
+    causal: bool = True,
 ) -> torch.Tensor:
     """Only ``pattern_sum``: ``Σ_b a[b, h, q, k]`` over visible entries, ``[H, T, T]`` float64.
 
@@ -777,18 +839,19 @@ def pattern_sum_from_qk(
         key_bin=None,
         n_key_bins=None,
         input_dtype=query.dtype,
+        causal=causal,
     )
     grouped_query, work_key, dtype = _grouped(query, key, kv_heads)
     scale = float(dim**-0.5 if scaling is None else scaling)
     out = torch.zeros((heads, n_positions, n_positions), dtype=torch.float64, device=query.device)
     with full_float32_matmul(query.device), torch.no_grad():
-        for q0, q1, k0 in _blocks(layout, block_size, dtype):
-            allowed = layout.allowed(q0, q1, k0)
-            scores = _block_scores(grouped_query, work_key, q0, q1, k0, scale, softcap, allowed)
+        for q0, q1, k0, k1 in _blocks(layout, block_size, dtype):
+            allowed = layout.allowed(q0, q1, k0, k1)
+            scores = _block_scores(grouped_query, work_key, q0, q1, k0, k1, scale, softcap, allowed)
             weights = torch.softmax(scores, -1)
-            visible = layout.visible(q0, q1, k0, allowed)
+            visible = layout.visible(q0, q1, k0, k1, allowed)
             weights = torch.where(visible, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
-            out[:, q0:q1, k0:q1] += weights.sum(0, dtype=torch.float64)
+            out[:, q0:q1, k0:k1] += weights.sum(0, dtype=torch.float64)
     return out
 
 

@@ -1,9 +1,12 @@
 """The mask's part of the statistics, in closed form: which entries a statistic reads, and how many.
 
-Place in the seams: *statistics*. The model's mask lets query ``q`` see key ``k`` iff
-``k <= q`` and, under a sliding window ``w``, ``q - k < w``; the statistics read an entry only
+Place in the seams: *statistics*. A causal model's mask lets query ``q`` see key ``k`` iff
+``k <= q`` and, under a sliding window ``w``, ``q - k < w``; a bidirectional encoder's (BERT)
+lets every real token see every real token of its window. The statistics read an entry only
 if, besides, ``q`` is a real token of its window (right padding) and ``k`` is not an excluded
-key (:func:`mask_counts`). Everything that depends on the mask alone (entry counts, the
+key (:func:`mask_counts`). Lags ``dt = q - k`` are ``0 .. T-1`` under a causal mask and
+``-(T-1) .. T-1`` (signed, stored at index ``dt + T - 1``) under a bidirectional one
+(:func:`lag_values`). Everything that depends on the mask alone (entry counts, the
 uniform prior ``u(q) = 1/|V(q)|`` and its sums) follows from the window lengths in
 ``O(B·T + K·T)``, never from a ``[T, T]`` mask. Key positions are grouped into ``K``
 contiguous bins for the key-conditioned persistence curves (:func:`key_bins`).
@@ -31,6 +34,8 @@ __all__ = [
     "mask_counts",
     "LAYER_GROUPS",
     "layer_groups",
+    "n_lags",
+    "lag_values",
 ]
 
 #: Key-position bins the statistics keep for the key-conditioned persistence curves (the
@@ -71,6 +76,18 @@ def layer_groups(sliding_windows: Sequence[int | None]) -> dict[str, tuple[int, 
     if not sliding or not glob:
         return {"all": layers}
     return {"all": layers, "sliding": sliding, "global": glob}
+
+
+def n_lags(n_positions: int, causal: bool = True) -> int:
+    """How many lags ``dt = q - k`` a window of ``T`` positions has: ``T`` causal, ``2T - 1`` bidirectional."""
+    return int(n_positions) if causal else max(2 * int(n_positions) - 1, 0)
+
+
+def lag_values(n_positions: int, causal: bool = True) -> torch.Tensor:
+    """The lag ``dt`` at each index of a lag array: ``[n_lags]`` long, ``0 .. T-1`` causal,
+    ``-(T-1) .. T-1`` bidirectional (index ``dt + T - 1``)."""
+    n = int(n_positions)
+    return torch.arange(n) if causal else torch.arange(-(n - 1), n)
 
 
 def default_log_floor(dtype: torch.dtype) -> float:
@@ -181,8 +198,12 @@ def mask_counts(
     excluded_keys: Sequence[int] = (),
     key_bin: torch.Tensor | None = None,
     n_key_bins: int | None = None,
+    causal: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The sums that depend on the mask alone, in closed form (per head, float64).
+
+    With ``causal=False`` (a bidirectional encoder) see :func:`bidirectional_mask_counts`; the
+    rest of this docstring is the causal mask's.
 
     No ``[T, T]`` mask is built: everything follows from ``c[q]`` (the number of windows
     covering position ``q``, :func:`windows_covering`), prefix sums of the excluded-key
@@ -220,6 +241,14 @@ def mask_counts(
         ``key_lag_prior_sum: [K, T]``, ``windows_covering: [T]``. All are per head:
         the head-summed ``key_lag_sum`` of the attention sums matches ``H·key_lag_count``.
     """
+    if not causal:
+        if window is not None and int(window) < int(n_positions):
+            raise InputError(
+                f"a bidirectional mask with a sliding window ({window}) is not supported; the statistics know "
+                "causal sliding windows and full bidirectional attention"
+            )
+        return bidirectional_mask_counts(lengths, n_positions, excluded_keys=excluded_keys, key_bin=key_bin,
+                                         n_key_bins=n_key_bins)
     device = lengths.device
     n = int(n_positions)
     lengths = lengths.long().reshape(-1)
@@ -280,6 +309,83 @@ def mask_counts(
 
     out["key_lag_count"] = binned(covering)
     out["key_lag_prior_sum"] = torch.where(out["key_lag_count"] > 0, binned(weighted).clamp_min(0), zero)
+    return out
+
+
+def bidirectional_mask_counts(
+    lengths: torch.Tensor,
+    n_positions: int,
+    *,
+    excluded_keys: Sequence[int] = (),
+    key_bin: torch.Tensor | None = None,
+    n_key_bins: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`mask_counts` for a bidirectional encoder: every real token of a window sees every real one.
+
+    Window ``b`` has ``L_b`` real tokens and ``n_b = L_b - |E ∩ [0, L_b)|`` visible keys per
+    real query, whatever the query. Its uniform prior ``u_b = 1/L_b`` (a head spreading evenly
+    over the keys the model lets it see; excluded keys stay in the model's softmax, as in the
+    causal prior) does not depend on the query position. Lags are signed, ``dt ∈ [-(T-1), T-1]`` at index ``dt + T - 1``; the keys of
+    lag ``dt`` in window ``b`` are ``k ∈ [max(0, -dt), min(L_b, L_b - dt))`` minus ``E``.
+
+    - ``query_count[q] = Σ_b [q < L_b]·n_b``;
+    - ``doc_lag_count[b, dt]`` = the keys above; ``lag_count[dt] = Σ_b doc_lag_count[b, dt]``;
+    - ``lag_prior_sum[dt] = Σ_b doc_lag_count[b, dt]·u_b``;
+    - ``key_lag_count[κ, dt]`` and ``key_lag_prior_sum[κ, dt]``: the same restricted to the keys
+      of bin ``κ`` (without and with the weight ``u_b``), per distinct window length.
+
+    Cost ``O(B·T + B'·K·T)`` with ``B'`` distinct lengths. Counts are exact integers in float64.
+
+    Returns:
+        float64 on ``lengths.device``: ``query_count: [T]``, ``doc_lag_count: [B, 2T-1]``,
+        ``lag_count, lag_prior_sum: [2T-1]``, ``key_lag_count, key_lag_prior_sum: [K, 2T-1]``,
+        ``windows_covering: [T]``, and ``visible_per_window: [B]`` (``n_b``).
+    """
+    device = lengths.device
+    n = int(n_positions)
+    lengths = lengths.long().reshape(-1)
+    if bool(((lengths < 0) | (lengths > n)).any()):
+        raise InputError(f"lengths must lie in [0, {n}]")
+    key_bin, n_key_bins = _check_key_bins(key_bin, n_key_bins, n, device)
+    excluded = sorted({int(k) for k in excluded_keys if 0 <= int(k) < n})
+    f64 = torch.float64
+    zero = torch.zeros((), dtype=f64, device=device)
+    before = torch.cat([torch.zeros(1, dtype=f64, device=device), _excluded_flags(n, excluded, device).to(f64).cumsum(0)])
+
+    def keys_between(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+        """Keys in ``[low, high)`` that are not excluded (0 for an empty range); any shapes."""
+        low = low.clamp(0, n)
+        high = torch.maximum(high.clamp(0, n), low)
+        return (high - low).to(f64) - (before[high] - before[low])
+
+    visible = keys_between(torch.zeros_like(lengths), lengths)  # n_b, [B]
+    prior = torch.where(lengths > 0, 1.0 / lengths.clamp_min(1).to(f64), zero)  # u_b = 1/L_b
+    covering = windows_covering(lengths, n)
+    real = torch.arange(n, device=device).view(1, -1) < lengths.view(-1, 1)  # [B, T]
+    dt = lag_values(n, causal=False).to(device).view(1, -1)  # [1, 2T-1]
+    length = lengths.view(-1, 1)
+    doc_lag = keys_between((-dt).clamp_min(0), torch.minimum(length, length - dt))  # [B, 2T-1]
+    out = {
+        "windows_covering": covering,
+        "query_count": (real.to(f64) * visible.view(-1, 1)).sum(0),
+        "doc_lag_count": doc_lag,
+        "lag_count": doc_lag.sum(0),
+        "lag_prior_sum": (doc_lag * prior.view(-1, 1)).sum(0),
+        "visible_per_window": visible,
+    }
+    starts = torch.searchsorted(key_bin, torch.arange(n_key_bins, device=device)).view(-1, 1)  # [K, 1]
+    ends = torch.searchsorted(key_bin, torch.arange(n_key_bins, device=device), right=True).view(-1, 1)
+    key_count = torch.zeros((n_key_bins, dt.shape[1]), dtype=f64, device=device)
+    key_prior = torch.zeros_like(key_count)
+    distinct, multiplicity = torch.unique(lengths, return_counts=True)
+    for size, times in zip(distinct.tolist(), multiplicity.tolist()):
+        # Keys of bin κ with lag dt in a window of `size` tokens: [max(s_κ, -dt), min(e_κ, size, size - dt)).
+        count = keys_between(torch.maximum(starts, (-dt).clamp_min(0)), torch.minimum(ends.clamp(max=size), size - dt))
+        key_count += times * count
+        if size > 0:
+            key_prior += (times / size) * count
+    out["key_lag_count"] = key_count
+    out["key_lag_prior_sum"] = key_prior
     return out
 
 

@@ -69,6 +69,7 @@ class EntrySample:
         *,
         window: int | None = None,
         excluded_keys: Sequence[int] = (),
+        causal: bool = True,
     ) -> None:
         """Offer every visible entry of one layer of a batch, from captured weights.
 
@@ -78,12 +79,13 @@ class EntrySample:
             lengths: ``[batch]`` real tokens per window.
             window: the layer's sliding window, or ``None``.
             excluded_keys: key positions left out of the statistics.
+            causal: ``False`` for a bidirectional encoder (every real key of the window visible).
         """
-        drawn = self._draw(pattern.shape[1], pattern.shape[-1], lengths, window, excluded_keys)
+        drawn = self._draw(pattern.shape[1], pattern.shape[-1], lengths, window, excluded_keys, causal)
         if drawn is None:
             return
         batch, head, query, key = (index.to(pattern.device) for index in drawn)
-        self._add(layer, drawn, pattern[batch, head, query, key], window)
+        self._add(layer, drawn, pattern[batch, head, query, key], self._visible_keys(drawn, lengths, window, excluded_keys, causal))
 
     def update_from_scores(
         self,
@@ -96,6 +98,7 @@ class EntrySample:
         softcap: float | None = None,
         window: int | None = None,
         excluded_keys: Sequence[int] = (),
+        causal: bool = True,
     ) -> None:
         """Offer every visible entry of one layer of a batch, recomputing only the sampled ones.
 
@@ -106,11 +109,11 @@ class EntrySample:
         Args:
             layer: the layer index.
             query: ``[batch, head, query, head_dim]``; key: ``[batch, kv_head, key, head_dim]``.
-            lengths, window, excluded_keys: as in :meth:`update`.
+            lengths, window, excluded_keys, causal: as in :meth:`update`.
             scaling, softcap: the layer's score scale and soft-capping.
         """
         heads, width = query.shape[1], query.shape[2]
-        drawn = self._draw(heads, width, lengths, window, excluded_keys)
+        drawn = self._draw(heads, width, lengths, window, excluded_keys, causal)
         if drawn is None:
             return
         batch, head, row, column = (index.to(query.device) for index in drawn)
@@ -132,37 +135,46 @@ class EntrySample:
                 scores = query[b, rows[1, chunk], rows[2, chunk]].to(dtype) @ key[b, kv].to(dtype).T * scale
                 if softcap is not None:
                     scores = torch.tanh(scores / softcap) * softcap
-                allowed = positions <= rows[2, chunk].view(-1, 1)
-                if window is not None:
-                    allowed &= rows[2, chunk].view(-1, 1) - positions < window
+                if causal:
+                    allowed = positions <= rows[2, chunk].view(-1, 1)
+                    if window is not None:
+                        allowed &= rows[2, chunk].view(-1, 1) - positions < window
+                else:  # the window's real keys, as the model's padding mask leaves them
+                    allowed = positions < int(lengths[b])
                 row_lse[chunk] = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), -1)
         flat_rows = (rows[0] * heads + rows[1]) * width + rows[2]
         which = torch.searchsorted(flat_rows, (batch * heads + head) * width + row)
         sampled = (query[batch, head, row].to(dtype) * key[batch, head // group, column].to(dtype)).sum(-1) * scale
         if softcap is not None:
             sampled = torch.tanh(sampled / softcap) * softcap
-        self._add(layer, drawn, (sampled - row_lse[which]).exp(), window)
+        self._add(layer, drawn, (sampled - row_lse[which]).exp(),
+                  self._visible_keys(drawn, lengths, window, excluded_keys, causal))
 
     def _draw(
-        self, heads: int, width: int, lengths: torch.Tensor, window: int | None, excluded_keys: Sequence[int]
+        self, heads: int, width: int, lengths: torch.Tensor, window: int | None, excluded_keys: Sequence[int],
+        causal: bool = True,
     ) -> tuple[torch.Tensor, ...] | None:
         """Which entries enter the sample from one layer of a batch: ``(batch, head, query, key)`` long tensors.
 
         The visible entries are numbered in ``(window, query, key)`` order without building the
         mask (each row ``q < length`` of a window holds the keys ``max(0, q - w + 1) .. q`` that
-        are not excluded), and ``m`` of the ``heads × n_visible`` entries are drawn as in the
-        module docstring.
+        are not excluded; under a bidirectional mask, the keys ``0 .. length - 1``), and ``m`` of
+        the ``heads × n_visible`` entries are drawn as in the module docstring.
         """
         lengths = lengths.detach().to("cpu", torch.long)
         if window is not None and window >= width:
             window = None
         excluded = sorted({int(k) for k in excluded_keys if 0 <= int(k) < width})
         query = torch.arange(width)
-        first = torch.zeros_like(query) if window is None else (query - window + 1).clamp_min(0)
-        per_row = query - first + 1
+        first = torch.zeros_like(query) if window is None or not causal else (query - window + 1).clamp_min(0)
+        if causal:
+            last = query.view(1, -1).expand(len(lengths), -1)  # [B, T]: the row's last visible key
+        else:
+            last = (lengths.view(-1, 1) - 1).expand(-1, width)
+        per_row = last - first.view(1, -1) + 1
         for key in excluded:
-            per_row -= ((first <= key) & (key <= query)).long()
-        row_count = torch.where(query.view(1, -1) < lengths.view(-1, 1), per_row.view(1, -1), 0).reshape(-1)
+            per_row = per_row - ((first.view(1, -1) <= key) & (key <= last)).long()
+        row_count = torch.where(query.view(1, -1) < lengths.view(-1, 1), per_row, 0).reshape(-1)
         ends = row_count.cumsum(0)
         n_visible = int(ends[-1]) if len(ends) else 0
         total = heads * n_visible
@@ -186,9 +198,21 @@ class EntrySample:
             column += ((first[row] <= key) & (key <= column)).long()
         return batch, head, row, column
 
-    def _add(self, layer: int, drawn: tuple[torch.Tensor, ...], attention: torch.Tensor, window: int | None) -> None:
+    @staticmethod
+    def _visible_keys(
+        drawn: tuple[torch.Tensor, ...], lengths: torch.Tensor, window: int | None, excluded_keys: Sequence[int],
+        causal: bool,
+    ) -> torch.Tensor:
+        """``|V(q)|`` of each drawn entry's row under the model's mask (the prior is its inverse):
+        ``min(q + 1, w)`` causal; the window's real keys bidirectional, where excluded keys stay
+        in the model's softmax and so in ``|V|`` as they do for the causal prior."""
+        batch, _, row, _ = (index.cpu() for index in drawn)
+        if causal:
+            return (row + 1).double() if window is None else (row + 1).clamp(max=window).double()
+        return lengths.detach().to("cpu", torch.long)[batch].double()
+
+    def _add(self, layer: int, drawn: tuple[torch.Tensor, ...], attention: torch.Tensor, visible_keys: torch.Tensor) -> None:
         batch, head, row, column = (index.cpu() for index in drawn)
-        visible_keys = (row + 1).double() if window is None else (row + 1).clamp(max=window).double()
         new = {
             "key": self._keys,
             "attention": attention.double().cpu().numpy(),
