@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError, InsufficientMemoryError
+from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError
 from ..maths.metrics import FORMS, SCALES
 from ..sources.corpus import load_corpus
 from ..sources.models import load_config, load_model, load_tokenizer
-from ..sources.resources import MemoryEstimate, PeakMemory, available_memory, estimate_memory_of, model_size
+from ..sources.resources import MemoryEstimate, PeakMemory, check_fits, estimate_memory_of, model_size
 from .study import Study, check_baselines, run_study
 
 __all__ = [
@@ -310,19 +310,13 @@ def compare_models(
     # the memory check for every model, before any model is loaded.
     tokenizers = {label: (load_tokenizer(e, cache_dir=cache_dir) if isinstance(e, str) else e[1])
                   for label, e in entries.items()}
-    limit = memory_limit if memory_limit is not None else available_memory()
     estimates: dict[str, MemoryEstimate] = {}
     for label, entry in entries.items():
         size = model_size(load_config(entry, cache_dir=cache_dir) if isinstance(entry, str) else entry[0])
         estimates[label] = estimate_memory_of(size, context_length=context_length, batch_size=batch_size,
                                               copies=2 if baselines else 1)
-    too_big = {label: e for label, e in estimates.items() if limit is not None and e.total > limit}
-    if too_big:
-        details = "; ".join(f"{label}: {e.describe()}" for label, e in too_big.items())
-        raise InsufficientMemoryError(
-            f"not enough memory for {sorted(too_big)} ({limit / 2**30:.2f} GiB available): {details}. "
-            "Lower batch_size or context_length, leave these models out, or free memory."
-        )
+    check_fits(estimates, memory_limit, what="",
+               fix="Lower batch_size or context_length, leave these models out, or free memory.")
 
     documents = load_corpus(corpus)
     texts = common_windows(documents, tokenizers, context_length, n_docs)

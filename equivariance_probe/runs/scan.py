@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, ContextLengthError, EmptyCorpusError, InputError, InsufficientMemoryError, option
+from ..errors import CheckpointError, ContextLengthError, EmptyCorpusError, InputError, option
 from ..maths.fitting import FIT_NAMES
 from ..maths.metrics import FORMS, SCALES
 from ..probe import EquivarianceProbe
@@ -63,7 +63,7 @@ from ..sources.baselines import random_init_like, zero_like
 from ..sources.corpus import load_corpus
 from ..sources.models import load_config, load_model, load_tokenizer
 from ..sources.packing import PackedWindows, document_separator, pack_stream, special_prefix, token_stream
-from ..sources.resources import MemoryEstimate, ModelSize, available_memory, estimate_memory_of, model_size
+from ..sources.resources import MemoryEstimate, ModelSize, check_fits, estimate_memory_of, model_size
 from .study import check_baselines, result_filename
 
 __all__ = [
@@ -316,15 +316,10 @@ def _check_fits(size: ModelSize, lengths: list[int], batch_size: int | None, cop
         )
     estimates = {t: estimate_memory_of(size, context_length=t, batch_size=_batch_size(t, batch_size), copies=copies)
                  for t in lengths}
-    limit = memory_limit if memory_limit is not None else available_memory()
-    too_big = {t: e for t, e in estimates.items() if limit is not None and e.total > limit}
-    if too_big:
-        details = "; ".join(f"T = {t} (batch {_batch_size(t, batch_size)}): {e.describe()}" for t, e in too_big.items())
-        raise InsufficientMemoryError(
-            f"not enough memory for context lengths {sorted(too_big)} ({limit / 2**30:.2f} GiB available): {details}. "
-            f"Lower {option('batch_size')}, drop these lengths from {option('context_lengths')}, or free memory "
-            f"({option('memory_limit')} sets the limit)"
-        )
+    check_fits(estimates, memory_limit, what="context lengths ",
+               name=lambda t: f"T = {t} (batch {_batch_size(t, batch_size)})",
+               fix=f"Lower {option('batch_size')}, drop these lengths from {option('context_lengths')}, or free memory "
+                   f"({option('memory_limit')} sets the limit)")
     return estimates
 
 

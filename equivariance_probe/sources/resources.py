@@ -25,11 +25,13 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..errors import InsufficientMemoryError
 from ..statistics.blocks import DEFAULT_BLOCK_MEMORY
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "ModelSize",
     "PeakMemory",
     "available_memory",
+    "check_fits",
     "count_parameters",
     "estimate_memory",
     "estimate_memory_of",
@@ -224,6 +227,35 @@ def estimate_memory_of(
                            attention_width=size.attention_width, mask_kinds=size.mask_kinds,
                            context_length=context_length, batch_size=batch_size, copies=copies, dtype=dtype,
                            keep_pattern=keep_pattern)
+
+
+def check_fits(
+    estimates: Mapping[Any, MemoryEstimate],
+    memory_limit: int | None,
+    *,
+    what: str,
+    fix: str,
+    name: Callable[[Any], str] = str,
+) -> None:
+    """Refuse, naming each estimate, the items whose estimated need exceeds the limit.
+
+    Args:
+        estimates: item (a model's label, a context length) -> its estimate.
+        memory_limit: bytes; ``None``: the memory available now (:func:`available_memory`).
+        what: what the items are, for the message (``"context lengths "``; ``""`` for models' labels).
+        fix: the sentence that says what to change.
+        name: how an item is named beside its estimate.
+
+    Raises:
+        InsufficientMemoryError: ``not enough memory for {what}[items] (L GiB available): item: estimate; ... {fix}``.
+    """
+    limit = memory_limit if memory_limit is not None else available_memory()
+    too_big = {item: e for item, e in estimates.items() if limit is not None and e.total > limit}
+    if too_big:
+        details = "; ".join(f"{name(item)}: {e.describe()}" for item, e in too_big.items())
+        raise InsufficientMemoryError(
+            f"not enough memory for {what}{sorted(too_big)} ({limit / 2**30:.2f} GiB available): {details}. {fix}"
+        )
 
 
 def count_parameters(model_or_config: Any) -> int:
