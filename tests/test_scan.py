@@ -29,7 +29,6 @@ from equivariance_probe.errors import (  # noqa: E402
     InputError,
     InsufficientMemoryError,
 )
-from equivariance_probe.maths.fitting import FIT_NAMES  # noqa: E402
 from equivariance_probe.maths.metrics import FORMS, SCALES  # noqa: E402
 from equivariance_probe.records.provenance import window_fingerprints  # noqa: E402
 from equivariance_probe.runs.scan import length_folder  # noqa: E402

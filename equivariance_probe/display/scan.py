@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..maths.fitting import FIT_NAMES
-from ..maths.metrics import FORMS, SCALES
+from ..maths.metrics import FORMS
 from .figures import figure_title, pyplot, save_figures
 
 if TYPE_CHECKING:
@@ -32,8 +32,8 @@ def scan_figure(scan: ContextScan) -> Figure:
     plt = pyplot()
     rows = scan.rows()
     groups = scan.groups()
-    families = [(f"QPVE, log scale", [(f"log_{form}", form) for form in FORMS]),
-                (f"QPVE, raw scale", [(f"raw_{form}", form) for form in FORMS]),
+    families = [("QPVE, log scale", [(f"log_{form}", form) for form in FORMS]),
+                ("QPVE, raw scale", [(f"raw_{form}", form) for form in FORMS]),
                 ("P(dt) fits", [(f"persistence_{fit}_r2", fit) for fit in FIT_NAMES])]
     fig, axes = plt.subplots(len(families), len(groups), figsize=(4.6 * len(groups) + 1, 3.4 * len(families)),
                              squeeze=False, sharex=True)
@@ -59,9 +59,11 @@ def scan_figure(scan: ContextScan) -> Figure:
                 ax.set_xlabel("context length T (tokens)")
             if column == len(groups) - 1:
                 ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.02, 0.5))
-    first = min(rows, key=lambda r: r["context_length"])
-    figure_title(fig, f"Context-length scan of {scan.config.get('model')}: the same {first['tokens']} window tokens at "
-                      f"every length ({', '.join(map(str, lengths))}); solid: trained, dashed: random init", fontsize=11)
+    words = {"-": "solid", "--": "dashed", ":": "dotted", "-.": "dash-dot"}
+    styles = ", ".join(f"{words[_VARIANT_STYLE.get(variant, ('-.', 'd'))[0]]}: {variant}" for variant in scan.variants)
+    figure_title(fig, f"Context-length scan of {scan.config.get('model')}: the same {rows[0]['spans']} spans of "
+                      f"{lengths[-1]} tokens at every length ({', '.join(map(str, lengths))}); "
+                      f"{styles}", fontsize=11)
     fig.tight_layout()
     return fig
 
