@@ -169,12 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                                            "help": f"comma-separated baselines from {sorted(BASELINES)}, or 'none' "
                                                    f"(default: {','.join(default)})"}))
 
-    def packing() -> argparse.ArgumentParser:
+    def packing(default: str) -> argparse.ArgumentParser:
         return _parent((("--pack",), {
             "action": "store_true",
             "help": "concatenate the documents (tokenised without special tokens, EOS between them) and cut windows of "
                     "exactly T tokens, each after the tokenizer's special prefix (BOS for Gemma and Llama), as "
-                    "TransformerLens' tokenize_and_concatenate; default: one window per document"}))
+                    f"TransformerLens' tokenize_and_concatenate; default: {default}"}))
 
     def memory() -> argparse.ArgumentParser:
         return _parent((("--memory-limit-gib",), {
@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", parents=[output(), model(), kernel(), corpus(), windows(**DEFAULT_STUDY), packing(),
+    run = commands.add_parser("run", parents=[output(), model(), kernel(), corpus(), windows(**DEFAULT_STUDY),
+                                              packing("one window per document, its first T tokens"),
                                               baselines(BASELINES), measured(), display()],
                               help="run the study on a model and corpus and write results and figures")
     run.set_defaults(handler=_run)
@@ -255,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
 
     scan = commands.add_parser(
-        "scan", parents=[output(), model(), kernel(), corpus(), packing(), baselines(DEFAULT_SCAN["baselines"]),
-                         measured(), memory(), display()],
+        "scan", parents=[output(), model(), kernel(), corpus(),
+                         packing("the first T_max tokens of each document long enough, cut into windows of T"),
+                         baselines(DEFAULT_SCAN["baselines"]), measured(), memory(), display()],
         help="the same text at several context lengths, trained vs baselines, per layer group: one table and figure")
     scan.set_defaults(handler=_scan)
     scan.add_argument("--context-lengths", type=_int_list, default=list(DEFAULT_CONTEXT_LENGTHS),
@@ -473,7 +475,8 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _scan(args: argparse.Namespace) -> int:
     from .display.scan import save_scan
-    from .runs.scan import scan_context_lengths
+    from .runs.scan import length_folder, scan_context_lengths
+    from .runs.study import result_filename
 
     out = Path(args.out)
     _check_writable(out)
@@ -484,10 +487,11 @@ def _scan(args: argparse.Namespace) -> int:
         progress=not args.no_progress, attn_implementation=args.attn_implementation,
     )
     paths = save_scan(scan, out)
+    measured = [out / length_folder(length) / result_filename(variant) for length, variants in scan.results.items()
+                for variant in variants if variant not in scan.reused[length]]
     reused = sum(len(variants) for variants in scan.reused.values())
     note = f"\n\n{reused} results reused from {out}" if reused else ""
-    _print(args, f"{scan.config['text_description']}\n\n{scan.table()}{note}", scan.rows(),
-           list(paths.values()) + sorted(out.glob("T*/*.safetensors")))
+    _print(args, f"{scan.config['text_description']}\n\n{scan.table()}{note}", scan.rows(), list(paths.values()) + measured)
     return 0
 
 
