@@ -21,12 +21,13 @@ Measure:
   the framework seam.
 
 Models and documents: :func:`load_model`, :func:`load_tokenizer`, :func:`random_init_like`,
-:func:`zero_like`, :func:`load_corpus`, :data:`REGISTRY` / :class:`ModelSpec` (the packaged
+:func:`zero_like`, :func:`load_corpus` (``pack=T``: :class:`PackedWindows`), :data:`REGISTRY` / :class:`ModelSpec` (the packaged
 models), :func:`load_positional_model`.
 
 Studies: :func:`run_study` / :class:`Study` (trained vs baselines; checkpoints, shards:
 :class:`Shard`; :func:`window_fingerprint`, by which merges refuse a window counted twice), :func:`compare_models` / :class:`Comparison` (several models on the same
-windows), :func:`run_positional` / :class:`PositionalStudy` (where order comes from).
+windows), :func:`scan_context_lengths` / :class:`ContextScan` (the same text at several context
+lengths), :func:`run_positional` / :class:`PositionalStudy` (where order comes from).
 
 Heads and reports: :func:`rank_heads` / :class:`HeadRanking`, :func:`head_views` /
 :class:`HeadViews` (offline CircuitsVis), :func:`render_report` / :class:`ReportSection`.
@@ -73,9 +74,11 @@ from .records.sharding import Shard
 from .result import PersistenceCurves, ProbeResult
 from .runs.compare import Comparison, compare_models
 from .runs.positional import PositionalStudy, run_positional
+from .runs.scan import ContextScan, scan_context_lengths
 from .runs.study import Study, run_study
 from .sources.baselines import random_init_like, zero_like
 from .sources.corpus import load_corpus
+from .sources.packing import PackedWindows
 from .sources.models import load_model, load_positional_model, load_tokenizer
 from .sources.registry import REGISTRY, ModelSpec
 from .statistics import AttentionStatistics
@@ -99,6 +102,7 @@ __all__ = [
     "random_init_like",
     "zero_like",
     "load_corpus",
+    "PackedWindows",
     "REGISTRY",
     "ModelSpec",
     "load_positional_model",
@@ -109,6 +113,8 @@ __all__ = [
     "window_fingerprint",
     "compare_models",
     "Comparison",
+    "scan_context_lengths",
+    "ContextScan",
     "run_positional",
     "PositionalStudy",
     # heads and reports

@@ -12,6 +12,8 @@ files it wrote.
 * ``report``     — an offline HTML report from a results file (``--views``: with CircuitsVis
   views of the most and least position-bound heads, reloading the model the results name).
 * ``compare``    — the study on several models over the same windows, one table and figure.
+* ``scan``       — the same text at several context lengths, trained vs baselines, per layer group:
+  one table and figure, and a result file per length and variant (reused when run again).
 * ``positional`` — where order comes from: position-embedding Gram matrices, TISA kernel fits,
   permutation sensitivity, variance shrinkage, position correlations.
 
@@ -61,6 +63,9 @@ FLAGS = {
     "attn_implementation": "--attn-implementation",
     "document": "--document",
     "allow_duplicate_windows": "--allow-duplicate-windows",
+    "pack": "--pack",
+    "context_lengths": "--context-lengths",
+    "n_tokens": "--n-tokens",
 }
 
 
@@ -117,6 +122,7 @@ def _parent(*arguments: tuple[tuple[str, ...], dict[str, Any]]) -> argparse.Argu
 def build_parser() -> argparse.ArgumentParser:
     from .runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
     from .runs.compare import DEFAULT_COMPARE_MODELS, DEFAULT_COMPARISON
+    from .runs.scan import DEFAULT_CONTEXT_LENGTHS, DEFAULT_SCAN
     from .runs.study import BASELINES, DEFAULT_STUDY
 
     # One function per shared option group: argparse shares a parent's actions with every child,
@@ -163,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
                                            "help": f"comma-separated baselines from {sorted(BASELINES)}, or 'none' "
                                                    f"(default: {','.join(default)})"}))
 
+    def packing(default: str) -> argparse.ArgumentParser:
+        return _parent((("--pack",), {
+            "action": "store_true",
+            "help": "concatenate the documents (tokenised without special tokens, EOS between them) and cut windows of "
+                    "exactly T tokens, each after the tokenizer's special prefix (BOS for Gemma and Llama), as "
+                    f"TransformerLens' tokenize_and_concatenate; default: {default}"}))
+
+    def memory() -> argparse.ArgumentParser:
+        return _parent((("--memory-limit-gib",), {
+            "type": float, "default": None,
+            "help": "refuse work whose estimated memory exceeds this many GiB (default: the memory available)"}))
+
     def display() -> argparse.ArgumentParser:
         return _parent(
             (("--no-progress",), {"action": "store_true", "help": "no progress bars"}),
@@ -176,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", parents=[output(), model(), kernel(), corpus(), windows(**DEFAULT_STUDY),
+                                              packing("one window per document, its first T tokens"),
                                               baselines(BASELINES), measured(), display()],
                               help="run the study on a model and corpus and write results and figures")
     run.set_defaults(handler=_run)
@@ -228,14 +247,27 @@ def build_parser() -> argparse.ArgumentParser:
 
     sizes = {key: DEFAULT_COMPARISON[key] for key in ("n_docs", "context_length", "batch_size")}
     compare = commands.add_parser("compare", parents=[output(), kernel(), corpus(), windows(**sizes),
-                                                      baselines(DEFAULT_COMPARISON["baselines"]), measured(), display()],
+                                                      baselines(DEFAULT_COMPARISON["baselines"]), measured(), memory(),
+                                                      display()],
                                   help="run the study on several models over the same windows: one table and figure")
     compare.set_defaults(handler=_compare)
     compare.add_argument("--models", type=_names, default=list(DEFAULT_COMPARE_MODELS),
                          help=f"comma-separated packaged model names or local model folders (default: {','.join(DEFAULT_COMPARE_MODELS)})")
-    compare.add_argument("--memory-limit-gib", type=float, default=None,
-                         help="refuse models whose estimated need exceeds this (default: the memory available)")
     compare.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
+
+    scan = commands.add_parser(
+        "scan", parents=[output(), model(), kernel(), corpus(),
+                         packing("the first T_max tokens of each document long enough, cut into windows of T"),
+                         baselines(DEFAULT_SCAN["baselines"]), measured(), memory(), display()],
+        help="the same text at several context lengths, trained vs baselines, per layer group: one table and figure")
+    scan.set_defaults(handler=_scan)
+    scan.add_argument("--context-lengths", type=_int_list, default=list(DEFAULT_CONTEXT_LENGTHS),
+                      help=f"comma-separated window lengths (default: {','.join(map(str, DEFAULT_CONTEXT_LENGTHS))})")
+    scan.add_argument("--n-tokens", type=_positive, default=DEFAULT_SCAN["n_tokens"],
+                      help="window tokens per length: N // T_max windows of the longest length, and the same text cut "
+                           "into shorter windows at every other length (default %(default)s)")
+    scan.add_argument("--batch-size", type=_positive, default=None,
+                      help=f"windows per forward pass at every length (default: {DEFAULT_SCAN['batch_tokens']} // T, at least 1)")
 
     positional = commands.add_parser(
         "positional", parents=[output(), model(), corpus(), windows(n_docs=8, context_length=256, batch_size=4), measured(),
@@ -288,6 +320,11 @@ def _study_options(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
                 progress=not args.no_progress, attn_implementation=args.attn_implementation)
 
 
+def _memory_limit(args: argparse.Namespace) -> int | None:
+    """``--memory-limit-gib`` in bytes (``None``: the memory available)."""
+    return None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30)
+
+
 def _print(args: argparse.Namespace, table: str, numbers: Any, wrote: Sequence[Path]) -> None:
     print(json.dumps(jsonable(numbers), indent=1) if args.json else table)
     if wrote:
@@ -320,6 +357,7 @@ def _run(args: argparse.Namespace) -> int:
         shard=shard,
         device=args.device,
         dtype=args.dtype,
+        pack=args.pack,
     )
     # results.safetensors is written only here, after every variant finished (complete: true); a run that
     # stops leaves only its checkpoint.
@@ -429,13 +467,31 @@ def _compare(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     _check_writable(out)
-    comparison = compare_models(
-        args.models,
-        **_study_options(args, _documents(args)),
-        memory_limit=None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30),
-    )
+    comparison = compare_models(args.models, **_study_options(args, _documents(args)), memory_limit=_memory_limit(args))
     paths = save_comparison(comparison, out)
     _print(args, comparison.table(), comparison.rows(), list(paths.values()) + [out / "models"])
+    return 0
+
+
+def _scan(args: argparse.Namespace) -> int:
+    from .display.scan import save_scan
+    from .runs.scan import length_folder, scan_context_lengths
+    from .runs.study import result_filename
+
+    out = Path(args.out)
+    _check_writable(out)
+    scan = scan_context_lengths(
+        args.model, context_lengths=args.context_lengths, corpus=_documents(args), n_tokens=args.n_tokens,
+        pack=args.pack, baselines=args.baselines, batch_size=args.batch_size, exclude_keys=args.exclude_keys,
+        seed=args.seed, out=out, cache_dir=args.cache_dir, memory_limit=_memory_limit(args),
+        progress=not args.no_progress, attn_implementation=args.attn_implementation,
+    )
+    paths = save_scan(scan, out)
+    measured = [out / length_folder(length) / result_filename(variant) for length, variants in scan.results.items()
+                for variant in variants if variant not in scan.reused[length]]
+    reused = sum(len(variants) for variants in scan.reused.values())
+    note = f"\n\n{reused} results reused from {out}" if reused else ""
+    _print(args, f"{scan.config['text_description']}\n\n{scan.table()}{note}", scan.rows(), list(paths.values()) + measured)
     return 0
 
 

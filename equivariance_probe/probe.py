@@ -12,7 +12,10 @@ adds nothing) and truncated to its first ``context_length`` tokens: one window p
 document. Documents shorter than that are kept at their own length (statistics count
 only the positions they have); documents with fewer than ``min_tokens`` tokens (e.g.
 empty strings) are skipped and counted in ``metadata["skipped_windows"]``. Token tensors
-are used as given, one row per window.
+are used as given, one row per window; so are packed windows
+(:class:`~equivariance_probe.sources.packing.PackedWindows`, documents concatenated and cut into
+windows of exactly ``T``), whose description the result keeps. ``metadata["windows"]`` records
+which of these protocols a run used.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .adapters import Adapter, get_adapter
 from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError
 from .records.provenance import library_versions, model_revision, window_fingerprints
 from .result import ProbeResult
+from .sources.packing import PackedWindows, windows_record
 from .sources.padding import check_not_left_padded, rows_from_encoding
 from .statistics import AttentionStatistics
 from .statistics.masks import KEY_BINS
@@ -164,7 +168,7 @@ class EquivarianceProbe:
     # -- running ---------------------------------------------------------------------------
     def run(
         self,
-        docs: Iterable[str] | Iterable[torch.Tensor] | torch.Tensor,
+        docs: Iterable[str] | Iterable[torch.Tensor] | torch.Tensor | PackedWindows,
         *,
         context_length: int | None = None,
         batch_size: int = 4,
@@ -183,8 +187,11 @@ class EquivarianceProbe:
         """Run documents through the model and return their attention statistics.
 
         Args:
-            docs: a list of strings, a LongTensor ``[n_docs, n_tokens]`` of token ids, or any
-                iterable of strings or token tensors (streamed: only one batch is in memory).
+            docs: a list of strings, a LongTensor ``[n_docs, n_tokens]`` of token ids,
+                :class:`~equivariance_probe.sources.packing.PackedWindows` (``load_corpus(pack=T,
+                tokenizer=...)``: used as their token tensor, their description kept in
+                ``metadata["windows"]``), or any iterable of strings or token tensors (streamed:
+                only one batch is in memory).
             context_length: window length ``T`` in tokens (default: 1024, capped at the
                 model's maximum; for a tensor, its width).
             batch_size: windows per forward pass. Results do not depend on it.
@@ -216,6 +223,9 @@ class EquivarianceProbe:
         """
         if not isinstance(batch_size, int) or batch_size < 1:
             raise InputError(f"batch_size must be a positive integer, not {batch_size!r}")
+        windows = windows_record(docs)
+        if isinstance(docs, PackedWindows):
+            docs = docs.tokens
         context_length = self._context_length(docs, context_length)
         layout = self.adapter.layout
         exclude_keys = tuple(int(k) for k in exclude_keys)
@@ -237,6 +247,7 @@ class EquivarianceProbe:
             causal=layout.causal,
         )
         metadata = self._metadata(context_length, batch_size, min_tokens)
+        metadata["windows"] = windows
         result = ProbeResult(statistics, metadata)
         self.last_result = result
         total = len(docs) if hasattr(docs, "__len__") and not isinstance(docs, (torch.Tensor, Mapping)) else None

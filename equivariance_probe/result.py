@@ -29,6 +29,7 @@ from .maths import fitting, metrics
 from .maths.persistence import PersistenceCurves, persistence_curves
 from .records.result_file import FORMAT_VERSION, ResultFile, open_result_file, write_result_file
 from .records.sharding import merged_provenance
+from .sources.packing import merged_windows_record
 from .sources.registry import name_of_converted_copy
 from .statistics import AttentionStatistics
 from .statistics.masks import key_bin_edges, lag_values, layer_groups
@@ -384,6 +385,8 @@ class ProbeResult:
         statistics = self.statistics.merge(other.statistics, allow_duplicate_windows=allow_duplicate_windows)
         metadata = dict(self.metadata)
         metadata["merged_from"] = [self.metadata.get("run_id"), other.metadata.get("run_id")]
+        if "windows" in self.metadata or "windows" in other.metadata:  # the windows of both parts, as measured
+            metadata["windows"] = merged_windows_record(self.metadata.get("windows"), other.metadata.get("windows"))
         metadata.update(provenance)
         metadata["complete"] = self.complete and other.complete
         return ProbeResult(statistics, metadata)

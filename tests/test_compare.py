@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from synthetic import tiny_gpt2, tiny_llama  # noqa: E402
+from synthetic import tiny_gemma3, tiny_gpt2, tiny_llama  # noqa: E402
 
 from equivariance_probe import EquivarianceProbe, ProbeResult, load_model  # noqa: E402
 from equivariance_probe.cli import main  # noqa: E402
@@ -26,7 +26,15 @@ from equivariance_probe.display.comparison import save_comparison  # noqa: E402
 from equivariance_probe.runs.compare import common_windows, compare_models, model_folder  # noqa: E402
 from equivariance_probe.errors import EmptyCorpusError, InputError, InsufficientMemoryError  # noqa: E402
 from equivariance_probe.maths.metrics import FORMS, SCALES  # noqa: E402
-from equivariance_probe.sources.resources import PeakMemory, count_parameters, estimate_memory  # noqa: E402
+from equivariance_probe.sources.resources import (  # noqa: E402
+    ACTIVATION_WIDTHS,
+    BASE_BYTES,
+    ModelSize,
+    PeakMemory,
+    count_parameters,
+    estimate_memory,
+    model_size,
+)
 
 T = 24  # tokens per window
 
@@ -156,13 +164,35 @@ def test_compare_command(tiny, tmp_path, capsys):
     assert "not enough memory" in capsys.readouterr().err
 
 
-def test_memory_estimate_and_peak():
-    estimate = estimate_memory(n_parameters=1000, n_heads=3, n_layers=2, context_length=10, batch_size=2, copies=2)
+def test_memory_estimate_follows_the_engine_and_peak():
+    estimate = estimate_memory(n_parameters=1000, n_heads=4, n_layers=3, hidden_size=32, intermediate_size=64,
+                               attention_width=32, mask_kinds=2, context_length=8192, batch_size=2, copies=2,
+                               block_memory=2**20)
+    tokens = 2 * 8192
     assert estimate.weights == 1000 * 4 * 2
-    assert estimate.attention == 2 * 3 * 10 * 10 * 128
-    assert estimate.statistics == 3 * 8 * 100 + 8 * 2 * 3 * 100
-    assert estimate.total == estimate.weights + estimate.attention + estimate.statistics + estimate.base
+    widths = ACTIVATION_WIDTHS["hidden"] * 32 + ACTIVATION_WIDTHS["intermediate"] * 64 + ACTIVATION_WIDTHS["attention"] * 32
+    assert estimate.activations == int(tokens * 4 * widths)
+    assert estimate.attention == 2 * tokens * 8192 + max(2**20, 2 * 4 * 8192 * 96)   # masks + one query block
+    assert estimate.statistics == 8 * (5 * 3 * 4 * 8192 * 3 + 2 * 3 * 8192 + 3 * 64 * 8192)
+    assert estimate.base == BASE_BYTES
+    assert estimate.total == (estimate.weights + estimate.activations + estimate.attention + estimate.statistics
+                              + estimate.base)
+    # Grows with B·T, and with B·T² only by the masks' byte per pair: no B·H·T² weights any more.
+    longer = estimate_memory(n_parameters=1000, n_heads=4, n_layers=3, hidden_size=32, intermediate_size=64,
+                             attention_width=32, mask_kinds=2, context_length=16384, batch_size=1, copies=2,
+                             block_memory=2**20)
+    assert longer.attention - estimate.attention == 2 * 16384**2 - 2 * 2 * 8192**2
+    kept = estimate_memory(n_parameters=1000, n_heads=4, n_layers=3, context_length=64, batch_size=1, keep_pattern=True)
+    assert kept.statistics - estimate_memory(n_parameters=1000, n_heads=4, n_layers=3, context_length=64,
+                                             batch_size=1).statistics == 8 * 3 * 4 * 64 * 64
     assert "GiB = weights" in estimate.describe()
+    # What the estimate reads of a model: from its config (nothing loaded) as from the model itself.
+    gemma = tiny_gemma3()
+    assert model_size(gemma.config) == model_size(gemma) == ModelSize(
+        n_parameters=count_parameters(gemma), n_layers=3, n_heads=4, hidden_size=32, intermediate_size=64,
+        attention_width=4 * 8, max_context=128, mask_kinds=2)
+    gpt2 = model_size(tiny_gpt2())
+    assert (gpt2.intermediate_size, gpt2.attention_width, gpt2.max_context, gpt2.mask_kinds) == (4 * 32, 32, 64, 1)
     # Counting on the meta device (no weights allocated) gives the built model's count.
     model = tiny_gpt2()
     assert count_parameters(model.config) == count_parameters(model) == sum(p.numel() for p in model.parameters())

@@ -5,6 +5,7 @@ Place in the seams: above the probe and the result; runs return data, and the di
 
 * :mod:`~equivariance_probe.runs.study` — one model, trained vs its baselines.
 * :mod:`~equivariance_probe.runs.compare` — several models over the same windows.
+* :mod:`~equivariance_probe.runs.scan` — one model over the same text at several context lengths.
 * :mod:`~equivariance_probe.runs.positional` — where order comes from, in one call.
 * :mod:`~equivariance_probe.runs.checkpoint` — chunked runs that resume bitwise-exactly.
 """

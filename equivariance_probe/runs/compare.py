@@ -39,13 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from ..adapters import get_adapter
-from ..adapters.modules import text_config
-from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError, InsufficientMemoryError
+from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError
 from ..maths.metrics import FORMS, SCALES
 from ..sources.corpus import load_corpus
 from ..sources.models import load_config, load_model, load_tokenizer
-from ..sources.resources import MemoryEstimate, PeakMemory, available_memory, count_parameters, estimate_memory
+from ..sources.resources import MemoryEstimate, PeakMemory, check_fits, estimate_memory_of, model_size
 from .study import Study, check_baselines, run_study
 
 __all__ = [
@@ -253,21 +251,6 @@ def common_windows(texts: Sequence[str], tokenizers: Mapping[str, Any], context_
     )
 
 
-# ----------------------------------------------------------------------------- memory
-
-
-def _layout(entry: Any, tokenizer: Any, cache_dir: Any) -> tuple[int, int, int]:
-    """``(n_parameters, n_layers, n_heads)`` of a model name (from its config, nothing loaded) or a loaded model."""
-    if isinstance(entry, str):
-        config = load_config(entry, cache_dir=cache_dir)
-        text = text_config(config)
-        return count_parameters(config), int(text.num_hidden_layers), int(text.num_attention_heads)
-    model = entry[0]
-    layout = get_adapter(model, tokenizer=tokenizer).layout
-    parameters = count_parameters(model) if hasattr(model, "parameters") else 0
-    return parameters, layout.n_layers, layout.n_heads
-
-
 # ----------------------------------------------------------------------------- the comparison
 
 
@@ -327,20 +310,13 @@ def compare_models(
     # the memory check for every model, before any model is loaded.
     tokenizers = {label: (load_tokenizer(e, cache_dir=cache_dir) if isinstance(e, str) else e[1])
                   for label, e in entries.items()}
-    limit = memory_limit if memory_limit is not None else available_memory()
     estimates: dict[str, MemoryEstimate] = {}
     for label, entry in entries.items():
-        parameters, n_layers, n_heads = _layout(entry, tokenizers[label], cache_dir)
-        estimates[label] = estimate_memory(n_parameters=parameters, n_heads=n_heads, n_layers=n_layers,
-                                           context_length=context_length, batch_size=batch_size,
-                                           copies=2 if baselines else 1)
-    too_big = {label: e for label, e in estimates.items() if limit is not None and e.total > limit}
-    if too_big:
-        details = "; ".join(f"{label}: {e.describe()}" for label, e in too_big.items())
-        raise InsufficientMemoryError(
-            f"not enough memory for {sorted(too_big)} ({limit / 2**30:.2f} GiB available): {details}. "
-            "Lower batch_size or context_length, leave these models out, or free memory."
-        )
+        size = model_size(load_config(entry, cache_dir=cache_dir) if isinstance(entry, str) else entry[0])
+        estimates[label] = estimate_memory_of(size, context_length=context_length, batch_size=batch_size,
+                                              copies=2 if baselines else 1)
+    check_fits(estimates, memory_limit, what="",
+               fix="Lower batch_size or context_length, leave these models out, or free memory.")
 
     documents = load_corpus(corpus)
     texts = common_windows(documents, tokenizers, context_length, n_docs)

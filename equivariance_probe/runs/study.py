@@ -29,6 +29,7 @@ from ..sources.baselines import random_init_like, zero_like
 from ..sources.corpus import load_corpus
 from ..sources.devices import parse_dtype, resolve_device
 from ..sources.models import load_model
+from ..sources.packing import pack_documents
 from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun
 
 __all__ = ["Study", "run_study", "result_filename", "load_study_baselines", "BASELINES", "DEFAULT_STUDY"]
@@ -172,6 +173,7 @@ def run_study(
     device: str | None = "auto",
     dtype: str | None = None,
     attn_implementation: str = "sdpa",
+    pack: bool = False,
 ) -> Study:
     """Run the study: the trained model and each baseline on the same documents.
 
@@ -206,6 +208,10 @@ def run_study(
         attn_implementation: the attention kernel the model runs (``"sdpa"``, ``"eager"``,
             ``"flash_attention_2"``); the probe reads queries and keys whatever the kernel, so the
             numbers agree to float32 rounding, and the fused kernels are faster.
+        pack: concatenate the ``n_docs`` documents (EOS between them) and cut them into windows of
+            exactly ``context_length`` tokens, each after the tokenizer's special prefix
+            (:func:`~equivariance_probe.sources.packing.pack_documents`), instead of one window per
+            document; checkpoints and shards then count windows, not documents.
     """
     check_baselines(baselines)
     timings: dict[str, float] = {}
@@ -213,7 +219,6 @@ def run_study(
     start = time.perf_counter()
     all_docs = load_corpus(corpus, n_docs=n_docs)
     corpus_identity = corpus_fingerprint(all_docs)
-    docs = shard.select(all_docs) if shard is not None else all_docs
     timings["load_corpus"] = time.perf_counter() - start
     start = time.perf_counter()
     if loaded is not None:
@@ -222,6 +227,9 @@ def run_study(
         network, tokenizer = load_model(model, backend, cache_dir=cache_dir, device=resolve_device(device),
                                         dtype=parse_dtype(dtype), attn_implementation=attn_implementation)
     timings["load_model"] = time.perf_counter() - start
+    # Packed, the units of shards and checkpoints are the windows (the documents fill them unevenly).
+    units = pack_documents(all_docs, tokenizer, context_length) if pack else all_docs
+    docs = units[slice(*shard.bounds(len(units)))] if shard is not None else units
     config = {
         "model": str(model),
         # Where the documents came from, so that a report can reload one to view heads.
@@ -238,11 +246,13 @@ def run_study(
         "checkpoint_every": checkpoint_every if checkpoint_dir is not None else None,
         "attn_implementation": attn_implementation if loaded is None else None,
     }
+    if pack:  # only then, so that the fingerprints of unpacked studies stay what they were
+        config["pack"] = True
     identity = {"model": model_identity(network), "corpus": corpus_identity,
                 "config": {**config, "shard": None if shard is None else str(shard)}}
     # What the numbers depend on (not batch size, sample size or checkpoints): results that differ
     # in it never merge.
-    measured = {k: config[k] for k in ("backend", "context_length", "exclude_keys", "seed")}
+    measured = {k: config[k] for k in ("backend", "context_length", "exclude_keys", "seed", "pack") if k in config}
     provenance = {"model": identity["model"], "corpus": corpus_identity, "config_sha256": config_fingerprint(measured)}
     runner = CheckpointedRun(checkpoint_dir, every=config["checkpoint_every"], identity=identity, resume=resume)
     if shard is not None:
@@ -265,7 +275,9 @@ def run_study(
         start = time.perf_counter()
         metadata = {"label": name, "study": config, "provenance": provenance}
         if shard is not None:
-            metadata["shards"] = shard_metadata(shard, len(all_docs), corpus_identity["sha256"])
+            metadata["shards"] = shard_metadata(shard, len(units), corpus_identity["sha256"])
+        if pack:  # the whole run's windows (each checkpoint chunk records only its own)
+            metadata["windows"] = docs.describe()
         results[name] = runner.run_variant(
             name,
             lambda build=build: EquivarianceProbe(build(), tokenizer=tokenizer),

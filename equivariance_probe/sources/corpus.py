@@ -2,7 +2,9 @@
 
 Place in the seams: *sources*. It turns "a corpus" (nothing, a file, a folder, JSONL, a
 Hugging Face ``datasets`` object or a dataset saved with ``save_to_disk``) into a plain
-``list[str]`` of documents; tokenisation and windowing belong to the probe. It imports no
+``list[str]`` of documents; tokenisation and windowing belong to the probe, except that
+``pack=T`` returns the documents packed into windows of exactly ``T`` tokens
+(:mod:`~equivariance_probe.sources.packing`). It imports no
 model framework; ``datasets`` is imported only when a saved dataset is loaded from disk. The
 default corpus (full English Wikipedia articles from gensim's test data) is read by
 :mod:`~equivariance_probe.sources.wikipedia`.
@@ -12,6 +14,7 @@ Example:
     >>> docs = load_corpus(n_docs=8, min_chars=20_000)   # the default corpus
     >>> docs = load_corpus("my_texts/")                  # one document per .txt file
     >>> docs = load_corpus("data.jsonl", text_field="body")
+    >>> windows = load_corpus(pack=1024, tokenizer=tokenizer)   # PackedWindows [n, 1024], EOS between documents
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EmptyCorpusError, InputError, option
+from .packing import PackedWindows, pack_documents
 from .wikipedia import DEFAULT_CORPUS, load_default_articles
 
 __all__ = ["load_corpus"]
@@ -153,8 +157,10 @@ def load_corpus(
     text_field: str = "text",
     split: str | None = None,
     separator: str | None = None,
-) -> list[str]:
-    """Load documents as a list of strings.
+    pack: int | None = None,
+    tokenizer: Any = None,
+) -> list[str] | PackedWindows:
+    """Load documents as a list of strings, or packed into windows of exactly ``pack`` tokens.
 
     Sources:
 
@@ -175,6 +181,13 @@ def load_corpus(
     Documents are stripped of surrounding whitespace, those shorter than ``min_chars``
     characters are skipped, and the first ``n_docs`` that remain are returned, in order.
 
+    With ``pack=T`` (and the model's ``tokenizer``) those documents are tokenised without their
+    special tokens, joined with the tokenizer's EOS between them, and cut into windows of the
+    tokenizer's special prefix (BOS for Gemma and Llama, nothing for GPT-2) plus ``T - len(prefix)``
+    stream tokens; the tail that fills no window is dropped
+    (:func:`~equivariance_probe.sources.packing.pack_documents`, as TransformerLens'
+    ``tokenize_and_concatenate``). The default stays one window per document, cut by the probe.
+
     Args:
         source: Where the documents come from (see above).
         n_docs: How many documents to return at most; ``None`` for all.
@@ -183,13 +196,16 @@ def load_corpus(
         split: The split to read from a ``DatasetDict``; ``None`` reads ``"train"``, or the
             only split of a one-split dict.
         separator: Split each text file at this string; ``None`` keeps one document per file.
+        pack: Window length ``T`` to pack the documents into; ``None`` returns the documents.
+        tokenizer: The model's tokenizer (required with ``pack``).
 
     Returns:
-        The documents, in source order.
+        The documents, in source order; with ``pack``, a
+        :class:`~equivariance_probe.sources.packing.PackedWindows` (``.tokens``: ``[n_windows, T]``).
 
     Raises:
         EmptyCorpusError: No document is left (the source is empty, or every document is
-            shorter than ``min_chars``).
+            shorter than ``min_chars``), or the documents do not fill one packed window.
         InputError: The source cannot be read (missing path, bad JSON, missing field or split).
 
     Example:
@@ -203,6 +219,9 @@ def load_corpus(
         raise InputError(f"min_chars must be a non-negative integer, got {min_chars!r}.")
     if separator == "":
         raise InputError("separator must be a non-empty string or None (one document per file).")
+    if pack is not None and tokenizer is None:
+        raise InputError(f"pack={pack!r} needs the model's tokenizer to cut windows of tokens; pass tokenizer=... "
+                         "(e.g. load_tokenizer(name), or the one load_model returns)")
 
     texts, description = _iter_source(source, text_field=text_field, split=split, separator=separator)
     documents: list[str] = []
@@ -223,4 +242,6 @@ def load_corpus(
             f"The corpus from {description} is empty: {reason}. Point {option('source', '...')} at a corpus with "
             f"text in it (or {option('source', None)} for the default corpus), or lower min_chars."
         )
+    if pack is not None:
+        return pack_documents(documents, tokenizer, pack)
     return documents

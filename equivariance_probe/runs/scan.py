@@ -1,0 +1,475 @@
+"""The context-length scan: the same text at several window lengths ``T``, trained vs baselines, one table.
+
+Place in the seams: *runs*, orchestration above the probe. It builds one token stream from the
+corpus (:mod:`~equivariance_probe.sources.packing`), cuts it into windows at every length, runs the
+trained model and its baselines (:data:`~equivariance_probe.runs.study.BASELINES`, built as
+:func:`~equivariance_probe.runs.study.run_study` builds them) through
+:class:`~equivariance_probe.probe.EquivarianceProbe`, and collects the numbers each
+:class:`~equivariance_probe.result.ProbeResult` already computes (its summary: every query-position
+R² form and scale and the persistence fits' R², over all layers and per layer group). It computes
+nothing itself; the figure is drawn by :mod:`equivariance_probe.display.scan`.
+
+The same text at every length: the stream is read in spans of ``S = T_max - len(prefix)`` tokens
+(``T_max`` the longest length, ``prefix`` the tokenizer's special prefix, ``[BOS]`` for Gemma), and
+at every length ``T`` each span is cut into windows of ``prefix + (T - len(prefix))`` tokens
+(:func:`~equivariance_probe.sources.packing.pack_stream`). With lengths that divide ``T_max``
+(powers of two) every length reads ``n_spans · T_max`` window tokens from the same spans; the
+table says how many windows, window tokens and stream tokens each length read. Each window's
+span (:attr:`~equivariance_probe.sources.packing.PackedWindows.spans`, also in each result's
+``metadata["windows"]["spans"]``) is the key that pairs windows of different lengths by text.
+
+The stream (``pack``): by default each span is the beginning of one document (its first ``S``
+tokens; documents shorter than that are skipped), so that at ``T_max`` every window is the study's
+one window per document; ``pack=True`` concatenates the documents with EOS between them instead
+(TransformerLens' ``tokenize_and_concatenate``), so that spans may cross documents.
+
+Before anything runs, each length is checked against the model's maximum context
+(:class:`~equivariance_probe.errors.ContextLengthError`) and its estimated memory against the
+memory available (:func:`~equivariance_probe.sources.resources.estimate_memory`,
+:class:`~equivariance_probe.errors.InsufficientMemoryError`). With an output folder each
+``(length, variant)`` result is written as soon as it is measured
+(``T<length>/results.safetensors``, ``T<length>/baseline_<name>.safetensors``: the study's names,
+so ``equivariance-probe report`` shows a length's baselines beside it), and a complete file of the
+same model, stream and settings is reused instead of measured again.
+
+Example:
+    >>> from equivariance_probe import scan_context_lengths
+    >>> scan = scan_context_lengths("gemma-3-270m", context_lengths=(256, 1024), n_tokens=2048, out="scan_out")
+    >>> print(scan.table())
+    >>> scan.save("scan_out")          # scan.md / scan.csv / scan.json beside the result files
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import CheckpointError, ContextLengthError, EmptyCorpusError, InputError, option
+from ..maths.fitting import FIT_NAMES
+from ..maths.metrics import FORMS, SCALES
+from ..probe import EquivarianceProbe
+from ..records.provenance import corpus_fingerprint, model_identity, window_fingerprints
+from ..result import ProbeResult
+from ..sources.baselines import random_init_like, zero_like
+from ..sources.corpus import load_corpus
+from ..sources.models import load_config, load_model, load_tokenizer
+from ..sources.packing import PackedWindows, document_separator, pack_stream, special_prefix, token_stream
+from ..sources.resources import MemoryEstimate, ModelSize, check_fits, estimate_memory_of, model_size
+from .study import check_baselines, result_filename
+
+__all__ = [
+    "ContextScan",
+    "scan_context_lengths",
+    "scan_windows",
+    "DEFAULT_CONTEXT_LENGTHS",
+    "DEFAULT_SCAN",
+    "LAYER_GROUPS",
+    "length_folder",
+]
+
+#: The lengths scanned by default (Gemma 3's sliding window is 512: below, at and above it).
+DEFAULT_CONTEXT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
+
+#: The default scan: two windows of the longest length (16,384 window tokens per length), trained
+#: vs its own random initialisation, batches of about 4,096 tokens.
+DEFAULT_SCAN = {"n_tokens": 16384, "baselines": ("random_init",), "batch_tokens": 4096}
+
+#: Layer groups in table order (:meth:`~equivariance_probe.result.ProbeResult.layer_groups`).
+LAYER_GROUPS = ("all", "sliding", "global")
+
+
+def length_folder(context_length: int) -> str:
+    """The folder of one length's result files in a scan's output: ``T<length>``."""
+    return f"T{context_length}"
+
+
+@dataclass
+class ContextScan:
+    """The scan: one :class:`ProbeResult` per ``(length, variant)`` over the same text.
+
+    Attributes:
+        results: ``{T: {variant: ProbeResult}}``, lengths ascending, ``"trained"`` first.
+        windows: ``{T: description}`` of each length's windows
+            (:meth:`~equivariance_probe.sources.packing.PackedWindows.describe`).
+        estimates: ``{T: MemoryEstimate}`` checked before the run.
+        timings: ``{T: {variant: seconds}}`` (0 for a reused file).
+        reused: ``{T: [variants read from existing files]}``.
+        config: the arguments and the text's description.
+    """
+
+    results: dict[int, dict[str, ProbeResult]]
+    windows: dict[int, dict[str, Any]]
+    estimates: dict[int, MemoryEstimate]
+    timings: dict[int, dict[str, float]]
+    reused: dict[int, list[str]] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def context_lengths(self) -> list[int]:
+        return list(self.results)
+
+    @property
+    def variants(self) -> list[str]:
+        return list(next(iter(self.results.values())))
+
+    def groups(self) -> list[str]:
+        """The layer groups of the model, in :data:`LAYER_GROUPS` order (``["all"]`` for one kind of layer)."""
+        first = next(iter(next(iter(self.results.values())).values()))
+        return [group for group in LAYER_GROUPS if group in first.layer_groups()]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per ``(length, variant, layer group)``: every number of the table, and what it rests on.
+
+        Keys: ``context_length, variant, layers`` (``all``/``sliding``/``global``), ``n_layers``
+        (in the group), ``windows, tokens`` (window tokens, special prefix included),
+        ``text_tokens`` (stream tokens read), ``spans``; ``{scale}_{form}`` for the query-position
+        R² over the group's visible entries and ``persistence_{fit}_r2`` for the fits to its
+        ``P(dt)``; ``batch_size, seconds, reused, estimated_memory_gib``.
+        """
+        rows = []
+        for length, variants in self.results.items():
+            windows = self.windows[length]
+            for variant, result in variants.items():
+                summary = result.summary()
+                layers = result.layer_groups()
+                for group in self.groups():
+                    numbers = summary if group == "all" else summary["layer_groups"][group]
+                    row: dict[str, Any] = {
+                        "context_length": length, "variant": variant, "layers": group, "n_layers": len(layers[group]),
+                        "windows": result.n_windows, "tokens": result.n_tokens, "text_tokens": windows["text_tokens"],
+                        "spans": windows["n_spans"],
+                    }
+                    for scale in SCALES:
+                        for form in FORMS:
+                            row[f"{scale}_{form}"] = float(numbers["query_position_r2"][scale][form])
+                    for fit in FIT_NAMES:
+                        row[f"persistence_{fit}_r2"] = float(numbers["persistence_fit_r2"][fit])
+                    row["batch_size"] = int(result.metadata.get("batch_size", 0))
+                    row["seconds"] = self.timings[length][variant]
+                    row["reused"] = variant in self.reused.get(length, [])
+                    row["estimated_memory_gib"] = self.estimates[length].total / 2**30
+                    rows.append(row)
+        return rows
+
+    def table_rows(self) -> list[tuple[str, str, str, list[str]]]:
+        """The rows of :meth:`table`: ``(variant, layers, statistic, one cell per length)``."""
+        rows = self.rows()
+        by_key = {(r["context_length"], r["variant"], r["layers"]): r for r in rows}
+        lengths = self.context_lengths
+        lines: list[tuple[str, str, str, list[str]]] = []
+        first = [by_key[(length, self.variants[0], "all")] for length in lengths]
+        lines.append(("", "", "windows / window tokens", [f"{r['windows']} / {r['tokens']}" for r in first]))
+        lines.append(("", "", "stream tokens read (spans)", [f"{r['text_tokens']} ({r['spans']})" for r in first]))
+        for variant in self.variants:
+            for group in self.groups():
+                cells = [by_key[(length, variant, group)] for length in lengths]
+                name = f"{group} ({cells[0]['n_layers']})"
+                for scale in SCALES:
+                    for form in FORMS:
+                        lines.append((variant, name, f"QPVE {scale} {form}", [_cell(r[f"{scale}_{form}"]) for r in cells]))
+                for fit in FIT_NAMES:
+                    lines.append((variant, name, f"P(dt) {fit} fit R²", [_cell(r[f"persistence_{fit}_r2"]) for r in cells]))
+            seconds = [by_key[(length, variant, "all")] for length in lengths]
+            lines.append((variant, "", "seconds", ["reused" if r["reused"] else f"{r['seconds']:.1f}" for r in seconds]))
+        return lines
+
+    def table(self) -> str:
+        """Markdown: one column per length ``T``, one row per ``(variant, layer group, statistic)``."""
+        lines = ["| variant | layers | statistic | " + " | ".join(f"T = {t}" for t in self.context_lengths) + " |",
+                 "|---|---|---|" + "---|" * len(self.context_lengths)]
+        lines += [f"| {variant} | {layers} | {name} | " + " | ".join(cells) + " |"
+                  for variant, layers, name, cells in self.table_rows()]
+        return "\n".join(lines)
+
+    def save(self, folder: str | os.PathLike) -> dict[str, Path]:
+        """Write ``scan.md``, ``scan.csv``, ``scan.json``, and every result file not yet in ``folder``
+        (``T<length>/results.safetensors``, ``T<length>/baseline_<name>.safetensors``); the figure
+        is drawn by the display layer (:func:`~equivariance_probe.display.scan.save_scan`)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        for length, variants in self.results.items():
+            for variant, result in variants.items():
+                path = folder / length_folder(length) / result_filename(variant)
+                if not path.is_file():
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    result.save(path)
+        rows = self.rows()
+        paths = {"csv": folder / "scan.csv", "json": folder / "scan.json", "markdown": folder / "scan.md"}
+        with paths["csv"].open("w", newline="", encoding="utf-8") as stream:
+            writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        document = {"config": self.config, "rows": rows, "windows": {str(t): w for t, w in self.windows.items()},
+                    "estimates": {str(t): e.describe() for t, e in self.estimates.items()},
+                    "timings": {str(t): v for t, v in self.timings.items()},
+                    "reused": {str(t): v for t, v in self.reused.items()}}
+        paths["json"].write_text(json.dumps(document, indent=1, allow_nan=False, default=_json_number) + "\n",
+                                 encoding="utf-8")
+        paths["markdown"].write_text(
+            f"# Equivariance probe: context-length scan of {self.config.get('model')}\n\n"
+            f"{self.config.get('text_description', '')}\n\n"
+            "QPVE: query-position R² over every visible entry of the layers in the group (log scale: "
+            "y = log max(a, eps)). P(dt): R² of each fit to the group's persistence curve. Layer groups are "
+            "the model's declared kinds (sliding-window and global layers), whatever T.\n\n"
+            f"{self.table()}\n\nConfiguration: `{json.dumps(self.config.get('arguments', {}))}`\n",
+            encoding="utf-8",
+        )
+        return paths
+
+
+def _cell(value: float) -> str:
+    return "n/a" if not np.isfinite(value) else f"{value:.4f}"
+
+
+def _json_number(value: Any) -> Any:
+    return None if isinstance(value, float) and not np.isfinite(value) else str(value)
+
+
+# ----------------------------------------------------------------------------- the text
+
+
+def scan_windows(
+    documents: Sequence[str],
+    tokenizer: Any,
+    context_lengths: Sequence[int],
+    n_tokens: int,
+    *,
+    pack: bool = False,
+) -> dict[int, PackedWindows]:
+    """The windows of every length, cut from one stream in the spans of the longest length.
+
+    Args:
+        documents: texts, in order.
+        tokenizer: the model's tokenizer.
+        context_lengths: the lengths ``T``.
+        n_tokens: window tokens at the longest length: ``n_tokens // T_max`` spans are read.
+        pack: ``True``: the EOS-separated concatenation of the documents; ``False``: the first
+            ``T_max - len(prefix)`` tokens of each document that has that many.
+
+    Returns:
+        ``{T: PackedWindows}``, lengths ascending.
+
+    Raises:
+        EmptyCorpusError: the corpus does not give ``n_tokens // T_max`` spans.
+    """
+    lengths = sorted(context_lengths)
+    longest = lengths[-1]
+    prefix = special_prefix(tokenizer)
+    protocol = "packed" if pack else "document_prefixes"
+    separator = document_separator(tokenizer) if pack else ()
+    span = longest - len(prefix)
+    n_spans = n_tokens // longest
+    stream, used = token_stream(documents, tokenizer, protocol=protocol, separator=separator, span_tokens=span,
+                                max_tokens=n_spans * span)
+    if len(stream) < n_spans * span:
+        what = (f"documents of at least {span} tokens" if not pack else "tokens in the whole corpus")
+        raise EmptyCorpusError(
+            f"n_tokens={n_tokens} asks for {n_spans} spans of {span} stream tokens (windows of {longest} tokens), "
+            f"but the corpus gives {len(stream) // span} ({used} {what}); lower {option('n_tokens')} or the longest "
+            f"{option('context_lengths')}, pass a larger corpus"
+            + ("" if pack else f", or pack the documents ({option('pack', True)})")
+        )
+    return {length: pack_stream(stream, length, prefix=prefix, span_tokens=span, separator=separator,
+                                protocol=protocol, n_documents=used) for length in lengths}
+
+
+# ----------------------------------------------------------------------------- checks before running
+
+
+def _check_lengths(context_lengths: Sequence[int], n_tokens: int, batch_size: int | None) -> list[int]:
+    lengths = list(context_lengths)
+    if not lengths or any(isinstance(t, bool) or not isinstance(t, int) or t < 2 for t in lengths):
+        raise InputError(f"context_lengths must be integers of at least 2 tokens, e.g. {list(DEFAULT_CONTEXT_LENGTHS)}; "
+                         f"got {lengths!r}")
+    if len(set(lengths)) != len(lengths):
+        raise InputError(f"context_lengths {lengths} name a length twice; give each length once")
+    lengths.sort()
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < lengths[-1]:
+        raise InputError(f"{option('n_tokens', n_tokens)} must be at least the longest context length {lengths[-1]} (one window "
+                         f"of it); pass {option('n_tokens', 2 * lengths[-1])} for two")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise InputError(f"batch_size must be a positive integer or None (about 4096 tokens per batch), got {batch_size!r}")
+    return lengths
+
+
+def _batch_size(length: int, batch_size: int | None) -> int:
+    return batch_size if batch_size is not None else max(1, DEFAULT_SCAN["batch_tokens"] // length)
+
+
+def _check_fits(size: ModelSize, lengths: list[int], batch_size: int | None, copies: int,
+                memory_limit: int | None) -> dict[int, MemoryEstimate]:
+    """Refuse, before anything runs, lengths over the model's maximum context or over the memory limit."""
+    too_long = [t for t in lengths if size.max_context is not None and t > size.max_context]
+    if too_long:
+        raise ContextLengthError(
+            f"context lengths {too_long} are longer than this model's maximum context of {size.max_context} tokens; "
+            f"drop them from {option('context_lengths')} (at most {size.max_context})"
+        )
+    estimates = {t: estimate_memory_of(size, context_length=t, batch_size=_batch_size(t, batch_size), copies=copies)
+                 for t in lengths}
+    check_fits(estimates, memory_limit, what="context lengths ",
+               name=lambda t: f"T = {t} (batch {_batch_size(t, batch_size)})",
+               fix=f"Lower {option('batch_size')}, drop these lengths from {option('context_lengths')}, or free memory "
+                   f"({option('memory_limit')} sets the limit)")
+    return estimates
+
+
+# ----------------------------------------------------------------------------- resuming
+
+
+def _reusable(path: Path, identity: dict[str, Any], windows: PackedWindows) -> ProbeResult | None:
+    """The complete result at ``path`` if it was measured on this model, text and settings; ``None``
+    if there is no file. A file of another scan is refused, never overwritten."""
+    if not path.is_file():
+        return None
+    result = ProbeResult.load(path)
+    stored = (result.metadata.get("scan") or {}).get("identity")
+    if not result.complete or stored != identity:
+        differs = ("it is partial" if not result.complete else "it is not a scan's result" if not isinstance(stored, dict)
+                   else "its " + ", ".join(k for k in sorted(set(identity) | set(stored)) if identity.get(k) != stored.get(k))
+                   + " differ")
+        raise CheckpointError(
+            f"{path} cannot be reused by this scan ({differs}); choose another output folder, or delete the file "
+            "to measure it again"
+        )
+    expected = np.sort(window_fingerprints(windows.tokens))
+    if not np.array_equal(np.sort(result.statistics.window_fingerprints), expected):
+        raise CheckpointError(f"{path} holds other windows than this scan cuts at T = {windows.context_length}; "
+                              "choose another output folder, or delete the file to measure it again")
+    return result
+
+
+# ----------------------------------------------------------------------------- the scan
+
+
+def scan_context_lengths(
+    model: str | tuple[Any, Any] = "gemma-3-270m",
+    *,
+    context_lengths: Sequence[int] = DEFAULT_CONTEXT_LENGTHS,
+    corpus: Any = None,
+    n_tokens: int = DEFAULT_SCAN["n_tokens"],
+    pack: bool = False,
+    baselines: Sequence[str] = DEFAULT_SCAN["baselines"],
+    batch_size: int | None = None,
+    exclude_keys: Sequence[int] = (),
+    seed: int = 0,
+    out: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    memory_limit: int | None = None,
+    progress: bool = True,
+    attn_implementation: str = "sdpa",
+) -> ContextScan:
+    """Run the trained model and its baselines on the same text at every context length.
+
+    Args:
+        model: a model name (packaged, local folder or cached hub name; loaded with
+            :func:`~equivariance_probe.sources.models.load_model`) or a loaded ``(model, tokenizer)``.
+        context_lengths: the lengths ``T`` (any order; run shortest first).
+        corpus: anything :func:`~equivariance_probe.sources.corpus.load_corpus` reads (``None``: the
+            packaged Wikipedia articles).
+        n_tokens: window tokens per length: ``n_tokens // T_max`` spans of the longest length ``T_max``.
+        pack: concatenate the documents with EOS between them (``False``: each span is the start of
+            one document; see the module docstring).
+        baselines: any of ``"random_init"``, ``"zero"``.
+        batch_size: windows per forward pass at every length; ``None``: ``max(1, 4096 // T)``.
+        exclude_keys: key positions left out of every statistic.
+        seed: seed of the random initialisation.
+        out: folder for the result files, written as each is measured; complete files of the same
+            scan already there are reused.
+        cache_dir: where converted packaged models are cached.
+        memory_limit: bytes a length may need; ``None``: the memory available now.
+        progress: show progress bars.
+        attn_implementation: the attention kernel the model runs (``"sdpa"``, ``"eager"``, ...).
+
+    Returns:
+        A :class:`ContextScan`.
+
+    Raises:
+        ContextLengthError: a length exceeds the model's maximum context (checked before anything runs).
+        InsufficientMemoryError: a length's estimated need exceeds ``memory_limit`` (likewise).
+        EmptyCorpusError: the corpus does not fill ``n_tokens // T_max`` spans.
+        CheckpointError: ``out`` holds a result file of another scan.
+        InputError: bad arguments.
+    """
+    lengths = _check_lengths(context_lengths, n_tokens, batch_size)
+    check_baselines(baselines)
+    loaded = model if isinstance(model, tuple) else None
+    name = str(model) if loaded is None else None
+    size = model_size(loaded[0] if loaded is not None else load_config(name, cache_dir=cache_dir))
+    estimates = _check_fits(size, lengths, batch_size, 2 if baselines else 1, memory_limit)
+
+    tokenizer = loaded[1] if loaded is not None else load_tokenizer(name, cache_dir=cache_dir)
+    windows = scan_windows(load_corpus(corpus), tokenizer, lengths, n_tokens, pack=pack)
+    longest = windows[lengths[-1]]
+    start = time.perf_counter()
+    network = loaded[0] if loaded is not None else load_model(name, cache_dir=cache_dir,
+                                                              attn_implementation=attn_implementation)[0]
+    load_seconds = time.perf_counter() - start
+    stream = longest.tokens[:, len(longest.prefix):]
+    # What the numbers depend on: the model's weights, the text, and how it is measured. A result
+    # file of the scan is reused only under the same identity (and the same windows).
+    measured = {"model": model_identity(network), "stream": corpus_fingerprint([stream])["sha256"],
+                "protocol": longest.protocol, "span_tokens": longest.span_tokens, "n_spans": longest.n_spans,
+                "prefix": list(longest.prefix), "exclude_keys": list(exclude_keys)}
+    text = (f"{longest.n_spans} spans of {longest.span_tokens} stream tokens "
+            + (f"from {longest.n_documents} documents concatenated with EOS {list(longest.separator)} between them"
+               if pack else f"(the first {longest.span_tokens} tokens of {longest.n_documents} documents)")
+            + f", each window after the special prefix {list(longest.prefix)}; every length reads the same spans.")
+    config = {
+        "model": name if name is not None else measured["model"].get("name_or_path") or measured["model"]["class"],
+        "arguments": {"context_lengths": lengths, "n_tokens": n_tokens, "pack": pack, "baselines": list(baselines),
+                      "batch_size": batch_size, "exclude_keys": list(exclude_keys), "seed": seed,
+                      "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
+                      "attn_implementation": attn_implementation if loaded is None else None},
+        "text_description": text,
+        "load_seconds": load_seconds,
+    }
+    variants: list[tuple[str, Any]] = [("trained", lambda: network)]
+    if "random_init" in baselines:
+        variants.append(("random_init", lambda: random_init_like(network, seed=seed)))
+    if "zero" in baselines:
+        variants.append(("zero", lambda: zero_like(network)))
+
+    results: dict[int, dict[str, ProbeResult]] = {t: {} for t in lengths}
+    timings: dict[int, dict[str, float]] = {t: {} for t in lengths}
+    reused: dict[int, list[str]] = {t: [] for t in lengths}
+    folder = Path(out) if out is not None else None
+    for variant, build in variants:
+        identity = {**measured, "variant": variant, "seed": seed if variant == "random_init" else None}
+        probe = None  # a baseline is built only if one of its lengths must be measured
+        for length in lengths:
+            path = folder / length_folder(length) / result_filename(variant) if folder is not None else None
+            existing = _reusable(path, identity, windows[length]) if path is not None else None
+            if existing is not None:
+                results[length][variant], timings[length][variant] = existing, 0.0
+                reused[length].append(variant)
+                continue
+            if probe is None:
+                probe = EquivarianceProbe(build(), tokenizer=tokenizer)
+            start = time.perf_counter()
+            result = probe.run(windows[length], context_length=length, batch_size=_batch_size(length, batch_size),
+                               exclude_keys=exclude_keys, progress=progress)
+            timings[length][variant] = time.perf_counter() - start
+            # The study's metadata, so that a report of one length shows its baselines beside it.
+            result.metadata.update(
+                label=variant,
+                study={"model": config["model"], "context_length": length, "baselines": list(baselines),
+                       "exclude_keys": list(exclude_keys), "seed": seed},
+                scan={"identity": identity, "context_lengths": lengths, "n_tokens": n_tokens, "pack": pack},
+            )
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                result.save(path)
+            results[length][variant] = result
+        del probe
+        gc.collect()  # the baseline just measured leaves memory before the next is built
+    return ContextScan(results, {t: w.describe() for t, w in windows.items()}, estimates, timings, reused, config)
