@@ -37,6 +37,7 @@ __all__ = [
     "MissingAPIKeyError",
     # results, files and checkpoints
     "NotRunError",
+    "IntervalUnavailableError",
     "IncompatibleResultsError",
     "ResultFileError",
     "CheckpointError",
@@ -100,6 +101,12 @@ class MissingAPIKeyError(RemoteExecutionError):
 # -- results, files and checkpoints -----------------------------------------------------------------
 class NotRunError(EquivarianceProbeError, RuntimeError):
     """Results were asked for before any data was run, or from state a run did not keep."""
+
+
+class IntervalUnavailableError(NotRunError):
+    """An interval was asked for that the result cannot give: fewer than two non-empty groups of
+    windows, no per-group sums (a run without interval groups, a file written before them, a remote
+    run's batches), or a statistic whose per-group state is not kept."""
 
 
 class IncompatibleResultsError(EquivarianceProbeError, ValueError):
