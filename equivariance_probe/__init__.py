@@ -16,6 +16,8 @@ Measure:
 * :class:`EquivarianceProbe` — wrap a model, ``run`` documents, get a :class:`ProbeResult`.
 * :class:`ProbeResult` — query-position R², persistence curves and fits, Toeplitz R²;
   ``save``/``load``/``merge``; :class:`PersistenceCurves`.
+* :class:`Interval`, :func:`paired_difference` — confidence intervals over windows (delete-a-group
+  jackknife: ``interval=0.95`` on the result's methods) and paired differences of two results.
 * :class:`AttentionStatistics` — the streaming float64 sums behind every number.
 * :func:`get_adapter`, :class:`Adapter`, :class:`AttentionLayout`, :data:`SUPPORTED_MODELS` —
   the framework seam.
@@ -56,6 +58,7 @@ from .errors import (
     IncompatibleResultsError,
     InputError,
     InsufficientMemoryError,
+    IntervalUnavailableError,
     MissingAPIKeyError,
     ModelFileError,
     ModelNotFoundError,
@@ -71,7 +74,8 @@ from .maths.metrics import toeplitz_r2
 from .probe import EquivarianceProbe
 from .records.provenance import window_fingerprint
 from .records.sharding import Shard
-from .result import PersistenceCurves, ProbeResult
+from .maths.intervals import Interval
+from .result import PersistenceCurves, ProbeResult, paired_difference
 from .runs.compare import Comparison, compare_models
 from .runs.positional import PositionalStudy, run_positional
 from .runs.scan import ContextScan, scan_context_lengths
@@ -91,6 +95,8 @@ __all__ = [
     "EquivarianceProbe",
     "ProbeResult",
     "PersistenceCurves",
+    "Interval",
+    "paired_difference",
     "AttentionStatistics",
     "Adapter",
     "AttentionLayout",
@@ -149,6 +155,7 @@ __all__ = [
     "MissingAPIKeyError",
     "NotRunError",
     "UndefinedStatisticError",
+    "IntervalUnavailableError",
     "IncompatibleResultsError",
     "ResultFileError",
     "CheckpointError",

@@ -66,6 +66,7 @@ FLAGS = {
     "pack": "--pack",
     "context_lengths": "--context-lengths",
     "n_tokens": "--n-tokens",
+    "interval_groups": "--interval-groups",
 }
 
 
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .runs.compare import DEFAULT_COMPARE_MODELS, DEFAULT_COMPARISON
     from .runs.scan import DEFAULT_CONTEXT_LENGTHS, DEFAULT_SCAN
     from .runs.study import BASELINES, DEFAULT_STUDY
+    from .statistics.groups import DEFAULT_INTERVAL_GROUPS
 
     # One function per shared option group: argparse shares a parent's actions with every child,
     # so each subcommand gets its own copy (its defaults differ).
@@ -164,6 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
             (("--seed",), {"type": int, "default": 0, "help": "seed of random initialisations, samples and permutations"}),
         )
 
+    def intervals() -> argparse.ArgumentParser:
+        return _parent((("--interval-groups",), {
+            "type": _non_negative, "default": DEFAULT_INTERVAL_GROUPS,
+            "help": "groups of windows (by fingerprint) for the 95%% intervals, a delete-a-group jackknife; "
+                    "0 for none (default %(default)s)"}))
+
     def baselines(default: Sequence[str]) -> argparse.ArgumentParser:
         return _parent((("--baselines",), {"type": _names, "default": list(default),
                                            "help": f"comma-separated baselines from {sorted(BASELINES)}, or 'none' "
@@ -195,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = commands.add_parser("run", parents=[output(), model(), kernel(), corpus(), windows(**DEFAULT_STUDY),
                                               packing("one window per document, its first T tokens"),
-                                              baselines(BASELINES), measured(), display()],
+                                              baselines(BASELINES), measured(), intervals(), display()],
                               help="run the study on a model and corpus and write results and figures")
     run.set_defaults(handler=_run)
     run.add_argument("--backend", default="huggingface", choices=["huggingface", "transformer_lens", "nnsight"])
@@ -247,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sizes = {key: DEFAULT_COMPARISON[key] for key in ("n_docs", "context_length", "batch_size")}
     compare = commands.add_parser("compare", parents=[output(), kernel(), corpus(), windows(**sizes),
-                                                      baselines(DEFAULT_COMPARISON["baselines"]), measured(), memory(),
+                                                      baselines(DEFAULT_COMPARISON["baselines"]), measured(), memory(), intervals(),
                                                       display()],
                                   help="run the study on several models over the same windows: one table and figure")
     compare.set_defaults(handler=_compare)
@@ -317,7 +325,8 @@ def _study_options(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
     """The keyword arguments ``run`` and ``compare`` pass alike to their study function."""
     return dict(corpus=documents, n_docs=args.n_docs, context_length=args.context_length, batch_size=args.batch_size,
                 baselines=args.baselines, exclude_keys=args.exclude_keys, seed=args.seed, cache_dir=args.cache_dir,
-                progress=not args.no_progress, attn_implementation=args.attn_implementation)
+                progress=not args.no_progress, attn_implementation=args.attn_implementation,
+                interval_groups=args.interval_groups)
 
 
 def _memory_limit(args: argparse.Namespace) -> int | None:
@@ -375,7 +384,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         wrote += positional["wrote"]
         numbers["positional"] = positional["study"].summary()
-    _print(args, f"{study.table()}\n\n{study.heads()}", numbers, wrote)
+    _print(args, study.report_text(), numbers, wrote)
     clear_checkpoint(out / CHECKPOINT_FOLDER)  # only once the results are on disk
     return 0
 

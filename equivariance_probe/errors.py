@@ -38,6 +38,7 @@ __all__ = [
     # results, files and checkpoints
     "NotRunError",
     "UndefinedStatisticError",
+    "IntervalUnavailableError",
     "IncompatibleResultsError",
     "ResultFileError",
     "CheckpointError",
@@ -106,6 +107,12 @@ class NotRunError(EquivarianceProbeError, RuntimeError):
 class UndefinedStatisticError(EquivarianceProbeError, ValueError):
     """A statistic has no value for this model or data, for a reason it names (e.g. the query-position
     prior of a bidirectional encoder is the same for every query: there is nothing for it to explain)."""
+
+
+class IntervalUnavailableError(NotRunError):
+    """An interval was asked for that the result cannot give: fewer than two non-empty groups of
+    windows, no per-group sums (a run without interval groups, a file written before them, a remote
+    run's batches), or a statistic whose per-group state is not kept."""
 
 
 class IncompatibleResultsError(EquivarianceProbeError, ValueError):

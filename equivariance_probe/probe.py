@@ -34,6 +34,7 @@ from .result import ProbeResult
 from .sources.packing import PackedWindows, windows_record
 from .sources.padding import check_not_left_padded, rows_from_encoding
 from .statistics import AttentionStatistics
+from .statistics.groups import DEFAULT_INTERVAL_GROUPS, as_keys
 from .statistics.masks import KEY_BINS
 
 __all__ = ["EquivarianceProbe", "DEFAULT_CONTEXT_LENGTH", "progress_bar"]
@@ -183,6 +184,8 @@ class EquivarianceProbe:
         device: str | torch.device | None = None,
         key_bins: int = KEY_BINS,
         engine: str = "auto",
+        interval_groups: int = DEFAULT_INTERVAL_GROUPS,
+        resampling_keys: Any = None,
     ) -> ProbeResult:
         """Run documents through the model and return their attention statistics.
 
@@ -215,6 +218,16 @@ class EquivarianceProbe:
             engine: how attention recomputed from queries and keys is reduced: ``"auto"`` (a
                 fused Triton kernel on CUDA where Triton imports, else torch in query blocks),
                 ``"torch"`` or ``"triton"``. The result's ``metadata["engine"]`` says which ran.
+            interval_groups: ``G``, groups of windows for the intervals over windows (the
+                delete-a-group jackknife: ``result.query_position_r2(..., interval=0.95)``); 0 for
+                none. Each group keeps ``8·(2·L·H·T + 4·L·H + L·T + T + 1)`` bytes (1.2 MB for
+                Gemma 3 270M at T = 1024); only groups that hold windows are kept.
+            resampling_keys: one 64-bit integer per window, in the order the windows are read (one
+                per string, one per row of a token tensor; skipped windows included), choosing each
+                window's interval group; windows with the same key share a group, so runs over
+                different windowings of one text (a context-length scan) can pair their groups by
+                text region (:func:`~equivariance_probe.result.paired_difference`). Default: each
+                window's fingerprint, which gives every shard, resumed run and merge the same groups.
 
         Returns:
             A :class:`ProbeResult`. If the run stops with an error (or an interrupt), the
@@ -245,7 +258,13 @@ class EquivarianceProbe:
             key_bins=key_bins,
             engine=engine,
             causal=layout.causal,
+            interval_groups=interval_groups,
         )
+        keys = None if resampling_keys is None else as_keys(resampling_keys)
+        if keys is not None and isinstance(docs, torch.Tensor):
+            rows = 1 if docs.dim() == 1 else int(docs.shape[0])
+            if len(keys) != rows:
+                raise InputError(f"resampling_keys has {len(keys)} keys for a tensor of {rows} windows; give one key per row")
         metadata = self._metadata(context_length, batch_size, min_tokens)
         metadata["windows"] = windows
         result = ProbeResult(statistics, metadata)
@@ -257,19 +276,28 @@ class EquivarianceProbe:
         skipped = 0
         try:
             batch: list[list[int]] = []
-            for row in self._rows(docs, context_length):
+            batch_keys: list[int] = []
+            read = 0
+            for read, row in enumerate(self._rows(docs, context_length), 1):
                 bar.update(1)
+                if keys is not None and read > len(keys):
+                    raise InputError(f"resampling_keys has {len(keys)} keys, but docs hold more windows; give one key per "
+                                     "window (one per string, one per row of a token tensor)")
                 if row is None or len(row) < min_tokens:
                     skipped += 1
                     continue
                 batch.append(row)
+                batch_keys.append(read - 1)
                 if max_windows is not None and statistics.n_windows + len(batch) >= max_windows:
                     break
                 if len(batch) == batch_size:
-                    self._run_batch(batch, statistics)
-                    batch = []
+                    self._run_batch(batch, statistics, None if keys is None else keys[batch_keys])
+                    batch, batch_keys = [], []
+            else:
+                if keys is not None and read != len(keys):
+                    raise InputError(f"resampling_keys has {len(keys)} keys for {read} windows; give one key per window")
             if batch:
-                self._run_batch(batch, statistics)
+                self._run_batch(batch, statistics, None if keys is None else keys[batch_keys])
         except (EquivarianceProbeError, KeyboardInterrupt, RuntimeError) as error:
             statistics.abort_batch()
             metadata["engine"] = self._engine(statistics)
@@ -300,7 +328,7 @@ class EquivarianceProbe:
             "paths": dict(statistics.paths),
         }
 
-    def _run_batch(self, rows: list[list[int]], statistics: AttentionStatistics) -> None:
+    def _run_batch(self, rows: list[list[int]], statistics: AttentionStatistics, keys: Any = None) -> None:
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
         width = int(lengths.max())
         # Right padding: under a causal mask no real query sees a padding key, so the pad
@@ -311,7 +339,7 @@ class EquivarianceProbe:
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         # Each window's fingerprint goes with its sums (kept only if the batch is added), so that
         # results that share a window refuse to merge, whichever path reduced the batch.
-        statistics.begin_batch(lengths, fingerprints=window_fingerprints(rows))
+        statistics.begin_batch(lengths, fingerprints=window_fingerprints(rows), resampling_keys=keys)
         self.adapter.run_statistics(tokens, statistics)
         statistics.end_batch()
 

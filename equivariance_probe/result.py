@@ -10,6 +10,13 @@ without the model (:mod:`~equivariance_probe.records.result_file` holds the file
 A loaded result is lazy: :meth:`ProbeResult.load` reads the file's header (metadata and the
 headline numbers of :meth:`ProbeResult.summary`), and the sums load, checksum verified, the
 first time a number needs them.
+
+Intervals over windows: the statistics keep per-group sums of the windows
+(:mod:`~equivariance_probe.statistics.groups`), every number with an interval
+(:data:`~equivariance_probe.analyses.intervals.INTERVAL_STATISTICS`) is recomputed on every
+window but one group's (:mod:`~equivariance_probe.analyses.intervals`), and the delete-a-group
+jackknife turns the replicates into an :class:`~equivariance_probe.maths.intervals.Interval`
+(``interval=0.95`` on the methods, :meth:`ProbeResult.interval`, :func:`paired_difference`).
 """
 
 from __future__ import annotations
@@ -23,10 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from .analyses.heads import HeadRanking, head_scores, rank_heads
-from .errors import IncompatibleResultsError, InputError, NotRunError, UndefinedStatisticError, check_choice
+from .analyses import intervals as resampling
+from .analyses.heads import TOP_K, HeadRanking, head_scores, rank_heads, ranking_stability
+from .errors import IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_choice
 from .maths import fitting, metrics
-from .maths.persistence import PersistenceCurves, persistence_curves
+from .maths.intervals import Interval, check_level, format_interval, jackknife_interval, windows_for_half_width
+from .maths.persistence import PersistenceCurves, lag_curves, persistence_curves
 from .records.result_file import FORMAT_VERSION, ResultFile, open_result_file, write_result_file
 from .records.sharding import merged_provenance
 from .sources.packing import merged_windows_record
@@ -34,10 +43,28 @@ from .sources.registry import name_of_converted_copy
 from .statistics import AttentionStatistics
 from .statistics.masks import key_bin_edges, lag_values, layer_groups
 
-__all__ = ["ProbeResult", "PersistenceCurves", "FORMAT_VERSION", "summary_table", "summary_rows"]
+__all__ = [
+    "ProbeResult",
+    "PersistenceCurves",
+    "Interval",
+    "FORMAT_VERSION",
+    "summary_table",
+    "summary_rows",
+    "paired_difference",
+    "paired_rows",
+    "difference_table",
+    "windows_needed_text",
+    "summary_value",
+    "paired_differences",
+    "DIFFERENCE_STATISTICS",
+]
 
 #: Key-position bins of the Figure 1c numbers in :meth:`ProbeResult.summary`.
 SUMMARY_KEY_BINS = 16
+#: Confidence level of the intervals :meth:`ProbeResult.summary` stores.
+SUMMARY_LEVEL = 0.95
+#: The ``±`` the study's summary says how many windows would reach, on the log fitted R².
+TARGET_HALF_WIDTH = 0.005
 
 #: Why the prior and fitted query-position R² have no value for a bidirectional encoder.
 BIDIRECTIONAL_PRIOR = (
@@ -71,6 +98,8 @@ class ProbeResult:
         # The last computed summary and the state it describes (statistics object, windows, tokens):
         # a run adds windows to its statistics in place, so a summary of fewer windows is stale.
         self._computed_summary: tuple[tuple[int, int, int], dict[str, Any]] | None = None
+        # The jackknife's replicates (sums, then values per statistic) and the state they describe.
+        self._replicate_cache: tuple[tuple[int, int, int], dict[Any, Any]] | None = None
 
     @property
     def statistics(self) -> AttentionStatistics:
@@ -168,7 +197,8 @@ class ProbeResult:
             declared = self.statistics.sliding_windows
         return layer_groups(declared)
 
-    def query_position_r2(self, scale: str = "log", form: str = "fitted", by: str | None = None) -> Any:
+    def query_position_r2(self, scale: str = "log", form: str = "fitted", by: str | None = None,
+                          interval: float | None = None) -> Any:
         """How much of the variance of attention the query position alone explains.
 
         Args:
@@ -180,12 +210,17 @@ class ProbeResult:
             by: ``None`` for one number over all entries, ``"layer"`` for ``[layer]``,
                 ``"head"`` for ``[layer, head]``, ``"layer_group"`` for ``{group: R²}`` over the
                 entries of each group of :meth:`layer_groups` (``"all"`` equals ``by=None``).
+            interval: a confidence level (``0.95``) to get an :class:`Interval` over windows instead
+                of the number (arrays inside for ``"layer"`` and ``"head"``, a dict of them for
+                ``"layer_group"``); see :meth:`interval`.
         """
         check_choice("scale", scale, metrics.SCALES)
         check_choice("form", form, metrics.FORMS)
         check_choice("by", by, (None, "total", "layer", "head", "layer_group"))
         if f"query_position_r2.{form}" in self.undefined():
             raise UndefinedStatisticError(f"the {form} query-position R² is {self.undefined()[f'query_position_r2.{form}']}")
+        if interval is not None:
+            return self.interval(f"{scale}_{form}", None if by == "total" else by, level=interval)
         arrays = self._require_data()
         prefix = "log" if scale == "log" else "raw"
         visible = self.statistics.visible_keys().numpy()
@@ -233,7 +268,7 @@ class ProbeResult:
         return int(self._require_data()["query_count"].sum() * self.n_heads)
 
     # -- persistence -------------------------------------------------------------------------
-    def persistence(self, by: str | None = None, bins: int = 16) -> Any:
+    def persistence(self, by: str | None = None, bins: int = 16, interval: float | None = None) -> Any:
         """Mean attention by distance ``P(dt)`` with power, exponential and uniform-prior fits.
 
         Args:
@@ -242,32 +277,24 @@ class ProbeResult:
                 grouped into ``bins`` equal-width bins), or ``"layer_group"``: a dict
                 ``{group: PersistenceCurves}`` over the layers of each group of :meth:`layer_groups`.
             bins: number of key-position bins for ``by="key_position"``.
+            interval: a confidence level (``0.95``) to attach each fit's R² interval over windows
+                (``curves.r2_interval("prior")``; ``by`` ``None``, ``"layer"`` or ``"layer_group"``).
 
         Returns:
             :class:`PersistenceCurves` (a dict of them for ``by="layer_group"``).
         """
         check_choice("by", by, (None, "layer", "head", "key_position", "layer_group"))
         arrays = self._require_data()
-        heads = self.n_heads
-        dt = lag_values(self.statistics.n_positions, self.causal).numpy()
-        if by == "layer_group":
-            return {
-                group: persistence_curves(
-                    arrays["lag_sum"][list(layers)].sum((0, 1)),
-                    heads * arrays["lag_prior_sum"][list(layers)].sum(0),
-                    heads * arrays["lag_count"][list(layers)].sum(0),
-                    None,
-                    dt=dt,
-                )
-                for group, layers in self.layer_groups().items()
-            }
-        if by == "head":
-            counts = np.broadcast_to(arrays["lag_count"][:, None, :], arrays["lag_sum"].shape)
-            priors = np.broadcast_to(arrays["lag_prior_sum"][:, None, :], arrays["lag_sum"].shape)
-            return persistence_curves(arrays["lag_sum"], priors, counts, by, dt=dt)
-        if by == "layer":
-            return persistence_curves(arrays["lag_sum"].sum(1), heads * arrays["lag_prior_sum"], heads * arrays["lag_count"], by,
-                                      dt=dt)
+        if interval is not None:
+            resampling.check_statistic("prior_fit", by)
+            intervals = {fit: self.interval(f"{fit}_fit", by, level=interval) for fit in fitting.FIT_NAMES}
+            curves = self.persistence(by)
+            if by == "layer_group":
+                for group, group_curves in curves.items():
+                    group_curves.intervals = {fit: intervals[fit][group] for fit in fitting.FIT_NAMES}
+            else:
+                curves.intervals = intervals
+            return curves
         if by == "key_position":
             stored = self.statistics.key_bins
             if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
@@ -285,26 +312,33 @@ class ProbeResult:
                 return out
 
             return persistence_curves(binned("key_lag_sum"), binned("key_lag_prior_sum"), binned("key_lag_count"), by, edges,
-                                      dt=dt)
-        return persistence_curves(
-            arrays["lag_sum"].sum((0, 1)), heads * arrays["lag_prior_sum"].sum(0), heads * arrays["lag_count"].sum(0), None,
-            dt=dt,
-        )
+                                      dt=self._lags())
+        return lag_curves(arrays, self.n_heads, by, self.layer_groups(), dt=self._lags())
+
+    def _lags(self) -> np.ndarray:
+        """The lag ``dt`` of each column of the lag sums: ``0 .. T-1``, signed ``-(T-1) .. T-1`` for an encoder."""
+        return lag_values(self.statistics.n_positions, self.causal).numpy()
 
     # -- Toeplitz --------------------------------------------------------------------------------
-    def toeplitz_r2(self, by: str = "head") -> np.ndarray:
+    def toeplitz_r2(self, by: str = "head", interval: float | None = None) -> Any:
         """Toeplitz R² per head ``[layer, head]`` (TISA appendix B), over visible entries.
 
         Args:
-            by: ``"head"`` on the document-averaged pattern (needs ``keep_pattern``), or
-                ``"head_per_doc"`` for the mean of per-window scores.
+            by: ``"head"`` on the document-averaged pattern (needs ``keep_pattern``),
+                ``"head_per_doc"`` for the mean of per-window scores, ``"per_doc_mean"`` for that
+                mean over heads too (one number: the summary's).
+            interval: a confidence level (``0.95``) to get an :class:`Interval` over windows
+                (``"head_per_doc"`` and ``"per_doc_mean"``; the document-averaged pattern has no
+                per-group state, and asking raises :class:`IntervalUnavailableError` saying so).
         """
-        check_choice("by", by, ("head", "head_per_doc"))
+        check_choice("by", by, ("head", "head_per_doc", "per_doc_mean"))
+        split = {"head": "head", "head_per_doc": "head", "per_doc_mean": None}[by]
+        if interval is not None:
+            return self.interval("toeplitz" if by == "head" else "toeplitz_per_doc", split, level=interval)
         arrays = self._require_data()
-        if by == "head_per_doc":
-            with np.errstate(invalid="ignore", divide="ignore"):
-                count = arrays["doc_toeplitz_count"]
-                return np.where(count > 0, arrays["doc_toeplitz_sum"] / np.where(count > 0, count, 1), np.nan)
+        if by != "head":
+            value = resampling.toeplitz_per_doc(arrays["doc_toeplitz_sum"], arrays["doc_toeplitz_count"], split)
+            return value if split else float(value)
         if "pattern_sum" not in arrays:
             raise NotRunError(
                 "the Toeplitz R² of the document-averaged pattern needs the summed pattern, which this run did "
@@ -358,6 +392,117 @@ class ProbeResult:
         t, dt = np.nonzero(visible)
         out[t + dt, t] = key_lag[t, dt]
         return out
+
+    # -- intervals over windows ------------------------------------------------------------------
+    def interval(self, statistic: str, by: str | None = None, level: float = 0.95) -> Any:
+        """A number's confidence interval over windows, by the delete-a-group jackknife.
+
+        The sampling unit is the window: each window is in one of ``G`` groups (by its fingerprint,
+        or by the keys the run was given), the number is recomputed on every window but one group's,
+        and over the ``G'`` non-empty groups ``se² = (G'-1)/G' · Σ_g (θ₍g₎ - θ̄)²``; the interval is
+        ``θ ± t_{G'-1} · se`` (:func:`~equivariance_probe.maths.intervals.jackknife_interval`).
+
+        Args:
+            statistic: one of :data:`~equivariance_probe.analyses.intervals.INTERVAL_STATISTICS`:
+                ``"log_fitted"`` (any ``{scale}_{form}``), ``"prior_fit"`` (``power_fit``,
+                ``exponential_fit``) or ``"toeplitz_per_doc"``.
+            by: how the number is split, as in its own method (``None``, ``"layer"``, ``"head"``,
+                ``"layer_group"``; ``"head"`` or ``None`` for ``toeplitz_per_doc``).
+            level: the confidence level.
+
+        Returns:
+            An :class:`Interval` (arrays inside for ``"layer"``/``"head"``), or ``{group: Interval}``
+            for ``by="layer_group"``.
+
+        Raises:
+            IntervalUnavailableError: fewer than two non-empty groups, no per-group sums (a run with
+                ``interval_groups=0``, a file written before interval groups, a remote run's batches),
+                or a number without per-group state (the mean pattern's Toeplitz R²).
+
+        Example:
+            >>> result.interval("log_fitted")  # doctest: +SKIP
+            Interval(0.0157 [0.0143, 0.0171], 95% over 14 groups of windows)
+        """
+        level = check_level(level)
+        estimate, replicates = self._jackknife(statistic, by)
+        if isinstance(estimate, dict):
+            return {group: jackknife_interval(estimate[group], replicates[group], level=level) for group in estimate}
+        return jackknife_interval(estimate, replicates, level=level)
+
+    def windows_needed(self, half_width: float = TARGET_HALF_WIDTH, statistic: str = "log_fitted",
+                       level: float = 0.95) -> float:
+        """Windows a ``±half_width`` interval of ``statistic`` would need: ``n·(h/half_width)²`` from the
+        ``±h`` this result reaches with its ``n`` windows (the standard error falls as ``1/√n``)."""
+        found = self.interval(statistic, level=level)
+        return windows_for_half_width(self.n_windows, found.half_width, half_width)
+
+    def head_score_replicates(self, name: str) -> np.ndarray:
+        """A ranking score of every head in every replicate: ``[G', layer, head]`` (for ranking stability).
+
+        Raises:
+            IntervalUnavailableError: no replicates, or a score without per-group state
+                (``toeplitz``, ``prior_fit``).
+        """
+        return self._jackknife(name, "head")[1]
+
+    def interval_groups(self) -> dict[str, Any]:
+        """The groups of windows behind the intervals: ``{"interval_groups": G, "occupied": G', "keys": ...}``
+        (``keys``: ``window_fingerprint``, ``explicit``, ``ordinal`` or ``mixed``), or ``{"unavailable": why}``."""
+        try:
+            groups = self._groups()
+        except IntervalUnavailableError as error:
+            return {"unavailable": str(error)}
+        return {"interval_groups": groups.n_groups, "occupied": len(groups.ids), "keys": groups.keys}
+
+    def _groups(self) -> Any:
+        """The statistics' interval groups, or the error that says why there are no intervals."""
+        self._require_data()
+        groups = self.statistics.groups
+        if groups is None:
+            raise IntervalUnavailableError(
+                "this result keeps no per-group sums of its windows (run with interval_groups=0, or saved before "
+                "interval groups existed); run it again with interval_groups=20 (the default) for intervals"
+            )
+        if groups.unavailable is not None:
+            raise IntervalUnavailableError(f"this result has no interval groups: {groups.unavailable}")
+        if len(groups.ids) < 2:
+            raise IntervalUnavailableError(
+                f"the result's {self.n_windows} window{'s' if self.n_windows != 1 else ''} fall into {len(groups.ids)} "
+                "non-empty interval group; a jackknife interval needs windows in at least 2 groups: run more windows"
+            )
+        return groups
+
+    def _jackknife(self, statistic: str, by: str | None) -> tuple[Any, Any]:
+        """``(θ, θ₍g₎)`` of a statistic: the estimate from every window and its replicates ``[G', ...]``
+        (dicts of both for ``by="layer_group"``), cached until windows are added."""
+        resampling.check_statistic(statistic, by)
+        groups = self._groups()
+        state = (id(self.statistics), self.statistics.n_windows, self.statistics.n_tokens)
+        if self._replicate_cache is None or self._replicate_cache[0] != state:
+            sums = groups.replicates(sliding_windows=self.statistics.sliding_windows, excluded_keys=self.excluded_keys,
+                                    causal=self.causal)
+            self._replicate_cache = (state, {"sums": sums})
+        cache = self._replicate_cache[1]
+        if (statistic, by) not in cache:
+            values = resampling.replicate_values(
+                cache["sums"], statistic, by, n_heads=self.n_heads, visible_keys=self.statistics.visible_keys().numpy(),
+                layer_groups=self.layer_groups(), cache=cache, dt=self._lags(),
+            )
+            cache[(statistic, by)] = (self._estimate(statistic, by), values)
+        return cache[(statistic, by)]
+
+    def _estimate(self, statistic: str, by: str | None) -> Any:
+        """The number ``statistic`` names, from every window (what its own method returns)."""
+        if statistic == "toeplitz_per_doc":
+            return self.toeplitz_r2("head_per_doc" if by == "head" else "per_doc_mean")
+        if statistic.endswith("_fit"):
+            fit = statistic[: -len("_fit")]
+            curves = self.persistence(by)
+            if by == "layer_group":
+                return {group: group_curves.fits[fit].r2 for group, group_curves in curves.items()}
+            return curves.r2(fit)
+        scale, form = statistic.split("_")
+        return self.query_position_r2(scale, form, by)
 
     # -- merging -----------------------------------------------------------------------------------
     def merge(self, other: ProbeResult, *, allow_duplicate_windows: bool = False) -> ProbeResult:
@@ -449,7 +594,51 @@ class ProbeResult:
             "layer_groups": self._layer_group_summary(),
             "causal": self.causal,
             "undefined": self.undefined(),
+            "intervals": self._interval_summary(),
+            "head_stability": ranking_stability(self, "log_eta2", TOP_K),
         }
+
+    def _interval_summary(self) -> dict[str, Any]:
+        """``[low, high]`` at :data:`SUMMARY_LEVEL` of every headline number (and of each layer group's),
+        with the groups behind them; or ``{"level", "unavailable": why}``."""
+        level = SUMMARY_LEVEL
+        try:
+            groups = self._groups()
+        except IntervalUnavailableError as error:
+            return {"level": level, "unavailable": str(error)}
+
+        def bounds(statistic: str, by: str | None = None) -> Any:
+            try:
+                found = self.interval(statistic, by, level)
+            except UndefinedStatisticError:
+                return None  # a number without a value (an encoder's prior forms) has no interval either
+            if isinstance(found, dict):
+                return {group: [value.low, value.high] for group, value in found.items() if group != "all"}
+            return [found.low, found.high]
+
+        qpve = {scale: {form: bounds(f"{scale}_{form}") for form in metrics.FORMS} for scale in metrics.SCALES}
+        fits = {fit: bounds(f"{fit}_fit") for fit in fitting.FIT_NAMES}
+        block = {
+            "level": level,
+            "method": "delete-a-group jackknife, windows as the sampling unit",
+            "interval_groups": groups.n_groups,
+            "groups": len(groups.ids),
+            "keys": groups.keys,
+            "query_position_r2": qpve,
+            "persistence_fit_r2": fits,
+            "toeplitz_r2_per_doc_mean": bounds("toeplitz_per_doc"),
+        }
+        if len(self.layer_groups()) > 1:
+            by_group = {scale: {form: bounds(f"{scale}_{form}", "layer_group") for form in metrics.FORMS}
+                        for scale in metrics.SCALES}
+            fit_groups = {fit: bounds(f"{fit}_fit", "layer_group") for fit in fitting.FIT_NAMES}
+            block["layer_groups"] = {
+                group: {"query_position_r2": {scale: {form: by_group[scale][form][group] for form in metrics.FORMS}
+                                              for scale in metrics.SCALES},
+                        "persistence_fit_r2": {fit: fit_groups[fit][group] for fit in fitting.FIT_NAMES}}
+                for group in self.layer_groups() if group != "all"
+            }
+        return block
 
     def _layer_group_summary(self) -> dict[str, Any]:
         """Per layer group (only for models with more than one kind of layer): its layers, every
@@ -515,17 +704,22 @@ class ProbeResult:
         )
 
     # -- heads ------------------------------------------------------------------------------------------
-    def rank_heads(self, by: str = "log_eta2", scores: Any = None) -> HeadRanking:
+    def rank_heads(self, by: str = "log_eta2", scores: Any = None, *, top_k: int | None = TOP_K) -> HeadRanking:
         """Heads from the most to the least position-bound: a
         :class:`~equivariance_probe.analyses.heads.HeadRanking` (``to_dataframe()``, ``to_records()``).
 
         ``by`` is the ordering key (default ``"log_eta2"``); query-position R² and the prior
         fit sort descending, Toeplitz R² ascending (see :mod:`equivariance_probe.analyses.heads`).
+        ``top_k``: also report, per head, in what share of the jackknife's replicates it is among
+        the ``top_k`` first (``None``: not).
         """
         known = None
+        stability = None
         if self._stored_summary is not None and "head_scores" in self._stored_summary:
-            known = {name: np.asarray(v, dtype=np.float64) for name, v in self.summary()["head_scores"].items()}
-        return rank_heads(self, by=by, scores=scores, known_scores=known)
+            summary = self.summary()
+            known = {name: np.asarray(v, dtype=np.float64) for name, v in summary["head_scores"].items()}
+            stability = summary.get("head_stability")
+        return rank_heads(self, by=by, scores=scores, known_scores=known, top_k=top_k, known_stability=stability)
 
     # -- files -------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
@@ -555,6 +749,7 @@ class ProbeResult:
         result._file = opened
         result._stored_summary = opened.summary
         result._computed_summary = None
+        result._replicate_cache = None
         result.metadata = opened.metadata
         return result
 
@@ -578,7 +773,7 @@ def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False
                 row(f"{scale}, {group} layers", form,
                     lambda s, group=group, scale=scale, form=form: _group_number(s, group, ("query_position_r2", scale, form)))
     for fit in fitting.FIT_NAMES:
-        row("P(dt)", f"{fit} fit R²", lambda s, fit=fit: _number(s["persistence_fit_r2"][fit]))
+        row("P(dt)", f"{fit} fit R²", lambda s, fit=fit: _with_interval(s, ("persistence_fit_r2", fit)))
     if extended:
         row("P(dt)", "power fit c, α", lambda s: _parameters(s, "power", ("c", "alpha")))
         row("P(dt)", "exponential fit c, λ", lambda s: _parameters(s, "exponential", ("c", "lambda")))
@@ -588,7 +783,7 @@ def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False
                     lambda s, group=group, fit=fit: _group_number(s, group, ("persistence_fit_r2", fit)))
         row("Fig. 1c", "key bins where the prior fits best", _prior_best_bins)
         row("Fig. 1c", "prior fit R² over key bins", lambda s: _spread(s.get("fit_r2_by_key_position", {}).get("prior")))
-    row("Toeplitz", "mean per-window R²", lambda s: _number(s["toeplitz_r2_per_doc_mean"]))
+    row("Toeplitz", "mean per-window R²", lambda s: _with_interval(s, ("toeplitz_r2_per_doc_mean",)))
     if extended:
         row("Toeplitz", "document-averaged pattern R²",
             lambda s: "not kept" if _undefined(s.get("toeplitz_r2_mean_pattern_mean")) else _number(s["toeplitz_r2_mean_pattern_mean"]))
@@ -598,6 +793,120 @@ def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False
     if extended:
         row("", "floored entries (log scale)", lambda s: f"{s['floored_entries']} of {s['n_entries']:,}")
     return rows
+
+
+#: The numbers a study reports the trained-minus-baseline difference of, in its table's order.
+DIFFERENCE_STATISTICS = (
+    *(f"{scale}_{form}" for scale in metrics.SCALES for form in metrics.FORMS),
+    *(f"{fit}_fit" for fit in fitting.FIT_NAMES),
+    "toeplitz_per_doc",
+)
+
+
+def paired_difference(a: ProbeResult, b: ProbeResult, statistic: str = "log_fitted", by: str | None = None,
+                      level: float = 0.95) -> Any:
+    """``θ_a - θ_b`` with its interval over windows, from paired jackknife replicates.
+
+    Both results must hold the same groups of windows: the same windows grouped by fingerprint
+    (a model and its baselines on one corpus), or windows grouped by explicit ``resampling_keys``
+    naming the same text regions (a context-length scan over one token stream). The difference is
+    recomputed on every window but one group's, in both results at once, so what the two share
+    (the same hard documents) cancels: ``se² = (G'-1)/G' · Σ_g (d₍g₎ - d̄)²`` with
+    ``d₍g₎ = θ_a₍g₎ - θ_b₍g₎``.
+
+    Args:
+        a, b: the two results.
+        statistic: one of :data:`~equivariance_probe.analyses.intervals.INTERVAL_STATISTICS`.
+        by: as in :meth:`ProbeResult.interval`.
+        level: the confidence level.
+
+    Returns:
+        An :class:`Interval` of the difference (``{group: Interval}`` for ``by="layer_group"``).
+
+    Raises:
+        IncompatibleResultsError: the results do not hold the same groups of windows (named).
+        IntervalUnavailableError: either result has no intervals (says why).
+
+    Example:
+        >>> paired_difference(study.trained, study.results["random_init"], "log_fitted")  # doctest: +SKIP
+        Interval(-0.1935 [-0.2060, -0.1810], 95% over 14 groups of windows)
+    """
+    level = check_level(level)
+    a._groups(), b._groups()
+    resampling.check_paired(a.statistics, b.statistics)
+    (estimate_a, replicates_a), (estimate_b, replicates_b) = a._jackknife(statistic, by), b._jackknife(statistic, by)
+    if isinstance(estimate_a, dict):
+        return {group: jackknife_interval(estimate_a[group] - estimate_b[group], replicates_a[group] - replicates_b[group],
+                                          level=level) for group in estimate_a}
+    return jackknife_interval(np.subtract(estimate_a, estimate_b), np.subtract(replicates_a, replicates_b), level=level)
+
+
+def paired_differences(a: ProbeResult, b: ProbeResult, level: float = SUMMARY_LEVEL) -> dict[str, Interval]:
+    """``a - b`` of every number of :data:`DIFFERENCE_STATISTICS`, each with its interval (:func:`paired_difference`)."""
+    return {statistic: paired_difference(a, b, statistic, level=level) for statistic in DIFFERENCE_STATISTICS}
+
+
+def paired_rows(results: dict[str, ProbeResult], reference: str = "trained",
+                level: float = SUMMARY_LEVEL) -> tuple[list[tuple[str, str, list[str]]], list[str]]:
+    """Rows of the differences ``reference - other`` for every other result, and notes on those without one.
+
+    Returns:
+        ``(rows, notes)``: rows ``(group, what, one cell per other result)`` over
+        :data:`DIFFERENCE_STATISTICS` (cells ``-0.1935 [-0.2060, -0.1810]``, ``n/a`` where undefined),
+        and one line per other result whose differences have no interval, saying why.
+    """
+    others = {name: result for name, result in results.items() if name != reference}
+    base = results[reference]
+    cells: dict[str, list[str]] = {}
+    notes: list[str] = []
+    for name, other in others.items():
+        try:
+            differences = paired_differences(base, other, level)
+        except (IntervalUnavailableError, IncompatibleResultsError) as error:
+            notes.append(f"{reference} − {name}: no interval ({error})")
+            cells[name] = ["n/a"] * len(DIFFERENCE_STATISTICS)
+            continue
+        cells[name] = [format_interval(d.estimate, d.low, d.high) for d in differences.values()]
+    rows = []
+    for index, statistic in enumerate(DIFFERENCE_STATISTICS):
+        if statistic.endswith("_fit"):
+            group, what = "P(dt)", f"{statistic[:-4]} fit R²"
+        elif statistic == "toeplitz_per_doc":
+            group, what = "Toeplitz", "mean per-window R²"
+        else:
+            group, what = statistic.split("_")
+        rows.append((group, what, [cells[name][index] for name in others]))
+    return rows, notes
+
+
+def difference_table(results: dict[str, ProbeResult], reference: str = "trained", level: float = SUMMARY_LEVEL) -> str:
+    """Markdown: one column ``reference − other`` per other result (:func:`paired_rows`), notes below."""
+    rows, notes = paired_rows(results, reference, level)
+    others = [name for name in results if name != reference]
+    lines = ["| scale | form | " + " | ".join(f"{reference} − {name}" for name in others) + " |",
+             "|---|---|" + "---|" * len(others)]
+    lines += [f"| {group} | {what} | " + " | ".join(cells) + " |" for group, what, cells in rows]
+    return "\n".join(lines + [""] + notes if notes else lines)
+
+
+def windows_needed_text(summary: dict[str, Any], half_width: float = TARGET_HALF_WIDTH,
+                        path: tuple[str, ...] = ("query_position_r2", "log", "fitted")) -> str:
+    """What a summary's interval of one number says of the windows needed for ``±half_width``.
+
+    ``n·(h/half_width)²`` windows from the ``±h`` reached with ``n`` (the standard error falls as
+    ``1/√n``); read from the stored summary, so it works on a loaded file's header.
+    """
+    what = " ".join(path[1:]) + " R²" if path[0] == "query_position_r2" else " ".join(path)
+    intervals = summary.get("intervals") or {}
+    bounds = summary_value(intervals, path)
+    if not isinstance(bounds, list) or len(bounds) != 2 or any(_undefined(b) for b in bounds):
+        reason = intervals.get("unavailable", "no interval stored")
+        return f"{what}: no interval, so no estimate of the windows needed ({reason})"
+    n_windows = summary["n_windows"]
+    reached = (bounds[1] - bounds[0]) / 2
+    needed = windows_for_half_width(n_windows, reached, half_width)
+    return (f"{what}: ±{reached:.4f} at {intervals['level']:.0%} from {n_windows} windows in {intervals['groups']} groups; "
+            f"±{half_width:g} needs about {math.ceil(needed)} windows (the interval narrows as 1/√windows)")
 
 
 def summary_table(summaries: dict[str, dict[str, Any]], *, extended: bool = False) -> str:
@@ -628,19 +937,36 @@ def _formatted(value: Any, digits: int) -> str:
 
 
 def _qpve_cell(summary: dict[str, Any], scale: str, form: str) -> str:
+    """A query-position R² with its interval, or ``undefined (encoder)`` for a form the summary names undefined."""
     if f"query_position_r2.{form}" in (summary.get("undefined") or {}):
         return "undefined (encoder)"
-    return _number(summary["query_position_r2"][scale][form])
+    return _with_interval(summary, ("query_position_r2", scale, form))
+
+
+def summary_value(tree: Any, path: tuple[str, ...]) -> Any:
+    """``tree[path[0]][path[1]]...`` (a summary's number, or its interval in ``summary["intervals"]``),
+    ``None`` where a key is missing."""
+    for key in path:
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(key)
+    return tree
+
+
+def _with_interval(summary: dict[str, Any], path: tuple[str, ...]) -> str:
+    """A summary's number, with its interval where the summary stores one (``0.0157 [0.0143, 0.0171]``)."""
+    value = summary_value(summary, path)
+    bounds = summary_value(summary.get("intervals"), path)
+    if isinstance(bounds, list) and len(bounds) == 2 and not _undefined(value):
+        return format_interval(value, *bounds)
+    return _number(value)
 
 
 def _group_number(summary: dict[str, Any], group: str, path: tuple[str, ...]) -> str:
-    """A layer group's number from a summary, ``–`` where the model has no such group."""
-    value: Any = (summary.get("layer_groups") or {}).get(group)
-    for key in path:
-        if value is None:
-            return "–"
-        value = value.get(key)
-    return _number(value)
+    """A layer group's number from a summary (with its interval), ``–`` where the model has no such group."""
+    if summary_value(summary, ("layer_groups", group, *path)) is None:
+        return "–"
+    return _with_interval(summary, ("layer_groups", group, *path))
 
 
 def _parameters(summary: dict[str, Any], fit: str, names: tuple[str, ...]) -> str:

@@ -74,6 +74,11 @@ def _assert_identical(a: ProbeResult, b: ProbeResult) -> None:
         assert torch.equal(value, b.statistics.arrays[name]), name
     for column, value in a.statistics.sample.to_arrays().items():
         assert (value == b.statistics.sample.to_arrays()[column]).all(), column
+    # the interval groups too, so the intervals are the same bits
+    assert (a.statistics.groups.ids == b.statistics.groups.ids).all()
+    for name, value in a.statistics.groups.rows.items():
+        assert torch.equal(value, b.statistics.groups.rows[name]), name
+    assert a.summary()["intervals"] == b.summary()["intervals"]
     assert a.metadata["skipped_windows"] == b.metadata["skipped_windows"]
 
 

@@ -94,9 +94,9 @@ def test_records_dataframe_text_and_html(result):
     ranking = result.rank_heads(scores=["log_eta2", "toeplitz"])
     records = ranking.to_records()
     assert records[0]["rank"] == 1 and records[0]["label"] == "L0H0" and set(records[0]) == {
-        "rank", "layer", "head", "label", "log_eta2", "toeplitz"}
+        "rank", "layer", "head", "label", "log_eta2", "toeplitz", "in_top_k"}
     frame = ranking.to_dataframe()
-    assert list(frame.columns) == ["layer", "head", "label", "log_eta2", "toeplitz"]
+    assert list(frame.columns) == ["layer", "head", "label", "log_eta2", "toeplitz", "in_top_k"]
     assert frame.loc[1, "label"] == "L0H0" and frame.loc[8, "label"] == "L0H1"
     text = repr(ranking)
     assert "L0H0" in text and "most position-bound first" in text

@@ -294,6 +294,22 @@ def test_reply_size_is_independent_of_documents_and_far_below_the_patterns(monke
     assert 2 * 80 * 64 * 1024**2 / reply_nbytes(80, 64, 1024) > 49
 
 
+def test_remote_batches_keep_interval_groups_only_when_each_reply_is_one_group():
+    """A reply sums its batch's windows: with one window per batch the groups are exact; a batch of
+    windows of several groups drops them, with a warning, and the intervals then say why."""
+    hf_model = eager(tiny_gpt2)
+    tokens = token_windows(6, 12)
+    local = run(hf_model, tokens)
+    single = run(NNsightAdapter(transformers_model(hf_model), remote="local"), tokens, batch_size=1)
+    assert np.array_equal(single.statistics.groups.ids, local.statistics.groups.ids)
+    found, expected = single.interval("log_fitted"), local.interval("log_fitted")
+    assert (found.low, found.high) == pytest.approx((expected.low, expected.high), rel=1e-5)
+    with pytest.warns(UserWarning, match="interval groups dropped"):
+        mixed = run(NNsightAdapter(transformers_model(hf_model), remote="local"), tokens, batch_size=3)
+    with pytest.raises(EquivarianceProbeError, match="reduced remotely"):
+        mixed.interval("log_fitted")
+
+
 # -- remote errors ----------------------------------------------------------------------------
 
 

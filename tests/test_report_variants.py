@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from equivariance_probe import ProbeResult
+from equivariance_probe import ProbeResult, paired_difference
 from equivariance_probe.cli import main
 from equivariance_probe.sources.registry import name_of_converted_copy
 
@@ -38,7 +38,12 @@ def test_the_report_shows_every_variant_side_by_side(study, capsys):
     # every number of the table is the variant's own
     zero = ProbeResult.load(out / "baseline_zero.safetensors")
     row = re.search(r"<tr><td>log</td><td>eta2</td>(.*?)</tr>", page).group(1)
-    assert re.findall(r"<td>([^<]*)</td>", row)[2] == f"{zero.query_position_r2('log', 'eta2'):.4f}"
+    assert re.findall(r"<td>([^<]*)</td>", row)[2] == str(zero.query_position_r2("log", "eta2", interval=0.95))
+    # and the differences from each baseline over the same windows, with their intervals
+    trained = ProbeResult.load(out / "results.safetensors")
+    difference = re.search(r'<table class="differences">.*?<tr><td>log</td><td>fitted</td>(.*?)</tr>', page).group(1)
+    assert re.findall(r"<td>([^<]*)</td>", difference)[1] == str(paired_difference(trained, zero, "log_fitted"))
+    assert "<th>trained − random_init</th><th>trained − zero</th>" in page
     # the model as given, in the title
     assert f"<h1>Equivariance probe: {model}</h1>" in page
 

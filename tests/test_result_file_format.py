@@ -105,6 +105,12 @@ def test_summary_repr_and_ranking_of_a_loaded_file_read_no_array(result, tmp_pat
     assert loaded.excluded_keys == (0,) and loaded.log_floor == result.log_floor and loaded.complete
     assert repr(loaded) == repr(result)
     assert loaded.rank_heads().order == result.rank_heads().order
+    # the intervals, and the ranking's stability across the jackknife's replicates, come from the header too
+    found = result.interval("log_fitted")
+    assert summary["intervals"]["query_position_r2"]["log"]["fitted"] == [found.low, found.high]
+    assert summary["intervals"]["groups"] == found.n_groups and summary["intervals"]["level"] == 0.95
+    assert set(summary["intervals"]["layer_groups"]) == {"sliding", "global"}
+    np.testing.assert_array_equal(loaded.rank_heads().stability, result.rank_heads().stability)
     assert "<table>" in loaded._repr_html_()
     with pytest.raises(AssertionError, match="an array was read"):
         loaded.query_position_r2()  # arrays load on first use
@@ -208,7 +214,10 @@ def test_show_prints_every_headline_number_without_reading_an_array(result, tmp_
                 "| Fig. 1c | key bins where the prior fits best |", "| Toeplitz | mean per-window R² |",
                 "| heads | most position-bound (log η²) |", "|  | windows / tokens | 5 / "):
         assert row in printed, row
-    assert f"| log | eta2 | {result.query_position_r2('log', 'eta2'):.4f} |" in printed
+    # every headline number with its 95 % interval, from the header alone
+    assert f"| log | eta2 | {result.query_position_r2('log', 'eta2', interval=0.95)} |" in printed
+    assert f"| P(dt) | prior fit R² | {result.persistence(interval=0.95).r2_interval('prior')} |" in printed
+    assert f"| Toeplitz | mean per-window R² | {result.toeplitz_r2('per_doc_mean', interval=0.95)} |" in printed
     assert main(["show", "--json", str(path)]) == 0
     shown = json.loads(capsys.readouterr().out)[str(path)]
     assert shown["summary"]["query_position_r2"]["raw"]["fitted"] == result.query_position_r2("raw", "fitted")

@@ -111,11 +111,15 @@ def test_empty_result_says_which_method_to_call():
 
 
 def test_memory_does_not_grow_with_documents():
+    """The sums have a fixed size; the interval groups' rows grow with the occupied groups, at most G."""
     model = tiny_gpt2()
     probe = EquivarianceProbe(model)
-    few = probe.run(torch.randint(0, 97, (2, 16)), progress=False)
-    many = probe.run(torch.randint(0, 97, (40, 16)), progress=False)
-    assert few.statistics.nbytes() == many.statistics.nbytes()
+    few = probe.run(torch.randint(0, 97, (2, 16)), progress=False, interval_groups=4)
+    many = probe.run(torch.randint(0, 97, (40, 16)), progress=False, interval_groups=4)
+    more = probe.run(torch.randint(0, 97, (80, 16)), progress=False, interval_groups=4)
+    assert len(few.statistics.groups.ids) <= 2 and len(many.statistics.groups.ids) == 4
+    assert few.statistics.nbytes() - few.statistics.groups.nbytes() == many.statistics.nbytes() - many.statistics.groups.nbytes()
+    assert many.statistics.nbytes() == more.statistics.nbytes()
 
 
 def test_repr_and_html_show_headline_numbers(result):

@@ -21,6 +21,12 @@ the query position, or the uniform prior alone, explains), so those sort descend
 distance ``q - k`` alone (translation-equivariant), so those sort ascending. Ties keep
 ``(layer, head)`` order; heads whose key score is NaN come last.
 
+**Stability.** A ranking also says, per head, in what share of the jackknife's replicates (the
+same scores recomputed on every window but one group's, :mod:`~equivariance_probe.analyses.intervals`)
+the head is among the ``top_k`` first (:func:`ranking_stability`): 1.0 for a head whose place at the
+top does not hang on any group of windows. The scores without per-group state (``toeplitz``,
+``prior_fit``) have none, and the ranking says why.
+
 Nothing here imports a framework; pandas is imported by :meth:`HeadRanking.to_dataframe` only.
 """
 
@@ -33,9 +39,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import InputError, NotRunError, UndefinedStatisticError
+from ..errors import InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError
 from ..maths.fitting import curve_r2
 from ..maths.metrics import FORMS, SCALES
+from .intervals import top_k_share
 
 
 __all__ = [
@@ -45,7 +52,12 @@ __all__ = [
     "prior_fit_by_head",
     "RANKING_SCORES",
     "HIGHER_IS_MORE_POSITION_BOUND",
+    "ranking_stability",
+    "TOP_K",
 ]
+
+#: Heads that count as the top of a ranking when its stability is reported.
+TOP_K = 10
 
 
 class RankableResult(Protocol):
@@ -62,6 +74,8 @@ class RankableResult(Protocol):
     def query_position_r2(self, scale: str = ..., form: str = ..., by: str | None = ...) -> Any: ...
 
     def toeplitz_r2(self, by: str = ...) -> Any: ...
+
+    def head_score_replicates(self, name: str) -> np.ndarray: ...
 
 #: Score columns of a ranking, in display order, with what each one is.
 RANKING_SCORES: dict[str, str] = {
@@ -93,6 +107,10 @@ class HeadRanking:
         key: the score the rows are sorted by.
         descending: whether ``key`` sorts descending (higher = more position-bound).
         model: the model's name, for display.
+        top_k: the ``k`` of :attr:`stability` (``None``: not reported).
+        stability: ``[n]`` in rank order, the share of the jackknife's replicates in which the head
+            is among the ``top_k`` first by :attr:`key` (NaN where unavailable).
+        stability_note: why there is no stability, where there is none.
     """
 
     layers: np.ndarray
@@ -101,6 +119,9 @@ class HeadRanking:
     key: str
     descending: bool
     model: str = "?"
+    top_k: int | None = None
+    stability: np.ndarray | None = None
+    stability_note: str | None = None
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -124,22 +145,28 @@ class HeadRanking:
 
     def to_records(self) -> list[dict[str, Any]]:
         """One dict per row: ``rank`` (1 = most position-bound), ``layer``, ``head``, ``label``
-        (``"L4H3"``) and every score (``None`` where NaN)."""
+        (``"L4H3"``), every score and, with :attr:`top_k`, ``in_top_k`` (the stability; ``None`` where NaN)."""
         records = []
         for row, (layer, head) in enumerate(self.order):
             record: dict[str, Any] = {"rank": row + 1, "layer": layer, "head": head, "label": f"L{layer}H{head}"}
-            for name, values in self.scores.items():
+            for name, values in self._columns().items():
                 value = float(values[row])
                 record[name] = value if np.isfinite(value) else None
             records.append(record)
         return records
+
+    def _columns(self) -> dict[str, np.ndarray]:
+        """The score columns, then the stability (``in_top_k``) when reported."""
+        if self.top_k is None or self.stability is None:
+            return dict(self.scores)
+        return {**self.scores, "in_top_k": self.stability}
 
     def to_dataframe(self):
         """The ranking as a pandas ``DataFrame`` indexed by ``rank`` (pandas imported here)."""
         import pandas as pd
 
         frame = pd.DataFrame.from_records(self.to_records()).set_index("rank")
-        return frame.astype({name: "float64" for name in self.scores})
+        return frame.astype({name: "float64" for name in self._columns()})
 
     def _rows(self, max_rows: int | None) -> list[int | None]:
         """Row indices to show; ``None`` marks the elided middle."""
@@ -151,17 +178,23 @@ class HeadRanking:
 
     def _caption(self) -> str:
         direction = "descending" if self.descending else "ascending"
-        return (
+        caption = (
             f"heads of {self.model} ranked by {self.key} ({RANKING_SCORES[self.key]}, {direction}): "
             "most position-bound first"
         )
+        if self.top_k is not None and self.stability_note:
+            caption += f"; no in_top_k stability: {self.stability_note}"
+        elif self.top_k is not None and self.stability is not None:
+            caption += f"; in_top_k: share of the jackknife's replicates that rank the head among the {self.top_k} first"
+        return caption
 
     def __repr__(self) -> str:
         return self.to_text(max_rows=10)
 
     def to_text(self, max_rows: int | None = None) -> str:
         """A plain-text table (``max_rows`` keeps the first and last rows)."""
-        names = list(self.scores)
+        columns = self._columns()
+        names = list(columns)
         width = max(10, *(len(name) for name in names))
         lines = [self._caption(), f"{'rank':>4} {'head':>7} " + " ".join(f"{n:>{width}}" for n in names)]
         for row in self._rows(max_rows):
@@ -169,15 +202,17 @@ class HeadRanking:
                 lines.append(f"{'...':>4}")
                 continue
             label = f"L{self.layers[row]}H{self.heads[row]}"
-            cells = " ".join(f"{self.scores[n][row]:>{width}.4f}" for n in names)
+            cells = " ".join(f"{columns[n][row]:>{width}.4f}" for n in names)
             lines.append(f"{row + 1:>4} {label:>7} {cells}")
         return "\n".join(lines)
 
     def to_html(self, max_rows: int | None = None) -> str:
         """An HTML table (no script, no style sheet); ``max_rows`` keeps the first and last rows."""
-        names = list(self.scores)
+        columns = self._columns()
+        names = list(columns)
+        titles = {**RANKING_SCORES, "in_top_k": f"share of the jackknife's replicates with the head among the {self.top_k} first"}
         header = "<tr><th>rank</th><th>head</th>" + "".join(
-            f'<th title="{html.escape(RANKING_SCORES[n])}">{"<u>" + n + "</u>" if n == self.key else n}</th>'
+            f'<th title="{html.escape(titles[n])}">{"<u>" + n + "</u>" if n == self.key else n}</th>'
             for n in names
         ) + "</tr>"
         body = []
@@ -185,7 +220,7 @@ class HeadRanking:
             if row is None:
                 body.append(f'<tr><td colspan="{len(names) + 2}">…</td></tr>')
                 continue
-            cells = "".join(f"<td>{self.scores[n][row]:.4f}</td>" for n in names)
+            cells = "".join(f"<td>{columns[n][row]:.4f}</td>" for n in names)
             body.append(f"<tr><td>{row + 1}</td><td>L{self.layers[row]}H{self.heads[row]}</td>{cells}</tr>")
         return (
             f'<table class="head-ranking"><caption>{html.escape(self._caption())}</caption>'
@@ -237,12 +272,44 @@ def prior_fit_by_head(result: RankableResult) -> np.ndarray:
     return out
 
 
+def _ranked(values: np.ndarray, descending: bool) -> np.ndarray:
+    """Flat indices of ``[layer, head]`` scores, most position-bound first: NaN last, ties in ``(layer, head)`` order."""
+    layers, heads = np.meshgrid(np.arange(values.shape[0]), np.arange(values.shape[1]), indexing="ij")
+    key = values.ravel()
+    # lexsort sorts ascending by its last key first: NaN last, then the score, then (layer, head).
+    signed = np.where(np.isnan(key), 0.0, -key if descending else key)
+    return np.lexsort((heads.ravel(), layers.ravel(), signed, np.isnan(key)))
+
+
+def ranking_stability(result: RankableResult, by: str = "log_eta2", top_k: int = TOP_K) -> dict[str, Any]:
+    """In what share of the jackknife's replicates each head is among the ``top_k`` first by ``by``.
+
+    Each replicate recomputes the score on every window but one group's and ranks the heads by the
+    same rule as :func:`rank_heads`; a head's share is the fraction of replicates that put it in
+    their top ``k``.
+
+    Returns:
+        ``{"key": by, "top_k": k, "share": [layer][head] lists}``, or ``{"key", "top_k", "unavailable":
+        why}`` (what :meth:`ProbeResult.summary` stores).
+    """
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise InputError(f"top_k={top_k!r} must be a positive number of heads, e.g. 10")
+    try:
+        replicates = result.head_score_replicates(by)
+    except IntervalUnavailableError as error:
+        return {"key": by, "top_k": top_k, "unavailable": str(error)}
+    share = top_k_share(replicates, top_k, lambda values: _ranked(values, HIGHER_IS_MORE_POSITION_BOUND[by]))
+    return {"key": by, "top_k": top_k, "share": share.tolist()}
+
+
 def rank_heads(
     result: RankableResult,
     by: str = "log_eta2",
     scores: Sequence[str] | None = None,
     *,
     known_scores: Mapping[str, np.ndarray] | None = None,
+    top_k: int | None = TOP_K,
+    known_stability: Mapping[str, Any] | None = None,
 ) -> HeadRanking:
     """Order the heads of ``result`` from the most to the least position-bound.
 
@@ -253,12 +320,16 @@ def rank_heads(
         scores: which score columns to keep (default: all); ``by`` is always kept.
         known_scores: every score as a ``[layer, head]`` array when already known (a loaded
             result's stored summary); default: computed from ``result``.
+        top_k: report each head's share of replicates that rank it among the ``top_k`` first
+            (:func:`ranking_stability`); ``None``: not.
+        known_stability: :func:`ranking_stability`'s dict when already known (a stored summary's),
+            used when its key and ``k`` are these.
 
     Returns:
         A :class:`HeadRanking` with ``n_layers * n_heads`` rows.
 
     Raises:
-        InputError: ``by`` or a name in ``scores`` is not a known score.
+        InputError: ``by`` or a name in ``scores`` is not a known score, or a bad ``top_k``.
         NotRunError: the result holds no data.
 
     Example:
@@ -278,18 +349,24 @@ def rank_heads(
         raise NotRunError("this result holds no windows yet: call EquivarianceProbe(model).run(docs) first")
     grids = head_scores(result) if known_scores is None else {name: np.asarray(known_scores[name]) for name in RANKING_SCORES}
     layers, heads = np.meshgrid(np.arange(result.n_layers), np.arange(result.n_heads), indexing="ij")
-    layers, heads = layers.ravel(), heads.ravel()
     descending = HIGHER_IS_MORE_POSITION_BOUND[by]
-    key = grids[by].ravel()
-    # lexsort sorts ascending by its last key first: NaN last, then the score, then (layer, head).
-    signed = np.where(np.isnan(key), 0.0, -key if descending else key)
-    order = np.lexsort((heads, layers, signed, np.isnan(key)))
+    order = _ranked(grids[by], descending)
+    stability, note = None, None
+    if top_k is not None:
+        known = dict(known_stability or {})
+        found = known if (known.get("key"), known.get("top_k")) == (by, top_k) else ranking_stability(result, by, top_k)
+        note = found.get("unavailable")
+        share = found.get("share")
+        stability = (np.full(len(order), np.nan) if not isinstance(share, list)
+                     else np.asarray(share, dtype=np.float64).ravel()[order])
     return HeadRanking(
-        layers=layers[order],
-        heads=heads[order],
+        layers=layers.ravel()[order],
+        heads=heads.ravel()[order],
         scores={name: grids[name].ravel()[order] for name in RANKING_SCORES if name in keep},
         key=by,
         descending=descending,
         model=str(getattr(result, "model_name", None) or result.metadata.get("model", {}).get("name", "?")),
+        top_k=top_k,
+        stability=stability,
+        stability_note=note,
     )
-

@@ -2,7 +2,8 @@
 baselines, built as a list of sections.
 
 Place in the seams: *display*. Sections, in order: the summary table (one column per variant:
-trained, random init, zero), the study's figures (embedded as base64 PNG: persistence and
+trained, random init, zero; every headline number with its 95 % interval over windows, and the
+trained-minus-baseline differences over the same windows with theirs), the study's figures (embedded as base64 PNG: persistence and
 Figure 1c of every variant side by side, per-head heatmaps of each), the head ranking
 (:mod:`equivariance_probe.analyses.heads`) and, when given, CircuitsVis views of heads
 (:mod:`equivariance_probe.display.views`). Other analyses add their own :class:`ReportSection`
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import NotRunError
-from ..result import summary_rows
+from ..result import paired_rows, summary_rows
 from .circuitsvis import circuitsvis_bundle_script
 from .figures import fit_by_key_figure, head_curves_figure, heatmaps_figure, persistence_figure, scatter_figure
 
@@ -89,24 +90,43 @@ def summary_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | 
     variants = _variants(result, baselines)
     summaries = {name: variant.summary() for name, variant in variants.items()}
     first = summaries[next(iter(summaries))]
-    header = "<tr><th></th><th></th>" + "".join(f"<th>{html.escape(name)}</th>" for name in summaries) + "</tr>"
-    rows = "".join(
-        f"<tr><td>{html.escape(group)}</td><td>{html.escape(what)}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
-        + "</tr>"
-        for group, what, cells in summary_rows(summaries, extended=True)
-    )
-    compared = ""
+    table = _table_html(list(summaries), summary_rows(summaries, extended=True), "summary")
+    compared = differences = ""
     if len(variants) > 1:
         compared = (" Baselines (METHODS.md section 5): <code>random_init</code> is the same architecture at its own "
                     "random initialisation, <code>zero</code> has every weight zero (every head exactly uniform).")
+        differences = _differences_html(variants)
     body = f"""<p>{result.n_windows} windows, {result.n_tokens} tokens, {first['n_entries']:,} visible entries per variant;
 log scale y = log max(a, eps) with eps = {result.log_floor:.3g}; excluded keys: {list(result.excluded_keys) or 'none'}.{compared}</p>
 <h3>Query-position R², persistence fits, Toeplitz R² and heads{' per variant' if len(variants) > 1 else ''}</h3>
 <p>Rows: query-position R² over all visible entries (QPVE: prior, fitted, η²; log and raw scale); R² and parameters of
 the fits to the persistence curve P(dt); Figure 1c (the fits to P_t(dt) per key-position bin); Toeplitz R²; the most and
-least position-bound heads (log η²).</p>
-<table class="summary">{header}{rows}</table>"""
+least position-bound heads (log η²). Brackets: 95 % intervals over windows (delete-a-group jackknife, windows as the
+sampling unit).</p>
+{table}{differences}"""
     return ReportSection("Summary", body)
+
+
+def _differences_html(variants: Mapping[str, ProbeResult]) -> str:
+    """The first variant minus each other one, over the same windows, with 95 % intervals from paired replicates."""
+    reference = next(iter(variants))
+    rows, notes = paired_rows(dict(variants), reference)
+    columns = [f"{reference} − {name}" for name in variants if name != reference]
+    remarks = "".join(f"<p>{html.escape(note)}</p>" for note in notes)
+    return (f"<h3>Differences over the same windows</h3><p>Each difference with its 95 % interval from paired jackknife "
+            f"replicates (the same windows in the same groups, so what they share cancels).</p>"
+            f"{_table_html(columns, rows, 'differences')}{remarks}")
+
+
+def _table_html(columns: Sequence[str], rows: Sequence[tuple[str, str, Sequence[str]]], css_class: str) -> str:
+    """A table of ``(group, what, cells)`` rows under one heading per column (text escaped)."""
+    header = "<tr><th></th><th></th>" + "".join(f"<th>{html.escape(name)}</th>" for name in columns) + "</tr>"
+    body = "".join(
+        f"<tr><td>{html.escape(group)}</td><td>{html.escape(what)}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
+        + "</tr>"
+        for group, what, cells in rows
+    )
+    return f'<table class="{css_class}">{header}{body}</table>'
 
 
 def figures_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None = None) -> ReportSection:

@@ -2,7 +2,9 @@
 
 Place in the seams: *maths*. :func:`persistence_curves` turns sums by lag (and counts, and
 the uniform prior's sums over the same entries) into mean curves and fits each with
-:mod:`~equivariance_probe.maths.fitting`; :class:`PersistenceCurves` holds them.
+:mod:`~equivariance_probe.maths.fitting`; :class:`PersistenceCurves` holds them (and, when
+asked, each fit's R² interval over windows). :func:`lag_curves` reads the statistics' lag sums
+over all layers, per layer, per head or per group of layers.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import check_choice
+from ..errors import IntervalUnavailableError, check_choice
 from . import fitting
+from .intervals import Interval
 
-__all__ = ["PersistenceCurves", "persistence_curves"]
+__all__ = ["PersistenceCurves", "persistence_curves", "lag_curves"]
 
 
 @dataclass
@@ -36,6 +39,8 @@ class PersistenceCurves:
         fits: ``[*shape]`` nested lists of ``{"power", "exponential", "prior"}`` → CurveFit.
         key_bins: for ``by="key_position"``, bin edges ``[n_bins + 1]`` (bin ``i`` holds
             keys ``key_bins[i] <= t < key_bins[i+1]``).
+        intervals: each fit's R² interval over windows, ``{fit: Interval}``, when asked for
+            (``ProbeResult.persistence(interval=0.95)``); read with :meth:`r2_interval`.
     """
 
     by: str | None
@@ -45,6 +50,7 @@ class PersistenceCurves:
     count: np.ndarray
     fits: Any
     key_bins: np.ndarray | None = None
+    intervals: dict[str, Interval] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -54,6 +60,19 @@ class PersistenceCurves:
         """R² of ``fit`` (one of ``power``, ``exponential``, ``prior``) for every curve."""
         check_choice("fit", fit, fitting.FIT_NAMES)
         return self._collect(lambda fits: fits[fit].r2)
+
+    def r2_interval(self, fit: str) -> Interval:
+        """The interval of ``fit``'s R² over windows (the curves must have been made with ``interval=``).
+
+        Raises:
+            IntervalUnavailableError: the curves were made without ``interval=``.
+        """
+        check_choice("fit", fit, fitting.FIT_NAMES)
+        if self.intervals is None:
+            raise IntervalUnavailableError(
+                "these curves carry no intervals; ask for them with result.persistence(interval=0.95)"
+            )
+        return self.intervals[fit]
 
     def params(self, fit: str, name: str) -> np.ndarray | float:
         """A fitted parameter (``c``, ``alpha`` for power; ``c``, ``lambda`` for exponential)."""
@@ -74,7 +93,8 @@ class PersistenceCurves:
 
     def __repr__(self) -> str:
         if not self.shape:
-            parts = [f"{n} R²={self.fits[n].r2:.3f}" for n in fitting.FIT_NAMES]
+            parts = [f"{n} R²={self.fits[n].r2:.3f}" + ("" if self.intervals is None else f" [{self.intervals[n].low:.3f}, "
+                                                         f"{self.intervals[n].high:.3f}]") for n in fitting.FIT_NAMES]
             return f"PersistenceCurves(lags={len(self.dt)}, " + ", ".join(parts) + ")"
         return f"PersistenceCurves(by={self.by!r}, curves={self.shape}, lags={len(self.dt)})"
 
@@ -125,3 +145,37 @@ def persistence_curves(
         fits[:] = flat
         fits = fits.reshape(shape).tolist()
     return PersistenceCurves(by, dt, curve, prior, counts, fits, key_bins)
+
+
+def lag_curves(
+    arrays: dict[str, np.ndarray], n_heads: int, by: str | None, layer_groups: dict[str, Any] | None = None,
+    dt: np.ndarray | None = None,
+) -> PersistenceCurves | dict[str, PersistenceCurves]:
+    """``P(dt)`` over all layers and heads, per layer, per head or per group of layers, from lag sums.
+
+    Args:
+        arrays: ``lag_sum: [L, H', N]`` (``H' = H``, or 1 for sums over the heads), ``lag_count``
+            and ``lag_prior_sum: [L, N]`` (per head: every head of a layer sees the same entries).
+        n_heads: ``H``.
+        by: ``None``, ``"layer"``, ``"head"`` (needs ``H' = H``) or ``"layer_group"``.
+        layer_groups: ``{group: layers}`` for ``by="layer_group"``.
+        dt: the lag of each of the ``N`` columns (default ``0 .. N-1``; signed for encoders).
+
+    Returns:
+        :class:`PersistenceCurves`, or ``{group: PersistenceCurves}`` for ``by="layer_group"``.
+    """
+    lag_sum, count, prior = arrays["lag_sum"], arrays["lag_count"], arrays["lag_prior_sum"]
+    if by == "layer_group":
+        return {
+            group: persistence_curves(lag_sum[list(layers)].sum((0, 1)), n_heads * prior[list(layers)].sum(0),
+                                      n_heads * count[list(layers)].sum(0), None, dt=dt)
+            for group, layers in (layer_groups or {}).items()
+        }
+    if by == "head":
+        counts = np.broadcast_to(count[:, None, :], lag_sum.shape)
+        priors = np.broadcast_to(prior[:, None, :], lag_sum.shape)
+        return persistence_curves(lag_sum, priors, counts, by, dt=dt)
+    if by == "layer":
+        return persistence_curves(lag_sum.sum(1), n_heads * prior, n_heads * count, by, dt=dt)
+    check_choice("by", by, (None, "layer", "head", "layer_group"))
+    return persistence_curves(lag_sum.sum((0, 1)), n_heads * prior.sum(0), n_heads * count.sum(0), None, dt=dt)

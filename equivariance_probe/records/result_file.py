@@ -10,11 +10,15 @@ One file per result (:mod:`~equivariance_probe.records.container`):
   (``query_count``, ``log_sum``, ... as in :data:`~equivariance_probe.statistics.STATISTICS`,
   float64, under their own names); the entry sample's columns as ``sample/<column>`` (float64);
   the windows' fingerprints as ``window_fingerprints`` (uint64, sorted: see
-  :func:`~equivariance_probe.records.provenance.window_fingerprint`);
+  :func:`~equivariance_probe.records.provenance.window_fingerprint`); with interval groups
+  (config ``interval_groups > 0``), the occupied groups' sums as ``groups/<name>`` (float64, one
+  row per occupied group, :data:`~equivariance_probe.statistics.groups.GROUP_SUMS`) and their ids as
+  ``groups/index`` (int64, sorted);
 * header (``__metadata__["equivariance_probe"]``, JSON) — ``kind``, ``format_version`` (3),
   ``complete``, ``checksum`` (:func:`~equivariance_probe.records.container.tensor_checksum` of
   every tensor with the counts ``n_windows``, ``n_tokens`` first), ``statistics`` (``config``,
-  ``n_windows``, ``n_tokens``, ``sample_size``), ``metadata`` (the run's), ``summary`` (the
+  ``n_windows``, ``n_tokens``, ``sample_size``, and with interval groups ``groups``:
+  ``occupied``, ``keys``, ``unavailable``), ``metadata`` (the run's), ``summary`` (the
   headline numbers, :meth:`~equivariance_probe.result.ProbeResult.summary`) and
   ``header_checksum``.
 
@@ -25,7 +29,9 @@ reads the tensors on first use and verifies ``checksum`` then. A summary therefo
 header read, and a file whose numbers were changed is refused as soon as they are used.
 
 Versions 1 and 2 (JSON, :mod:`~equivariance_probe.records.fileformat`) are read by the same
-:func:`open_result_file`, which tells the formats apart by their first bytes.
+:func:`open_result_file`, which tells the formats apart by their first bytes. Version-3 files
+written before interval groups (a config without ``interval_groups``) read as results without
+them.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ RESULT_SUFFIX = ".safetensors"
 #: Tensor names besides the statistics' arrays.
 FINGERPRINTS = "window_fingerprints"
 SAMPLE_PREFIX = "sample/"
+GROUPS_PREFIX = "groups/"
 
 
 def result_tensors(statistics: AttentionStatistics) -> dict[str, np.ndarray]:
@@ -70,6 +77,8 @@ def result_tensors(statistics: AttentionStatistics) -> dict[str, np.ndarray]:
         for column, values in statistics.sample.to_arrays().items():
             tensors[SAMPLE_PREFIX + column] = np.asarray(values, dtype=np.float64)
     tensors[FINGERPRINTS] = np.asarray(statistics.window_fingerprints, dtype=np.uint64)
+    if statistics.groups is not None:
+        tensors.update({GROUPS_PREFIX + name: value for name, value in statistics.groups.tensors().items()})
     return tensors
 
 
@@ -101,6 +110,7 @@ def write_result_file(
             "n_windows": statistics.n_windows,
             "n_tokens": statistics.n_tokens,
             "sample_size": None if statistics.sample is None else statistics.sample.size,
+            **({} if statistics.groups is None else {"groups": statistics.groups.describe()}),
         },
         "metadata": jsonable(metadata),
         "summary": jsonable(summary),
@@ -154,9 +164,11 @@ class ResultFile:
         if sample_size is not None:
             sample = EntrySample.from_arrays(sample_size, {c: tensors[SAMPLE_PREFIX + c] for c in SAMPLE_COLUMNS})
         arrays = {name: torch.from_numpy(tensors[name]) for name in AttentionStatistics.array_shapes(self.config)}
+        groups = {name[len(GROUPS_PREFIX):]: value for name, value in tensors.items() if name.startswith(GROUPS_PREFIX)}
         return AttentionStatistics.from_arrays(
             self.config, arrays, n_windows=self.n_windows, n_tokens=self.n_tokens,
             window_fingerprints=tensors[FINGERPRINTS], sample=sample,
+            groups=groups or None, groups_described=self._container.header["statistics"].get("groups"),
         )
 
 
@@ -217,7 +229,7 @@ def _check_tensors(container: Container, statistics: dict[str, Any], source: str
              source, f"the array {FINGERPRINTS!r} must be a 1-D uint64 array")
     _require(tensors[FINGERPRINTS][1][0] <= statistics["n_windows"], source,
              f"{FINGERPRINTS!r} holds more fingerprints than 'statistics.n_windows'")
-    names = set(expected) | {FINGERPRINTS}
+    names = set(expected) | {FINGERPRINTS} | _check_group_tensors(container, statistics, source)
     if statistics.get("sample_size") is not None:
         lengths = set()
         for column in SAMPLE_COLUMNS:
@@ -230,6 +242,25 @@ def _check_tensors(container: Container, statistics: dict[str, Any], source: str
                  "the sample's columns differ in length or exceed 'statistics.sample_size'")
     unknown = sorted(set(tensors) - names)
     _require(not unknown, source, f"unknown arrays {unknown}")
+
+
+def _check_group_tensors(container: Container, statistics: dict[str, Any], source: str) -> set[str]:
+    """The interval groups' tensors the header promises (none for a config without ``interval_groups``); their names."""
+    config = statistics["config"]
+    if not config.get("interval_groups"):
+        return set()
+    groups = statistics.get("groups")
+    _require(isinstance(groups, dict) and isinstance(groups.get("occupied"), int) and groups["occupied"] >= 0, source,
+             "'statistics.groups.occupied' must be a non-negative integer for a config with interval_groups")
+    empty = AttentionStatistics.from_config(config, device="meta").groups
+    names = set()
+    for name, shape in empty.array_shapes(groups["occupied"]).items():
+        dtype = "I64" if name == "index" else "F64"
+        tensor = GROUPS_PREFIX + name
+        _require(container.tensors.get(tensor) == (dtype, shape), source,
+                 f"the interval groups' array {tensor!r} must be {dtype} {list(shape)}, not {container.tensors.get(tensor)}")
+        names.add(tensor)
+    return names
 
 
 def _open_json(path: Path) -> ResultFile:

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gc
 import json
@@ -37,13 +38,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
-from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError
+from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError, IntervalUnavailableError
+from ..maths.intervals import format_interval
 from ..maths.metrics import FORMS, SCALES
+from ..result import DIFFERENCE_STATISTICS, paired_differences, summary_value
 from ..sources.corpus import load_corpus
 from ..sources.models import load_config, load_model, load_tokenizer
 from ..sources.resources import MemoryEstimate, PeakMemory, check_fits, estimate_memory_of, model_size
+from ..statistics.groups import DEFAULT_INTERVAL_GROUPS
 from .study import Study, check_baselines, run_study
 
 __all__ = [
@@ -64,6 +67,33 @@ DEFAULT_COMPARE_MODELS = ("gemma-3-270m", "smollm2-135m-instruct", "qwen2.5-code
 DEFAULT_COMPARISON = {"n_docs": 12, "context_length": 512, "batch_size": 4, "baselines": ("random_init",)}
 
 _FITS = ("power", "exponential", "prior")
+
+#: Columns of :meth:`Comparison.rows` read from each result's summary, and where.
+_SUMMARY_PATHS: dict[str, tuple[str, ...]] = {
+    **{f"{scale}_{form}": ("query_position_r2", scale, form) for scale in SCALES for form in FORMS},
+    **{f"persistence_{fit}_r2": ("persistence_fit_r2", fit) for fit in _FITS},
+    "toeplitz_r2": ("toeplitz_r2_per_doc_mean",),
+}
+
+
+def _differences(trained: Any, baseline: Any) -> dict[str, float | None]:
+    """``trained_minus_{statistic}`` with ``_low``/``_high`` for every difference the study reports
+    (``None`` everywhere for the trained row itself, and where the two have no paired intervals)."""
+    found = {name: (None, None, None) for name in DIFFERENCE_STATISTICS}
+    if baseline is not None:
+        with contextlib.suppress(IntervalUnavailableError, IncompatibleResultsError):
+            found = {name: (d.estimate, d.low, d.high) for name, d in paired_differences(trained, baseline).items()}
+    return {f"trained_minus_{name}{suffix}": value for name, values in found.items()
+            for suffix, value in zip(("", "_low", "_high"), values)}
+
+
+def _cell(row: dict[str, Any], column: str) -> str:
+    """A number of a row with its interval where it has one: ``0.0379 [0.0351, 0.0407]``."""
+    if row.get(column) is None:
+        return "–"
+    if row.get(f"{column}_low") is None:
+        return f"{row[column]:.4f}"
+    return format_interval(row[column], row[f"{column}_low"], row[f"{column}_high"])
 
 
 @dataclass(frozen=True)
@@ -103,8 +133,11 @@ class Comparison:
         Keys: ``model, variant, windows, tokens``; ``{scale}_{form}`` for the query-position R²
         (scale ``log``/``raw``, form ``prior``/``fitted``/``eta2``); ``persistence_{fit}_r2`` for
         the power, exponential and uniform-prior fits to ``P(dt)``; ``toeplitz_r2`` (mean over
-        windows and heads of the per-window Toeplitz R²); ``seconds, windows_per_minute,
-        peak_memory_gib, estimated_memory_gib, n_parameters, n_layers, n_heads``.
+        windows and heads of the per-window Toeplitz R²); each of these with ``_low`` and ``_high``,
+        its 95 % interval over windows (``None`` where there is none); for a baseline,
+        ``trained_minus_{statistic}`` with ``_low``/``_high`` (the difference from the model's trained
+        weights over the same windows, :data:`~equivariance_probe.result.DIFFERENCE_STATISTICS`);
+        ``seconds, windows_per_minute, peak_memory_gib, estimated_memory_gib, n_parameters, n_layers, n_heads``.
         """
         rows = []
         for label, study in self.studies.items():
@@ -112,13 +145,12 @@ class Comparison:
             for variant, result in study.results.items():
                 row: dict[str, Any] = {"model": label, "variant": variant,
                                        "windows": result.n_windows, "tokens": result.n_tokens}
-                for scale in SCALES:
-                    for form in FORMS:
-                        row[f"{scale}_{form}"] = float(result.query_position_r2(scale, form))
-                persistence = result.persistence()
-                for fit in _FITS:
-                    row[f"persistence_{fit}_r2"] = float(persistence.fits[fit].r2)
-                row["toeplitz_r2"] = float(np.nanmean(result.toeplitz_r2("head_per_doc")))
+                summary = result.summary()
+                for column, path in _SUMMARY_PATHS.items():
+                    row[column] = float(summary_value(summary, path))
+                    bounds = summary_value(summary.get("intervals"), path)
+                    row[f"{column}_low"], row[f"{column}_high"] = bounds if isinstance(bounds, list) else (None, None)
+                row.update(_differences(study.trained, result if variant != "trained" else None))
                 row["seconds"] = cost.seconds[variant]
                 row["windows_per_minute"] = cost.windows_per_minute(variant, result.n_windows)
                 row["peak_memory_gib"] = None if cost.peak_bytes is None else cost.peak_bytes / 2**30
@@ -138,10 +170,13 @@ class Comparison:
 
         for scale in SCALES:
             for form in FORMS:
-                line(f"QPVE {scale}", form, [f"{r[f'{scale}_{form}']:.4f}" for r in rows])
+                line(f"QPVE {scale}", form, [_cell(r, f"{scale}_{form}") for r in rows])
         for fit in _FITS:
-            line("P(dt)", f"{fit} fit R²", [f"{r[f'persistence_{fit}_r2']:.4f}" for r in rows])
-        line("Toeplitz", "mean per-window R²", [f"{r['toeplitz_r2']:.4f}" for r in rows])
+            line("P(dt)", f"{fit} fit R²", [_cell(r, f"persistence_{fit}_r2") for r in rows])
+        line("Toeplitz", "mean per-window R²", [_cell(r, "toeplitz_r2") for r in rows])
+        for statistic in DIFFERENCE_STATISTICS:
+            name = statistic.replace("_fit", " fit R²").replace("toeplitz_per_doc", "Toeplitz per-window R²").replace("_", " ")
+            line("trained − baseline", name, [_cell(r, f"trained_minus_{statistic}") for r in rows])
         line("", "windows / tokens", [f"{r['windows']} / {r['tokens']}" for r in rows])
         line("", "layers × heads", [f"{r['n_layers']} × {r['n_heads']}" for r in rows])
         line("cost", "windows per minute", [f"{r['windows_per_minute']:.1f}" for r in rows])
@@ -179,7 +214,9 @@ class Comparison:
             f"{self.config.get('windows_description', '')}\n\n"
             "QPVE: query-position R² over every visible entry (log scale: y = log max(a, eps)). "
             "P(dt): R² of each fit to the persistence curve. Toeplitz: mean over windows and heads of "
-            "the per-window Toeplitz R². Cost: windows per minute of each variant (building the "
+            "the per-window Toeplitz R². Brackets: 95 % intervals over windows (delete-a-group jackknife); "
+            "trained − baseline: the difference over the same windows, in the baseline's column. "
+            "Cost: windows per minute of each variant (building the "
             f"baseline included) and the model's peak resident memory ({method}).\n\n"
             f"{self.table()}\n\nConfiguration: `{json.dumps(self.config.get('arguments', {}))}`\n",
             encoding="utf-8",
@@ -268,6 +305,7 @@ def compare_models(
     memory_limit: int | None = None,
     progress: bool = True,
     attn_implementation: str = "sdpa",
+    interval_groups: int = DEFAULT_INTERVAL_GROUPS,
 ) -> Comparison:
     """Run the study on several models over the same windows and collect one table.
 
@@ -288,6 +326,9 @@ def compare_models(
         progress: show progress bars.
         attn_implementation: the attention kernel each model runs (see
             :func:`~equivariance_probe.runs.study.run_study`).
+        interval_groups: groups of windows for the 95 % intervals and the trained-minus-baseline
+            differences (per model: windows are grouped by their token ids' fingerprints, which
+            differ between tokenizers); 0 for none.
 
     Returns:
         A :class:`Comparison`.
@@ -331,7 +372,8 @@ def compare_models(
             load_seconds = time.perf_counter() - start
             study = run_study(label, corpus=texts, n_docs=len(texts), context_length=context_length,
                               batch_size=batch_size, baselines=baselines, exclude_keys=exclude_keys, seed=seed,
-                              sample_size=0, cache_dir=cache_dir, progress=progress, loaded=loaded)
+                              sample_size=0, cache_dir=cache_dir, progress=progress, loaded=loaded,
+                              interval_groups=interval_groups)
             del loaded
             gc.collect()  # one model in memory at a time
         for variant, result in study.results.items():
@@ -346,7 +388,7 @@ def compare_models(
     config = {
         "arguments": {"models": list(entries), "n_docs": n_docs, "context_length": context_length,
                       "batch_size": batch_size, "baselines": list(baselines), "exclude_keys": list(exclude_keys),
-                      "seed": seed},
+                      "seed": seed, "interval_groups": interval_groups},
         "windows_description": (
             f"{len(texts)} windows of exactly {context_length} tokens per model, cut from the same "
             f"{len(texts)} documents ({'the packaged Wikipedia articles' if corpus is None else 'the given corpus'}) "

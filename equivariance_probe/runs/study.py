@@ -24,12 +24,13 @@ from ..probe import EquivarianceProbe
 from ..records.provenance import config_fingerprint, corpus_fingerprint, model_identity
 from ..records.result_file import RESULT_SUFFIX
 from ..records.sharding import Shard, shard_metadata
-from ..result import ProbeResult, summary_table
+from ..result import ProbeResult, difference_table, summary_table, windows_needed_text
 from ..sources.baselines import random_init_like, zero_like
 from ..sources.corpus import load_corpus
 from ..sources.devices import parse_dtype, resolve_device
 from ..sources.models import load_model
 from ..sources.packing import pack_documents
+from ..statistics.groups import DEFAULT_INTERVAL_GROUPS
 from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun
 
 __all__ = ["Study", "run_study", "result_filename", "load_study_baselines", "BASELINES", "DEFAULT_STUDY"]
@@ -64,9 +65,30 @@ class Study:
 
     def table(self, *, extended: bool = False) -> str:
         """Markdown table, one column per variant: query-position R² in every form and scale, the
-        fits to ``P(dt)``, the mean per-window Toeplitz R² (:func:`~equivariance_probe.result.summary_table`;
-        ``extended`` adds fit parameters, Figure 1c and the heads)."""
+        fits to ``P(dt)``, the mean per-window Toeplitz R², each with its 95 % interval over windows
+        (:func:`~equivariance_probe.result.summary_table`; ``extended`` adds fit parameters, Figure 1c
+        and the heads)."""
         return summary_table({name: result.summary() for name, result in self.results.items()}, extended=extended)
+
+    def differences(self) -> str:
+        """Markdown table of ``trained − baseline`` for every baseline, each difference with its 95 %
+        interval from paired replicates (the same windows in the same groups:
+        :func:`~equivariance_probe.result.paired_difference`), and notes where there is none."""
+        return difference_table(self.results, "trained")
+
+    def precision(self, half_width: float = 0.005) -> str:
+        """How precise the trained model's log fitted R² is, and how many windows ``±half_width`` would need."""
+        return windows_needed_text(self.trained.summary(), half_width)
+
+    def report_text(self) -> str:
+        """What ``equivariance-probe run`` prints and ``summary.md`` holds: the table, the differences
+        from the baselines, the precision reached and the heads."""
+        parts = [self.table()]
+        if self.baselines():
+            parts.append("Differences, each over the same windows (95 % intervals from paired replicates):\n\n"
+                         + self.differences())
+        parts += [self.precision(), self.heads()]
+        return "\n\n".join(parts)
 
     def heads(self) -> str:
         """The most and least position-bound heads of the trained model (log η²)."""
@@ -93,7 +115,8 @@ class Study:
             f"# Equivariance probe: {self.config.get('model')}\n\n"
             f"Query-position R² over all visible entries (log scale: y = log max(a, eps), "
             f"eps = {self.trained.log_floor:.3g}; {self.trained.floored()} entries floored). "
-            f"Excluded key positions: {list(excluded) or 'none'}.\n\n{self.table()}\n\n{self.heads()}\n\n"
+            f"Excluded key positions: {list(excluded) or 'none'}. Brackets: 95 % intervals over windows "
+            f"(delete-a-group jackknife).\n\n{self.report_text()}\n\n"
             f"Configuration: `{json.dumps(self.config)}`\n\nTimings (s): `{json.dumps(self.timings)}`\n"
         )
         return paths
@@ -174,6 +197,7 @@ def run_study(
     dtype: str | None = None,
     attn_implementation: str = "sdpa",
     pack: bool = False,
+    interval_groups: int = DEFAULT_INTERVAL_GROUPS,
 ) -> Study:
     """Run the study: the trained model and each baseline on the same documents.
 
@@ -212,6 +236,8 @@ def run_study(
             exactly ``context_length`` tokens, each after the tokenizer's special prefix
             (:func:`~equivariance_probe.sources.packing.pack_documents`), instead of one window per
             document; checkpoints and shards then count windows, not documents.
+        interval_groups: groups of windows for the 95 % intervals (by window fingerprint, so the
+            variants, shards and resumed runs share them); 0 for none.
     """
     check_baselines(baselines)
     timings: dict[str, float] = {}
@@ -245,6 +271,7 @@ def run_study(
         "keep_pattern": bool(keep_pattern),
         "checkpoint_every": checkpoint_every if checkpoint_dir is not None else None,
         "attn_implementation": attn_implementation if loaded is None else None,
+        "interval_groups": interval_groups,
     }
     if pack:  # only then, so that the fingerprints of unpacked studies stay what they were
         config["pack"] = True
@@ -264,6 +291,7 @@ def run_study(
         sample_size=sample_size,
         keep_pattern=keep_pattern,
         progress=progress,
+        interval_groups=interval_groups,
     )
     results: dict[str, ProbeResult] = {}
     variants: list[tuple[str, Any]] = [("trained", lambda: network)]

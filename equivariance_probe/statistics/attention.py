@@ -32,6 +32,7 @@ every real token of its window) has ``D = 2T - 1`` signed lags, lag ``dt`` at in
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ import torch
 
 from ..errors import AttentionCaptureError, IncompatibleResultsError, InputError, NonFiniteAttentionError, option
 from .blocks import attention_sums_from_qk, attention_sums_from_weights, toeplitz_r2_per_window
+from .groups import DEFAULT_INTERVAL_GROUPS, WindowGroups, as_keys
 from .kernels import visible_mask
 from .masks import KEY_BINS, default_log_floor, key_bins, mask_counts, n_lags, uniform_prior
 from .sample import EntrySample
@@ -102,6 +104,8 @@ class AttentionStatistics:
             device keeps its sums there until they are read).
         engine: one of :data:`ENGINES`, for :meth:`update_from_scores`.
         block_size: query rows per block of the torch engine (``None``: from a memory budget).
+        interval_groups: ``G``, groups of windows for intervals (the delete-a-group jackknife,
+            :mod:`~equivariance_probe.statistics.groups`; held in :attr:`groups`); 0 for none.
 
     All arrays are float64 and listed in :data:`STATISTICS`. ``a + b`` and
     :meth:`merge` add them; two statistics merge only if measured the same way, and only if
@@ -127,6 +131,7 @@ class AttentionStatistics:
         engine: str = "auto",
         block_size: int | None = None,
         causal: bool = True,
+        interval_groups: int = DEFAULT_INTERVAL_GROUPS,
     ) -> None:
         if engine not in ENGINES:
             raise InputError(f"engine={engine!r} is not one of {ENGINES}")
@@ -176,6 +181,14 @@ class AttentionStatistics:
         #: Which engine computed the sums of :meth:`update_from_scores` (``"torch"``/``"triton"``), and
         #: how many layer-batches went through captured weights (:meth:`update`).
         self.paths: dict[str, int] = {}
+        #: Per-group sums of the windows for intervals, or ``None`` (``interval_groups=0``).
+        self.groups = self._new_groups(interval_groups)
+
+    def _new_groups(self, interval_groups: int) -> WindowGroups | None:
+        if interval_groups == 0:
+            return None
+        return WindowGroups(interval_groups, n_layers=self.n_layers, n_heads=self.n_heads, n_positions=self.n_positions,
+                            n_lags=self._arrays["lag_sum"].shape[-1], device=self.device)
 
     @property
     def n_lags(self) -> int:
@@ -206,7 +219,7 @@ class AttentionStatistics:
         self._elsewhere = {}
 
     # -- streaming ----------------------------------------------------------------
-    def begin_batch(self, lengths: torch.Tensor, fingerprints: Any = None) -> None:
+    def begin_batch(self, lengths: torch.Tensor, fingerprints: Any = None, *, resampling_keys: Any = None) -> None:
         """Start a batch of windows with ``lengths: [batch]`` real tokens each.
 
         Args:
@@ -215,6 +228,9 @@ class AttentionStatistics:
                 (:func:`~equivariance_probe.records.provenance.window_fingerprints`), kept in
                 :attr:`window_fingerprints` when the batch is added (:meth:`end_batch`), so that a
                 merge can refuse windows counted twice; ``None`` adds none.
+            resampling_keys: ``[batch]`` 64-bit keys that choose each window's interval group
+                (:func:`~equivariance_probe.statistics.groups.group_of`); ``None``: the fingerprints
+                (the window's order in the stream where there are none).
         """
         if fingerprints is not None:
             fingerprints = np.asarray(fingerprints, dtype=np.uint64).reshape(-1)
@@ -223,6 +239,7 @@ class AttentionStatistics:
                     f"begin_batch got {len(fingerprints)} window fingerprints for a batch of {lengths.numel()} windows; "
                     "pass one fingerprint per window (or fingerprints=None)"
                 )
+        keys, kind = self._resampling_keys(lengths.numel(), fingerprints, resampling_keys)
         self.abort_batch()
         self._batch_fingerprints = fingerprints
         # On the host for the block bounds and the mask's closed forms (no device-to-host copy
@@ -231,6 +248,20 @@ class AttentionStatistics:
         self._lengths = self._host_lengths.to(self.device)
         if self.sample is not None:
             self._sample_before = self.sample.to_arrays()
+        if self.groups is not None:
+            self.groups.begin(keys, kind, self._host_lengths)
+
+    def _resampling_keys(self, batch: int, fingerprints: np.ndarray | None, keys: Any) -> tuple[np.ndarray, str]:
+        """Each window's interval-group key and where it came from (see :data:`~.groups.KEY_KINDS`)."""
+        if keys is not None:
+            keys = as_keys(keys)
+            if len(keys) != batch:
+                raise InputError(f"begin_batch got {len(keys)} resampling keys for a batch of {batch} windows; "
+                                 "pass one key per window (or resampling_keys=None)")
+            return keys, "explicit"
+        if fingerprints is not None:
+            return fingerprints, "window_fingerprint"
+        return np.arange(self.n_windows, self.n_windows + batch, dtype=np.uint64), "ordinal"
 
     def _masks_for(self, window: int | None, device: torch.device) -> dict[str, torch.Tensor]:
         """The mask's sums of this batch for one sliding window (computed once per batch on the host, from
@@ -363,6 +394,8 @@ class AttentionStatistics:
             reduced["pattern_sum"] = padded(sums["pattern_sum"], 2)
         # Checked for NaN and inf in end_batch, all layers at once: one device sync per batch, not per layer.
         self._pending[layer] = reduced
+        if self.groups is not None:
+            self.groups.stage(layer, per_window, r2, has_variance.to(torch.float64))
 
     def _require_batch(self, method: str) -> None:
         if self._lengths is None:
@@ -430,6 +463,8 @@ class AttentionStatistics:
             self._refuse_nonfinite(layer)
         for layer, reduced in self._pending.items():
             self._accumulate(layer, reduced)
+        if self.groups is not None:
+            self.groups.commit()
         lengths = self._host_lengths
         masks = {}
         for layer, window in enumerate(self.sliding_windows):
@@ -474,6 +509,8 @@ class AttentionStatistics:
         self._batch_masks = {}
         self._lengths = None
         self._host_lengths = None
+        if self.groups is not None:
+            self.groups.abort()
 
     @property
     def batch_lengths(self) -> torch.Tensor | None:
@@ -537,6 +574,11 @@ class AttentionStatistics:
 
         The mask part is computed here, so the batch merges exactly like one given to
         :meth:`update`: entries beyond ``W`` are 0, so zero-padding to ``T`` embeds them exactly.
+
+        Interval groups: the sums are totals over the batch, so they are a group's sums only when
+        every window of the batch is in one group (always with ``batch_size=1``); a batch of
+        windows of several groups drops the group sums of these statistics for good, with a warning
+        (the intervals then say why).
         """
         self._require_batch("add_batch_sums")
         outside = sums["outside_mass"]
@@ -549,6 +591,7 @@ class AttentionStatistics:
             return value if pad == 0 else torch.nn.functional.pad(value, (0, pad) * dims)
 
         zero_key_lag = torch.zeros((self.key_bins, self.n_positions), dtype=torch.float64)
+        self._remote_groups()
         for layer in range(self.n_layers):
             reduced = {name: padded(sums[name][layer], 1) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum")}
             for name in ("floored", "doc_toeplitz_sum", "doc_toeplitz_count"):
@@ -562,7 +605,20 @@ class AttentionStatistics:
             reduced = {name: value.to(device=self.device, dtype=torch.float64) for name, value in reduced.items()}
             self._check_finite(layer, reduced)
             self._pending[layer] = reduced
+            if self.groups is not None:
+                self.groups.stage(layer, {name: value.unsqueeze(0) for name, value in reduced.items()},
+                                  reduced["doc_toeplitz_sum"].unsqueeze(0), reduced["doc_toeplitz_count"].unsqueeze(0))
         self.paths["remote"] = self.paths.get("remote", 0) + self.n_layers
+
+    def _remote_groups(self) -> None:
+        """Drop the group sums when a batch reduced elsewhere (summed over its windows) spans several groups."""
+        if self.groups is None or self.groups.unavailable is not None or self.groups.single_group():
+            return
+        reason = ("a batch was reduced remotely, where its sums come back added over its windows, and its windows fall "
+                  "in more than one interval group; rerun remotely with batch_size=1 (each reply is then one window's) "
+                  "or locally for intervals")
+        self.groups.disable(reason)
+        warnings.warn(f"interval groups dropped: {reason}", stacklevel=3)
 
     # -- merging --------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -577,6 +633,7 @@ class AttentionStatistics:
             "keep_pattern": self.keep_pattern,
             "key_bins": self.key_bins,
             "causal": self.causal,
+            "interval_groups": 0 if self.groups is None else self.groups.n_groups,
         }
 
     @classmethod
@@ -597,8 +654,9 @@ class AttentionStatistics:
             # Files written before the key-position bins kept one per key.
             key_bins=config.get("key_bins", config["n_positions"]),
             device=device,
-            # Files written before encoders were supported hold causal statistics only.
+            # A config without these keys describes causal statistics without interval groups.
             causal=config.get("causal", True),
+            interval_groups=config.get("interval_groups", 0),
         )
 
     @classmethod
@@ -616,6 +674,8 @@ class AttentionStatistics:
         n_tokens: int,
         window_fingerprints: Any = (),
         sample: EntrySample | None = None,
+        groups: dict[str, Any] | None = None,
+        groups_described: dict[str, Any] | None = None,
     ) -> AttentionStatistics:
         """Statistics holding saved sums (on the CPU), without allocating arrays of their own first.
 
@@ -623,6 +683,10 @@ class AttentionStatistics:
         per key, and the summed pattern in key-lag layout ``[t, dt]``) are brought to today's
         layout: key rows summed into :data:`~equivariance_probe.statistics.masks.KEY_BINS` bins
         (exact: the bins are sums of keys), the pattern moved to query-key layout.
+
+        ``groups`` holds the interval groups' rows (:meth:`~.groups.WindowGroups.tensors`) and
+        ``groups_described`` the header's :meth:`~.groups.WindowGroups.describe`, for a config with
+        ``interval_groups``.
 
         Raises:
             IncompatibleResultsError: ``arrays`` are not the arrays of ``config`` (names or shapes).
@@ -641,6 +705,10 @@ class AttentionStatistics:
         statistics.n_windows, statistics.n_tokens = int(n_windows), int(n_tokens)
         statistics.window_fingerprints = np.sort(np.asarray(window_fingerprints, dtype=np.uint64).reshape(-1))
         statistics.sample = sample
+        if statistics.groups is not None:
+            if groups is None:
+                raise IncompatibleResultsError(f"statistics measured as {config} need their interval groups' sums")
+            statistics.groups.load(groups, groups_described or {})
         return statistics
 
     def check_compatible(self, other: AttentionStatistics) -> None:
@@ -651,7 +719,7 @@ class AttentionStatistics:
         if differences:
             raise IncompatibleResultsError(
                 "cannot merge statistics measured differently (" + "; ".join(differences) + "); "
-                "run both with the same model, context_length, exclude_keys, log_floor and keep_pattern"
+                "run both with the same model, context_length, exclude_keys, log_floor, keep_pattern and interval_groups"
             )
 
     def merge(self, other: AttentionStatistics, *, allow_duplicate_windows: bool = False) -> AttentionStatistics:
@@ -680,6 +748,8 @@ class AttentionStatistics:
         merged.log_floor = self.log_floor if self.log_floor is not None else other.log_floor
         for name, value in other.arrays.items():
             merged.arrays[name] = merged.arrays[name] + value.to(merged.device)
+        if merged.groups is not None:
+            merged.groups = merged.groups.merge(other.groups)
         merged.n_windows += other.n_windows
         merged.n_tokens += other.n_tokens
         merged.window_fingerprints = _joined_fingerprints(self.window_fingerprints, other.window_fingerprints)
@@ -704,7 +774,9 @@ class AttentionStatistics:
             engine=self.engine,
             block_size=self.block_size,
             causal=self.causal,
+            interval_groups=0,
         )
+        new.groups = None if self.groups is None else self.groups.copy()
         new.device = self.device
         new.arrays = {name: value.clone() for name, value in self.arrays.items()}
         new.paths = dict(self.paths)
@@ -719,6 +791,8 @@ class AttentionStatistics:
         moved = self.copy()
         moved.device = torch.device(device)
         moved.arrays = {name: value.to(device) for name, value in self.arrays.items()}
+        if self.groups is not None:
+            moved.groups = self.groups.copy(device)
         return moved
 
     # -- views used by the metrics ------------------------------------------------
@@ -737,7 +811,8 @@ class AttentionStatistics:
         return torch.stack([1.0 / uniform_prior(self.n_positions, w) for w in self.sliding_windows])
 
     def nbytes(self) -> int:
-        return sum(value.numel() * value.element_size() for value in self.arrays.values())
+        groups = 0 if self.groups is None else self.groups.nbytes()
+        return groups + sum(value.numel() * value.element_size() for value in self.arrays.values())
 
     def __repr__(self) -> str:
         return (

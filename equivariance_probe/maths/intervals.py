@@ -1,0 +1,139 @@
+"""Confidence intervals from delete-a-group jackknife replicates.
+
+Place in the seams: *maths*, pure functions of numpy arrays (scipy for the t quantile, imported
+when used). The replicates come from per-group sums
+(:meth:`~equivariance_probe.statistics.groups.WindowGroups.replicates`): windows fall into ``G``
+groups, and ``θ₍g₎`` is the statistic recomputed on every window but those of group ``g``.
+
+Over the ``G'`` non-empty groups (Kott's delete-a-group jackknife, "JK1"):
+
+* ``v = (G' - 1)/G' · Σ_g (θ₍g₎ - θ̄)²``, ``θ̄`` the mean of the replicates, ``se = √v``;
+* the interval ``θ ± t_{G'-1, (1+level)/2} · se`` around the full-data estimate ``θ``.
+
+With fewer than two non-empty groups there is no spread to measure: the interval is undefined and
+:func:`jackknife_interval` says so by raising :class:`~equivariance_probe.errors.IntervalUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import InputError, IntervalUnavailableError
+
+__all__ = ["Interval", "jackknife_interval", "check_level", "windows_for_half_width", "format_interval"]
+
+
+def check_level(level: Any) -> float:
+    """``level`` as a float in ``(0, 1)``, or :class:`InputError` naming it."""
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < float(level) < 1.0:
+        raise InputError(f"interval={level!r} must be a confidence level between 0 and 1, e.g. 0.95")
+    return float(level)
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate and its confidence interval over windows.
+
+    Attributes:
+        estimate: ``θ``, from every window (a float, or an array: ``[layer]``, ``[layer, head]``).
+        low, high: ``θ ∓ t·se``, shaped like ``estimate``.
+        level: the confidence level (0.95).
+        n_groups: ``G'``, the non-empty groups of windows behind the replicates.
+        standard_error: ``se``, the jackknife standard error, shaped like ``estimate``.
+
+    Example:
+        >>> interval = Interval(0.017, 0.015, 0.019, 0.95, 20, 0.001)
+        >>> str(interval)
+        '0.0170 [0.0150, 0.0190]'
+    """
+
+    estimate: Any
+    low: Any
+    high: Any
+    level: float
+    n_groups: int
+    standard_error: Any
+
+    @property
+    def width(self) -> Any:
+        """``high - low``."""
+        return np.subtract(self.high, self.low)
+
+    @property
+    def half_width(self) -> Any:
+        """``(high - low) / 2``, the ``±`` of the interval."""
+        return np.subtract(self.high, self.low) / 2
+
+    def __str__(self) -> str:
+        if np.ndim(self.estimate):
+            return f"Interval(shape {np.shape(self.estimate)}, {self.level:.0%}, {self.n_groups} groups)"
+        return format_interval(self.estimate, self.low, self.high)
+
+    def __repr__(self) -> str:
+        if np.ndim(self.estimate):
+            return str(self)
+        return f"Interval({self}, {self.level:.0%} over {self.n_groups} groups of windows)"
+
+    def to_dict(self) -> dict[str, Any]:
+        """``estimate, low, high, level, n_groups, standard_error`` (arrays as lists)."""
+        return {name: np.asarray(value).tolist() if np.ndim(value) else value
+                for name, value in (("estimate", self.estimate), ("low", self.low), ("high", self.high),
+                                    ("level", self.level), ("n_groups", self.n_groups),
+                                    ("standard_error", self.standard_error))}
+
+
+def format_interval(estimate: Any, low: Any, high: Any, digits: int = 4) -> str:
+    """``"0.0170 [0.0150, 0.0190]"``; ``n/a`` for an undefined estimate."""
+    def number(value: Any) -> str:
+        return "n/a" if value is None or not math.isfinite(float(value)) else f"{float(value):.{digits}f}"
+
+    return f"{number(estimate)} [{number(low)}, {number(high)}]"
+
+
+def jackknife_interval(estimate: Any, replicates: Any, *, level: float = 0.95) -> Interval:
+    """The delete-a-group jackknife interval of ``estimate`` (see the module docstring).
+
+    Args:
+        estimate: ``θ`` from every window: a float or an array ``[...]``.
+        replicates: ``θ₍g₎``, ``[G', ...]``: one per non-empty group.
+        level: confidence level in ``(0, 1)``.
+
+    Returns:
+        An :class:`Interval` (arrays where ``estimate`` is one; NaN where an element's estimate or
+        replicates are).
+
+    Raises:
+        IntervalUnavailableError: fewer than two replicates (the interval is undefined).
+    """
+    level = check_level(level)
+    replicates = np.asarray(replicates, dtype=np.float64)
+    count = replicates.shape[0] if replicates.ndim else 0
+    if count < 2:
+        raise IntervalUnavailableError(
+            f"the windows fall into {count} non-empty interval group{'s' if count != 1 else ''}; a jackknife interval "
+            "needs windows in at least 2 groups: run more windows"
+        )
+    from scipy.stats import t
+
+    spread = replicates - replicates.mean(0)
+    standard_error = np.sqrt((count - 1) / count * np.sum(spread * spread, axis=0))
+    estimate_array = np.asarray(estimate, dtype=np.float64)
+    half = float(t.ppf((1.0 + level) / 2.0, count - 1)) * standard_error
+    low, high = estimate_array - half, estimate_array + half
+    if estimate_array.ndim == 0:
+        return Interval(float(estimate_array), float(low), float(high), level, count, float(standard_error))
+    return Interval(estimate_array, low, high, level, count, standard_error)
+
+
+def windows_for_half_width(n_windows: int, half_width: float, target: float) -> float:
+    """Windows a ``±target`` interval would need, from ``±half_width`` measured on ``n_windows``.
+
+    The standard error falls as ``1/√n``: ``n_needed = n·(half_width/target)²``.
+    """
+    if not target > 0:
+        raise InputError(f"target={target!r} must be a positive half-width, e.g. 0.005")
+    return float(n_windows) * (float(half_width) / float(target)) ** 2
