@@ -500,7 +500,9 @@ def _scan(args: argparse.Namespace) -> int:
                 for variant in variants if variant not in scan.reused[length]]
     reused = sum(len(variants) for variants in scan.reused.values())
     note = f"\n\n{reused} results reused from {out}" if reused else ""
-    _print(args, f"{scan.config['text_description']}\n\n{scan.table()}{note}", scan.rows(), list(paths.values()) + measured)
+    differences = ("Differences with their 95 % intervals, paired span by span:\n\n" + scan.difference_table())
+    _print(args, f"{scan.config['text_description']}\n\n{scan.table()}\n\n{differences}{note}", scan.rows(),
+           list(paths.values()) + measured)
     return 0
 
 

@@ -316,3 +316,36 @@ def test_nnsight_refuses_an_encoder_with_the_fix():
 
     with pytest.raises(AttentionCaptureError, match=r"model\._module"):
         EquivarianceProbe(NNsight(tiny_bert()))
+
+
+def test_encoder_intervals_equal_a_jackknife_over_runs_without_each_group():
+    """Each replicate is the run on every window but one group's: the bidirectional mask sums of a
+    replicate come from its window lengths, its lag sums are signed."""
+    from synthetic import tiny_bert
+
+    from equivariance_probe import EquivarianceProbe, UndefinedStatisticError
+    from equivariance_probe.maths.intervals import jackknife_interval
+
+    docs = encoder_windows()  # 5 windows of different lengths; keys 0..4 fall into 5 different groups
+    probe = EquivarianceProbe(tiny_bert())
+    result = probe.run(docs, context_length=20, progress=False, resampling_keys=range(len(docs)))
+    assert result.interval_groups()["occupied"] == len(docs)
+    without = [probe.run(docs[:i] + docs[i + 1:], context_length=20, progress=False) for i in range(len(docs))]
+    for statistic, by, value in [
+        ("log_eta2", None, lambda r: r.query_position_r2("log", "eta2")),
+        ("raw_eta2", "head", lambda r: r.query_position_r2("raw", "eta2", by="head")),
+        ("power_fit", None, lambda r: r.persistence().r2("power")),
+        ("exponential_fit", "layer", lambda r: r.persistence(by="layer").r2("exponential")),
+        ("toeplitz_per_doc", None, lambda r: r.toeplitz_r2("per_doc_mean")),
+    ]:
+        found = result.interval(statistic, by)
+        # The groups' order is the ids' (ascending): sort the direct runs the same way.
+        order = np.argsort(result.statistics.groups.ids)
+        expected = jackknife_interval(value(result), np.stack([np.asarray(value(without[i])) for i in order]))
+        np.testing.assert_allclose(found.low, expected.low, rtol=1e-6, atol=1e-8, err_msg=statistic)
+        np.testing.assert_allclose(found.high, expected.high, rtol=1e-6, atol=1e-8, err_msg=statistic)
+    with pytest.raises(UndefinedStatisticError):
+        result.query_position_r2("log", "fitted", interval=0.95)
+    intervals = result.summary()["intervals"]
+    assert intervals["query_position_r2"]["log"]["prior"] is None
+    assert len(intervals["query_position_r2"]["raw"]["eta2"]) == 2

@@ -104,7 +104,7 @@ def test_files_agree_and_are_reused(scanned, tiny):
         assert int(line["context_length"]) == row["context_length"] and line["layers"] == row["layers"]
     assert saved["windows"]["16"]["spans"] == scan.windows[16]["spans"]
     markdown = paths["markdown"].read_text()
-    assert "| T = 8 | T = 16 | T = 32 |" in markdown and "| trained | sliding (2) | QPVE log eta2 | 1.0000 |" in markdown
+    assert "| T = 8 | T = 16 | T = 32 |" in markdown and "| trained | sliding (2) | QPVE log eta2 | 1.0000 [1.0000, 1.0000] |" in markdown
     assert "|  |  | windows / window tokens | 12 / 96 | 6 / 96 | 3 / 96 |" in markdown
     assert paths["figure"].stat().st_size > 20_000
     for length in LENGTHS:
@@ -121,6 +121,33 @@ def test_files_agree_and_are_reused(scanned, tiny):
     with pytest.raises(CheckpointError, match=r"cannot be reused by this scan \(its n_spans, stream differ\)"):
         scan_context_lengths((model, tokenizer), context_lengths=LENGTHS, corpus=corpus, n_tokens=2 * 32,
                              baselines=(), out=out, progress=False)
+
+
+def test_intervals_over_spans_and_differences_between_lengths(scanned):
+    """Windows are grouped by span, so every length resamples the same text: uniform attention has
+    intervals of width 0 and differences of exactly 0; a random model's difference between two
+    lengths is the difference of its numbers, with an interval around it."""
+    scan, _ = scanned
+    for length in LENGTHS:
+        groups = scan.results[length]["random_init"].interval_groups()
+        assert groups["keys"] == "explicit" and groups["occupied"] == N_TOKENS // 32  # one group per span
+    for row in scan.rows():
+        for key in ("log_fitted", "raw_eta2", "persistence_prior_r2"):
+            assert row[f"{key}_low"] <= row[key] + 1e-12 and row[key] <= row[f"{key}_high"] + 1e-12, (key, row)
+        if row["variant"] == "trained":
+            assert row["log_eta2_high"] - row["log_eta2_low"] == pytest.approx(0.0, abs=1e-9)
+    uniform = scan.difference(32, 8, "log_fitted", variant="trained", by="layer_group")
+    for group, value in uniform.items():
+        assert value.estimate == pytest.approx(0.0, abs=1e-9) and value.high - value.low == pytest.approx(0.0, abs=1e-9)
+    random = scan.difference(32, 8, "raw_eta2", variant="random_init")
+    a, b = (scan.results[t]["random_init"].query_position_r2("raw", "eta2") for t in (32, 8))
+    assert random.estimate == pytest.approx(a - b, abs=1e-12) and random.low < random.estimate < random.high
+    rows = scan.difference_rows()
+    cells = next(c for what, layers, name, c in rows if (what, layers, name) == ("trained: T − 8", "global", "log_fitted"))
+    assert [abs(float(x)) for cell in cells for x in cell.replace("[", "").replace("]", "").split(",")[0].split()] == [0.0] * 6
+    assert any(what == "trained − random_init" for what, *_ in rows)
+    with pytest.raises(InputError, match="context length 64 is not in the scan"):
+        scan.difference(64, 8)
 
 
 def test_refused_before_running(tiny, tmp_path):

@@ -6,6 +6,7 @@ rows; matplotlib is imported when the figure is drawn (through :mod:`equivarianc
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +40,7 @@ def scan_figure(scan: ContextScan) -> Figure:
                              squeeze=False, sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     lengths = scan.context_lengths
+    bands = False
     for column, group in enumerate(groups):
         for line, (family, keys) in enumerate(families):
             ax = axes[line][column]
@@ -47,8 +49,21 @@ def scan_figure(scan: ContextScan) -> Figure:
                 picked = sorted((r for r in rows if r["layers"] == group and r["variant"] == variant),
                                 key=lambda r: r["context_length"])
                 for index, (key, label) in enumerate(keys):
-                    ax.plot([r["context_length"] for r in picked], [r[key] for r in picked], ls=style, marker=marker,
-                            ms=4, lw=1.4, color=colors[index % len(colors)], label=f"{label} ({variant})")
+                    color = colors[index % len(colors)]
+                    x = [r["context_length"] for r in picked]
+                    ax.plot(x, [r[key] for r in picked], ls=style, marker=marker, ms=4, lw=1.4, color=color,
+                            label=f"{label} ({variant})")
+                    banded = [r for r in picked if r.get(f"{key}_low") is not None]
+                    if banded:
+                        ax.fill_between([r["context_length"] for r in banded], [r[f"{key}_low"] for r in banded],
+                                        [r[f"{key}_high"] for r in banded], color=color, alpha=0.12, lw=0)
+                        bands = True
+            # The axis follows the estimates; an interval wider than the panel runs off it (the table has its bounds).
+            estimates = [r[key] for r in rows if r["layers"] == group for key, _ in keys if math.isfinite(r[key])]
+            if estimates:
+                low, high = min(estimates + [0.0]), max(estimates)
+                margin = 0.08 * (high - low or 1.0)
+                ax.set_ylim(low - margin, high + margin)
             ax.set_xscale("log", base=2)
             ax.set_xticks(lengths, [str(t) for t in lengths], fontsize=8)
             ax.axhline(0, color="black", lw=0.4)
@@ -63,7 +78,7 @@ def scan_figure(scan: ContextScan) -> Figure:
     styles = ", ".join(f"{words[_VARIANT_STYLE.get(variant, ('-.', 'd'))[0]]}: {variant}" for variant in scan.variants)
     figure_title(fig, f"Context-length scan of {scan.config.get('model')}: the same {rows[0]['spans']} spans of "
                       f"{lengths[-1]} tokens at every length ({', '.join(map(str, lengths))}); "
-                      f"{styles}", fontsize=11)
+                      f"{styles}" + ("; shaded: 95 % intervals over spans" if bands else ""), fontsize=11)
     fig.tight_layout()
     return fig
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import csv
 import gc
 import json
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -53,12 +54,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, ContextLengthError, EmptyCorpusError, InputError, option
+from ..errors import (CheckpointError, ContextLengthError, EmptyCorpusError, IncompatibleResultsError, InputError,
+                      IntervalUnavailableError, UndefinedStatisticError, option)
 from ..maths.fitting import FIT_NAMES
+from ..maths.intervals import format_interval
 from ..maths.metrics import FORMS, SCALES
 from ..probe import EquivarianceProbe
 from ..records.provenance import corpus_fingerprint, model_identity, window_fingerprints
-from ..result import ProbeResult
+from ..result import ProbeResult, paired_difference, summary_value
 from ..sources.baselines import random_init_like, zero_like
 from ..sources.corpus import load_corpus
 from ..sources.models import load_config, load_model, load_tokenizer
@@ -82,6 +85,9 @@ DEFAULT_CONTEXT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 #: The default scan: two windows of the longest length (16,384 window tokens per length), trained
 #: vs its own random initialisation, batches of about 4,096 tokens.
 DEFAULT_SCAN = {"n_tokens": 16384, "baselines": ("random_init",), "batch_tokens": 4096}
+
+#: The numbers whose differences between lengths (and trained minus baseline) the scan tabulates.
+DIFFERENCE_ROWS = ("log_fitted", "log_eta2", "raw_eta2", "prior_fit")
 
 #: Layer groups in table order (:meth:`~equivariance_probe.result.ProbeResult.layer_groups`).
 LAYER_GROUPS = ("all", "sliding", "global")
@@ -133,7 +139,8 @@ class ContextScan:
         (in the group), ``windows, tokens`` (window tokens, special prefix included),
         ``text_tokens`` (stream tokens read), ``spans``; ``{scale}_{form}`` for the query-position
         R² over the group's visible entries and ``persistence_{fit}_r2`` for the fits to its
-        ``P(dt)``; ``batch_size, seconds, reused, estimated_memory_gib``.
+        ``P(dt)``, each with ``_low`` and ``_high``: its 95 % interval over spans (``None`` where the
+        result has none, e.g. fewer than two spans); ``batch_size, seconds, reused, estimated_memory_gib``.
         """
         rows = []
         for length, variants in self.results.items():
@@ -141,8 +148,10 @@ class ContextScan:
             for variant, result in variants.items():
                 summary = result.summary()
                 layers = result.layer_groups()
+                intervals = summary.get("intervals") or {}
                 for group in self.groups():
                     numbers = summary if group == "all" else summary["layer_groups"][group]
+                    bounds = intervals if group == "all" else (intervals.get("layer_groups") or {}).get(group) or {}
                     row: dict[str, Any] = {
                         "context_length": length, "variant": variant, "layers": group, "n_layers": len(layers[group]),
                         "windows": result.n_windows, "tokens": result.n_tokens, "text_tokens": windows["text_tokens"],
@@ -150,9 +159,13 @@ class ContextScan:
                     }
                     for scale in SCALES:
                         for form in FORMS:
-                            row[f"{scale}_{form}"] = float(numbers["query_position_r2"][scale][form])
+                            path = ("query_position_r2", scale, form)
+                            row[f"{scale}_{form}"] = _as_float(summary_value(numbers, path))
+                            row[f"{scale}_{form}_low"], row[f"{scale}_{form}_high"] = _bounds(bounds, path)
                     for fit in FIT_NAMES:
-                        row[f"persistence_{fit}_r2"] = float(numbers["persistence_fit_r2"][fit])
+                        path = ("persistence_fit_r2", fit)
+                        row[f"persistence_{fit}_r2"] = _as_float(summary_value(numbers, path))
+                        row[f"persistence_{fit}_r2_low"], row[f"persistence_{fit}_r2_high"] = _bounds(bounds, path)
                     row["batch_size"] = int(result.metadata.get("batch_size", 0))
                     row["seconds"] = self.timings[length][variant]
                     row["reused"] = variant in self.reused.get(length, [])
@@ -175,11 +188,74 @@ class ContextScan:
                 name = f"{group} ({cells[0]['n_layers']})"
                 for scale in SCALES:
                     for form in FORMS:
-                        lines.append((variant, name, f"QPVE {scale} {form}", [_cell(r[f"{scale}_{form}"]) for r in cells]))
+                        lines.append((variant, name, f"QPVE {scale} {form}", [_cell(r, f"{scale}_{form}") for r in cells]))
                 for fit in FIT_NAMES:
-                    lines.append((variant, name, f"P(dt) {fit} fit R²", [_cell(r[f"persistence_{fit}_r2"]) for r in cells]))
+                    lines.append((variant, name, f"P(dt) {fit} fit R²", [_cell(r, f"persistence_{fit}_r2") for r in cells]))
             seconds = [by_key[(length, variant, "all")] for length in lengths]
             lines.append((variant, "", "seconds", ["reused" if r["reused"] else f"{r['seconds']:.1f}" for r in seconds]))
+        return lines
+
+    def difference(self, context_length: int, reference: int, statistic: str = "log_fitted", *,
+                   variant: str = "trained", by: str | None = None, level: float = 0.95) -> Any:
+        """``θ(T) - θ(T_ref)`` of one variant with its interval, paired span by span.
+
+        Both lengths read the same spans and group their windows by span, so the delete-a-group
+        jackknife deletes the same text at both lengths (:func:`~equivariance_probe.result.paired_difference`).
+
+        Args:
+            context_length, reference: two lengths of the scan.
+            statistic: a name of :data:`~equivariance_probe.analyses.intervals.INTERVAL_STATISTICS`
+                (``"log_fitted"``, ``"raw_eta2"``, ``"prior_fit"``, ``"toeplitz_per_doc"``, ...).
+            variant: ``"trained"`` or a baseline of the scan.
+            by: ``None``, ``"layer"``, ``"head"`` or ``"layer_group"`` (``{group: Interval}``).
+            level: the confidence level.
+
+        Raises:
+            InputError: a length or variant the scan does not hold.
+            IntervalUnavailableError: fewer than two spans in two different groups (says why).
+        """
+        for length in (context_length, reference):
+            if length not in self.results:
+                raise InputError(f"context length {length} is not in the scan; choose one of {self.context_lengths}")
+        if variant not in self.variants:
+            raise InputError(f"variant {variant!r} is not in the scan; choose one of {self.variants}")
+        return paired_difference(self.results[context_length][variant], self.results[reference][variant], statistic,
+                                 by, level)
+
+    def difference_rows(self, statistics: Sequence[str] = DIFFERENCE_ROWS,
+                        level: float = 0.95) -> list[tuple[str, str, str, list[str]]]:
+        """Rows ``(variant, layers, statistic, one cell per length)`` of ``θ(T) - θ(T_min)`` with its
+        interval (paired by span, :meth:`difference`), and of ``trained - baseline`` at each length
+        (paired by span over the same windows); ``n/a (why)`` where there is no interval."""
+        lengths = self.context_lengths
+        groups = self.groups()
+        by = "layer_group" if len(groups) > 1 else None
+
+        def cells(pair) -> dict[str, list[str]]:
+            out: dict[str, list[str]] = {group: [] for group in groups}
+            for a, b in pair:
+                try:
+                    found = paired_difference(a, b, statistic, by, level)
+                except (IntervalUnavailableError, IncompatibleResultsError, UndefinedStatisticError) as error:
+                    reason = "undefined" if isinstance(error, UndefinedStatisticError) else "n/a"
+                    for group in groups:
+                        out[group].append(reason)
+                    continue
+                for group in groups:
+                    value = found[group] if by else found
+                    out[group].append(format_interval(value.estimate, value.low, value.high))
+            return out
+
+        lines: list[tuple[str, str, str, list[str]]] = []
+        for statistic in statistics:
+            for variant in self.variants:
+                found = cells([(self.results[t][variant], self.results[lengths[0]][variant]) for t in lengths])
+                for group in groups:
+                    lines.append((f"{variant}: T − {lengths[0]}", group, statistic, found[group]))
+            for baseline in self.variants[1:]:
+                found = cells([(self.results[t][self.variants[0]], self.results[t][baseline]) for t in lengths])
+                for group in groups:
+                    lines.append((f"{self.variants[0]} − {baseline}", group, statistic, found[group]))
         return lines
 
     def table(self) -> str:
@@ -220,14 +296,42 @@ class ContextScan:
             "QPVE: query-position R² over every visible entry of the layers in the group (log scale: "
             "y = log max(a, eps)). P(dt): R² of each fit to the group's persistence curve. Layer groups are "
             "the model's declared kinds (sliding-window and global layers), whatever T.\n\n"
-            f"{self.table()}\n\nConfiguration: `{json.dumps(self.config.get('arguments', {}))}`\n",
+            f"{self.table()}\n\n"
+            "Differences with their 95 % intervals, paired span by span (the delete-a-group jackknife deletes "
+            "the same text at both lengths, or in both variants):\n\n"
+            f"{self.difference_table()}\n\nConfiguration: `{json.dumps(self.config.get('arguments', {}))}`\n",
             encoding="utf-8",
         )
         return paths
 
 
-def _cell(value: float) -> str:
-    return "n/a" if not np.isfinite(value) else f"{value:.4f}"
+    def difference_table(self) -> str:
+        """Markdown of :meth:`difference_rows`: one column per length."""
+        lines = ["| difference | layers | statistic | " + " | ".join(f"T = {t}" for t in self.context_lengths) + " |",
+                 "|---|---|---|" + "---|" * len(self.context_lengths)]
+        lines += [f"| {what} | {layers} | {name} | " + " | ".join(cells) + " |"
+                  for what, layers, name, cells in self.difference_rows()]
+        return "\n".join(lines)
+
+
+def _as_float(value: Any) -> float:
+    return math.nan if value is None else float(value)
+
+
+def _bounds(intervals: dict[str, Any], path: tuple[str, ...]) -> tuple[float | None, float | None]:
+    bounds = summary_value(intervals, path)
+    if isinstance(bounds, list) and len(bounds) == 2 and all(b is not None for b in bounds):
+        return float(bounds[0]), float(bounds[1])
+    return None, None
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    value = row[key]
+    if not np.isfinite(value):
+        return "n/a"
+    if row.get(f"{key}_low") is None:
+        return f"{value:.4f}"
+    return format_interval(value, row[f"{key}_low"], row[f"{key}_high"])
 
 
 def _json_number(value: Any) -> Any:
