@@ -413,7 +413,8 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from .result import ProbeResult, summary_table
+    from .result import ProbeResult
+    from .runs.tables import summary_table
 
     results = {str(path): ProbeResult.load(path) for path in args.results}
     if args.json:

@@ -33,6 +33,8 @@ def main() -> None:
     result = probe.run(docs, context_length=args.context_length, batch_size=4, keep_pattern=True)
     print(result)
     print("fitted query-position R² (log):", round(result.query_position_r2(scale="log", form="fitted"), 4))
+    # 95 % interval over windows (delete-a-group jackknife; 8 windows are few: expect it wide)
+    print("with its interval:", result.query_position_r2(scale="log", form="fitted", interval=0.95))
     by_head = result.query_position_r2(scale="log", form="fitted", by="head")  # numpy [layer, head]
     print("per head, shape", by_head.shape, "range", np.round([by_head.min(), by_head.max()], 3))
     print(result.persistence())  # power / exponential / uniform-prior fits and their R²

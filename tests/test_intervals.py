@@ -26,7 +26,7 @@ from equivariance_probe import (
     ProbeResult,
     paired_difference,
 )
-from equivariance_probe.result import summary_table
+from equivariance_probe.runs.tables import summary_table
 from equivariance_probe.analyses.intervals import INTERVAL_STATISTICS
 from equivariance_probe.maths.intervals import jackknife_interval, windows_for_half_width
 from equivariance_probe.maths.metrics import FORMS, SCALES

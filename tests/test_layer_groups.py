@@ -8,7 +8,7 @@ import torch
 
 from equivariance_probe import EquivarianceProbe, ProbeResult
 from equivariance_probe.maths import metrics
-from equivariance_probe.result import summary_table
+from equivariance_probe.runs.tables import summary_table
 from equivariance_probe.statistics.masks import layer_groups
 from synthetic import tiny_gemma3, tiny_llama
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import NotRunError
-from ..result import paired_rows, summary_rows
+from ..runs.tables import paired_rows, summary_rows
 from .circuitsvis import circuitsvis_bundle_script
 from .figures import fit_by_key_figure, head_curves_figure, heatmaps_figure, persistence_figure, scatter_figure
 

@@ -1,4 +1,4 @@
-"""Orchestration: studies, comparisons, the positional study, and checkpoints.
+"""Orchestration: studies, comparisons, scans, the positional study, checkpoints, and their text tables.
 
 Place in the seams: above the probe and the result; runs return data, and the display layer
 (or the command line) draws it.
@@ -8,4 +8,6 @@ Place in the seams: above the probe and the result; runs return data, and the di
 * :mod:`~equivariance_probe.runs.scan` — one model over the same text at several context lengths.
 * :mod:`~equivariance_probe.runs.positional` — where order comes from, in one call.
 * :mod:`~equivariance_probe.runs.checkpoint` — chunked runs that resume bitwise-exactly.
+* :mod:`~equivariance_probe.runs.tables` — headline numbers side by side, paired differences,
+  windows needed (markdown from results' summaries).
 """

@@ -42,7 +42,8 @@ from typing import Any
 from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError, IntervalUnavailableError
 from ..maths.intervals import format_interval
 from ..maths.metrics import FORMS, SCALES
-from ..result import DIFFERENCE_STATISTICS, paired_differences, summary_value
+from ..result import DIFFERENCE_STATISTICS, paired_differences
+from .tables import summary_value
 from ..sources.corpus import load_corpus
 from ..sources.models import load_config, load_model, load_tokenizer
 from ..sources.resources import MemoryEstimate, PeakMemory, check_fits, estimate_memory_of, model_size

@@ -61,13 +61,14 @@ from ..maths.intervals import format_interval
 from ..maths.metrics import FORMS, SCALES
 from ..probe import EquivarianceProbe
 from ..records.provenance import corpus_fingerprint, model_identity, window_fingerprints
-from ..result import ProbeResult, paired_difference, summary_value
+from ..result import ProbeResult, paired_difference
 from ..sources.baselines import random_init_like, zero_like
 from ..sources.corpus import load_corpus
 from ..sources.models import load_config, load_model, load_tokenizer
 from ..sources.packing import PackedWindows, document_separator, pack_stream, special_prefix, token_stream
 from ..sources.resources import MemoryEstimate, ModelSize, check_fits, estimate_memory_of, model_size
 from .study import check_baselines, result_filename
+from .tables import summary_value
 
 __all__ = [
     "ContextScan",

@@ -24,7 +24,8 @@ from ..probe import EquivarianceProbe
 from ..records.provenance import config_fingerprint, corpus_fingerprint, model_identity
 from ..records.result_file import RESULT_SUFFIX
 from ..records.sharding import Shard, shard_metadata
-from ..result import ProbeResult, difference_table, summary_table, windows_needed_text
+from ..result import ProbeResult
+from .tables import difference_table, summary_table, windows_needed_text
 from ..sources.baselines import random_init_like, zero_like
 from ..sources.corpus import load_corpus
 from ..sources.devices import parse_dtype, resolve_device
@@ -66,7 +67,7 @@ class Study:
     def table(self, *, extended: bool = False) -> str:
         """Markdown table, one column per variant: query-position R² in every form and scale, the
         fits to ``P(dt)``, the mean per-window Toeplitz R², each with its 95 % interval over windows
-        (:func:`~equivariance_probe.result.summary_table`; ``extended`` adds fit parameters, Figure 1c
+        (:func:`~equivariance_probe.runs.tables.summary_table`; ``extended`` adds fit parameters, Figure 1c
         and the heads)."""
         return summary_table({name: result.summary() for name, result in self.results.items()}, extended=extended)
 

@@ -1,0 +1,208 @@
+"""Text tables of results: headline numbers side by side, paired differences, windows needed.
+
+Place in the seams: *runs*, above :mod:`~equivariance_probe.result`. The tables read
+:meth:`~equivariance_probe.result.ProbeResult.summary` dicts (what a result file's header stores,
+so a loaded file prints without its arrays) and, for differences, the results themselves
+(:func:`~equivariance_probe.result.paired_differences`). A cell is a number, ``0.0157 [0.0143,
+0.0171]`` where the summary stores its interval, ``undefined (encoder)`` for a form a result names
+undefined, ``–`` where a model has no such layer group.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..errors import IncompatibleResultsError, IntervalUnavailableError
+from ..maths import fitting, metrics
+from ..maths.intervals import format_interval, windows_for_half_width
+from ..result import DIFFERENCE_STATISTICS, SUMMARY_LEVEL, TARGET_HALF_WIDTH, ProbeResult, paired_differences
+
+__all__ = ["summary_table", "summary_rows", "difference_table", "paired_rows", "windows_needed_text", "summary_value"]
+
+
+def summary_table(summaries: dict[str, dict[str, Any]], *, extended: bool = False) -> str:
+    """Markdown table of :meth:`ProbeResult.summary` dicts side by side, one column per label.
+
+    Rows: query-position R² in every scale and form, the R² of each fit to ``P(dt)``, the mean
+    per-window Toeplitz R², windows / tokens. ``extended`` adds the fits' parameters, Figure 1c
+    (in how many key-position bins the parameter-free prior fits better than both two-parameter
+    fits, and the range of its R²), the Toeplitz R² of the document-averaged pattern, the most and
+    least position-bound heads and the floored entries.
+    """
+    lines = ["| scale | form | " + " | ".join(summaries) + " |", "|---|---|" + "---|" * len(summaries)]
+    lines += [f"| {group} | {what} | " + " | ".join(cells) + " |" for group, what, cells in summary_rows(summaries, extended=extended)]
+    return "\n".join(lines)
+
+
+def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False) -> list[tuple[str, str, list[str]]]:
+    """The rows of :func:`summary_table`: ``(group, what, one cell per summary)``, cells as text."""
+    rows: list[tuple[str, str, list[str]]] = []
+
+    def row(group: str, what: str, cell) -> None:
+        rows.append((group, what, [cell(summary) for summary in summaries.values()]))
+
+    for scale in metrics.SCALES:
+        for form in metrics.FORMS:
+            row(scale, form, lambda s, scale=scale, form=form: _qpve_cell(s, scale, form))
+    # Models with sliding-window and global layers: the same numbers over each group's entries
+    # (the log scale; both scales in the extended table).
+    groups = [g for g in ("sliding", "global") if any(g in (s.get("layer_groups") or {}) for s in summaries.values())]
+    for group in groups:
+        for scale in metrics.SCALES if extended else ("log",):
+            for form in metrics.FORMS:
+                row(f"{scale}, {group} layers", form,
+                    lambda s, group=group, scale=scale, form=form: _group_number(s, group, ("query_position_r2", scale, form)))
+    for fit in fitting.FIT_NAMES:
+        row("P(dt)", f"{fit} fit R²", lambda s, fit=fit: _with_interval(s, ("persistence_fit_r2", fit)))
+    if extended:
+        row("P(dt)", "power fit c, α", lambda s: _parameters(s, "power", ("c", "alpha")))
+        row("P(dt)", "exponential fit c, λ", lambda s: _parameters(s, "exponential", ("c", "lambda")))
+        for group in groups:
+            for fit in fitting.FIT_NAMES:
+                row(f"P(dt), {group} layers", f"{fit} fit R²",
+                    lambda s, group=group, fit=fit: _group_number(s, group, ("persistence_fit_r2", fit)))
+        row("Fig. 1c", "key bins where the prior fits best", _prior_best_bins)
+        row("Fig. 1c", "prior fit R² over key bins", lambda s: _spread(s.get("fit_r2_by_key_position", {}).get("prior")))
+    row("Toeplitz", "mean per-window R²", lambda s: _with_interval(s, ("toeplitz_r2_per_doc_mean",)))
+    if extended:
+        row("Toeplitz", "document-averaged pattern R²",
+            lambda s: "not kept" if _undefined(s.get("toeplitz_r2_mean_pattern_mean")) else _number(s["toeplitz_r2_mean_pattern_mean"]))
+        row("heads", "most position-bound (log η²)", lambda s: str(s["most_position_bound_head"]))
+        row("heads", "least position-bound (log η²)", lambda s: str(s["least_position_bound_head"]))
+    row("", "windows / tokens", lambda s: f"{s['n_windows']} / {s['n_tokens']}")
+    if extended:
+        row("", "floored entries (log scale)", lambda s: f"{s['floored_entries']} of {s['n_entries']:,}")
+    return rows
+
+
+def difference_table(results: dict[str, ProbeResult], reference: str = "trained", level: float = SUMMARY_LEVEL) -> str:
+    """Markdown: one column ``reference − other`` per other result (:func:`paired_rows`), notes below."""
+    rows, notes = paired_rows(results, reference, level)
+    others = [name for name in results if name != reference]
+    lines = ["| scale | form | " + " | ".join(f"{reference} − {name}" for name in others) + " |",
+             "|---|---|" + "---|" * len(others)]
+    lines += [f"| {group} | {what} | " + " | ".join(cells) + " |" for group, what, cells in rows]
+    return "\n".join(lines + [""] + notes if notes else lines)
+
+
+def paired_rows(results: dict[str, ProbeResult], reference: str = "trained",
+                level: float = SUMMARY_LEVEL) -> tuple[list[tuple[str, str, list[str]]], list[str]]:
+    """Rows of the differences ``reference - other`` for every other result, and notes on those without one.
+
+    Returns:
+        ``(rows, notes)``: rows ``(group, what, one cell per other result)`` over
+        :data:`DIFFERENCE_STATISTICS` (cells ``-0.1935 [-0.2060, -0.1810]``, ``n/a`` where undefined),
+        and one line per other result whose differences have no interval, saying why.
+    """
+    others = {name: result for name, result in results.items() if name != reference}
+    base = results[reference]
+    cells: dict[str, list[str]] = {}
+    notes: list[str] = []
+    for name, other in others.items():
+        try:
+            differences = paired_differences(base, other, level)
+        except (IntervalUnavailableError, IncompatibleResultsError) as error:
+            notes.append(f"{reference} − {name}: no interval ({error})")
+            cells[name] = ["n/a"] * len(DIFFERENCE_STATISTICS)
+            continue
+        cells[name] = [format_interval(d.estimate, d.low, d.high) for d in differences.values()]
+    rows = []
+    for index, statistic in enumerate(DIFFERENCE_STATISTICS):
+        if statistic.endswith("_fit"):
+            group, what = "P(dt)", f"{statistic[:-4]} fit R²"
+        elif statistic == "toeplitz_per_doc":
+            group, what = "Toeplitz", "mean per-window R²"
+        else:
+            group, what = statistic.split("_")
+        rows.append((group, what, [cells[name][index] for name in others]))
+    return rows, notes
+
+
+def windows_needed_text(summary: dict[str, Any], half_width: float = TARGET_HALF_WIDTH,
+                        path: tuple[str, ...] = ("query_position_r2", "log", "fitted")) -> str:
+    """What a summary's interval of one number says of the windows needed for ``±half_width``.
+
+    ``n·(h/half_width)²`` windows from the ``±h`` reached with ``n`` (the standard error falls as
+    ``1/√n``); read from the stored summary, so it works on a loaded file's header.
+    """
+    what = " ".join(path[1:]) + " R²" if path[0] == "query_position_r2" else " ".join(path)
+    intervals = summary.get("intervals") or {}
+    bounds = summary_value(intervals, path)
+    if not isinstance(bounds, list) or len(bounds) != 2 or any(_undefined(b) for b in bounds):
+        reason = intervals.get("unavailable", "no interval stored")
+        return f"{what}: no interval, so no estimate of the windows needed ({reason})"
+    n_windows = summary["n_windows"]
+    reached = (bounds[1] - bounds[0]) / 2
+    needed = windows_for_half_width(n_windows, reached, half_width)
+    return (f"{what}: ±{reached:.4f} at {intervals['level']:.0%} from {n_windows} windows in {intervals['groups']} groups; "
+            f"±{half_width:g} needs about {math.ceil(needed)} windows (the interval narrows as 1/√windows)")
+
+
+def summary_value(tree: Any, path: tuple[str, ...]) -> Any:
+    """``tree[path[0]][path[1]]...`` (a summary's number, or its interval in ``summary["intervals"]``),
+    ``None`` where a key is missing."""
+    for key in path:
+        if not isinstance(tree, dict):
+            return None
+        tree = tree.get(key)
+    return tree
+
+
+def _undefined(value: Any) -> bool:
+    """A summary's missing number: ``None`` (JSON's NaN) or NaN."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _number(value: Any) -> str:
+    return "n/a" if _undefined(value) else f"{value:.4f}"
+
+
+def _qpve_cell(summary: dict[str, Any], scale: str, form: str) -> str:
+    """A query-position R² with its interval, or ``undefined (encoder)`` for a form the summary names undefined."""
+    if f"query_position_r2.{form}" in (summary.get("undefined") or {}):
+        return "undefined (encoder)"
+    return _with_interval(summary, ("query_position_r2", scale, form))
+
+
+def _with_interval(summary: dict[str, Any], path: tuple[str, ...]) -> str:
+    """A summary's number, with its interval where the summary stores one (``0.0157 [0.0143, 0.0171]``)."""
+    value = summary_value(summary, path)
+    bounds = summary_value(summary.get("intervals"), path)
+    if isinstance(bounds, list) and len(bounds) == 2 and not _undefined(value):
+        return format_interval(value, *bounds)
+    return _number(value)
+
+
+def _group_number(summary: dict[str, Any], group: str, path: tuple[str, ...]) -> str:
+    """A layer group's number from a summary (with its interval), ``–`` where the model has no such group."""
+    if summary_value(summary, ("layer_groups", group, *path)) is None:
+        return "–"
+    return _with_interval(summary, ("layer_groups", group, *path))
+
+
+def _parameters(summary: dict[str, Any], fit: str, names: tuple[str, ...]) -> str:
+    fits = summary.get("persistence_fits")
+    if not fits:
+        return "–"
+    return ", ".join("n/a" if _undefined(fits[fit]["params"].get(n)) else f"{fits[fit]['params'][n]:.4g}" for n in names)
+
+
+def _prior_best_bins(summary: dict[str, Any]) -> str:
+    by_key = summary.get("fit_r2_by_key_position")
+    if not by_key:
+        return "–"
+    prior, power, exponential = (np.asarray(by_key[n], dtype=np.float64) for n in ("prior", "power", "exponential"))
+    defined = np.isfinite(prior)
+    best = defined & (prior > np.where(np.isfinite(power), power, -np.inf)) & (prior > np.where(np.isfinite(exponential), exponential, -np.inf))
+    return f"{int(best.sum())} of {int(defined.sum())}"
+
+
+def _spread(values: Any) -> str:
+    if values is None:
+        return "–"
+    finite = np.asarray(values, dtype=np.float64)
+    finite = finite[np.isfinite(finite)]
+    return "n/a" if finite.size == 0 else f"{finite.min():.3f} … {finite.max():.3f}"
