@@ -8,7 +8,8 @@ writes the same sums, in one process, as
 
 * format 2 (JSON, as every release before format 3 wrote it), with the summed pattern (what
   ``run`` wrote by default whenever the pattern fit in 1 GiB) and without;
-* format 3 (safetensors), without the pattern (the default now) and with it (``keep_pattern``).
+* format 3 (safetensors), without the pattern (the default: the interval groups' sums included) and
+  with it (``keep_pattern``), and without the pattern or interval groups (``interval_groups=0``).
 
 For each it prints the file's size, the time to save it, the time to load it and print its
 summary (``ProbeResult.load(path).summary()``), and the time of a full load (every array read,
@@ -45,7 +46,7 @@ def write_format_2(result: ProbeResult, path: Path) -> Path:
         "complete": result.complete,
         "metadata": result.metadata,
         "statistics": {
-            "config": statistics.config(),
+            "config": {**statistics.config(), "interval_groups": 0},  # format 2 had no interval groups
             "n_windows": statistics.n_windows,
             "n_tokens": statistics.n_tokens,
             "arrays": {name: encode_array(value) for name, value in statistics.arrays.items()},
@@ -60,13 +61,16 @@ def write_format_2(result: ProbeResult, path: Path) -> Path:
     return write_json_atomically(path, jsonable(data))
 
 
-def without_pattern(result: ProbeResult) -> ProbeResult:
-    """The same sums without the summed pattern (what a run with keep_pattern=False holds)."""
+def without_pattern(result: ProbeResult, groups: bool = True) -> ProbeResult:
+    """The same sums without the summed pattern (what a run with keep_pattern=False holds), with the
+    run's interval groups or (``groups=False``) without them, as ``interval_groups=0`` runs."""
     statistics = result.statistics
-    config = {**statistics.config(), "keep_pattern": False}
+    config = {**statistics.config(), "keep_pattern": False, "interval_groups": 0}
     arrays = {name: value for name, value in statistics.arrays.items() if name != "pattern_sum"}
     kept = AttentionStatistics.from_arrays(config, arrays, n_windows=statistics.n_windows, n_tokens=statistics.n_tokens,
                                            window_fingerprints=statistics.window_fingerprints, sample=statistics.sample)
+    if groups and statistics.groups is not None:
+        kept.groups = statistics.groups.copy()
     return ProbeResult(kept, dict(result.metadata))
 
 
@@ -133,12 +137,16 @@ def main() -> None:
           f"tokens ({result.n_tokens} tokens), {result.n_layers} layers × {result.n_heads} heads; probed in "
           f"{time.perf_counter() - start:.0f} s; torch threads {torch.get_num_threads()}")
     plain = without_pattern(result)
-    plain.summary(), result.summary()  # computed once here, so that saving times only the writing
+    ungrouped = without_pattern(result, groups=False)
+    plain.summary(), ungrouped.summary(), result.summary()  # computed once here, so that saving times only the writing
+    occupied = plain.interval_groups().get("occupied", 0)
     cases = [
         ("format 2 (JSON), summed pattern kept (the old default)", result, write_format_2, ".json"),
-        ("format 2 (JSON), no summed pattern", plain, write_format_2, ".json"),
-        ("format 3 (safetensors), default: no summed pattern", plain, lambda r, p: r.save(p), ".safetensors"),
+        ("format 2 (JSON), no summed pattern", ungrouped, write_format_2, ".json"),
+        (f"format 3 (safetensors), default: no summed pattern, interval groups ({occupied} occupied)", plain,
+         lambda r, p: r.save(p), ".safetensors"),
         ("format 3 (safetensors), keep_pattern=True", result, lambda r, p: r.save(p), ".safetensors"),
+        ("format 3 (safetensors), no summed pattern, interval_groups=0", ungrouped, lambda r, p: r.save(p), ".safetensors"),
     ]
     print("\n| file | size | save | load + summary | full load |\n|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:

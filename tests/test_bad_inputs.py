@@ -229,11 +229,11 @@ def test_a_run_that_stops_half_way_leaves_a_checkpoint_and_no_results(folders, t
     original = EquivarianceProbe._run_batch
     calls = {"n": 0}
 
-    def failing(self, rows, statistics):
+    def failing(self, rows, statistics, keys=None):
         calls["n"] += 1
         if calls["n"] == 3:
             raise NonFiniteAttentionError("layer 0 produced NaN or infinite attention weights (simulated fp16 overflow)")
-        return original(self, rows, statistics)
+        return original(self, rows, statistics, keys)
 
     monkeypatch.setattr(EquivarianceProbe, "_run_batch", failing)
     out = tmp_path / "out"
