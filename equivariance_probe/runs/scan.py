@@ -261,11 +261,11 @@ class ContextScan:
 
     def table(self) -> str:
         """Markdown: one column per length ``T``, one row per ``(variant, layer group, statistic)``."""
-        lines = ["| variant | layers | statistic | " + " | ".join(f"T = {t}" for t in self.context_lengths) + " |",
-                 "|---|---|---|" + "---|" * len(self.context_lengths)]
-        lines += [f"| {variant} | {layers} | {name} | " + " | ".join(cells) + " |"
-                  for variant, layers, name, cells in self.table_rows()]
-        return "\n".join(lines)
+        return _length_table("variant", self.context_lengths, self.table_rows())
+
+    def difference_table(self) -> str:
+        """Markdown of :meth:`difference_rows`: one column per length."""
+        return _length_table("difference", self.context_lengths, self.difference_rows())
 
     def save(self, folder: str | os.PathLike) -> dict[str, Path]:
         """Write ``scan.md``, ``scan.csv``, ``scan.json``, and every result file not yet in ``folder``
@@ -306,13 +306,13 @@ class ContextScan:
         return paths
 
 
-    def difference_table(self) -> str:
-        """Markdown of :meth:`difference_rows`: one column per length."""
-        lines = ["| difference | layers | statistic | " + " | ".join(f"T = {t}" for t in self.context_lengths) + " |",
-                 "|---|---|---|" + "---|" * len(self.context_lengths)]
-        lines += [f"| {what} | {layers} | {name} | " + " | ".join(cells) + " |"
-                  for what, layers, name, cells in self.difference_rows()]
-        return "\n".join(lines)
+
+def _length_table(first: str, lengths: Sequence[int], rows: list[tuple[str, str, str, list[str]]]) -> str:
+    """Markdown with columns ``first | layers | statistic | T = ...`` and one line per row."""
+    lines = [f"| {first} | layers | statistic | " + " | ".join(f"T = {t}" for t in lengths) + " |",
+             "|---|---|---|" + "---|" * len(lengths)]
+    lines += [f"| {a} | {layers} | {name} | " + " | ".join(cells) + " |" for a, layers, name, cells in rows]
+    return "\n".join(lines)
 
 
 def _as_float(value: Any) -> float:
