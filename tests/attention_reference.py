@@ -10,21 +10,12 @@ import math
 from collections.abc import Sequence
 
 import torch
-
-
-def full_mask(n_positions: int, window: int | None) -> torch.Tensor:
-    """``[T, T]`` bool: the model's mask (causal, sliding window)."""
-    q = torch.arange(n_positions).view(-1, 1)
-    k = torch.arange(n_positions).view(1, -1)
-    allowed = k <= q
-    if window is not None:
-        allowed &= q - k < window
-    return allowed
+from synthetic import causal_mask
 
 
 def visible(n_positions: int, window: int | None, lengths: torch.Tensor, excluded_keys: Sequence[int]) -> torch.Tensor:
     """``[B, T, T]`` bool: entries the statistics read."""
-    mask = full_mask(n_positions, window).unsqueeze(0).repeat(len(lengths), 1, 1)
+    mask = causal_mask(n_positions, window).unsqueeze(0).repeat(len(lengths), 1, 1)
     for b, length in enumerate(lengths.tolist()):
         mask[b, length:, :] = False
     for key in excluded_keys:
@@ -40,7 +31,7 @@ def float64_log_pattern(query, key, scaling=None, softcap=None, window=None) -> 
     scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~full_mask(q.shape[2], window), float("-inf"))
+    scores = scores.masked_fill(~causal_mask(q.shape[2], window), float("-inf"))
     return scores - torch.logsumexp(scores, -1, keepdim=True)
 
 

@@ -25,6 +25,7 @@ from equivariance_probe.statistics.blocks import (
 from equivariance_probe.statistics.masks import mask_counts, uniform_prior, visible_key_counts
 
 import attention_reference as reference
+from synthetic import causal_mask
 
 SUMS = ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum", "key_lag_sum")
 
@@ -125,7 +126,7 @@ def recompute_pattern(query, key, scaling=None, softcap=None, window=None):
     )
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~reference.full_mask(query.shape[2], window), float("-inf"))
+    scores = scores.masked_fill(~causal_mask(query.shape[2], window), float("-inf"))
     return torch.softmax(scores.float(), dim=-1)
 
 
@@ -152,7 +153,7 @@ def test_weights_path_equals_qk_path_on_the_recomputed_pattern(window, softcap):
 def test_weights_outside_the_mask_are_ignored():
     query, key = make_qk(2, 2, 2, 24, 16, torch.float64, seed=3)
     pattern = torch.exp(reference.float64_log_pattern(query, key, window=5))
-    polluted = pattern + torch.rand_like(pattern) * (~reference.full_mask(24, 5))  # mass outside the window
+    polluted = pattern + torch.rand_like(pattern) * (~causal_mask(24, 5))  # mass outside the window
     options = dict(window=5, lengths=torch.tensor([24, 10]), excluded_keys=[1])
     clean = attention_sums_from_weights(pattern, **options)
     dirty = attention_sums_from_weights(polluted, **options)
