@@ -703,8 +703,9 @@ def attention_sums_from_qk(
             20-30% faster once warm, but the first call compiles for 30-40 s, and the
             compiled maths round differently from eager (relative differences of
             about 5e-7 in float32 work; rows of identical values stay exact), so
-            results would depend on whether a C++ compiler is present
-            (``bench_cpu.py`` measures all three).
+            results would depend on whether a C++ compiler is present (measured on 2
+            CPU cores while the engine was built; no benchmark of this repository
+            repeats it).
 
     Returns:
         float64 tensors on ``query.device``: ``raw_sum, raw_sq, log_sum, log_sq: [B, H, T]``,
