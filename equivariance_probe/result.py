@@ -34,7 +34,7 @@ from .analyses import intervals as resampling
 from .analyses.heads import TOP_K, HeadRanking, head_scores, rank_heads, ranking_stability
 from .errors import IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_choice
 from .maths import fitting, metrics
-from .maths.intervals import Interval, check_level, jackknife_interval, windows_for_half_width
+from .maths.intervals import Interval, check_level, is_undefined, jackknife_interval, windows_for_half_width
 from .maths.persistence import PersistenceCurves, lag_curves, persistence_curves
 from .records.result_file import FORMAT_VERSION, ResultFile, open_result_file, write_result_file
 from .records.sharding import merged_provenance
@@ -579,8 +579,8 @@ class ProbeResult:
                                  for name in fitting.FIT_NAMES},
             "fit_r2_by_key_position": {"key_bins": by_key.key_bins.tolist(),
                                        **{name: np.asarray(by_key.r2(name)).tolist() for name in fitting.FIT_NAMES}},
-            "toeplitz_r2_per_doc_mean": math.nan if np.all(np.isnan(scores["toeplitz_per_doc"]))
-            else float(np.nanmean(scores["toeplitz_per_doc"])),
+            # The same function as its interval's estimate: one code path for the number and its centre.
+            "toeplitz_r2_per_doc_mean": self.toeplitz_r2("per_doc_mean"),
             "toeplitz_r2_mean_pattern_mean": math.nan if np.all(np.isnan(mean_pattern)) else float(np.nanmean(mean_pattern)),
             "most_position_bound_head": _head_label(scores["log_eta2"], np.nanargmax),
             "least_position_bound_head": _head_label(scores["log_eta2"], np.nanargmin),
@@ -799,13 +799,9 @@ def paired_differences(a: ProbeResult, b: ProbeResult, level: float = SUMMARY_LE
     return {statistic: paired_difference(a, b, statistic, level=level) for statistic in DIFFERENCE_STATISTICS}
 
 
-def _undefined(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
 def _formatted(value: Any, digits: int) -> str:
     """A headline number, or ``undefined`` (a form the result names in :meth:`ProbeResult.undefined`)."""
-    return "undefined" if _undefined(value) else f"{value:.{digits}f}"
+    return "undefined" if is_undefined(value) else f"{value:.{digits}f}"
 
 
 def _undefined_as_nan(value: Any) -> Any:

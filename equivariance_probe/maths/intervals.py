@@ -86,6 +86,11 @@ class Interval:
                                     ("standard_error", self.standard_error))}
 
 
+def is_undefined(value: Any) -> bool:
+    """A missing number: ``None`` (how JSON holds NaN) or NaN."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def format_interval(estimate: Any, low: Any, high: Any, digits: int = 4) -> str:
     """``"0.0170 [0.0150, 0.0190]"``; ``n/a`` for an undefined estimate."""
     def number(value: Any) -> str:

@@ -172,7 +172,8 @@ def upgrade(data: dict[str, Any], source: str = "result") -> dict[str, Any]:
     return data
 
 
-def _require(condition: bool, source: str, what: str) -> None:
+def require(condition: bool, source: str, what: str) -> None:
+    """Refuse a malformed result file: :class:`ResultFileError` naming ``what`` unless ``condition``."""
     if not condition:
         raise ResultFileError(f"{source}: {what}; the file is malformed (was it edited, or written by another program?)")
 
@@ -185,20 +186,20 @@ def check_config(statistics: dict[str, Any], source: str) -> None:
         ResultFileError: naming the first missing or ill-typed field.
     """
     config = statistics.get("config")
-    _require(isinstance(config, dict), source, "'statistics.config' is missing or not an object")
+    require(isinstance(config, dict), source, "'statistics.config' is missing or not an object")
     for name, types in _CONFIG_TYPES.items():
         value = config.get(name)
-        _require(
+        require(
             name in config and isinstance(value, types) and not (isinstance(value, bool) and bool not in types),
             source,
             f"'statistics.config.{name}' is missing or has the wrong type ({type(value).__name__})",
         )
-    _require(len(config["windows"]) == config["n_layers"], source, "'statistics.config.windows' needs one entry per layer")
+    require(len(config["windows"]) == config["n_layers"], source, "'statistics.config.windows' needs one entry per layer")
     for name in ("n_layers", "n_heads", "n_positions"):
-        _require(config[name] >= 1, source, f"'statistics.config.{name}' must be positive")
+        require(config[name] >= 1, source, f"'statistics.config.{name}' must be positive")
     for name in ("n_windows", "n_tokens"):
         value = statistics.get(name)
-        _require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, source,
+        require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, source,
                  f"'statistics.{name}' must be a non-negative integer")
 
 
@@ -208,24 +209,24 @@ def check_schema(data: dict[str, Any], source: str = "result") -> None:
     Raises:
         ResultFileError: naming the first missing or ill-typed field, or a checksum mismatch.
     """
-    _require(isinstance(data.get("metadata", {}), dict), source, "'metadata' must be an object")
-    _require(isinstance(data.get("complete"), bool), source, "'complete' must be true or false")
+    require(isinstance(data.get("metadata", {}), dict), source, "'metadata' must be an object")
+    require(isinstance(data.get("complete"), bool), source, "'complete' must be true or false")
     statistics = data.get("statistics")
-    _require(isinstance(statistics, dict), source, "'statistics' is missing or not an object")
+    require(isinstance(statistics, dict), source, "'statistics' is missing or not an object")
     check_config(statistics, source)
     arrays = statistics.get("arrays")
-    _require(isinstance(arrays, dict), source, "'statistics.arrays' is missing or not an object")
+    require(isinstance(arrays, dict), source, "'statistics.arrays' is missing or not an object")
     for name, array in arrays.items():
-        _require(isinstance(array, dict) and {"dtype", "shape", "data"} <= set(array), source,
+        require(isinstance(array, dict) and {"dtype", "shape", "data"} <= set(array), source,
                  f"array {name!r} needs dtype, shape and data")
     sample = statistics.get("sample")
     if sample is not None:
-        _require(isinstance(sample, dict) and isinstance(sample.get("columns"), dict), source,
+        require(isinstance(sample, dict) and isinstance(sample.get("columns"), dict), source,
                  "'statistics.sample' needs columns")
         lengths = {tuple(c.get("shape", ())) for c in sample["columns"].values() if isinstance(c, dict)}
-        _require(len(lengths) <= 1, source, "the sample's columns differ in length")
+        require(len(lengths) <= 1, source, "the sample's columns differ in length")
     if "checksum" in data:
-        _require(data["checksum"] == checksum(statistics), source,
+        require(data["checksum"] == checksum(statistics), source,
                  "the checksum does not match the statistics (the numbers were changed or corrupted after saving)")
 
 

@@ -49,7 +49,7 @@ from ..errors import ResultFileError
 from ..statistics import AttentionStatistics, EntrySample
 from ..statistics.sample import COLUMNS as SAMPLE_COLUMNS
 from .container import Container, file_kind, read_container, read_tensors, tensor_checksum, write_container
-from .fileformat import NEWEST_FORMAT_VERSION, RESULT_KIND, check_config, check_version, jsonable, read_json_result
+from .fileformat import NEWEST_FORMAT_VERSION, RESULT_KIND, check_config, check_version, jsonable, read_json_result, require
 
 __all__ = [
     "FORMAT_VERSION",
@@ -195,17 +195,17 @@ def open_result_file(path: str | os.PathLike) -> ResultFile:
     source = str(path)
     version = header.get("format_version")
     check_version(version, source)
-    _require(version == FORMAT_VERSION, source, f"a safetensors result must have format_version {FORMAT_VERSION}, not {version!r}")
-    _require(isinstance(header.get("complete"), bool), source, "'complete' must be true or false")
-    _require(isinstance(header.get("checksum"), str) and header["checksum"].startswith("sha256:"), source,
+    require(version == FORMAT_VERSION, source, f"a safetensors result must have format_version {FORMAT_VERSION}, not {version!r}")
+    require(isinstance(header.get("complete"), bool), source, "'complete' must be true or false")
+    require(isinstance(header.get("checksum"), str) and header["checksum"].startswith("sha256:"), source,
              "'checksum' must be 'sha256:<hex>'")
-    _require(isinstance(header.get("metadata"), dict), source, "'metadata' must be an object")
-    _require(isinstance(header.get("summary"), dict), source, "'summary' must be an object")
+    require(isinstance(header.get("metadata"), dict), source, "'metadata' must be an object")
+    require(isinstance(header.get("summary"), dict), source, "'summary' must be an object")
     statistics = header.get("statistics")
-    _require(isinstance(statistics, dict), source, "'statistics' is missing or not an object")
+    require(isinstance(statistics, dict), source, "'statistics' is missing or not an object")
     check_config(statistics, source)
     sample_size = statistics.get("sample_size")
-    _require(sample_size is None or (isinstance(sample_size, int) and not isinstance(sample_size, bool) and sample_size >= 1),
+    require(sample_size is None or (isinstance(sample_size, int) and not isinstance(sample_size, bool) and sample_size >= 1),
              source, "'statistics.sample_size' must be a positive integer or null")
     _check_tensors(container, statistics, source)
     metadata = dict(header["metadata"])
@@ -222,26 +222,26 @@ def _check_tensors(container: Container, statistics: dict[str, Any], source: str
         raise ResultFileError(f"{source}: 'statistics.config' describes no statistics ({error})") from None
     tensors = container.tensors
     for name, (dtype, shape) in expected.items():
-        _require(name in tensors, source, f"the array {name!r} is missing")
-        _require(tensors[name] == (dtype, shape), source,
+        require(name in tensors, source, f"the array {name!r} is missing")
+        require(tensors[name] == (dtype, shape), source,
                  f"the array {name!r} is {tensors[name][0]} {list(tensors[name][1])}, expected {dtype} {list(shape)}")
-    _require(FINGERPRINTS in tensors and tensors[FINGERPRINTS][0] == "U64" and len(tensors[FINGERPRINTS][1]) == 1,
+    require(FINGERPRINTS in tensors and tensors[FINGERPRINTS][0] == "U64" and len(tensors[FINGERPRINTS][1]) == 1,
              source, f"the array {FINGERPRINTS!r} must be a 1-D uint64 array")
-    _require(tensors[FINGERPRINTS][1][0] <= statistics["n_windows"], source,
+    require(tensors[FINGERPRINTS][1][0] <= statistics["n_windows"], source,
              f"{FINGERPRINTS!r} holds more fingerprints than 'statistics.n_windows'")
     names = set(expected) | {FINGERPRINTS} | _check_group_tensors(container, statistics, source)
     if statistics.get("sample_size") is not None:
         lengths = set()
         for column in SAMPLE_COLUMNS:
             name = SAMPLE_PREFIX + column
-            _require(name in tensors and tensors[name][0] == "F64" and len(tensors[name][1]) == 1, source,
+            require(name in tensors and tensors[name][0] == "F64" and len(tensors[name][1]) == 1, source,
                      f"the sample column {name!r} must be a 1-D float64 array")
             lengths.add(tensors[name][1][0])
             names.add(name)
-        _require(len(lengths) == 1 and lengths.pop() <= statistics["sample_size"], source,
+        require(len(lengths) == 1 and lengths.pop() <= statistics["sample_size"], source,
                  "the sample's columns differ in length or exceed 'statistics.sample_size'")
     unknown = sorted(set(tensors) - names)
-    _require(not unknown, source, f"unknown arrays {unknown}")
+    require(not unknown, source, f"unknown arrays {unknown}")
 
 
 def _check_group_tensors(container: Container, statistics: dict[str, Any], source: str) -> set[str]:
@@ -250,14 +250,14 @@ def _check_group_tensors(container: Container, statistics: dict[str, Any], sourc
     if not config.get("interval_groups"):
         return set()
     groups = statistics.get("groups")
-    _require(isinstance(groups, dict) and isinstance(groups.get("occupied"), int) and groups["occupied"] >= 0, source,
+    require(isinstance(groups, dict) and isinstance(groups.get("occupied"), int) and groups["occupied"] >= 0, source,
              "'statistics.groups.occupied' must be a non-negative integer for a config with interval_groups")
     empty = AttentionStatistics.from_config(config, device="meta").groups
     names = set()
     for name, shape in empty.array_shapes(groups["occupied"]).items():
         dtype = "I64" if name == "index" else "F64"
         tensor = GROUPS_PREFIX + name
-        _require(container.tensors.get(tensor) == (dtype, shape), source,
+        require(container.tensors.get(tensor) == (dtype, shape), source,
                  f"the interval groups' array {tensor!r} must be {dtype} {list(shape)}, not {container.tensors.get(tensor)}")
         names.add(tensor)
     return names
@@ -275,8 +275,3 @@ def _open_json(path: Path) -> ResultFile:
     metadata["complete"] = data["complete"]
     return ResultFile(path, version, data["complete"], metadata, statistics.config(),
                       statistics.n_windows, statistics.n_tokens, None, _statistics=statistics)
-
-
-def _require(condition: bool, source: str, what: str) -> None:
-    if not condition:
-        raise ResultFileError(f"{source}: {what}; the file is malformed (was it edited, or written by another program?)")

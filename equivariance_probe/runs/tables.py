@@ -17,7 +17,7 @@ import numpy as np
 
 from ..errors import IncompatibleResultsError, IntervalUnavailableError
 from ..maths import fitting, metrics
-from ..maths.intervals import format_interval, windows_for_half_width
+from ..maths.intervals import format_interval, is_undefined, windows_for_half_width
 from ..result import DIFFERENCE_STATISTICS, SUMMARY_LEVEL, TARGET_HALF_WIDTH, ProbeResult, paired_differences
 
 __all__ = ["summary_table", "summary_rows", "difference_table", "paired_rows", "windows_needed_text", "summary_value"]
@@ -69,7 +69,7 @@ def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False
     row("Toeplitz", "mean per-window R²", lambda s: _with_interval(s, ("toeplitz_r2_per_doc_mean",)))
     if extended:
         row("Toeplitz", "document-averaged pattern R²",
-            lambda s: "not kept" if _undefined(s.get("toeplitz_r2_mean_pattern_mean")) else _number(s["toeplitz_r2_mean_pattern_mean"]))
+            lambda s: "not kept" if is_undefined(s.get("toeplitz_r2_mean_pattern_mean")) else _number(s["toeplitz_r2_mean_pattern_mean"]))
         row("heads", "most position-bound (log η²)", lambda s: str(s["most_position_bound_head"]))
         row("heads", "least position-bound (log η²)", lambda s: str(s["least_position_bound_head"]))
     row("", "windows / tokens", lambda s: f"{s['n_windows']} / {s['n_tokens']}")
@@ -131,7 +131,7 @@ def windows_needed_text(summary: dict[str, Any], half_width: float = TARGET_HALF
     what = " ".join(path[1:]) + " R²" if path[0] == "query_position_r2" else " ".join(path)
     intervals = summary.get("intervals") or {}
     bounds = summary_value(intervals, path)
-    if not isinstance(bounds, list) or len(bounds) != 2 or any(_undefined(b) for b in bounds):
+    if not isinstance(bounds, list) or len(bounds) != 2 or any(is_undefined(b) for b in bounds):
         reason = intervals.get("unavailable", "no interval stored")
         return f"{what}: no interval, so no estimate of the windows needed ({reason})"
     n_windows = summary["n_windows"]
@@ -151,13 +151,8 @@ def summary_value(tree: Any, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def _undefined(value: Any) -> bool:
-    """A summary's missing number: ``None`` (JSON's NaN) or NaN."""
-    return value is None or (isinstance(value, float) and math.isnan(value))
-
-
 def _number(value: Any) -> str:
-    return "n/a" if _undefined(value) else f"{value:.4f}"
+    return "n/a" if is_undefined(value) else f"{value:.4f}"
 
 
 def _qpve_cell(summary: dict[str, Any], scale: str, form: str) -> str:
@@ -171,7 +166,7 @@ def _with_interval(summary: dict[str, Any], path: tuple[str, ...]) -> str:
     """A summary's number, with its interval where the summary stores one (``0.0157 [0.0143, 0.0171]``)."""
     value = summary_value(summary, path)
     bounds = summary_value(summary.get("intervals"), path)
-    if isinstance(bounds, list) and len(bounds) == 2 and not _undefined(value):
+    if isinstance(bounds, list) and len(bounds) == 2 and not is_undefined(value):
         return format_interval(value, *bounds)
     return _number(value)
 
@@ -187,7 +182,7 @@ def _parameters(summary: dict[str, Any], fit: str, names: tuple[str, ...]) -> st
     fits = summary.get("persistence_fits")
     if not fits:
         return "–"
-    return ", ".join("n/a" if _undefined(fits[fit]["params"].get(n)) else f"{fits[fit]['params'][n]:.4g}" for n in names)
+    return ", ".join("n/a" if is_undefined(fits[fit]["params"].get(n)) else f"{fits[fit]['params'][n]:.4g}" for n in names)
 
 
 def _prior_best_bins(summary: dict[str, Any]) -> str:
