@@ -62,12 +62,12 @@ from ..maths.metrics import FORMS, SCALES
 from ..probe import EquivarianceProbe
 from ..records.provenance import corpus_fingerprint, model_identity, window_fingerprints
 from ..result import ProbeResult, paired_difference
-from ..sources.baselines import random_init_like, zero_like
 from ..sources.corpus import load_corpus
 from ..sources.models import load_config, load_model, load_tokenizer
 from ..sources.packing import PackedWindows, document_separator, pack_stream, special_prefix, token_stream
 from ..sources.resources import MemoryEstimate, ModelSize, check_fits, estimate_memory_of, model_size
-from .study import check_baselines, result_filename
+from ..statistics.masks import LAYER_GROUPS  # the groups in table order (ProbeResult.layer_groups)
+from .study import check_baselines, result_filename, variant_builders
 from .tables import summary_value
 
 __all__ = [
@@ -89,9 +89,6 @@ DEFAULT_SCAN = {"n_tokens": 16384, "baselines": ("random_init",), "batch_tokens"
 
 #: The numbers whose differences between lengths (and trained minus baseline) the scan tabulates.
 DIFFERENCE_ROWS = ("log_fitted", "log_eta2", "raw_eta2", "prior_fit")
-
-#: Layer groups in table order (:meth:`~equivariance_probe.result.ProbeResult.layer_groups`).
-LAYER_GROUPS = ("all", "sliding", "global")
 
 
 def length_folder(context_length: int) -> str:
@@ -538,11 +535,7 @@ def scan_context_lengths(
         "text_description": text,
         "load_seconds": load_seconds,
     }
-    variants: list[tuple[str, Any]] = [("trained", lambda: network)]
-    if "random_init" in baselines:
-        variants.append(("random_init", lambda: random_init_like(network, seed=seed)))
-    if "zero" in baselines:
-        variants.append(("zero", lambda: zero_like(network)))
+    variants = variant_builders(network, baselines, seed)
 
     results: dict[int, dict[str, ProbeResult]] = {t: {} for t in lengths}
     timings: dict[int, dict[str, float]] = {t: {} for t in lengths}

@@ -161,6 +161,17 @@ def check_baselines(baselines: Sequence[str]) -> None:
         raise InputError(f"unknown baselines {unknown}; choose from {sorted(BASELINES)}")
 
 
+def variant_builders(network: Any, baselines: Sequence[str], seed: int) -> list[tuple[str, Any]]:
+    """``[(name, build)]``: the trained model first, then each baseline of :data:`BASELINES` asked for,
+    each built only when ``build()`` is called (one baseline in memory at a time)."""
+    variants: list[tuple[str, Any]] = [("trained", lambda: network)]
+    if "random_init" in baselines:
+        variants.append(("random_init", lambda: random_init_like(network, seed=seed)))
+    if "zero" in baselines:
+        variants.append(("zero", lambda: zero_like(network)))
+    return variants
+
+
 def _link(source: Path, destination: Path) -> bool:
     """Make ``destination`` a hard link to ``source`` (atomically); ``False`` where links are refused."""
     temporary = destination.with_name(destination.name + ".tmp")
@@ -295,12 +306,7 @@ def run_study(
         interval_groups=interval_groups,
     )
     results: dict[str, ProbeResult] = {}
-    variants: list[tuple[str, Any]] = [("trained", lambda: network)]
-    if "random_init" in baselines:
-        variants.append(("random_init", lambda: random_init_like(network, seed=seed)))
-    if "zero" in baselines:
-        variants.append(("zero", lambda: zero_like(network)))
-    for index, (name, build) in enumerate(variants):
+    for index, (name, build) in enumerate(variant_builders(network, baselines, seed)):
         start = time.perf_counter()
         metadata = {"label": name, "study": config, "provenance": provenance}
         if shard is not None:

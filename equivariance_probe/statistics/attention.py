@@ -76,9 +76,6 @@ STATISTICS: dict[str, tuple[str, str]] = {
     "pattern_sum": ("L H T T", "optional: Σ over windows of a[q, k], indexed [q, k]"),
 }
 
-#: The sums of one layer and batch, as the statistics keep them before :meth:`end_batch` adds them.
-_LAYER_SUMS = ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum", "floored", "doc_toeplitz_sum", "doc_toeplitz_count")
-
 
 class AttentionStatistics:
     """Streaming sufficient statistics of a model's attention over a corpus.
