@@ -58,10 +58,11 @@ from ..errors import (
     MissingAPIKeyError,
     RemoteExecutionError,
     UnsupportedModelError,
+    check_choice,
 )
 from ..statistics.masks import default_log_floor
 from .base import Adapter, AttentionLayout, ModelInfo, PatternCallback
-from .huggingface import HuggingFaceAdapter
+from .huggingface import PATTERN_SOURCES, HuggingFaceAdapter
 from .modules import inner_module
 from .nnsight_remote import (
     ATTENTION_CALL,
@@ -76,9 +77,6 @@ from .nnsight_remote import (
 )
 
 __all__ = ["NNsightAdapter", "PATTERN_SOURCES"]
-
-#: Accepted values of ``pattern_source``.
-PATTERN_SOURCES = ("auto", "weights", "recompute")
 
 
 class NNsightAdapter(Adapter):
@@ -119,8 +117,7 @@ class NNsightAdapter(Adapter):
         pattern_source: str = "auto",
     ) -> None:
         super().__init__(model, tokenizer)
-        if pattern_source not in PATTERN_SOURCES:
-            raise InputError(f"pattern_source={pattern_source!r} is not one of {PATTERN_SOURCES}")
+        check_choice("pattern_source", pattern_source, PATTERN_SOURCES)
         if not isinstance(remote, (bool, str)):
             raise InputError(f"remote must be True, False, 'local' or a host URL, not {remote!r}")
         self.remote = remote

@@ -365,7 +365,7 @@ def rank_heads(
         scores={name: grids[name].ravel()[order] for name in RANKING_SCORES if name in keep},
         key=by,
         descending=descending,
-        model=str(getattr(result, "model_name", None) or result.metadata.get("model", {}).get("name", "?")),
+        model=result.model_name,
         top_k=top_k,
         stability=stability,
         stability_note=note,

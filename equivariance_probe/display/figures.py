@@ -15,6 +15,7 @@ matplotlib is imported when a figure is drawn, never at package import.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +39,7 @@ __all__ = [
     "log_log_axes",
     "fitted_title",
     "figure_title",
+    "variant_columns",
 ]
 
 _FIT_STYLE = {"power": ("tab:orange", "--"), "exponential": ("tab:green", ":"), "prior": ("black", "-.")}
@@ -213,7 +215,7 @@ def heatmaps_figure(result: ProbeResult) -> Figure:
 def study_figures(result: ProbeResult, baselines: dict[str, ProbeResult] | None = None) -> dict[str, Figure]:
     """Every figure of the study for one result, with its baselines side by side in Fig. 1a and 1c
     (each baseline's heatmaps: :func:`heatmaps_figure`)."""
-    variants = _variants(result, baselines)
+    variants = variant_columns(result, baselines)
     figures = {
         "persistence": persistence_figure(variants),
         "head_curves": head_curves_figure(result),
@@ -225,8 +227,8 @@ def study_figures(result: ProbeResult, baselines: dict[str, ProbeResult] | None 
     return figures
 
 
-def _variants(result: ProbeResult, baselines: dict[str, ProbeResult] | None) -> dict[str, ProbeResult]:
-    """Panel titles: the trained result's variant name (or model), then each baseline's name."""
+def variant_columns(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None) -> dict[str, ProbeResult]:
+    """Panel titles and table columns: the result's study variant (``trained``) or model name, then each baseline's name."""
     first = str(result.metadata.get("label") or result.model_name)
     return {first: result, **(baselines or {})}
 

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from ..errors import NotRunError
 from ..runs.tables import paired_rows, summary_rows
 from .circuitsvis import circuitsvis_bundle_script
-from .figures import fit_by_key_figure, head_curves_figure, heatmaps_figure, persistence_figure, scatter_figure
+from .figures import (fit_by_key_figure, head_curves_figure, heatmaps_figure, persistence_figure, scatter_figure,
+                      variant_columns)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..result import ProbeResult
@@ -79,15 +80,10 @@ figure{{margin:1em 0}}figcaption{{font-size:90%;color:#444}}</style>
 </body></html>"""
 
 
-def _variants(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None) -> dict[str, ProbeResult]:
-    """Column name -> result: the result's study variant (``trained``) or model, then each baseline."""
-    return {str(result.metadata.get("label") or result.model_name): result, **dict(baselines or {})}
-
-
 def summary_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None = None) -> ReportSection:
     """Run facts, then one table with a column per variant: query-position R² in every scale and
     form, the persistence fits and their parameters, Figure 1c, Toeplitz scores and heads."""
-    variants = _variants(result, baselines)
+    variants = variant_columns(result, baselines)
     summaries = {name: variant.summary() for name, variant in variants.items()}
     first = summaries[next(iter(summaries))]
     table = _table_html(list(summaries), summary_rows(summaries, extended=True), "summary")
@@ -133,7 +129,7 @@ def figures_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | 
     """The study's figures: persistence (Fig. 1a) and fit quality by key position (Fig. 1c) of every
     variant side by side, per-head persistence (1b) and the scatter (1d) of the result, and the
     per-head heatmaps of every variant."""
-    variants = _variants(result, baselines)
+    variants = variant_columns(result, baselines)
     side_by_side = " (trained and baselines side by side)" if len(variants) > 1 else ""
     figures = {
         f"Fig. 1a — persistence P(dt) with power, exponential and uniform-prior fits{side_by_side}": persistence_figure(variants),
