@@ -156,6 +156,7 @@ REMOTE_FUNCTIONS = (
     "equivariance_probe.statistics.kernels.entry_moments",
     "equivariance_probe.statistics.kernels.diagonal_sums",
     "equivariance_probe.statistics.blocks.row_moments",
+    "equivariance_probe.statistics.blocks.toeplitz_r2_per_window",
 )
 
 #: Modules whose functions are shipped by value with a remote request.

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .blocks import row_moments
+from .blocks import row_moments, toeplitz_r2_per_window
 from .masks import default_log_floor, uniform_prior
 
 __all__ = [
@@ -159,20 +159,10 @@ def reduce_layer(
     if keep_pattern:
         out["pattern_sum"] = batch_sum
 
-    # Per-window Toeplitz R².
+    # Per-window Toeplitz R²; a window without variance is left out and not counted.
     doc_lag_count = diagonal_sums(visible.to(torch.float64))  # [batch, dt]
-    n_entries = doc_lag_count.sum(-1).unsqueeze(1)  # [batch, 1]
-    total = row_sum.sum(-1)  # [batch, head]
-    square = row_sq.sum(-1)
-    lag_count = doc_lag_count.unsqueeze(1)
-    zero = torch.zeros((), dtype=torch.float64, device=pattern.device)
-    diagonal_fit = torch.where(lag_count > 0, diagonal_sum.square() / lag_count.clamp_min(1), zero)
-    rss = (square - diagonal_fit.sum(-1)).clamp_min(0)
-    tss = square - total.square() / n_entries.clamp_min(1)
-    # A window whose pattern has no variance (one token, or exactly uniform over a
-    # single diagonal) has no Toeplitz R²; it is left out and not counted.
-    has_variance = tss > 1e-12 * square.clamp_min(1e-300)
-    r2 = torch.where(has_variance, 1 - rss / tss.clamp_min(1e-300), zero)
+    r2, has_variance = toeplitz_r2_per_window({"raw_sum": row_sum, "raw_sq": row_sq, "lag_sum": diagonal_sum},
+                                              doc_lag_count)
     out["doc_toeplitz_sum"] = r2.sum(0)
     out["doc_toeplitz_count"] = has_variance.sum(0, dtype=torch.float64)
     return out
