@@ -482,16 +482,19 @@ class ProbeResult:
                 cache["sums"], statistic, by, n_heads=self.n_heads, visible_keys=self.statistics.visible_keys().numpy(),
                 layer_groups=self.layer_groups(), cache=cache, dt=self._lags(),
             )
-            cache[(statistic, by)] = (self._estimate(statistic, by), values)
+            cache[(statistic, by)] = (self._estimate(statistic, by, cache), values)
         return cache[(statistic, by)]
 
-    def _estimate(self, statistic: str, by: str | None) -> Any:
-        """The number ``statistic`` names, from every window (what its own method returns)."""
+    def _estimate(self, statistic: str, by: str | None, cache: dict[Any, Any]) -> Any:
+        """The number ``statistic`` names, from every window (what its own method returns); the
+        persistence curves are fitted once per ``by`` and kept in ``cache`` for the other fits."""
         if statistic == "toeplitz_per_doc":
             return self.toeplitz_r2("head_per_doc" if by == "head" else "per_doc_mean")
         if statistic.endswith("_fit"):
             fit = statistic[: -len("_fit")]
-            curves = self.persistence(by)
+            if ("estimate_curves", by) not in cache:
+                cache[("estimate_curves", by)] = self.persistence(by)
+            curves = cache[("estimate_curves", by)]
             if by == "layer_group":
                 return {group: group_curves.fits[fit].r2 for group, group_curves in curves.items()}
             return curves.r2(fit)
