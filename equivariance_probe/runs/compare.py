@@ -40,10 +40,9 @@ from typing import Any
 
 
 from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError, IntervalUnavailableError
-from ..maths.intervals import format_interval
 from ..maths.metrics import FORMS, SCALES
 from ..result import DIFFERENCE_STATISTICS, paired_differences
-from .tables import summary_value
+from .tables import interval_bounds, markdown_table, row_cell, summary_value
 from ..sources.corpus import load_corpus
 from ..sources.models import load_config, load_model, load_tokenizer
 from ..sources.resources import MemoryEstimate, PeakMemory, check_fits, estimate_memory_of, model_size
@@ -86,15 +85,6 @@ def _differences(trained: Any, baseline: Any) -> dict[str, float | None]:
             found = {name: (d.estimate, d.low, d.high) for name, d in paired_differences(trained, baseline).items()}
     return {f"trained_minus_{name}{suffix}": value for name, values in found.items()
             for suffix, value in zip(("", "_low", "_high"), values)}
-
-
-def _cell(row: dict[str, Any], column: str) -> str:
-    """A number of a row with its interval where it has one: ``0.0379 [0.0351, 0.0407]``."""
-    if row.get(column) is None:
-        return "–"
-    if row.get(f"{column}_low") is None:
-        return f"{row[column]:.4f}"
-    return format_interval(row[column], row[f"{column}_low"], row[f"{column}_high"])
 
 
 @dataclass(frozen=True)
@@ -149,8 +139,7 @@ class Comparison:
                 summary = result.summary()
                 for column, path in _SUMMARY_PATHS.items():
                     row[column] = float(summary_value(summary, path))
-                    bounds = summary_value(summary.get("intervals"), path)
-                    row[f"{column}_low"], row[f"{column}_high"] = bounds if isinstance(bounds, list) else (None, None)
+                    row[f"{column}_low"], row[f"{column}_high"] = interval_bounds(summary.get("intervals"), path)
                 row.update(_differences(study.trained, result if variant != "trained" else None))
                 row["seconds"] = cost.seconds[variant]
                 row["windows_per_minute"] = cost.windows_per_minute(variant, result.n_windows)
@@ -171,13 +160,13 @@ class Comparison:
 
         for scale in SCALES:
             for form in FORMS:
-                line(f"QPVE {scale}", form, [_cell(r, f"{scale}_{form}") for r in rows])
+                line(f"QPVE {scale}", form, [row_cell(r, f"{scale}_{form}") for r in rows])
         for fit in _FITS:
-            line("P(dt)", f"{fit} fit R²", [_cell(r, f"persistence_{fit}_r2") for r in rows])
-        line("Toeplitz", "mean per-window R²", [_cell(r, "toeplitz_r2") for r in rows])
+            line("P(dt)", f"{fit} fit R²", [row_cell(r, f"persistence_{fit}_r2") for r in rows])
+        line("Toeplitz", "mean per-window R²", [row_cell(r, "toeplitz_r2") for r in rows])
         for statistic in DIFFERENCE_STATISTICS:
             name = statistic.replace("_fit", " fit R²").replace("toeplitz_per_doc", "Toeplitz per-window R²").replace("_", " ")
-            line("trained − baseline", name, [_cell(r, f"trained_minus_{statistic}") for r in rows])
+            line("trained − baseline", name, [row_cell(r, f"trained_minus_{statistic}") for r in rows])
         line("", "windows / tokens", [f"{r['windows']} / {r['tokens']}" for r in rows])
         line("", "layers × heads", [f"{r['n_layers']} × {r['n_heads']}" for r in rows])
         line("cost", "windows per minute", [f"{r['windows_per_minute']:.1f}" for r in rows])
@@ -188,9 +177,7 @@ class Comparison:
     def table(self) -> str:
         """Markdown: one column per ``(model, variant)``, one row per statistic."""
         header = [f"{r['model']}<br>{r['variant']}" for r in self.rows()]
-        lines = ["| | | " + " | ".join(header) + " |", "|---|---|" + "---|" * len(header)]
-        lines += [f"| {group} | {name} | " + " | ".join(cells) + " |" for group, name, cells in self.table_rows()]
-        return "\n".join(lines)
+        return markdown_table(["", ""], header, self.table_rows())
 
     def save(self, folder: str | os.PathLike) -> dict[str, Path]:
         """Write ``comparison.md``, ``comparison.csv``, ``comparison.json``, and each model's study

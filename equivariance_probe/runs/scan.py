@@ -68,7 +68,7 @@ from ..sources.packing import PackedWindows, document_separator, pack_stream, sp
 from ..sources.resources import MemoryEstimate, ModelSize, check_fits, estimate_memory_of, model_size
 from ..statistics.masks import LAYER_GROUPS  # the groups in table order (ProbeResult.layer_groups)
 from .study import check_baselines, result_filename, variant_builders
-from .tables import summary_value
+from .tables import interval_bounds, markdown_table, row_cell, summary_value
 
 __all__ = [
     "ContextScan",
@@ -159,11 +159,11 @@ class ContextScan:
                         for form in FORMS:
                             path = ("query_position_r2", scale, form)
                             row[f"{scale}_{form}"] = _as_float(summary_value(numbers, path))
-                            row[f"{scale}_{form}_low"], row[f"{scale}_{form}_high"] = _bounds(bounds, path)
+                            row[f"{scale}_{form}_low"], row[f"{scale}_{form}_high"] = interval_bounds(bounds, path)
                     for fit in FIT_NAMES:
                         path = ("persistence_fit_r2", fit)
                         row[f"persistence_{fit}_r2"] = _as_float(summary_value(numbers, path))
-                        row[f"persistence_{fit}_r2_low"], row[f"persistence_{fit}_r2_high"] = _bounds(bounds, path)
+                        row[f"persistence_{fit}_r2_low"], row[f"persistence_{fit}_r2_high"] = interval_bounds(bounds, path)
                     row["batch_size"] = int(result.metadata.get("batch_size", 0))
                     row["seconds"] = self.timings[length][variant]
                     row["reused"] = variant in self.reused.get(length, [])
@@ -186,9 +186,9 @@ class ContextScan:
                 name = f"{group} ({cells[0]['n_layers']})"
                 for scale in SCALES:
                     for form in FORMS:
-                        lines.append((variant, name, f"QPVE {scale} {form}", [_cell(r, f"{scale}_{form}") for r in cells]))
+                        lines.append((variant, name, f"QPVE {scale} {form}", [row_cell(r, f"{scale}_{form}") for r in cells]))
                 for fit in FIT_NAMES:
-                    lines.append((variant, name, f"P(dt) {fit} fit R²", [_cell(r, f"persistence_{fit}_r2") for r in cells]))
+                    lines.append((variant, name, f"P(dt) {fit} fit R²", [row_cell(r, f"persistence_{fit}_r2") for r in cells]))
             seconds = [by_key[(length, variant, "all")] for length in lengths]
             lines.append((variant, "", "seconds", ["reused" if r["reused"] else f"{r['seconds']:.1f}" for r in seconds]))
         return lines
@@ -258,11 +258,13 @@ class ContextScan:
 
     def table(self) -> str:
         """Markdown: one column per length ``T``, one row per ``(variant, layer group, statistic)``."""
-        return _length_table("variant", self.context_lengths, self.table_rows())
+        return markdown_table(["variant", "layers", "statistic"], [f"T = {t}" for t in self.context_lengths],
+                              self.table_rows())
 
     def difference_table(self) -> str:
         """Markdown of :meth:`difference_rows`: one column per length."""
-        return _length_table("difference", self.context_lengths, self.difference_rows())
+        return markdown_table(["difference", "layers", "statistic"], [f"T = {t}" for t in self.context_lengths],
+                              self.difference_rows())
 
     def save(self, folder: str | os.PathLike) -> dict[str, Path]:
         """Write ``scan.md``, ``scan.csv``, ``scan.json``, and every result file not yet in ``folder``
@@ -304,32 +306,8 @@ class ContextScan:
 
 
 
-def _length_table(first: str, lengths: Sequence[int], rows: list[tuple[str, str, str, list[str]]]) -> str:
-    """Markdown with columns ``first | layers | statistic | T = ...`` and one line per row."""
-    lines = [f"| {first} | layers | statistic | " + " | ".join(f"T = {t}" for t in lengths) + " |",
-             "|---|---|---|" + "---|" * len(lengths)]
-    lines += [f"| {a} | {layers} | {name} | " + " | ".join(cells) + " |" for a, layers, name, cells in rows]
-    return "\n".join(lines)
-
-
 def _as_float(value: Any) -> float:
     return math.nan if value is None else float(value)
-
-
-def _bounds(intervals: dict[str, Any], path: tuple[str, ...]) -> tuple[float | None, float | None]:
-    bounds = summary_value(intervals, path)
-    if isinstance(bounds, list) and len(bounds) == 2 and all(b is not None for b in bounds):
-        return float(bounds[0]), float(bounds[1])
-    return None, None
-
-
-def _cell(row: dict[str, Any], key: str) -> str:
-    value = row[key]
-    if not np.isfinite(value):
-        return "n/a"
-    if row.get(f"{key}_low") is None:
-        return f"{value:.4f}"
-    return format_interval(value, row[f"{key}_low"], row[f"{key}_high"])
 
 
 def _json_number(value: Any) -> Any:

@@ -20,7 +20,8 @@ from ..maths import fitting, metrics
 from ..maths.intervals import format_interval, is_undefined, windows_for_half_width
 from ..result import DIFFERENCE_STATISTICS, SUMMARY_LEVEL, TARGET_HALF_WIDTH, ProbeResult, paired_differences
 
-__all__ = ["summary_table", "summary_rows", "difference_table", "paired_rows", "windows_needed_text", "summary_value"]
+__all__ = ["summary_table", "summary_rows", "difference_table", "paired_rows", "windows_needed_text", "summary_value",
+           "interval_bounds", "row_cell", "markdown_table"]
 
 
 def summary_table(summaries: dict[str, dict[str, Any]], *, extended: bool = False) -> str:
@@ -32,8 +33,15 @@ def summary_table(summaries: dict[str, dict[str, Any]], *, extended: bool = Fals
     fits, and the range of its R²), the Toeplitz R² of the document-averaged pattern, the most and
     least position-bound heads and the floored entries.
     """
-    lines = ["| scale | form | " + " | ".join(summaries) + " |", "|---|---|" + "---|" * len(summaries)]
-    lines += [f"| {group} | {what} | " + " | ".join(cells) + " |" for group, what, cells in summary_rows(summaries, extended=extended)]
+    return markdown_table(["scale", "form"], list(summaries), summary_rows(summaries, extended=extended))
+
+
+def markdown_table(labels: list[str], columns: list[str], rows: list[tuple[Any, ...]]) -> str:
+    """Markdown: the row labels' columns (``labels``), then one column per entry of ``columns``;
+    each row is ``(*label cells, [one cell per column])``."""
+    header = "|" + "|".join(f" {name} " if name else " " for name in [*labels, *columns]) + "|"
+    lines = [header, "|" + "---|" * (len(labels) + len(columns))]
+    lines += ["| " + " | ".join([*(str(cell) for cell in row[:-1]), *row[-1]]) + " |" for row in rows]
     return "\n".join(lines)
 
 
@@ -82,10 +90,8 @@ def difference_table(results: dict[str, ProbeResult], reference: str = "trained"
     """Markdown: one column ``reference − other`` per other result (:func:`paired_rows`), notes below."""
     rows, notes = paired_rows(results, reference, level)
     others = [name for name in results if name != reference]
-    lines = ["| scale | form | " + " | ".join(f"{reference} − {name}" for name in others) + " |",
-             "|---|---|" + "---|" * len(others)]
-    lines += [f"| {group} | {what} | " + " | ".join(cells) + " |" for group, what, cells in rows]
-    return "\n".join(lines + [""] + notes if notes else lines)
+    table = markdown_table(["scale", "form"], [f"{reference} − {name}" for name in others], rows)
+    return "\n".join([table, "", *notes]) if notes else table
 
 
 def paired_rows(results: dict[str, ProbeResult], reference: str = "trained",
@@ -160,6 +166,27 @@ def _qpve_cell(summary: dict[str, Any], scale: str, form: str) -> str:
     if f"query_position_r2.{form}" in (summary.get("undefined") or {}):
         return "undefined (encoder)"
     return _with_interval(summary, ("query_position_r2", scale, form))
+
+
+def interval_bounds(intervals: Any, path: tuple[str, ...]) -> tuple[float | None, float | None]:
+    """``(low, high)`` of the interval a summary's ``intervals`` block stores at ``path``, ``(None, None)`` if none."""
+    bounds = summary_value(intervals, path)
+    if isinstance(bounds, list) and len(bounds) == 2 and all(b is not None for b in bounds):
+        return float(bounds[0]), float(bounds[1])
+    return None, None
+
+
+def row_cell(row: dict[str, Any], column: str, missing: str = "–") -> str:
+    """A table row's number with its interval where the row holds ``{column}_low`` and ``_high``
+    (``0.0379 [0.0351, 0.0407]``); ``missing`` where the row has no such number, ``n/a`` where it is NaN."""
+    value = row.get(column)
+    if value is None:
+        return missing
+    if not math.isfinite(value):
+        return "n/a"
+    if row.get(f"{column}_low") is None:
+        return f"{value:.4f}"
+    return format_interval(value, row[f"{column}_low"], row[f"{column}_high"])
 
 
 def _with_interval(summary: dict[str, Any], path: tuple[str, ...]) -> str:
