@@ -39,7 +39,7 @@ import torch
 from ..errors import AttentionCaptureError, check_choice
 from .base import Adapter, AttentionLayout, PatternCallback
 from .internals import AttentionCall, intercept_attention, position_embedding_modules
-from .modules import find_attention_modules, is_bidirectional, layer_windows, text_config
+from .modules import config_max_context, find_attention_modules, is_bidirectional, layer_windows, text_config
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -131,13 +131,9 @@ class HuggingFaceAdapter(Adapter):
                 f"cannot tell the number of attention heads of {type(model).__name__}: its config has "
                 "neither num_attention_heads nor n_head"
             )
-        max_context = (
-            getattr(config, "max_position_embeddings", None)
-            or getattr(config, "n_positions", None)
-            or getattr(config, "n_ctx", None)
-        )
+        max_context = config_max_context(config)
         if max_context:
-            max_context = min(int(max_context), _positions_in_table(model) or int(max_context))
+            max_context = min(max_context, _positions_in_table(model) or max_context)
         bidirectional = is_bidirectional(self.attention_modules)
         self._layout = AttentionLayout(
             n_layers=len(self.attention_modules),

@@ -27,6 +27,7 @@ __all__ = [
     "LAYER_LISTS",
     "ATTENTION_NAMES",
     "text_config",
+    "config_max_context",
     "layer_windows",
     "find_attention_modules",
     "parent_layer",
@@ -61,6 +62,15 @@ def text_config(config: Any) -> Any:
     """The text part of a (possibly multimodal) config."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
+
+
+def config_max_context(config: Any) -> int | None:
+    """The longest context a (text) config declares (``max_position_embeddings``, GPT-2's
+    ``n_positions`` or ``n_ctx``), ``None`` if it declares none. A model whose learned position
+    table starts after an offset (RoBERTa) reads fewer; the Hugging Face adapter corrects for it."""
+    value = (getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+             or getattr(config, "n_ctx", None))
+    return int(value) if value else None
 
 
 def layer_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:

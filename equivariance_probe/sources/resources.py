@@ -184,7 +184,7 @@ def estimate_memory(
 def model_size(model_or_config: Any) -> ModelSize:
     """:class:`ModelSize` of a loaded model (Hugging Face, TransformerBridge or nnsight) or of a
     Hugging Face config (parameters counted on the meta device: nothing is allocated)."""
-    from ..adapters.modules import layer_windows, text_config, unwrap_model
+    from ..adapters.modules import config_max_context, layer_windows, text_config, unwrap_model
 
     if isinstance(model_or_config, torch.nn.Module) or not hasattr(model_or_config, "to_dict"):
         hf_model = unwrap_model(model_or_config)[0]
@@ -197,11 +197,10 @@ def model_size(model_or_config: Any) -> ModelSize:
     hidden = int(getattr(text, "hidden_size", None) or getattr(text, "n_embd", 0) or 0)
     head_dim = getattr(text, "head_dim", None) or (hidden // n_heads if n_heads else 0)
     intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
-    max_context = (getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
-                   or getattr(text, "n_ctx", None))
+    max_context = config_max_context(text)
     return ModelSize(n_parameters=int(n_parameters), n_layers=n_layers, n_heads=n_heads, hidden_size=hidden,
                      intermediate_size=int(intermediate), attention_width=int(n_heads * head_dim),
-                     max_context=int(max_context) if max_context else None,
+                     max_context=max_context,
                      mask_kinds=len(set(layer_windows(config, n_layers))))
 
 
