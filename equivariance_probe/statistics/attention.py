@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import AttentionCaptureError, IncompatibleResultsError, InputError, NonFiniteAttentionError, option
-from .blocks import attention_sums_from_qk, attention_sums_from_weights, toeplitz_r2_per_window
+from ..errors import AttentionCaptureError, IncompatibleResultsError, InputError, NonFiniteAttentionError, check_choice, option
+from .blocks import ENGINES, attention_sums_from_qk, attention_sums_from_weights, toeplitz_r2_per_window
 from .groups import DEFAULT_INTERVAL_GROUPS, WindowGroups, as_keys
 from .kernels import visible_mask
 from .masks import KEY_BINS, default_log_floor, key_bins, mask_counts, n_lags, uniform_prior
@@ -51,10 +51,6 @@ __all__ = ["AttentionStatistics", "STATISTICS", "MASK_LEAK_TOLERANCE", "ENGINES"
 #: Largest attention mass per query tolerated outside the mask an adapter reported (first batch):
 #: more means the adapter does not know the model's real mask.
 MASK_LEAK_TOLERANCE = 1e-3
-
-#: How the sums of a layer can be computed (:meth:`AttentionStatistics.update_from_scores`):
-#: ``"auto"`` (the fused Triton kernel on CUDA where Triton imports, else torch), ``"torch"``, ``"triton"``.
-ENGINES = ("auto", "torch", "triton")
 
 #: Every statistic, its shape (in terms of L layers, H heads, T positions, D lags, K key bins) and meaning.
 STATISTICS: dict[str, tuple[str, str]] = {
@@ -130,8 +126,7 @@ class AttentionStatistics:
         causal: bool = True,
         interval_groups: int = DEFAULT_INTERVAL_GROUPS,
     ) -> None:
-        if engine not in ENGINES:
-            raise InputError(f"engine={engine!r} is not one of {ENGINES}")
+        check_choice("engine", engine, ENGINES)
         self.causal = bool(causal)
         self.n_layers = int(n_layers)
         self.n_heads = int(n_heads)

@@ -73,6 +73,7 @@ from .masks import _check_key_bins, _effective_window, _excluded_flags, default_
 
 __all__ = [
     "DEFAULT_BLOCK_MEMORY",
+    "ENGINES",
     "SUM_NAMES",
     "attention_sums_from_qk",
     "attention_sums_from_weights",
@@ -82,6 +83,11 @@ __all__ = [
     "row_moments",
     "toeplitz_r2_per_window",
 ]
+
+#: How the sums of a layer can be computed (``AttentionStatistics.update_from_scores``,
+#: ``triton_kernels.attention_sums``): ``"auto"`` (the fused Triton kernel on CUDA where Triton
+#: imports, else torch), ``"torch"``, ``"triton"``.
+ENGINES = ("auto", "torch", "triton")
 
 #: The per-window sums every path returns (``pattern_sum`` is added on request).
 SUM_NAMES = ("raw_sum", "raw_sq", "log_sum", "log_sq", "floored", "lag_sum", "key_lag_sum")

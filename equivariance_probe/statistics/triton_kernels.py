@@ -64,6 +64,7 @@ import torch
 
 from ..errors import InputError, check_choice
 from .blocks import (
+    ENGINES,
     _check_qk,
     _empty_sums,
     _layout,
@@ -436,7 +437,7 @@ def attention_sums(
         ``"triton"`` or ``"torch"``. The path is returned beside the dict, not inside
         it, so that the dict holds tensors only and merges like any other.
     """
-    check_choice("backend", backend, ("auto", "torch", "triton"))
+    check_choice("backend", backend, ENGINES)
     use_triton = backend == "triton" or (backend == "auto" and query.is_cuda and triton is not None)
     arguments = dict(
         scaling=scaling,
