@@ -348,9 +348,10 @@ class ProbeResult:
             out[layer] = metrics.toeplitz_r2_key_lag(mean[layer], visible)
         return out
 
-    def _bidirectional_mean_pattern_toeplitz(self, pattern_sum: np.ndarray, covering: np.ndarray) -> np.ndarray:
-        """Toeplitz R² of an encoder's document-averaged pattern, over every entry that some window
-        holds (query and key both real: ``#windows(q, k) = c[max(q, k)]``) and whose key is not excluded."""
+    def _bidirectional_mean_pattern(self, pattern_sum: np.ndarray, covering: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """An encoder's document-averaged pattern ``[..., query, key]`` (0 where hidden) and its
+        ``[query, key]`` entries: those some window holds (query and key both real:
+        ``#windows(q, k) = c[max(q, k)]``) whose key is not excluded."""
         n = self.statistics.n_positions
         both = covering[np.maximum.outer(np.arange(n), np.arange(n))]
         visible = both > 0
@@ -359,6 +360,11 @@ class ProbeResult:
                 visible[:, key] = False
         with np.errstate(invalid="ignore", divide="ignore"):
             mean = np.where(visible, pattern_sum / np.where(visible, both, 1), 0.0)
+        return mean, visible
+
+    def _bidirectional_mean_pattern_toeplitz(self, pattern_sum: np.ndarray, covering: np.ndarray) -> np.ndarray:
+        """Toeplitz R² of an encoder's document-averaged pattern over its entries (:meth:`_bidirectional_mean_pattern`)."""
+        mean, visible = self._bidirectional_mean_pattern(pattern_sum, covering)
         return np.array([[metrics.toeplitz_r2(mean[layer, head], visible) for head in range(self.n_heads)]
                          for layer in range(self.n_layers)])
 
@@ -379,6 +385,8 @@ class ProbeResult:
         arrays = self._require_data()
         if "pattern_sum" not in arrays:
             raise NotRunError("this run did not keep the summed pattern; run with keep_pattern=True")
+        if not self.causal:  # every real key is visible: the upper triangle too
+            return self._bidirectional_mean_pattern(arrays["pattern_sum"][layer, head], arrays["windows_covering"])[0]
         n = self.statistics.n_positions
         key_lag = metrics.mean_pattern_key_lag(metrics.key_lag_layout(arrays["pattern_sum"][layer, head]), arrays["windows_covering"])
         visible = metrics.key_lag_visible(n, self.statistics.sliding_windows[layer], arrays["windows_covering"], self.excluded_keys)

@@ -245,6 +245,9 @@ def test_a_bert_is_probed_with_its_real_mask_whatever_its_kernel():
     both = covering[np.maximum.outer(np.arange(20), np.arange(20))]
     mean = np.where(both > 0, pattern / np.maximum(both, 1), 0)
     assert results["eager"].toeplitz_r2("head")[1, 2] == pytest.approx(toeplitz_r2(mean, both > 0), abs=1e-12)
+    # The mean pattern itself holds both triangles: every real key is visible to every real query.
+    np.testing.assert_allclose(results["eager"].mean_pattern(1, 2), mean, rtol=1e-12, atol=1e-15)
+    assert np.triu(results["eager"].mean_pattern(1, 2), 1).sum() > 0
 
 
 def test_a_bert_with_zero_weights_attends_uniformly(tmp_path):
