@@ -19,15 +19,33 @@ rows), in the manner of a flash-attention forward pass:
    ``y = (s - m) - log l`` (``= s - logsumexp(s) = log a``, as in the torch path), and
    accumulating per row ``Σa, Σa², Σy, Σy²`` (``y`` floored at ``log eps``) in float64
    from the float32 values, the visible and floored counts, and the lag and key-bin
-   lag sums with float64 atomic adds.
+   lag sums with float64 atomic adds (one per lag, or per key bin and lag, of a tile).
 
 Grouped-query attention reads key head ``h // (H / H_kv)`` by index: no repeated keys.
 
 Precision:
 
-- Scores: float32 inputs (and bf16/fp16 inputs, upcast to float32 on load, so products
-  are exact) use ``tl.dot(..., input_precision="ieee")``: full float32 products, never
-  TF32. Float64 inputs use a float64 ``tl.dot`` and float64 throughout.
+- Scores ``q·kᵀ`` (then ``·scaling`` in float32, or float64 for float64 inputs):
+
+  ==========  ===================================================================
+  inputs      product
+  ==========  ===================================================================
+  bf16, fp16  ``tl.dot`` of the model's own tiles on the tensor cores, float32
+              accumulation, as flash attention and the model's sdpa kernel compute
+              them. Every product of two bf16 (8-bit significand) or fp16 (11-bit)
+              numbers is exact in float32, so the scores differ from the torch
+              path's (inputs upcast, IEEE float32 products) only by the order and the
+              hardware's rounding of the float32 accumulation: relative ~1e-7 of
+              ``Σ|q_i·k_i|``.
+  float32     ``tl.dot(..., input_precision="ieee")``: full float32 products, never
+              TF32 (which would round the inputs to 10 bits).
+  float64     a float64 ``tl.dot``; the kernel works in float64 throughout.
+  other       upcast to float32, then as float32.
+  ==========  ===================================================================
+
+  Weights and log weights are then float32 (float64 for float64 inputs) and every sum
+  float64. Against a float64 softmax of the same inputs the sums agree to float32
+  rounding (``tests/test_triton_kernels.py`` states the tolerances).
 - ``tanh`` of the soft cap is evaluated in float64 from ``exp`` (a Taylor polynomial
   near 0), about 1e-15 relative, then rounded to the work dtype; the Triton interpreter
   has no libdevice, and this keeps one code path for the GPU and the tests.
@@ -45,9 +63,13 @@ Precision:
   (``skewed[i, c] = a[i, (i + c) mod BLOCK]``, so a column holds two lags), reduced over
   the tile's rows in float64 and added with ``2·BLOCK`` atomic adds instead of
   ``BLOCK²``. The key-bin lag sums use the same column sums when all of a tile's keys
-  fall in one bin (the common case for coarse bins) and one atomic add per entry
-  otherwise. The order of float64 atomic adds varies between runs, so ``lag_sum`` and
-  ``key_lag_sum`` are reproducible to float64 rounding, not bit for bit.
+  fall in one bin (the common case for coarse bins). Otherwise, since bins are contiguous
+  and the keys of a skewed column rise with the row, a segmented sum down each column
+  (``tl.associative_scan``) totals each (bin, lag) of the tile, and each total is added
+  once: ``2·BLOCK`` plus ``BLOCK`` per bin edge inside the tile, instead of one add per
+  entry (one bin per key still needs one add per entry). The order of float64 atomic
+  adds varies between runs, so ``lag_sum`` and ``key_lag_sum`` are reproducible to
+  float64 rounding, not bit for bit.
 
 ``pattern_sum`` (``keep_pattern=True``) is not computed by the kernel: it is a
 ``[H, T, T]`` array that a fused kernel would have to write anyway; it comes from the
@@ -58,6 +80,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Sequence
 
 import torch
@@ -72,17 +95,43 @@ from .blocks import (
     pattern_sum_from_qk,
 )
 
-try:  # Triton is optional: without it (or without CUDA) the torch path runs.
-    import triton
-    import triton.language as tl
+__all__ = ["MIN_TRITON_VERSION", "attention_sums", "attention_sums_triton", "triton_available"]
 
-    _TRITON_IMPORT_ERROR: Exception | None = None
-except Exception as error:  # noqa: BLE001 - any import failure means "no Triton"
-    triton = None
-    tl = None
-    _TRITON_IMPORT_ERROR = error
+#: The oldest Triton the kernel runs on: ``tl.gather`` (the cyclic skew of the lag sums) and its
+#: support in the CPU interpreter first shipped in Triton 3.3.0. pyproject.toml pins the same
+#: lower bound (``tests/test_triton_kernels.py`` checks that the two agree).
+MIN_TRITON_VERSION = (3, 3)
 
-__all__ = ["attention_sums", "attention_sums_triton", "triton_available"]
+
+def _triton_version_problem(version: str) -> str | None:
+    """Why Triton ``version`` cannot run the kernel (naming the version needed), or ``None`` if it can."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None:
+        return f"cannot read the installed Triton's version {version!r}"
+    if (int(match.group(1)), int(match.group(2))) >= MIN_TRITON_VERSION:
+        return None
+    needed = ".".join(map(str, MIN_TRITON_VERSION))
+    return (
+        f"Triton {version} is installed, but the fused kernel needs Triton >= {needed} (tl.gather); "
+        f"pip install 'triton>={needed}'"
+    )
+
+
+def _import_triton() -> tuple[object | None, object | None, Exception | None]:
+    """``(triton, triton.language, None)``, or ``(None, None, why)`` when Triton is absent or too old."""
+    try:
+        import triton
+        import triton.language as tl
+    except Exception as error:  # noqa: BLE001 - any import failure means "no Triton"
+        return None, None, error
+    problem = _triton_version_problem(getattr(triton, "__version__", ""))
+    if problem is not None:
+        return None, None, ImportError(problem)
+    return triton, tl, None
+
+
+# Triton is optional: without it (or without CUDA) the torch path runs.
+triton, tl, _TRITON_IMPORT_ERROR = _import_triton()
 
 
 def triton_available() -> bool:
@@ -131,22 +180,31 @@ if triton is not None:
     @triton.jit
     def _score_tile(
         q, k_ptrs, key_ok, scaling, softcap,
-        DTYPE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     ):
         """One tile of scores ``softcap(q·kᵀ·scaling)``, ``[BLOCK, BLOCK]`` in ``DTYPE``.
 
-        ``q`` is ``[BLOCK, BLOCK_D]`` in ``DTYPE``; ``k_ptrs`` point at ``kᵀ``,
-        ``[BLOCK_D, BLOCK]``. Float32 uses IEEE products (``input_precision="ieee"``),
-        never TF32.
+        ``q`` is ``[BLOCK, BLOCK_D]`` in ``DOT_DTYPE``; ``k_ptrs`` point at ``kᵀ``,
+        ``[BLOCK_D, BLOCK]``. Float64 multiplies in float64; float32 with IEEE products
+        (``input_precision="ieee"``), never TF32; bf16/fp16 on the tensor cores with float32
+        accumulation (see the module docstring).
         """
-        k = tl.load(k_ptrs, mask=key_ok, other=0.0).to(DTYPE)
-        if DTYPE == tl.float64:
-            s = tl.dot(q, k) * scaling
+        k = tl.load(k_ptrs, mask=key_ok, other=0.0).to(DOT_DTYPE)
+        if DOT_DTYPE == tl.float64:
+            s = tl.dot(q, k)
+        elif DOT_DTYPE == tl.float32:
+            s = tl.dot(q, k, input_precision="ieee")
         else:
-            s = tl.dot(q, k, input_precision="ieee") * scaling
+            s = tl.dot(q, k, out_dtype=tl.float32).to(DTYPE)
+        s = s * scaling
         if HAS_SOFTCAP:
             s = (softcap * _tanh64(s / softcap)).to(DTYPE)
         return s
+
+    @triton.jit
+    def _segmented_add(total_a, start_a, total_b, start_b):
+        """Combine of a segmented sum (for ``tl.associative_scan``): a segment restarts where ``start`` is set."""
+        return tl.where(start_b != 0, total_b, total_a + total_b), start_a | start_b
 
     @triton.jit
     def _attention_sums_kernel(
@@ -155,7 +213,7 @@ if triton is not None:
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         n_heads, group, n_positions, window,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_EXCLUDED: tl.constexpr,
+        DOT_DTYPE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_EXCLUDED: tl.constexpr,
     ):
         """Sums of one (window, query head, block of ``BLOCK`` query rows); see the module docstring.
 
@@ -178,7 +236,7 @@ if triton is not None:
             rows = q0 + offs
             dims = tl.arange(0, BLOCK_D)
             q_ptrs = q_ptr + b * stride_qb + h * stride_qh + rows[:, None] * stride_qt + dims[None, :]
-            q = tl.load(q_ptrs, mask=(rows[:, None] < n_positions) & (dims[None, :] < HEAD_DIM), other=0.0).to(DTYPE)
+            q = tl.load(q_ptrs, mask=(rows[:, None] < n_positions) & (dims[None, :] < HEAD_DIM), other=0.0).to(DOT_DTYPE)
             real = rows < length
             # Keys [lo, hi): real rows see keys k <= q < hi; tiles left of the sliding
             # window or right of the block's last row are never visited.
@@ -196,7 +254,7 @@ if triton is not None:
                 cols = n0 + offs
                 k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
                 key_ok = (cols[None, :] < hi) & (dims[:, None] < HEAD_DIM)
-                s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, HAS_SOFTCAP)
+                s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, DOT_DTYPE, HAS_SOFTCAP)
                 allowed = (cols[None, :] <= rows[:, None]) & (cols[None, :] < hi)
                 if HAS_WINDOW:
                     allowed = allowed & (rows[:, None] - cols[None, :] < window)
@@ -230,11 +288,17 @@ if triton is not None:
             # (lag q0 - n0 - c + BLOCK) elsewhere.
             skew_index = (offs[:, None] + offs[None, :]) % BLOCK
             lower = (offs[:, None] + offs[None, :]) < BLOCK
+            # For the key-bin sums: the key before and after each entry of a skewed column, and
+            # where the column's first lag ends (last_low) and its second begins (first_high).
+            previous_index = (offs[:, None] + offs[None, :] + BLOCK - 1) % BLOCK
+            next_index = (offs[:, None] + offs[None, :] + 1) % BLOCK
+            last_low = (offs[:, None] + offs[None, :]) == BLOCK - 1
+            first_high = (offs[:, None] + offs[None, :]) == BLOCK
             for n0 in range(lo, hi, BLOCK):
                 cols = n0 + offs
                 k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
                 key_ok = (cols[None, :] < hi) & (dims[:, None] < HEAD_DIM)
-                s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, HAS_SOFTCAP)
+                s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, DOT_DTYPE, HAS_SOFTCAP)
                 allowed = (cols[None, :] <= rows[:, None]) & (cols[None, :] < hi)
                 if HAS_WINDOW:
                     allowed = allowed & (rows[:, None] - cols[None, :] < window)
@@ -278,9 +342,24 @@ if triton is not None:
                     tl.atomic_add(bin_base + low_lag, low_sum, mask=low_ok)
                     tl.atomic_add(bin_base + high_lag, high_sum, mask=high_ok)
                 else:
+                    # The tile straddles bins. Along a skewed column the keys rise with the row
+                    # (in each of its two lags), and so do their bins: a segmented sum down the
+                    # column gives each (bin, lag) of the tile its total, added once, at the
+                    # segment's last row, instead of one atomic add per entry.
                     bins = tl.load(key_bin_ptr + cols, mask=cols < n_positions, other=0)
-                    lags = rows[:, None] - cols[None, :]
-                    tl.atomic_add(key_lag_ptr + bins[None, :] * n_positions + lags, a64, mask=visible)
+                    bin_tile = tl.broadcast_to(bins[None, :], [BLOCK, BLOCK])
+                    skewed_bin = tl.gather(bin_tile, skew_index, axis=1)
+                    previous_bin = tl.gather(bin_tile, previous_index, axis=1)
+                    next_bin = tl.gather(bin_tile, next_index, axis=1)
+                    starts = (offs[:, None] == 0) | first_high | (skewed_bin != previous_bin)
+                    ends = (offs[:, None] == BLOCK - 1) | last_low | (skewed_bin != next_bin)
+                    totals, _ = tl.associative_scan((skewed, starts.to(tl.int32)), 0, _segmented_add)
+                    lag = tl.where(lower, low_lag[None, :], high_lag[None, :])
+                    tl.atomic_add(
+                        key_lag_ptr + skewed_bin * n_positions + lag,
+                        totals,
+                        mask=ends & (lag >= 0) & (lag < n_positions) & (totals != 0.0),
+                    )
 
             # Rows of identical values: exactly n·c and (n·c)·c (see the module docstring).
             count = n_visible.to(tl.float64)
@@ -299,6 +378,24 @@ if triton is not None:
             tl.store(log_sum_ptr + out, sum_y, mask=row_ok)
             tl.store(log_sq_ptr + out, sq_y, mask=row_ok)
             tl.store(floored_ptr + out, n_floored.to(tl.float64), mask=row_ok)
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """The dtype in which query and key tiles enter ``tl.dot`` (see the module docstring).
+
+    bf16 and fp16 stay in the model's dtype (tensor cores, float32 accumulation), float64 stays
+    float64, anything else is upcast to float32 (IEEE products). Triton's CPU interpreter
+    multiplies bf16 tiles as their raw 16-bit patterns (it stores bf16 as uint16 and
+    ``np.matmul``s that; measured with Triton 3.9), so there bf16 tiles are upcast to float32:
+    the products are exact either way and only the accumulation order differs.
+    """
+    if dtype == torch.float64:
+        return tl.float64
+    if dtype == torch.float16:
+        return tl.float16
+    if dtype == torch.bfloat16 and not _interpreting():
+        return tl.bfloat16
+    return tl.float32
 
 
 def _tile_size(block_size: int | None, head_dim: int) -> int:
@@ -393,6 +490,7 @@ def attention_sums_triton(
             BLOCK_D=block_d,
             BLOCK=tile,
             DTYPE=tl.float64 if use_fp64 else tl.float32,
+            DOT_DTYPE=_dot_dtype(query.dtype),
             HAS_WINDOW=layout.window is not None,
             HAS_SOFTCAP=softcap is not None,
             HAS_EXCLUDED=bool(layout.excluded),
