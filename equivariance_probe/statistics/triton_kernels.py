@@ -432,9 +432,10 @@ def attention_sums_triton(
     16), ``compile_blocks`` is accepted for the common signature and ignored (the
     kernel is fused already), and ``pattern_sum`` (``keep_pattern=True``) comes from
     the torch helper :func:`~equivariance_probe.statistics.blocks.pattern_sum_from_qk`. Results agree with the torch path to
-    float32 rounding of the scores (relative 1e-6 in the tests); sums assembled from
-    float64 atomic adds (``lag_sum``, ``key_lag_sum``) may differ between runs in the
-    last float64 bits.
+    float32 rounding of the scores and weights (relative 2e-6 in the tests; bf16/fp16 scores
+    come from the tensor cores, see the module docstring); sums assembled from float64
+    atomic adds (``lag_sum``, ``key_lag_sum``) may differ between runs in the last float64
+    bits.
 
     Raises:
         InputError: Triton cannot be imported, or the tensors are not on a CUDA device (outside the Triton
