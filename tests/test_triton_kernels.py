@@ -121,7 +121,8 @@ def test_kernel_keeps_identical_rows_exact(dtype, n_positions, window):
 #: Awkward shapes: (T, H, H_kv, head_dim, window, softcap, dtype, key-bin width). T = 1 and
 #: T = 130 (nine 16-row tiles, the last holding 2 rows); grouped-query 8/2 and 4/1; windows
 #: 1 and 5; soft caps 5 and 30; head_dim 80 and 96 (padded to 128 in the tiles); bins of one
-#: key, of widths 5 and 40 (edges inside tiles) and 16 (one bin per tile).
+#: key, of widths 3, 5 and 40 (edges inside tiles; at T = 10 the one tile runs past the last
+#: key) and 16 (one bin per tile).
 AWKWARD = [
     (1, 4, 1, 16, None, None, torch.float32, 1),
     (23, 8, 2, 16, 5, None, torch.bfloat16, 1),
@@ -131,6 +132,7 @@ AWKWARD = [
     (23, 4, 1, 16, 5, 5.0, torch.float64, 5),
     (130, 2, 1, 16, None, 30.0, torch.float16, 40),
     (130, 2, 2, 16, 5, None, torch.bfloat16, 1),
+    (10, 2, 1, 16, None, None, torch.float32, 3),
 ]
 
 

@@ -202,9 +202,13 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _segmented_add(total_a, start_a, total_b, start_b):
-        """Combine of a segmented sum (for ``tl.associative_scan``): a segment restarts where ``start`` is set."""
-        return tl.where(start_b != 0, total_b, total_a + total_b), start_a | start_b
+    def _add_within_segment(total_a, segment_a, total_b, segment_b):
+        """Combine of a segmented sum (for ``tl.associative_scan``): sums restart where the segment changes.
+
+        Associative as long as no segment label comes back after another one, so each segment is
+        one contiguous run.
+        """
+        return tl.where(segment_a == segment_b, total_a + total_b, total_b), segment_b
 
     @triton.jit
     def _attention_sums_kernel(
@@ -288,12 +292,10 @@ if triton is not None:
             # (lag q0 - n0 - c + BLOCK) elsewhere.
             skew_index = (offs[:, None] + offs[None, :]) % BLOCK
             lower = (offs[:, None] + offs[None, :]) < BLOCK
-            # For the key-bin sums: the key before and after each entry of a skewed column, and
-            # where the column's first lag ends (last_low) and its second begins (first_high).
-            previous_index = (offs[:, None] + offs[None, :] + BLOCK - 1) % BLOCK
+            # For the key-bin sums: the next key down each skewed column, and the row where the
+            # column's first lag ends.
             next_index = (offs[:, None] + offs[None, :] + 1) % BLOCK
             last_low = (offs[:, None] + offs[None, :]) == BLOCK - 1
-            first_high = (offs[:, None] + offs[None, :]) == BLOCK
             for n0 in range(lo, hi, BLOCK):
                 cols = n0 + offs
                 k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
@@ -342,18 +344,19 @@ if triton is not None:
                     tl.atomic_add(bin_base + low_lag, low_sum, mask=low_ok)
                     tl.atomic_add(bin_base + high_lag, high_sum, mask=high_ok)
                 else:
-                    # The tile straddles bins. Along a skewed column the keys rise with the row
-                    # (in each of its two lags), and so do their bins: a segmented sum down the
-                    # column gives each (bin, lag) of the tile its total, added once, at the
-                    # segment's last row, instead of one atomic add per entry.
-                    bins = tl.load(key_bin_ptr + cols, mask=cols < n_positions, other=0)
+                    # The tile straddles bins. Down a skewed column the keys rise with the row in
+                    # each of its two lags, and so do their (non-decreasing) bins: the segments
+                    # (bin, lag) are contiguous runs, labelled 2·bin + (second lag), and a
+                    # segmented sum down the column gives each its total, added once at its last
+                    # row, instead of one atomic add per entry. Keys past the end take the last
+                    # key's bin, so the bins keep rising (their weights are 0).
+                    bins = tl.load(key_bin_ptr + tl.minimum(cols, n_positions - 1)).to(tl.int32)
                     bin_tile = tl.broadcast_to(bins[None, :], [BLOCK, BLOCK])
                     skewed_bin = tl.gather(bin_tile, skew_index, axis=1)
-                    previous_bin = tl.gather(bin_tile, previous_index, axis=1)
                     next_bin = tl.gather(bin_tile, next_index, axis=1)
-                    starts = (offs[:, None] == 0) | first_high | (skewed_bin != previous_bin)
+                    segment = 2 * skewed_bin + tl.where(lower, 0, 1)
                     ends = (offs[:, None] == BLOCK - 1) | last_low | (skewed_bin != next_bin)
-                    totals, _ = tl.associative_scan((skewed, starts.to(tl.int32)), 0, _segmented_add)
+                    totals, _ = tl.associative_scan((skewed, segment), 0, _add_within_segment)
                     lag = tl.where(lower, low_lag[None, :], high_lag[None, :])
                     tl.atomic_add(
                         key_lag_ptr + skewed_bin * n_positions + lag,
