@@ -383,6 +383,23 @@ if triton is not None:
             tl.store(floored_ptr + out, n_floored.to(tl.float64), mask=row_ok)
 
 
+#: The float64 ``(scaling, softcap, log eps)`` tensors the kernel reads, by value and device.
+_PARAMETERS: dict[tuple[float, float, float, torch.device], torch.Tensor] = {}
+
+
+def _kernel_parameters(scaling: float, softcap: float | None, log_eps: float, device: torch.device) -> torch.Tensor:
+    """``[scaling, softcap (1 without one), log eps]`` float64 on ``device``, made once per distinct value.
+
+    They go through memory, not as scalar arguments, because Triton passes Python floats as
+    float32, which would round the scaling of float64 inputs. Every layer of a model shares
+    them, so one host-to-device copy serves the whole run instead of one per layer call.
+    """
+    values = (float(scaling), 1.0 if softcap is None else float(softcap), float(log_eps), torch.device(device))
+    if values not in _PARAMETERS:
+        _PARAMETERS[values] = torch.tensor(values[:3], dtype=torch.float64, device=device)
+    return _PARAMETERS[values]
+
+
 def _dot_dtype(dtype: torch.dtype):
     """The dtype in which query and key tiles enter ``tl.dot`` (see the module docstring).
 
@@ -477,11 +494,7 @@ def attention_sums_triton(
         tile = _tile_size(block_size, dim)
         block_d = max(16, triton.next_power_of_2(dim))
         scale = float(dim**-0.5 if scaling is None else scaling)
-        params = torch.tensor(
-            [scale, 1.0 if softcap is None else float(softcap), math.log(layout.log_floor)],
-            dtype=torch.float64,
-            device=query.device,
-        )
+        params = _kernel_parameters(scale, softcap, math.log(layout.log_floor), query.device)
         floored_rows = torch.zeros((batch, heads, n_positions), dtype=torch.float64, device=query.device)
         grid = (triton.cdiv(n_real, tile), batch * heads)
         _attention_sums_kernel[grid](
