@@ -23,6 +23,15 @@ rows), in the manner of a flash-attention forward pass:
 
 Grouped-query attention reads key head ``h // (H / H_kv)`` by index: no repeated keys.
 
+Why two passes over the tiles, each computing ``q·kᵀ``: the lag and key-bin sums add up
+entries of *different* rows (a diagonal, a key), so each entry must be scaled by its own
+row's final ``1/l`` before it is added, which is known only after the row's last tile.
+The row moments alone could be gathered in pass 1 (flash attention's running rescaling for
+``Σa, Σa²``; ``Σs, Σs²`` and the log-sum-exp for ``Σy, Σy²``), but that would not save the
+second product, and it would lose two exact properties: which entries are floored
+(``s < logsumexp + log eps``) is not known before the row's end, and rows of identical
+values would no longer get exactly ``n·c`` (below).
+
 Precision:
 
 - Scores ``q·kᵀ`` (then ``·scaling`` in float32, or float64 for float64 inputs):
