@@ -159,7 +159,7 @@ def test_kernel_matches_a_float64_softmax_on_awkward_shapes(n_positions, heads, 
     key_bin = torch.arange(n_positions) // width
     excluded = (0,) if n_positions > 1 else ()
     options = dict(softcap=softcap, window=window, lengths=lengths, excluded_keys=excluded, log_floor=1e-3)
-    # Head dims above 64 run with the default tile (32 rows, 128 padded dims); the others with 16.
+    # Head dims above 64 run with the default tile (32 rows; 128 padded dims); the others with 16.
     out = fused.attention_sums_triton(
         query.to(DEVICE), key.to(DEVICE), key_bin=key_bin.to(DEVICE), block_size=None if dim > 64 else 16, **options
     )
