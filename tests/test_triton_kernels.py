@@ -285,3 +285,82 @@ def test_pinned_triton_lower_bound_is_the_one_the_kernel_checks(monkeypatch):
         module, language, error = fused._import_triton()
         assert module is None and language is None
         assert f"Triton {older} is installed" in str(error) and f"triton>={needed}" in str(error)
+
+
+#: Compiles the kernel for an H100 (sm_90) in a fresh process outside the interpreter (which
+#: the test session runs in): Triton lowers it through its CUDA backend and ptxas to a cubin
+#: without a GPU. Prints, per input dtype, whether a cubin came out and the PTX's tensor-core
+#: instructions (``mma``/``wgmma``).
+_COMPILE_FOR_H100 = r"""
+import json, os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from equivariance_probe.statistics import triton_kernels as fused
+
+kernel = fused._attention_sums_kernel
+names = list(kernel.arg_names)
+element = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32, "fp64": tl.float64}
+report = {}
+for name, dot in element.items():
+    signature = {}
+    for arg in names:
+        if arg in ("q_ptr", "k_ptr"):
+            signature[arg] = "*" + name
+        elif arg in ("lengths_ptr", "key_bin_ptr"):
+            signature[arg] = "*i64"
+        elif arg == "keep_ptr":
+            signature[arg] = "*i8"
+        elif arg.endswith("_ptr"):
+            signature[arg] = "*fp64"
+        elif arg.isupper():
+            signature[arg] = "constexpr"
+        else:
+            signature[arg] = "i32"
+    constants = dict(HEAD_DIM=64, BLOCK_D=64, BLOCK=fused.DEFAULT_TILE, DTYPE=tl.float64 if name == "fp64" else tl.float32,
+                     DOT_DTYPE=dot, HAS_WINDOW=True, HAS_SOFTCAP=True, HAS_EXCLUDED=True)
+    source = ASTSource(kernel, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": fused.WARPS})
+    ptx = compiled.asm["ptx"]
+    report[name] = {"cubin": len(compiled.asm.get("cubin", b"")) > 0, "mma": ptx.count("mma.sync") + ptx.count("wgmma.mma_async")}
+print(json.dumps(report))
+"""
+
+
+@needs_triton
+def test_kernel_compiles_for_an_h100_with_tensor_cores_for_half_precision_only():
+    """The CUDA path the interpreter never takes: every dtype compiles to a cubin for sm_90; bf16
+    and fp16 scores use the tensor cores, float32 ones do not (IEEE products, never TF32)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    environment.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_H100], capture_output=True, text=True, env=environment, timeout=600
+    )
+    if done.returncode != 0 and "nvidia" in done.stderr and "backend" in done.stderr.lower():
+        pytest.skip(f"this Triton has no CUDA backend to compile with: {done.stderr[-300:]}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(entry["cubin"] for entry in report.values()), report
+    assert report["bf16"]["mma"] > 0 and report["fp16"]["mma"] > 0, report
+    assert report["fp32"]["mma"] == 0, report
+
+
+@needs_triton
+def test_half_precision_tiles_enter_the_dot_in_the_models_dtype(monkeypatch):
+    """On CUDA bf16/fp16 tiles go to ``tl.dot`` as they are (tensor cores); the interpreter, whose dot
+    multiplies bf16 as raw 16-bit integers, gets bf16 upcast to float32 (exact products either way)."""
+    import triton.language as tl
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    expected = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}
+    assert {dtype: fused._dot_dtype(dtype) for dtype in expected} == expected
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fused._dot_dtype(torch.bfloat16) == tl.float32 and fused._dot_dtype(torch.float16) == tl.float16
