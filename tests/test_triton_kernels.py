@@ -364,3 +364,16 @@ def test_half_precision_tiles_enter_the_dot_in_the_models_dtype(monkeypatch):
     assert {dtype: fused._dot_dtype(dtype) for dtype in expected} == expected
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert fused._dot_dtype(torch.bfloat16) == tl.float32 and fused._dot_dtype(torch.float16) == tl.float16
+    # Keys of another dtype are not rounded to the queries' half precision.
+    assert fused._dot_dtype(torch.float16, torch.float32) == tl.float32
+
+
+@needs_triton
+@runnable
+def test_kernel_with_half_precision_queries_and_float32_keys():
+    """Mixed dtypes: the keys keep their float32 values, as on the torch path (which upcasts both)."""
+    query, key = make_qk(20, torch.float32, seed=5)
+    query = query.to(torch.float16)
+    options = dict(window=7, lengths=torch.tensor([20, 15]))
+    out = fused.attention_sums_triton(query, key, block_size=16, **options)
+    assert_same_sums(out, attention_sums_from_qk(query, key, **options), torch.float32)

@@ -409,17 +409,21 @@ def _kernel_parameters(scaling: float, softcap: float | None, log_eps: float, de
     return _PARAMETERS[values]
 
 
-def _dot_dtype(dtype: torch.dtype):
-    """The dtype in which query and key tiles enter ``tl.dot`` (see the module docstring).
+def _dot_dtype(dtype: torch.dtype, key_dtype: torch.dtype | None = None):
+    """The dtype in which query (``dtype``) and key tiles enter ``tl.dot`` (see the module docstring).
 
-    bf16 and fp16 stay in the model's dtype (tensor cores, float32 accumulation), float64 stays
-    float64, anything else is upcast to float32 (IEEE products). Triton's CPU interpreter
+    bf16 and fp16 stay in the model's dtype (tensor cores, float32 accumulation) when queries
+    and keys share it, float64 queries make it float64 (the work dtype, as on the torch path),
+    anything else is upcast to float32 (IEEE products), so keys of another dtype are never
+    rounded to a half-precision one. Triton's CPU interpreter
     multiplies bf16 tiles as their raw 16-bit patterns (it stores bf16 as uint16 and
     ``np.matmul``s that; measured with Triton 3.9), so there bf16 tiles are upcast to float32:
     the products are exact either way and only the accumulation order differs.
     """
     if dtype == torch.float64:
         return tl.float64
+    if key_dtype is not None and key_dtype != dtype:
+        return tl.float32
     if dtype == torch.float16:
         return tl.float16
     if dtype == torch.bfloat16 and not _interpreting():
@@ -522,7 +526,7 @@ def attention_sums_triton(
             BLOCK_D=block_d,
             BLOCK=tile,
             DTYPE=tl.float64 if use_fp64 else tl.float32,
-            DOT_DTYPE=_dot_dtype(query.dtype),
+            DOT_DTYPE=_dot_dtype(query.dtype, key.dtype),
             HAS_WINDOW=layout.window is not None,
             HAS_SOFTCAP=softcap is not None,
             HAS_EXCLUDED=bool(layout.excluded),
