@@ -415,10 +415,10 @@ def _dot_dtype(dtype: torch.dtype, key_dtype: torch.dtype | None = None):
     bf16 and fp16 stay in the model's dtype (tensor cores, float32 accumulation) when queries
     and keys share it, float64 queries make it float64 (the work dtype, as on the torch path),
     anything else is upcast to float32 (IEEE products), so keys of another dtype are never
-    rounded to a half-precision one. Triton's CPU interpreter
-    multiplies bf16 tiles as their raw 16-bit patterns (it stores bf16 as uint16 and
-    ``np.matmul``s that; measured with Triton 3.9), so there bf16 tiles are upcast to float32:
-    the products are exact either way and only the accumulation order differs.
+    rounded to a half-precision one. Triton's CPU interpreter multiplies bf16 tiles as their
+    raw 16-bit patterns (it stores bf16 as uint16 and ``np.matmul``s that; measured with
+    Triton 3.9), so there bf16 tiles are upcast to float32: the products are exact either way
+    and only the accumulation order differs.
     """
     if dtype == torch.float64:
         return tl.float64
