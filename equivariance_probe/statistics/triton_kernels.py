@@ -23,6 +23,15 @@ rows), in the manner of a flash-attention forward pass:
 
 Grouped-query attention reads key head ``h // (H / H_kv)`` by index: no repeated keys.
 
+Why two passes over the tiles, each computing ``q·kᵀ``: the lag and key-bin sums add up
+entries of *different* rows (a diagonal, a key), so each entry must be scaled by its own
+row's final ``1/l`` before it is added, which is known only after the row's last tile.
+The row moments alone could be gathered in pass 1 (flash attention's running rescaling for
+``Σa, Σa²``; ``Σs, Σs²`` and the log-sum-exp for ``Σy, Σy²``), but that would not save the
+second product, and it would lose two exact properties: which entries are floored
+(``s < logsumexp + log eps``) is not known before the row's end, and rows of identical
+values would no longer get exactly ``n·c`` (below).
+
 Precision:
 
 - Scores ``q·kᵀ`` (then ``·scaling`` in float32, or float64 for float64 inputs):
@@ -202,9 +211,13 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _segmented_add(total_a, start_a, total_b, start_b):
-        """Combine of a segmented sum (for ``tl.associative_scan``): a segment restarts where ``start`` is set."""
-        return tl.where(start_b != 0, total_b, total_a + total_b), start_a | start_b
+    def _add_within_segment(total_a, segment_a, total_b, segment_b):
+        """Combine of a segmented sum (for ``tl.associative_scan``): sums restart where the segment changes.
+
+        Associative as long as no segment label comes back after another one, so each segment is
+        one contiguous run.
+        """
+        return tl.where(segment_a == segment_b, total_a + total_b, total_b), segment_b
 
     @triton.jit
     def _attention_sums_kernel(
@@ -288,12 +301,10 @@ if triton is not None:
             # (lag q0 - n0 - c + BLOCK) elsewhere.
             skew_index = (offs[:, None] + offs[None, :]) % BLOCK
             lower = (offs[:, None] + offs[None, :]) < BLOCK
-            # For the key-bin sums: the key before and after each entry of a skewed column, and
-            # where the column's first lag ends (last_low) and its second begins (first_high).
-            previous_index = (offs[:, None] + offs[None, :] + BLOCK - 1) % BLOCK
+            # For the key-bin sums: the next key down each skewed column, and the row where the
+            # column's first lag ends.
             next_index = (offs[:, None] + offs[None, :] + 1) % BLOCK
             last_low = (offs[:, None] + offs[None, :]) == BLOCK - 1
-            first_high = (offs[:, None] + offs[None, :]) == BLOCK
             for n0 in range(lo, hi, BLOCK):
                 cols = n0 + offs
                 k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
@@ -342,18 +353,19 @@ if triton is not None:
                     tl.atomic_add(bin_base + low_lag, low_sum, mask=low_ok)
                     tl.atomic_add(bin_base + high_lag, high_sum, mask=high_ok)
                 else:
-                    # The tile straddles bins. Along a skewed column the keys rise with the row
-                    # (in each of its two lags), and so do their bins: a segmented sum down the
-                    # column gives each (bin, lag) of the tile its total, added once, at the
-                    # segment's last row, instead of one atomic add per entry.
-                    bins = tl.load(key_bin_ptr + cols, mask=cols < n_positions, other=0)
+                    # The tile straddles bins. Down a skewed column the keys rise with the row in
+                    # each of its two lags, and so do their (non-decreasing) bins: the segments
+                    # (bin, lag) are contiguous runs, labelled 2·bin + (second lag), and a
+                    # segmented sum down the column gives each its total, added once at its last
+                    # row, instead of one atomic add per entry. Keys past the end take the last
+                    # key's bin, so the bins keep rising (their weights are 0).
+                    bins = tl.load(key_bin_ptr + tl.minimum(cols, n_positions - 1)).to(tl.int32)
                     bin_tile = tl.broadcast_to(bins[None, :], [BLOCK, BLOCK])
                     skewed_bin = tl.gather(bin_tile, skew_index, axis=1)
-                    previous_bin = tl.gather(bin_tile, previous_index, axis=1)
                     next_bin = tl.gather(bin_tile, next_index, axis=1)
-                    starts = (offs[:, None] == 0) | first_high | (skewed_bin != previous_bin)
+                    segment = 2 * skewed_bin + tl.where(lower, 0, 1)
                     ends = (offs[:, None] == BLOCK - 1) | last_low | (skewed_bin != next_bin)
-                    totals, _ = tl.associative_scan((skewed, starts.to(tl.int32)), 0, _segmented_add)
+                    totals, _ = tl.associative_scan((skewed, segment), 0, _add_within_segment)
                     lag = tl.where(lower, low_lag[None, :], high_lag[None, :])
                     tl.atomic_add(
                         key_lag_ptr + skewed_bin * n_positions + lag,
@@ -380,17 +392,38 @@ if triton is not None:
             tl.store(floored_ptr + out, n_floored.to(tl.float64), mask=row_ok)
 
 
-def _dot_dtype(dtype: torch.dtype):
-    """The dtype in which query and key tiles enter ``tl.dot`` (see the module docstring).
+#: The float64 ``(scaling, softcap, log eps)`` tensors the kernel reads, by value and device.
+_PARAMETERS: dict[tuple[float, float, float, torch.device], torch.Tensor] = {}
 
-    bf16 and fp16 stay in the model's dtype (tensor cores, float32 accumulation), float64 stays
-    float64, anything else is upcast to float32 (IEEE products). Triton's CPU interpreter
-    multiplies bf16 tiles as their raw 16-bit patterns (it stores bf16 as uint16 and
-    ``np.matmul``s that; measured with Triton 3.9), so there bf16 tiles are upcast to float32:
-    the products are exact either way and only the accumulation order differs.
+
+def _kernel_parameters(scaling: float, softcap: float | None, log_eps: float, device: torch.device) -> torch.Tensor:
+    """``[scaling, softcap (1 without one), log eps]`` float64 on ``device``, made once per distinct value.
+
+    They go through memory, not as scalar arguments, because Triton passes Python floats as
+    float32, which would round the scaling of float64 inputs. Every layer of a model shares
+    them, so one host-to-device copy serves the whole run instead of one per layer call.
+    """
+    values = (float(scaling), 1.0 if softcap is None else float(softcap), float(log_eps), torch.device(device))
+    if values not in _PARAMETERS:
+        _PARAMETERS[values] = torch.tensor(values[:3], dtype=torch.float64, device=device)
+    return _PARAMETERS[values]
+
+
+def _dot_dtype(dtype: torch.dtype, key_dtype: torch.dtype | None = None):
+    """The dtype in which query (``dtype``) and key tiles enter ``tl.dot`` (see the module docstring).
+
+    bf16 and fp16 stay in the model's dtype (tensor cores, float32 accumulation) when queries
+    and keys share it, float64 queries make it float64 (the work dtype, as on the torch path),
+    anything else is upcast to float32 (IEEE products), so keys of another dtype are never
+    rounded to a half-precision one. Triton's CPU interpreter multiplies bf16 tiles as their
+    raw 16-bit patterns (it stores bf16 as uint16 and ``np.matmul``s that; measured with
+    Triton 3.9), so there bf16 tiles are upcast to float32: the products are exact either way
+    and only the accumulation order differs.
     """
     if dtype == torch.float64:
         return tl.float64
+    if key_dtype is not None and key_dtype != dtype:
+        return tl.float32
     if dtype == torch.float16:
         return tl.float16
     if dtype == torch.bfloat16 and not _interpreting():
@@ -398,14 +431,20 @@ def _dot_dtype(dtype: torch.dtype):
     return tl.float32
 
 
-def _tile_size(block_size: int | None, head_dim: int) -> int:
-    """Query rows (and keys) per tile: a power of two, at least 16 (``tl.dot``'s minimum).
+#: Default query rows (and keys) per tile, and warps per program for tiles of 32 rows or more.
+#: Compiled for sm_90 (H100) by Triton 3.9 without a GPU, ``ptxas`` allots 32-row tiles with 8
+#: warps no spill (at most 8 bytes of stack at head_dim 256) for every input dtype and head
+#: dimension up to 256, while 64-row tiles spill 0.2-2.8 KB per thread (4 or 8 warps). Not
+#: timed on a GPU: chosen from register use, not tuned for speed.
+DEFAULT_TILE = 32
+WARPS = 8
 
-    Without ``block_size``: 64 for head dimensions up to 64, 32 above, so that a float32
-    ``[BLOCK, d]`` query tile stays in registers. Untuned defaults.
-    """
+
+def _tile_size(block_size: int | None) -> int:
+    """Query rows (and keys) per tile: ``DEFAULT_TILE`` or ``block_size`` rounded up to a power of two of at
+    least 16 (``tl.dot``'s minimum)."""
     if block_size is None:
-        return 64 if head_dim <= 64 else 32
+        return DEFAULT_TILE
     return max(16, triton.next_power_of_2(int(block_size)))
 
 
@@ -432,9 +471,10 @@ def attention_sums_triton(
     16), ``compile_blocks`` is accepted for the common signature and ignored (the
     kernel is fused already), and ``pattern_sum`` (``keep_pattern=True``) comes from
     the torch helper :func:`~equivariance_probe.statistics.blocks.pattern_sum_from_qk`. Results agree with the torch path to
-    float32 rounding of the scores (relative 1e-6 in the tests); sums assembled from
-    float64 atomic adds (``lag_sum``, ``key_lag_sum``) may differ between runs in the
-    last float64 bits.
+    float32 rounding of the scores and weights (relative 2e-6 in the tests; bf16/fp16 scores
+    come from the tensor cores, see the module docstring); sums assembled from float64
+    atomic adds (``lag_sum``, ``key_lag_sum``) may differ between runs in the last float64
+    bits.
 
     Raises:
         InputError: Triton cannot be imported, or the tensors are not on a CUDA device (outside the Triton
@@ -470,14 +510,10 @@ def attention_sums_triton(
         use_fp64 = query.dtype == torch.float64
         q = query if query.stride(-1) == 1 else query.contiguous()
         k = key if key.stride(-1) == 1 else key.contiguous()
-        tile = _tile_size(block_size, dim)
+        tile = _tile_size(block_size)
         block_d = max(16, triton.next_power_of_2(dim))
         scale = float(dim**-0.5 if scaling is None else scaling)
-        params = torch.tensor(
-            [scale, 1.0 if softcap is None else float(softcap), math.log(layout.log_floor)],
-            dtype=torch.float64,
-            device=query.device,
-        )
+        params = _kernel_parameters(scale, softcap, math.log(layout.log_floor), query.device)
         floored_rows = torch.zeros((batch, heads, n_positions), dtype=torch.float64, device=query.device)
         grid = (triton.cdiv(n_real, tile), batch * heads)
         _attention_sums_kernel[grid](
@@ -490,11 +526,11 @@ def attention_sums_triton(
             BLOCK_D=block_d,
             BLOCK=tile,
             DTYPE=tl.float64 if use_fp64 else tl.float32,
-            DOT_DTYPE=_dot_dtype(query.dtype),
+            DOT_DTYPE=_dot_dtype(query.dtype, key.dtype),
             HAS_WINDOW=layout.window is not None,
             HAS_SOFTCAP=softcap is not None,
             HAS_EXCLUDED=bool(layout.excluded),
-            num_warps=4 if block_d <= 64 else 8,
+            num_warps=WARPS if tile >= 32 else 4,
         )
         out["floored"] = floored_rows.sum(-1)
     if keep_pattern:
