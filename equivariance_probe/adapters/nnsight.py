@@ -70,6 +70,7 @@ from .nnsight_remote import (
     REMOTE_MODULES,
     api_key,
     configured_host,
+    is_public_host,
     is_remote_failure,
     is_source_failure,
     layer_pattern,
@@ -215,8 +216,12 @@ class NNsightAdapter(Adapter):
                 "(nnsight.TransformersModel('meta-llama/Llama-3.1-70B')); pass remote=False to run here"
             )
         repo_id = getattr(self.model, "repo_id", None)
-        if not isinstance(repo_id, str) or not repo_id or os.path.exists(repo_id):
-            # NDIF names models by hub id; a local path or an in-memory model fails there.
+        host = self.remote if isinstance(self.remote, str) else configured_host()
+        folder_allowed = os.path.isdir(repo_id) and not is_public_host(host) if isinstance(repo_id, str) else False
+        if not isinstance(repo_id, str) or not repo_id or (os.path.exists(repo_id) and not folder_allowed):
+            # NDIF's public service names models by hub id; a local path or an in-memory model fails
+            # there. A self-hosted server (ndif deploy /path/to/folder) loads the folder by the
+            # same path the client names, so a folder goes to any other host.
             raise RemoteExecutionError(
                 f"remote runs need a model built from a Hugging Face hub id that NDIF hosts, but this "
                 f"{type(self.model).__name__} was built from {repo_id or 'an in-memory model'!r}; use "

@@ -35,6 +35,8 @@ __all__ = [
     "reply_nbytes",
     "api_key",
     "configured_host",
+    "is_public_host",
+    "PUBLIC_HOST",
     "is_remote_failure",
     "is_source_failure",
     "REMOTE_MODULES",
@@ -192,6 +194,17 @@ def api_key() -> str | None:
     # Set after nnsight was imported, the variable is not in CONFIG yet; nnsight reads
     # CONFIG when it sends, so the adapter passes it on (see _trace_options).
     return key or os.environ.get("NDIF_API_KEY") or None
+
+
+#: The host of NDIF's public service (nnsight's default ``CONFIG.API.HOST``).
+PUBLIC_HOST = "api.ndif.us"
+
+
+def is_public_host(host: str) -> bool:
+    """Whether ``host`` (a URL) is NDIF's public service rather than a self-hosted server."""
+    from urllib.parse import urlparse
+
+    return (urlparse(host).hostname or host).endswith("ndif.us")
 
 
 def configured_host() -> str:
