@@ -56,7 +56,11 @@ from ..errors import (
     EquivarianceProbeError,
     InputError,
     MissingAPIKeyError,
+    ModelNotDeployedError,
     RemoteExecutionError,
+    RemoteResultTooLargeError,
+    RemoteTimeoutError,
+    ServerUnreachableError,
     UnsupportedModelError,
     check_choice,
 )
@@ -73,6 +77,7 @@ from .nnsight_remote import (
     is_public_host,
     is_remote_failure,
     is_source_failure,
+    remote_failure_kind,
     layer_pattern,
     reduce_batch_in_trace,
 )
@@ -409,6 +414,17 @@ class NNsightAdapter(Adapter):
                 ) from error
             if self.is_remote and is_remote_failure(error):
                 host = self.remote if isinstance(self.remote, str) else configured_host()
+                kept = (
+                    "This batch was not added; the statistics of complete batches before it are kept "
+                    "(probe.last_result, or the error's partial_result), and a run over the remaining documents "
+                    "merges with them (result_a + result_b)"
+                )
+                kind, fix = remote_failure_kind(error)
+                named = {"unreachable": ServerUnreachableError, "not_deployed": ModelNotDeployedError,
+                         "timeout": RemoteTimeoutError, "too_large": RemoteResultTooLargeError}.get(kind)
+                if named is not None:
+                    raise named(f"the remote run on {host} failed: {fix}. {kept}. Server said: "
+                                f"{type(error).__name__}: {str(error)[:600]}") from error
                 raise RemoteExecutionError(
                     f"the remote run on {host} failed: {type(error).__name__}: {error}. This batch was not added; "
                     "the statistics of complete batches before it are kept (probe.last_result, or the error's "

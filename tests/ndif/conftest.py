@@ -72,8 +72,10 @@ def ndif_server(tmp_path_factory):
         # window 8 on layers 0-1, full attention on layer 2; 4 query heads on 2 kv heads
         "gemma": save_model(tiny_gemma3(window=8, max_positions=1024), folder / "gemma"),
         "llama": save_model(tiny_llama(), folder / "llama"),  # never deployed
+        "gemma_timeout": save_model(tiny_gemma3(window=8), folder / "gemma_timeout"),
     }
-    stack = new_stack()
+    # Results over 1 MiB cannot ride Redis pub/sub back (ndif's inline cap follows this limit).
+    stack = new_stack(pubsub_limit="0 1mb 60")
     previous = (nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.APIKEY, nnsight.CONFIG.APP.REMOTE_LOGGING)
     try:
         stack.start()
