@@ -231,8 +231,15 @@ class NNsightAdapter(Adapter):
                 f"remote runs need a model built from a Hugging Face hub id that NDIF hosts, but this "
                 f"{type(self.model).__name__} was built from {repo_id or 'an in-memory model'!r}; use "
                 "nnsight.TransformersModel('meta-llama/Llama-3.1-70B') (see nnsight.status() for hosted models), "
-                "or pass remote=False to run it here"
+                "send a local folder to a self-hosted server (remote='http://host:port' after ndif deploy "
+                "/path/to/folder), or pass remote=False to run it here"
             )
+        if folder_allowed:
+            # nnsight keys a model by its canonical hub id (HfApi().model_info), which a folder path
+            # has not; `ndif deploy /path/to/folder` keys the folder by its path, and so does the client.
+            import nnsight.modeling.huggingface as hf_wrapper
+
+            getattr(hf_wrapper, "_ID_CACHE", {}).setdefault(repo_id, repo_id)
         if api_key() is None:
             raise MissingAPIKeyError(
                 "remote=True needs an NDIF API key and none is set. Get one at https://login.ndif.us, then "
