@@ -35,6 +35,10 @@ __all__ = [
     "InsufficientMemoryError",
     "RemoteExecutionError",
     "MissingAPIKeyError",
+    "ServerUnreachableError",
+    "ModelNotDeployedError",
+    "RemoteTimeoutError",
+    "RemoteResultTooLargeError",
     # results, files and checkpoints
     "NotRunError",
     "UndefinedStatisticError",
@@ -97,6 +101,22 @@ class RemoteExecutionError(EquivarianceProbeError, RuntimeError):
 
 class MissingAPIKeyError(RemoteExecutionError):
     """``remote=True`` without an NDIF API key."""
+
+
+class ServerUnreachableError(RemoteExecutionError, ConnectionError):
+    """The NDIF server does not answer (down, wrong host, or the connection dropped)."""
+
+
+class ModelNotDeployedError(RemoteExecutionError):
+    """The server runs no replica of the model and could not deploy one."""
+
+
+class RemoteTimeoutError(RemoteExecutionError, TimeoutError):
+    """The server stopped the request at its execution timeout."""
+
+
+class RemoteResultTooLargeError(RemoteExecutionError):
+    """The reply is over the server's inline cap (Redis pub/sub) and it has no object store to stage it."""
 
 
 # -- results, files and checkpoints -----------------------------------------------------------------

@@ -9,6 +9,10 @@ The same code runs a 70B model remotely and a tiny model here::
     # here, offline: a small random Llama with grouped-query attention
     python examples/remote_llama.py
 
+    # on your own NDIF server (pip install ndif; see the README's "Large models with nnsight"):
+    # a model folder deployed there with `ndif deploy -f spec.yaml`
+    python examples/remote_llama.py --remote /path/to/folder --host http://127.0.0.1:8001 --context 256
+
 Remotely, the per-batch reduction runs inside the nnsight trace on the server, and only
 float64 sums come back (about 208 MiB per batch for the 70B model at context 1024,
 whatever the batch size, instead of 10 GiB of bf16 patterns per document). The
@@ -29,10 +33,11 @@ from equivariance_probe.adapters.nnsight import NNsightAdapter
 
 
 def remote_model(hub_id: str):
-    """An nnsight model named by its hub id: its config is read, no weights are loaded."""
+    """An nnsight model named by its hub id (or, for a self-hosted server, the folder the server
+    loads): its config is read, no weights are loaded."""
     from nnsight import TransformersModel
 
-    return TransformersModel(hub_id)
+    return TransformersModel(hub_id, task="text-generation")
 
 
 def local_model(seed: int = 0):
@@ -58,6 +63,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--remote", metavar="HUB_ID", default=None,
                         help="run this hub model on NDIF (e.g. meta-llama/Llama-3.1-70B); default: a tiny local model")
+    parser.add_argument("--host", default=None,
+                        help="a self-hosted NDIF server's URL (default: nnsight's CONFIG.API.HOST, NDIF's public service)")
     parser.add_argument("--docs", type=int, default=16, help="number of documents (windows)")
     parser.add_argument("--context", type=int, default=None, help="tokens per window (default: 1024 remote, 128 local)")
     parser.add_argument("--batch-size", type=int, default=4, help="windows per trace (= per remote job)")
@@ -66,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.remote:
-        model, remote, context = remote_model(args.remote), True, args.context or 1024
+        model, remote, context = remote_model(args.remote), args.host or True, args.context or 1024
     else:
         model, remote, context = local_model(), False, args.context or 128
     adapter = NNsightAdapter(model, remote=remote, pattern_source=args.pattern_source)

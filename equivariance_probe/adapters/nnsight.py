@@ -56,7 +56,11 @@ from ..errors import (
     EquivarianceProbeError,
     InputError,
     MissingAPIKeyError,
+    ModelNotDeployedError,
     RemoteExecutionError,
+    RemoteResultTooLargeError,
+    RemoteTimeoutError,
+    ServerUnreachableError,
     UnsupportedModelError,
     check_choice,
 )
@@ -70,8 +74,10 @@ from .nnsight_remote import (
     REMOTE_MODULES,
     api_key,
     configured_host,
+    is_public_host,
     is_remote_failure,
     is_source_failure,
+    remote_failure_kind,
     layer_pattern,
     reduce_batch_in_trace,
 )
@@ -215,14 +221,25 @@ class NNsightAdapter(Adapter):
                 "(nnsight.TransformersModel('meta-llama/Llama-3.1-70B')); pass remote=False to run here"
             )
         repo_id = getattr(self.model, "repo_id", None)
-        if not isinstance(repo_id, str) or not repo_id or os.path.exists(repo_id):
-            # NDIF names models by hub id; a local path or an in-memory model fails there.
+        host = self.remote if isinstance(self.remote, str) else configured_host()
+        folder_allowed = os.path.isdir(repo_id) and not is_public_host(host) if isinstance(repo_id, str) else False
+        if not isinstance(repo_id, str) or not repo_id or (os.path.exists(repo_id) and not folder_allowed):
+            # NDIF's public service names models by hub id; a local path or an in-memory model fails
+            # there. A self-hosted server (ndif deploy /path/to/folder) loads the folder by the
+            # same path the client names, so a folder goes to any other host.
             raise RemoteExecutionError(
                 f"remote runs need a model built from a Hugging Face hub id that NDIF hosts, but this "
                 f"{type(self.model).__name__} was built from {repo_id or 'an in-memory model'!r}; use "
                 "nnsight.TransformersModel('meta-llama/Llama-3.1-70B') (see nnsight.status() for hosted models), "
-                "or pass remote=False to run it here"
+                "send a local folder to a self-hosted server (remote='http://host:port' after ndif deploy "
+                "/path/to/folder), or pass remote=False to run it here"
             )
+        if folder_allowed:
+            # nnsight keys a model by its canonical hub id (HfApi().model_info), which a folder path
+            # has not; `ndif deploy /path/to/folder` keys the folder by its path, and so does the client.
+            import nnsight.modeling.huggingface as hf_wrapper
+
+            getattr(hf_wrapper, "_ID_CACHE", {}).setdefault(repo_id, repo_id)
         if api_key() is None:
             raise MissingAPIKeyError(
                 "remote=True needs an NDIF API key and none is set. Get one at https://login.ndif.us, then "
@@ -404,6 +421,17 @@ class NNsightAdapter(Adapter):
                 ) from error
             if self.is_remote and is_remote_failure(error):
                 host = self.remote if isinstance(self.remote, str) else configured_host()
+                kept = (
+                    "This batch was not added; the statistics of complete batches before it are kept "
+                    "(probe.last_result, or the error's partial_result), and a run over the remaining documents "
+                    "merges with them (result_a + result_b)"
+                )
+                kind, fix = remote_failure_kind(error)
+                named = {"unreachable": ServerUnreachableError, "not_deployed": ModelNotDeployedError,
+                         "timeout": RemoteTimeoutError, "too_large": RemoteResultTooLargeError}.get(kind)
+                if named is not None:
+                    raise named(f"the remote run on {host} failed: {fix}. {kept}. Server said: "
+                                f"{type(error).__name__}: {str(error)[:600]}") from error
                 raise RemoteExecutionError(
                     f"the remote run on {host} failed: {type(error).__name__}: {error}. This batch was not added; "
                     "the statistics of complete batches before it are kept (probe.last_result, or the error's "

@@ -35,7 +35,10 @@ __all__ = [
     "reply_nbytes",
     "api_key",
     "configured_host",
+    "is_public_host",
+    "PUBLIC_HOST",
     "is_remote_failure",
+    "remote_failure_kind",
     "is_source_failure",
     "REMOTE_MODULES",
 ]
@@ -194,6 +197,17 @@ def api_key() -> str | None:
     return key or os.environ.get("NDIF_API_KEY") or None
 
 
+#: The host of NDIF's public service (nnsight's default ``CONFIG.API.HOST``).
+PUBLIC_HOST = "api.ndif.us"
+
+
+def is_public_host(host: str) -> bool:
+    """Whether ``host`` (a URL) is NDIF's public service rather than a self-hosted server."""
+    from urllib.parse import urlparse
+
+    return (urlparse(host).hostname or host).endswith("ndif.us")
+
+
 def configured_host() -> str:
     try:
         from nnsight import CONFIG
@@ -214,3 +228,34 @@ def is_remote_failure(error: BaseException) -> bool:
 def is_source_failure(error: BaseException) -> bool:
     name = type(error).__name__
     return "SourceNotAvailable" in name or (isinstance(error, AttributeError) and ATTENTION_CALL in str(error))
+
+
+def remote_failure_kind(error: BaseException) -> tuple[str | None, str]:
+    """Which failure a remote user met, from nnsight's error and the server's words, and its fix.
+
+    Returns ``(kind, fix)`` with ``kind`` one of ``"unreachable"``, ``"not_deployed"``,
+    ``"timeout"``, ``"too_large"`` or ``None`` (anything else). The server's words are ndif's
+    (0.1.x): ``exceeded the execution timeout``, ``Could not deploy this model``, and an
+    object-store upload failing for a result over the inline (Redis pub/sub) cap.
+    """
+    chain = [error]
+    while chain[-1].__cause__ is not None and len(chain) < 8:
+        chain.append(chain[-1].__cause__)
+    text = " ".join(f"{type(e).__name__}: {e}" for e in chain)
+    lowered = text.lower()
+    if "exceeded the execution timeout" in lowered:
+        return "timeout", ("the server stopped the request at its execution timeout; send less per request "
+                           "(a smaller batch_size or context_length), or ask the server for a longer timeout")
+    if "could not deploy" in lowered or "not deployed" in lowered or "no gpu nodes" in lowered:
+        return "not_deployed", ("the server does not run this model (not deployed, and it could not deploy it); "
+                                "check nnsight.is_model_running(hub_id) or deploy it on your server (ndif deploy)")
+    if "endpoint url" in lowered or "object store" in lowered or "objectstore" in lowered or "s3" in lowered.split():
+        return "too_large", ("the reply was over the size the server returns inline (Redis pub/sub) and the "
+                             "server could not stage it in its object store; keep_pattern=False, a shorter "
+                             "context_length, or an object store on the server (NDIF_OBJECT_STORE_URL)")
+    connect = ("connection refused", "connecterror", "connection reset", "remotedisconnected",
+               "connectionclosed", "name or service not known", "failed to send request")
+    if isinstance(error, (ConnectionError, OSError)) or any(word in lowered for word in connect):
+        return "unreachable", ("the server cannot be reached (down, a wrong host, or the connection dropped); "
+                               "check the host (nnsight.CONFIG.API.HOST or remote=URL) and the server status")
+    return None, ""

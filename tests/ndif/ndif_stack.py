@@ -149,7 +149,7 @@ class NDIFStack:
 
     def _stop(self, name: str) -> None:
         """End the process ``name`` and everything in its session (Ray's daemons, gunicorn's workers,
-        model actors and sandbox runners), by process id: SIGTERM, then SIGKILL after 15 s."""
+        model actors and sandbox runners), by process id: SIGTERM, then SIGKILL after 5 s."""
         process = self.processes.pop(name, None)
         if process is None:
             return
@@ -157,7 +157,7 @@ class NDIFStack:
         for pid in members:
             with _ignore_gone():
                 os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(_alive(pid) for pid in members):
             with _ignore_gone():
                 process.wait(timeout=0.2)
@@ -168,10 +168,8 @@ class NDIFStack:
             process.wait(timeout=5)
 
     # -- models --------------------------------------------------------------------
-    def deploy(self, model_key: str, checkpoint: str, *, timeout_seconds: float | None = None,
-               wait: float = 240) -> None:
-        """Deploy ``model_key`` (as the client spells it) through ndif's deploy command, and
-        wait until the API reports it running."""
+    def deploy(self, model_key: str, checkpoint: str, *, timeout_seconds: float | None = None) -> None:
+        """Deploy ``model_key`` (as the client spells it) through ndif's deploy command."""
         spec = {"models": [{"checkpoint": checkpoint, "model_key": model_key, "actor_class": ACTOR_CLASS,
                             "dtype": "float32", "size_bytes": 1 << 20, "padding_bias": 0, "max_tp": 0,
                             "execution_timeout_seconds": timeout_seconds}]}
@@ -180,18 +178,9 @@ class NDIFStack:
         ndif = str(Path(sys.executable).parent / "ndif")
         done = subprocess.run([ndif, "deploy", "-f", str(spec_file)], env=self.env, capture_output=True,
                               text=True, timeout=180, cwd=self.home)
-        if done.returncode != 0:
+        # `ndif deploy` waits for the replica and prints "ready" once the actor has loaded the model.
+        if done.returncode != 0 or ": ready" not in done.stdout:
             raise RuntimeError(f"ndif deploy failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-        wait_for(lambda: self.model_running(model_key), f"the deployment of {model_key}", wait,
-                 None)
-
-    def status(self) -> dict:
-        with urllib.request.urlopen(self.url + "/status", timeout=10) as reply:
-            return json.loads(reply.read())
-
-    def model_running(self, model_key: str) -> bool:
-        text = json.dumps(self.status())
-        return model_key in text and "RUNNING" in text
 
 
 def session_members(session: int) -> list[int]:

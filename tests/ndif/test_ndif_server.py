@@ -1,0 +1,148 @@
+"""The probe's remote path against a real NDIF server on localhost (ndif 0.1.2, see ndif_stack.py).
+
+Server components every remote run here goes through: ``redis-server`` (the request queue and the
+pub/sub channel the result rides back on, inline), the API (gunicorn + FastAPI ``/request``,
+the ``/subscribe`` websocket, the queue dispatcher), Ray (head node, ndif's controller actor, which
+placed the model), ndif's sandboxed model actor (``SandboxModelDeployment``: request template,
+execution-timeout race, result blob) with its CPU load, and a sandbox runner process
+(``ndif.services.ray.sandbox.runner``: unpickles the request against a meta model and runs the
+traced block lock-step with the actor's forward pass over a Unix socket). No object store runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import client_model, token_windows
+
+from equivariance_probe import EquivarianceProbe
+from equivariance_probe.adapters.nnsight import NNsightAdapter
+from equivariance_probe.adapters.nnsight_remote import reply_nbytes
+from equivariance_probe.errors import (
+    ModelNotDeployedError,
+    RemoteResultTooLargeError,
+    RemoteTimeoutError,
+    ServerUnreachableError,
+)
+from equivariance_probe.result import ProbeResult
+
+WIDTH = 16
+
+
+def local_run(folder: str, tokens: torch.Tensor, **kwargs) -> ProbeResult:
+    """The same study on the same weights, here: the Hugging Face model, eager weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    kwargs.setdefault("progress", False)
+    return EquivarianceProbe(model).run(tokens, **kwargs)
+
+
+def remote_probe(folder: str, **kwargs) -> EquivarianceProbe:
+    return EquivarianceProbe(NNsightAdapter(client_model(folder), remote=True, **kwargs))
+
+
+def assert_same_statistics(got: ProbeResult, expected: ProbeResult) -> None:
+    """The tolerance the remote path states (tests/test_nnsight_adapter.py): float32 patterns
+    recomputed from q, k against eager weights, float64 sums."""
+    assert got.statistics.n_windows == expected.statistics.n_windows
+    assert got.statistics.log_floor == expected.statistics.log_floor
+    np.testing.assert_array_equal(got.statistics.window_fingerprints, expected.statistics.window_fingerprints)
+    assert set(got.statistics.arrays) == set(expected.statistics.arrays)
+    for name, value in expected.statistics.arrays.items():
+        assert torch.allclose(got.statistics.arrays[name], value, rtol=1e-5, atol=1e-7), name
+
+
+def test_probe_on_the_server_equals_the_local_run(ndif_server, sent_and_received):
+    """Gemma 3 with sliding-window layers, one window per request (interval groups kept)."""
+    folder = ndif_server.folders["gemma"]
+    tokens = token_windows(4, WIDTH)
+    remote = remote_probe(folder).run(tokens, batch_size=1, progress=False, exclude_keys=[0])
+    local = local_run(folder, tokens, batch_size=1, exclude_keys=[0])
+    assert remote.metadata["complete"] is True
+    assert remote.statistics.sliding_windows == (8, 8, None)
+    assert_same_statistics(remote, local)
+    assert np.array_equal(remote.statistics.groups.ids, local.statistics.groups.ids)
+    found, expected = remote.interval("log_fitted"), local.interval("log_fitted")
+    assert (found.low, found.high) == pytest.approx((expected.low, expected.high), rel=1e-5)
+    assert remote.query_position_r2() == pytest.approx(local.query_position_r2(), rel=1e-5)
+    # One request per window; what comes back is the zstd-compressed torch.save of the sums.
+    assert len(sent_and_received["sent"]) == len(sent_and_received["received"]) == 4
+    assert max(sent_and_received["received"]) < reply_nbytes(3, 4, WIDTH) + 20_000
+
+
+def test_batches_of_several_windows_equal_the_local_run(ndif_server):
+    folder = ndif_server.folders["gemma"]
+    tokens = token_windows(5, WIDTH, seed=1)
+    with pytest.warns(UserWarning, match="interval groups dropped"):
+        remote = remote_probe(folder).run(tokens, batch_size=3, progress=False)
+    assert_same_statistics(remote, local_run(folder, tokens, batch_size=3, interval_groups=0))
+
+
+def test_server_down_is_a_remote_error_before_any_window(ndif_server):
+    from ndif_stack import free_port
+
+    probe = EquivarianceProbe(NNsightAdapter(client_model(ndif_server.folders["gemma"]),
+                                             remote=f"http://127.0.0.1:{free_port()}"))
+    with pytest.raises(ServerUnreachableError, match="cannot be reached") as caught:
+        probe.run(token_windows(2, WIDTH), batch_size=1, progress=False)
+    assert caught.value.partial_result.statistics.n_windows == 0
+    assert caught.value.partial_result.metadata["complete"] is False
+
+
+def test_a_model_the_server_does_not_run_is_named(ndif_server):
+    probe = remote_probe(ndif_server.folders["llama"])
+    with pytest.raises(ModelNotDeployedError, match="does not run this model"):
+        probe.run(token_windows(2, WIDTH), batch_size=1, progress=False)
+
+
+def test_a_reply_too_large_for_the_inline_channel_keeps_complete_batches(ndif_server):
+    """keep_pattern adds 8·L·H·T² bytes: at T = 512, 25 MB (about 4 MB zstd-compressed: the causal and
+    sliding-window zeros), over the 1 MiB this stack's Redis lets ride pub/sub; with no object store the
+    server cannot return it, and the error says so."""
+    folder = ndif_server.folders["gemma"]
+    width = 512
+    assert reply_nbytes(3, 4, width, keep_pattern=True) > 8 << 20
+    probe = remote_probe(folder)
+    with pytest.raises(RemoteResultTooLargeError, match="over the size the server returns inline") as caught:
+        probe.run(token_windows(2, width), batch_size=1, keep_pattern=True, progress=False)
+    assert caught.value.partial_result.metadata["complete"] is False
+
+
+def test_connection_dropped_mid_run_keeps_complete_batches_and_resume_sends_only_the_rest(
+        ndif_server, sent_and_received):
+    """The API goes down after the first two windows (one request each); the error keeps them; once the
+    API is back, the run goes on from the third window: two requests more, not four."""
+    folder = ndif_server.folders["gemma"]
+    rows = token_windows(4, WIDTH, seed=2)
+    probe = remote_probe(folder)
+
+    def documents():
+        yield rows[0]
+        yield rows[1]
+        ndif_server.stack.stop_api()  # the connection to the server drops here
+        yield rows[2]
+        yield rows[3]
+
+    try:
+        with pytest.raises(ServerUnreachableError, match="complete batches before it are kept") as caught:
+            probe.run(documents(), batch_size=1, context_length=WIDTH, progress=False)
+    finally:
+        ndif_server.stack.start_api()
+    partial = caught.value.partial_result
+    assert partial is probe.last_result and partial.metadata["complete"] is False
+    assert partial.statistics.n_windows == 2
+    assert len(sent_and_received["received"]) == 2
+    rest = probe.run(rows[partial.statistics.n_windows:], batch_size=1, progress=False)
+    assert len(sent_and_received["received"]) == 4  # windows 3 and 4 only
+    resumed = partial + rest
+    assert_same_statistics(resumed, local_run(folder, rows, batch_size=1))
+
+
+def test_a_request_over_the_server_timeout_is_named(ndif_server):
+    """A second deployment of the same weights with a 1 ms execution timeout (ndif's per-model option)."""
+    folder = ndif_server.folders["gemma_timeout"]
+    ndif_server.stack.deploy(client_model(folder).to_model_key(), folder, timeout_seconds=0.001)
+    with pytest.raises(RemoteTimeoutError, match="execution timeout"):
+        remote_probe(folder).run(token_windows(1, WIDTH), batch_size=1, progress=False)
