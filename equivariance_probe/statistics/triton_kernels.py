@@ -70,8 +70,8 @@ Precision:
   that centres on the row mean would also be exact, at the cost of a third ``q·kᵀ``.)
 - Lag sums: a tile's diagonals are lined up by a cyclic skew with ``tl.gather``
   (``skewed[i, c] = a[i, (i + c) mod BLOCK]``, so a column holds two lags), reduced over
-  the tile's rows in float64 and added with ``2·BLOCK`` atomic adds instead of
-  ``BLOCK²``. The key-bin lag sums use the same column sums when all of a tile's keys
+  the tile's rows in float64 and added with ``BLOCK`` atomic adds instead of ``BLOCK²``
+  (a tile's second lags are the next tile's first ones, carried over). The key-bin lag sums use the same column sums when all of a tile's keys
   fall in one bin (the common case for coarse bins). Otherwise, since bins are contiguous
   and the keys of a skewed column rise with the row, a segmented sum down each column
   (``tl.associative_scan``) totals each (bin, lag) of the tile, and each total is added
@@ -305,6 +305,8 @@ if triton is not None:
             # column's first lag ends.
             next_index = (offs[:, None] + offs[None, :] + 1) % BLOCK
             last_low = (offs[:, None] + offs[None, :]) == BLOCK - 1
+            carried_sum = tl.zeros([BLOCK], tl.float64)
+            carried_lag = q0 - lo - offs
             for n0 in range(lo, hi, BLOCK):
                 cols = n0 + offs
                 k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
@@ -332,7 +334,9 @@ if triton is not None:
                 differ_y += tl.sum((visible & (floored_y != c_y[:, None])).to(tl.int32), 1)
                 n_floored += tl.sum((visible & (y < log_eps)).to(tl.int32), 1)
 
-                # Lag sums: 2·BLOCK atomic adds per tile instead of BLOCK².
+                # Lag sums: BLOCK atomic adds per tile instead of BLOCK². A tile's second lags
+                # (high) are the previous tile's first ones (low), so those are carried over and
+                # added together; the last tile's first lags are added after the loop.
                 skewed = tl.gather(a, skew_index, axis=1).to(tl.float64)
                 low_sum = tl.sum(tl.where(lower, skewed, 0.0), 0)
                 high_sum = tl.sum(tl.where(lower, 0.0, skewed), 0)
@@ -340,8 +344,9 @@ if triton is not None:
                 high_lag = low_lag + BLOCK
                 low_ok = (low_lag >= 0) & (low_lag < n_positions)
                 high_ok = (high_lag >= 0) & (high_lag < n_positions)
-                tl.atomic_add(lag_base + low_lag, low_sum, mask=low_ok)
-                tl.atomic_add(lag_base + high_lag, high_sum, mask=high_ok)
+                tl.atomic_add(lag_base + high_lag, high_sum + carried_sum, mask=high_ok)
+                carried_sum = low_sum
+                carried_lag = low_lag
 
                 # Key-bin lag sums, summed over windows and heads.
                 last = tl.minimum(n0 + BLOCK, hi) - 1
@@ -372,6 +377,9 @@ if triton is not None:
                         totals,
                         mask=ends & (lag >= 0) & (lag < n_positions) & (totals != 0.0),
                     )
+
+            carried_ok = (carried_lag >= 0) & (carried_lag < n_positions)
+            tl.atomic_add(lag_base + carried_lag, carried_sum, mask=carried_ok)
 
             # Rows of identical values: exactly n·c and (n·c)·c (see the module docstring).
             count = n_visible.to(tl.float64)
