@@ -1,7 +1,10 @@
 """What the probe costs on a GPU against the model's own forward, every route timed in one process.
 
     python benchmarks/gpu.py [--json gpu.json] [--rows gemma-fp32,gemma-bf16,llama-1024,llama-4096,gemma-32k]
-                             [--repeats 3] [--smoke]
+                             [--repeats 3] [--smoke] [--profile]
+
+Runs from a bare checkout (the repository's root goes on ``sys.path``; only torch, transformers,
+numpy, scipy, safetensors, tqdm and, for the fused kernel, Triton are needed).
 
 Models are built from configs with random weights (they time the same as trained ones), so the
 script needs only torch and transformers (and Triton for the fused kernel): Gemma 3 270M's
@@ -15,11 +18,15 @@ sliding window) and Llama-3-8B's (32 layers, 32 query heads on 8 key heads of 12
            the weights recomputed by the fused Triton kernel where Triton imports, else in torch
            query blocks; the result's metadata says which);
 
-best of ``--repeats`` after one warm-up call (the probe's first call, with its first-batch check
-and the kernel's compilation, is reported apart), CUDA-synchronised, with the peak GPU memory of
-each route (``torch.cuda.max_memory_allocated``, reset before it). Prints every ratio and writes
-JSON. ``--smoke`` runs tiny versions of every row on whatever device there is (CPU included), to
-check the script itself.
+The probe is built once per row, as a researcher builds it once per model: its first call (the
+first-batch checks of the attention source and of the engine, and the kernel's compilation) is
+reported apart, as the time beyond the steady state; every route's time is the best of
+``--repeats`` calls after that first one, CUDA-synchronised, with the peak GPU memory of each route
+(``torch.cuda.max_memory_allocated``, reset before it). Prints every ratio and writes JSON.
+``--profile`` runs one more steady-state probe call under ``torch.profiler`` and prints its kernel
+launches, host-device synchronisations and copies, and the top kernels by device time.
+``--smoke`` runs tiny versions of every row on whatever device there is (CPU included), to check
+the script itself.
 
 Targets: probe <= 1.0x the eager forward without logits, <= 1.5x the sdpa forward; at T = 32768
 (Gemma 3 270M shape, batch 1) the probe runs with peak memory <= 1.3x the sdpa forward's; first
@@ -30,12 +37,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# A bare checkout: the package is imported from the repository, installed or not.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 @dataclass(frozen=True)
@@ -112,7 +123,7 @@ def timed(route, device: torch.device, repeats: int) -> dict[str, float]:
     return {"first": first, "best": min(seconds), "all": seconds, "peak_gib_above_weights": peak}
 
 
-def run_row(key: str, row: Row, device: torch.device, repeats: int, smoke: bool) -> dict[str, Any]:
+def run_row(key: str, row: Row, device: torch.device, repeats: int, smoke: bool, profile_probe: bool = False) -> dict[str, Any]:
     from equivariance_probe import EquivarianceProbe
 
     if smoke:
@@ -133,10 +144,12 @@ def run_row(key: str, row: Row, device: torch.device, repeats: int, smoke: bool)
                 (model if logits else model.base_model)(batch, use_cache=False)
 
     probe_result = {}
+    model.set_attn_implementation("sdpa")
+    built = EquivarianceProbe(model)  # once: its first call runs the first-batch checks
 
     def probe() -> None:
         model.set_attn_implementation("sdpa")
-        result = EquivarianceProbe(model).run(tokens, batch_size=row.batch, progress=False)
+        result = built.run(tokens, batch_size=row.batch, progress=False)
         probe_result["engine"] = result.metadata.get("engine")
 
     routes = {"sdpa": lambda: forward("sdpa", False), "probe": probe}
@@ -149,11 +162,40 @@ def run_row(key: str, row: Row, device: torch.device, repeats: int, smoke: bool)
         ratios["probe/eager"] = best["probe"] / best["eager"]
     if device.type == "cuda" and measured["sdpa"]["peak_gib_above_weights"]:
         ratios["probe peak / sdpa peak"] = measured["probe"]["peak_gib_above_weights"] / measured["sdpa"]["peak_gib_above_weights"]
-    del model
+    profile = profiled(probe, device) if profile_probe else None
+    del model, built
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {"row": row.name, "key": key, "measured": measured, "best": best, "ratios": ratios,
-            "probe_first_call": measured["probe"]["first"], "engine": probe_result.get("engine")}
+            "probe_first_call_beyond_steady": measured["probe"]["first"] - best["probe"],
+            "engine": probe_result.get("engine"), "profile": profile}
+
+
+#: Profiler events that make the host wait for the device (or copy through it).
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
+               "aten::_local_scalar_dense")
+COPY_EVENTS = ("cudaMemcpy", "cudaMemcpyAsync", "aten::copy_")
+
+
+def profiled(route, device: torch.device) -> dict[str, Any]:
+    """One call of ``route`` under ``torch.profiler``: launches, syncs, copies and the top kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as recorded:
+        route()
+        synchronise(device)
+    events = recorded.key_averages()
+    count = {event.key: event.count for event in events}
+    launches = sum(n for name, n in count.items() if name in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = events.table(sort_by=sort, row_limit=12)
+    return {
+        "launches": launches,
+        "syncs": {name: count[name] for name in SYNC_EVENTS if name in count},
+        "copies": {name: count[name] for name in COPY_EVENTS if name in count},
+        "table": table,
+    }
 
 
 def main() -> None:
@@ -162,6 +204,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any device: check the script runs")
+    parser.add_argument("--profile", action="store_true", help="also profile one steady-state probe call per row")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.smoke:
@@ -170,14 +213,22 @@ def main() -> None:
     print(f"device: {description}; torch {torch.__version__}")
     report = {"device": description, "torch": torch.__version__, "rows": []}
     for key in args.rows.split(","):
-        outcome = run_row(key, ROWS[key], device, args.repeats, args.smoke)
+        outcome = run_row(key, ROWS[key], device, args.repeats, args.smoke, args.profile)
         report["rows"].append(outcome)
         cells = "  ".join(f"{name} {seconds:.3f} s" for name, seconds in outcome["best"].items())
         ratios = "  ".join(f"{name} {value:.2f}x" for name, value in outcome["ratios"].items())
         peaks = "  ".join(f"{name} {m['peak_gib_above_weights']:.1f} GiB" for name, m in outcome["measured"].items()
                           if m["peak_gib_above_weights"] is not None)
-        print(f"{outcome['row']}\n  {cells}\n  {ratios}\n  probe first call {outcome['probe_first_call']:.2f} s; "
-              f"engine {outcome['engine']}" + (f"\n  peak above weights: {peaks}" if peaks else ""))
+        engine = outcome["engine"] or {}
+        check = engine.get("engine_check") or {}
+        print(f"{outcome['row']}\n  {cells}\n  {ratios}\n  probe first call {outcome['probe_first_call_beyond_steady']:.2f} s "
+              f"beyond the steady state; paths {engine.get('paths')}; engine check {check.get('engine')} "
+              f"max difference {check.get('max_difference')} (tolerance {check.get('tolerance')})"
+              + (f"\n  peak above weights: {peaks}" if peaks else ""))
+        if outcome["profile"]:
+            profile = outcome["profile"]
+            print(f"  profile: {profile['launches']} kernel launches, syncs {profile['syncs']}, copies {profile['copies']}\n"
+                  + profile["table"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, default=str) + "\n")
 

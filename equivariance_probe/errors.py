@@ -31,6 +31,7 @@ __all__ = [
     # what the model did
     "AttentionCaptureError",
     "NonFiniteAttentionError",
+    "EngineCheckError",
     # what a run needs
     "InsufficientMemoryError",
     "RemoteExecutionError",
@@ -88,6 +89,16 @@ class AttentionCaptureError(EquivarianceProbeError, RuntimeError):
 
 class NonFiniteAttentionError(EquivarianceProbeError, FloatingPointError):
     """The model produced NaN or infinite attention weights."""
+
+
+class EngineCheckError(EquivarianceProbeError, ArithmeticError):
+    """The engine's sums on the first batch's checked slice differ from a float64 reduction of the
+    model's own attention weights by more than the model's dtype allows; ``comparison`` holds every
+    sum's difference (what ``metadata["engine"]["engine_check"]`` would have recorded)."""
+
+    def __init__(self, message: str, *, comparison: dict | None = None) -> None:
+        super().__init__(message)
+        self.comparison = comparison or {}
 
 
 # -- what a run needs -------------------------------------------------------------------------------

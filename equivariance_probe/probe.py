@@ -320,11 +320,12 @@ class EquivarianceProbe:
         return result
 
     def _engine(self, statistics: AttentionStatistics) -> dict[str, Any]:
-        """How the sums were computed: the attention source, its first-batch check, and how many
-        layer-batches each path reduced (``torch``/``triton`` from queries and keys, ``weights``, ``remote``)."""
+        """How the sums were computed: the attention source, its first-batch check, the engine's check
+        against a float64 reduction of the model's own weights, and how many layer-batches each path reduced (``torch``/``triton`` from queries and keys, ``weights``, ``remote``)."""
         return {
             "source": self.adapter.resolved_source(),
             "check": dict(getattr(self.adapter, "source_decision", {})),
+            "engine_check": dict(getattr(self.adapter, "engine_check", {})),
             "paths": dict(statistics.paths),
         }
 

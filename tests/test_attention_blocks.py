@@ -423,3 +423,18 @@ def test_toeplitz_r2_of_a_lag_only_pattern_is_one_and_of_a_uniform_head_below():
     rss = sum((a - sum(d) / len(d)) ** 2 for d in diagonal.values() for a in d)
     torch.testing.assert_close(r2[0, 1], torch.tensor(1 - rss / tss, dtype=torch.float64), rtol=1e-10, atol=0)
     assert float(r2[0, 1]) < 0.9
+
+
+def test_key_bins_are_checked_on_the_host_and_never_read_back_from_a_device():
+    """Bins on an accelerator are taken as given (reading them back would sync the device on every
+    layer); the statistics check theirs on the host, where bad bins are refused."""
+    from equivariance_probe.errors import InputError
+    from equivariance_probe.statistics.masks import _check_key_bins
+
+    on_device = torch.zeros(8, dtype=torch.long, device="meta")  # any read of its values would raise
+    bins, count = _check_key_bins(on_device, 2, 8, torch.device("meta"))
+    assert bins.device.type == "meta" and count == 2
+    with pytest.raises(InputError, match="non-decreasing"):
+        _check_key_bins(torch.tensor([0, 1, 0, 1]), 2, 4, torch.device("cpu"))
+    with pytest.raises(InputError, match=r"lie in \[0, 2\)"):
+        _check_key_bins(torch.tensor([0, 1, 2, 2]), 2, 4, torch.device("cpu"))

@@ -4,11 +4,13 @@ and the key-bin state gives the key-conditioned curves exactly."""
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
 
-from equivariance_probe import AttentionCaptureError, EquivarianceProbe
+from equivariance_probe import AttentionCaptureError, EngineCheckError, EquivarianceProbe, ProbeResult
 from equivariance_probe.statistics.masks import key_bin_edges
 
 from synthetic import tiny_gemma3, tiny_gpt2, tiny_llama
@@ -118,3 +120,76 @@ def test_key_bins_give_the_key_conditioned_curves_exactly(n_positions):
             expected[np.searchsorted(curves.key_bins, k, side="right") - 1, q - k] += pattern[q, k]
     summed = np.where(curves.count > 0, curves.curve * curves.count, 0.0)  # the curve is NaN where no entry is
     assert np.allclose(summed, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", ["gemma3-sliding", "llama-gqa"])
+def test_first_batch_checks_the_engine_against_a_float64_reduction_of_the_models_own_weights(name, dtype, tmp_path):
+    from equivariance_probe.statistics.engine_check import CHECKED_SUMS, engine_tolerance
+
+    model = BUILDERS[name]().to(dtype)
+    model.set_attn_implementation("sdpa")
+    result = EquivarianceProbe(model).run(_windows(), batch_size=2, progress=False)
+    check = result.metadata["engine"]["engine_check"]
+    assert check["passed"] and check["engine"] == "torch" and check["option"] == "auto"
+    assert check["tokens"] == 24 and check["dtype"] == str(dtype).replace("torch.", "")
+    assert check["tolerance"] == engine_tolerance(dtype) and set(check["worst"]) == set(CHECKED_SUMS)
+    assert max(check["worst"].values()) == check["max_difference"] <= check["tolerance"]
+    assert check["max_difference"] < 1e-5  # float32 rounding only: far inside the tolerance
+    result.save(tmp_path / "run.safetensors")
+    assert ProbeResult.load(tmp_path / "run.safetensors").metadata["engine"]["engine_check"] == check
+
+
+def _shift_lags(sums_of):
+    """Wrap an engine so that its lag sums land one lag too far: the kind of error a kernel can make."""
+
+    def wrong(*args, **kwargs):
+        sums = sums_of(*args, **kwargs)
+        sums["lag_sum"] = torch.roll(sums["lag_sum"], 1, dims=-1)
+        return sums
+
+    return wrong
+
+
+def test_an_engine_whose_sums_are_wrong_is_stopped_by_name_and_nothing_is_added(monkeypatch):
+    import equivariance_probe.statistics.attention as attention
+
+    monkeypatch.setattr(attention, "attention_sums_from_qk", _shift_lags(attention.attention_sums_from_qk))
+    probe = EquivarianceProbe(tiny_llama())
+    with pytest.raises(EngineCheckError, match=r"torch engine's sums differ .* layer \d+'s lag_sum by .* relative "
+                       r"\(tolerance 0.0001 for float32\).*pattern_source='weights'") as caught:
+        probe.run(_windows(), batch_size=2, progress=False)
+    assert caught.value.comparison["worst_sum"] == "lag_sum" and not caught.value.comparison["passed"]
+    assert caught.value.partial_result.n_windows == 0
+    assert caught.value.partial_result.metadata["complete"] is False
+    # the weights path never goes through the engine, so it is the way round
+    fallback = EquivarianceProbe(tiny_llama(), pattern_source="weights").run(_windows(), batch_size=2, progress=False)
+    assert fallback.metadata["engine"]["engine_check"] == {}
+
+
+def test_a_failing_fused_engine_names_the_torch_path_as_the_fix():
+    """The message of a mismatch on the fused kernel's path (a GPU) names engine='torch'."""
+    from equivariance_probe.statistics import AttentionStatistics
+    from equivariance_probe.statistics.engine_check import EngineCheck
+
+    statistics = AttentionStatistics(n_layers=1, n_heads=4, n_positions=16, sliding_windows=[None])
+    check = EngineCheck(statistics, 16, torch.float32)
+    query, key = torch.randn(1, 4, 16, 8, dtype=torch.float32), torch.randn(1, 2, 16, 8, dtype=torch.float32)
+    scores = (query @ key.repeat_interleave(2, dim=1).transpose(-1, -2)) * 8**-0.5
+    weights = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+    check.add_layer(0, query, key, weights.flip(-1).tril())  # weights the engine cannot have computed
+    check.engine.paths = {"triton": 1}  # as on a GPU
+    with pytest.raises(EngineCheckError, match="triton engine's sums differ.*engine='torch'"):
+        check.finish()
+
+
+def test_a_fused_kernel_that_cannot_run_is_named_once(monkeypatch):
+    from equivariance_probe.statistics import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "_warned_triton_unavailable", False)
+    monkeypatch.setattr(triton_kernels, "_TRITON_FAILURE", RuntimeError("PTX .version 9.9 does not support .target sm_120"))
+    with pytest.warns(RuntimeWarning, match=r"fused Triton kernel cannot run here \(RuntimeError: PTX .version 9.9"):
+        triton_kernels.warn_triton_unavailable()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        triton_kernels.warn_triton_unavailable()  # once per process

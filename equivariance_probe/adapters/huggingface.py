@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, check_choice
+from ..errors import AttentionCaptureError, EquivarianceProbeError, check_choice
+from ..statistics.engine_check import EngineCheck
 from .base import Adapter, AttentionLayout, PatternCallback
 from .internals import AttentionCall, intercept_attention, position_embedding_modules
 from .modules import config_max_context, find_attention_modules, is_bidirectional, layer_windows, text_config
@@ -45,8 +46,10 @@ from .modules import config_max_context, find_attention_modules, is_bidirectiona
 PATTERN_SOURCES = ("auto", "recompute", "weights")
 
 #: Tokens of the first window that run under eager attention, on the first batch, to check that
-#: recomputing the weights from queries and keys gives the model's own.
-CHECK_TOKENS = 64
+#: recomputing the weights from queries and keys gives the model's own, and that the engine's sums
+#: equal a float64 reduction of those weights: enough for several of the Triton kernel's 32-row
+#: tiles and key-bin edges inside a tile, few enough that eager attention costs little.
+CHECK_TOKENS = 256
 
 
 def recompute_tolerance(dtype: torch.dtype) -> float:
@@ -121,6 +124,10 @@ class HuggingFaceAdapter(Adapter):
         super().__init__(model, tokenizer)
         check_choice("pattern_source", pattern_source, PATTERN_SOURCES)
         self.pattern_source = pattern_source
+        #: The first batch's comparison of the engine's sums with a float64 reduction of the model's own
+        #: weights (:class:`~equivariance_probe.statistics.engine_check.EngineCheck`); empty until then,
+        #: and where the statistics come from the weights themselves.
+        self.engine_check: dict[str, Any] = {}
         #: What ``"auto"`` turned out to mean for this model (decided on the first batch), and why.
         self.source_decision: dict[str, Any] = {}
         self.attention_modules = find_attention_modules(model)
@@ -251,7 +258,11 @@ class HuggingFaceAdapter(Adapter):
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Run a batch and add its attention to ``statistics``: recomputed from queries and keys while
         the model runs its own kernel, or from eager weights (see the module docstring)."""
-        if statistics.n_windows == 0 and self.pattern_source != "weights" and "source" not in self.source_decision:
+        # Once per adapter, and again for a run whose engine option differs from the one checked.
+        unchecked_engine = self.resolved_source() == "recompute" and self.engine_check.get("option") != statistics.engine
+        if statistics.n_windows == 0 and self.pattern_source != "weights" and (
+            "source" not in self.source_decision or unchecked_engine
+        ):
             self.source_decision = self._check_recompute(tokens, statistics)
             if self.source_decision["source"] == "weights":
                 warnings.warn(
@@ -311,12 +322,20 @@ class HuggingFaceAdapter(Adapter):
         sample = tokens[:1, : max(2, min(length, CHECK_TOKENS))]
         windows = self.layout.sliding_windows
         differences: list[float] = []
+        engine_check = EngineCheck(statistics, sample.shape[1], self.dtype)
+        engine_failure: list[EquivarianceProbeError] = []
 
         def on_call(call: AttentionCall) -> None:
             if call.weights is None:
                 raise AttentionCaptureError(f"layer {call.layer} returned no attention weights under eager attention")
             recomputed = eager_weights(call, windows[call.layer], self.layout.causal)
             differences.append(float((recomputed.float() - call.weights.float()).abs().max()))
+            if not engine_failure:
+                try:
+                    engine_check.add_layer(call.layer, call.query, call.key, call.weights,
+                                           scaling=call.scaling, softcap=call.softcap)
+                except EquivarianceProbeError as error:  # judged below, once the source is decided
+                    engine_failure.append(error)
 
         tolerance = recompute_tolerance(self.dtype)
         decision: dict[str, Any] = {"tokens": int(sample.shape[1]), "tolerance": tolerance}
@@ -337,6 +356,10 @@ class HuggingFaceAdapter(Adapter):
             # Non-finite weights are the model's, whichever way they are read: the statistics refuse them.
             return {**decision, "source": "recompute", "reason": "the model's attention weights are not finite"}
         if largest <= tolerance:
+            # The weights are the recomputation's; now the engine that reduces them must match too.
+            if engine_failure:
+                raise engine_failure[0]
+            self.engine_check = engine_check.finish()
             return {**decision, "source": "recompute", "reason": "recomputed weights equal the model's own"}
         reason = (
             f"weights recomputed from its queries and keys differ from its own eager weights by up to {largest:.3g} "

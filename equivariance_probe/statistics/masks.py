@@ -173,21 +173,27 @@ def visible_key_counts(
 def _check_key_bins(
     key_bin: torch.Tensor | None, n_key_bins: int | None, n_positions: int, device: torch.device
 ) -> tuple[torch.Tensor, int]:
-    """``key_bin`` as a ``[T]`` long tensor of non-decreasing bins in ``[0, K)``, and ``K``."""
+    """``key_bin`` as a ``[T]`` long tensor of non-decreasing bins in ``[0, K)``, and ``K``.
+
+    The values are checked where they are on the CPU. Bins already on an accelerator are taken as
+    they are (their length is checked): reading them back would cost three device-to-host syncs
+    per layer, and :class:`~equivariance_probe.statistics.attention.AttentionStatistics` checks its
+    bins on the host (:func:`mask_counts`) before copying them to the device once per batch.
+    """
     if key_bin is None:
         key_bin = torch.arange(n_positions, device=device)
-    key_bin = torch.as_tensor(key_bin, device=device).long().reshape(-1)
+    key_bin = torch.as_tensor(key_bin).long().reshape(-1)
     if key_bin.numel() != n_positions:
         raise InputError(f"key_bin has {key_bin.numel()} entries for {n_positions} key positions")
     if n_key_bins is None:
         n_key_bins = int(key_bin.max()) + 1 if n_positions else 0
     n_key_bins = int(n_key_bins)
-    if n_positions:
+    if n_positions and key_bin.device.type == "cpu":
         if int(key_bin.min()) < 0 or int(key_bin.max()) >= n_key_bins:
             raise InputError(f"key_bin values must lie in [0, {n_key_bins})")
         if n_positions > 1 and bool((key_bin[1:] < key_bin[:-1]).any()):
             raise InputError("key_bin must be non-decreasing (each bin a contiguous range of keys)")
-    return key_bin, n_key_bins
+    return key_bin.to(device=device, non_blocking=True), n_key_bins
 
 
 def mask_counts(

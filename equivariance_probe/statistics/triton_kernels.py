@@ -90,11 +90,12 @@ from __future__ import annotations
 import math
 import os
 import re
+import warnings
 from collections.abc import Sequence
 
 import torch
 
-from ..errors import InputError, check_choice
+from ..errors import EquivarianceProbeError, InputError, check_choice
 from .blocks import (
     ENGINES,
     _check_qk,
@@ -104,7 +105,7 @@ from .blocks import (
     pattern_sum_from_qk,
 )
 
-__all__ = ["MIN_TRITON_VERSION", "attention_sums", "attention_sums_triton", "triton_available"]
+__all__ = ["MIN_TRITON_VERSION", "attention_sums", "attention_sums_triton", "triton_available", "warn_triton_unavailable"]
 
 #: The oldest Triton the kernel runs on: ``tl.gather`` (the cyclic skew of the lag sums) and its
 #: support in the CPU interpreter first shipped in Triton 3.3.0. pyproject.toml pins the same
@@ -594,6 +595,47 @@ def attention_sums(
         block_size=block_size,
         compile_blocks=compile_blocks,
     )
+    if use_triton and backend == "auto" and _TRITON_FAILURE is not None:
+        use_triton = False
     if use_triton:
-        return attention_sums_triton(query, key, **arguments), "triton"
+        if backend == "triton":
+            return attention_sums_triton(query, key, **arguments), "triton"
+        try:
+            return attention_sums_triton(query, key, **arguments), "triton"
+        except EquivarianceProbeError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a kernel that cannot compile or launch here: torch path
+            _record_triton_failure(error)
+    if backend == "auto" and query.is_cuda:
+        warn_triton_unavailable()
     return attention_sums_from_qk(query, key, **arguments), "torch"
+
+
+#: Why the fused kernel failed to compile or launch in this process (``engine="auto"`` then stays on the
+#: torch path), or ``None``.
+_TRITON_FAILURE: Exception | None = None
+_warned_triton_unavailable = False
+
+
+def _record_triton_failure(error: Exception) -> None:
+    global _TRITON_FAILURE
+    _TRITON_FAILURE = error
+
+
+def warn_triton_unavailable() -> None:
+    """Say once per process, naming the error, that CUDA tensors go through the torch path because the
+    fused kernel cannot run here (Triton absent, older than :data:`MIN_TRITON_VERSION`, broken, or the
+    kernel failed to compile or launch): the numbers are the same, only slower, but a user who
+    installed Triton should know."""
+    global _warned_triton_unavailable
+    if _warned_triton_unavailable:
+        return
+    _warned_triton_unavailable = True
+    why = _TRITON_FAILURE if _TRITON_FAILURE is not None else _TRITON_IMPORT_ERROR
+    warnings.warn(
+        f"the fused Triton kernel cannot run here ({type(why).__name__}: {why}); attention on CUDA is reduced by the "
+        "torch path in query blocks instead (the same sums, slower). Install a Triton that imports "
+        f"(pip install 'triton>={'.'.join(map(str, MIN_TRITON_VERSION))}') for the fused kernel",
+        RuntimeWarning,
+        stacklevel=2,
+    )
