@@ -401,8 +401,9 @@ class ProbeResult:
 
         The sampling unit is the window: each window is in one of ``G`` groups (by its fingerprint,
         or by the keys the run was given), the number is recomputed on every window but one group's,
-        and over the ``G'`` non-empty groups ``se² = (G'-1)/G' · Σ_g (θ₍g₎ - θ̄)²``; the interval is
-        ``θ ± t_{G'-1} · se`` (:func:`~equivariance_probe.maths.intervals.jackknife_interval`).
+        and over the ``G'`` non-empty groups ``se² = (G'-1)/G' · Σ_g (θ₍g₎ - θ̄)²``. Every such number is
+        an R² (at most 1): the interval ``θ ± t_{G'-1} · se`` is clipped at 1, and ``Interval.method``
+        says where it was (:func:`~equivariance_probe.maths.intervals.jackknife_interval`).
 
         Args:
             statistic: one of :data:`~equivariance_probe.analyses.intervals.INTERVAL_STATISTICS`:
@@ -427,9 +428,11 @@ class ProbeResult:
         """
         level = check_level(level)
         estimate, replicates = self._jackknife(statistic, by)
+        # Every statistic with an interval is an R², at most 1: an interval past 1 is clipped there.
         if isinstance(estimate, dict):
-            return {group: jackknife_interval(estimate[group], replicates[group], level=level) for group in estimate}
-        return jackknife_interval(estimate, replicates, level=level)
+            return {group: jackknife_interval(estimate[group], replicates[group], level=level, upper=1.0)
+                    for group in estimate}
+        return jackknife_interval(estimate, replicates, level=level, upper=1.0)
 
     def windows_needed(self, half_width: float = TARGET_HALF_WIDTH, statistic: str = "log_fitted",
                        level: float = 0.95) -> float:
@@ -550,7 +553,7 @@ class ProbeResult:
 
         Keys: ``n_windows``, ``n_tokens``, ``n_entries``, ``floored_entries``, ``log_floor``,
         ``excluded_keys``; ``query_position_r2`` (``{scale: {form: R²}}``, every form and scale);
-        ``persistence_fit_r2`` (``{fit: R²}``) and ``persistence_fits`` (``{fit: {"params", "r2"}}``)
+        ``persistence_fit_r2`` (``{fit: R²}``) and ``persistence_fits`` (``{fit: {"params", "r2", "status", "note"}}``: status ``ok``, ``at_bound`` or ``failed``)
         of ``P(dt)``; ``fit_r2_by_key_position`` (Figure 1c: ``key_bins`` edges and each fit's R²
         per bin, 16 bins); ``toeplitz_r2_per_doc_mean`` and ``toeplitz_r2_mean_pattern_mean``
         (NaN without ``keep_pattern``); ``most_position_bound_head`` /
@@ -586,7 +589,8 @@ class ProbeResult:
             "excluded_keys": list(self.excluded_keys),
             "query_position_r2": self.query_position_table(),
             "persistence_fit_r2": {name: persistence.fits[name].r2 for name in fitting.FIT_NAMES},
-            "persistence_fits": {name: {"params": dict(persistence.fits[name].params), "r2": persistence.fits[name].r2}
+            "persistence_fits": {name: {"params": dict(persistence.fits[name].params), "r2": persistence.fits[name].r2,
+                                        "status": persistence.fits[name].status, "note": persistence.fits[name].note}
                                  for name in fitting.FIT_NAMES},
             "fit_r2_by_key_position": {"key_bins": by_key.key_bins.tolist(),
                                        **{name: np.asarray(by_key.r2(name)).tolist() for name in fitting.FIT_NAMES}},
@@ -625,7 +629,8 @@ class ProbeResult:
         fits = {fit: bounds(f"{fit}_fit") for fit in fitting.FIT_NAMES}
         block = {
             "level": level,
-            "method": "delete-a-group jackknife, windows as the sampling unit",
+            "method": "delete-a-group jackknife, windows as the sampling unit; t intervals of R², clipped at 1 "
+                      "where they would pass it",
             "interval_groups": groups.n_groups,
             "groups": len(groups.ids),
             "keys": groups.keys,

@@ -36,3 +36,43 @@ def test_curve_r2_definition():
 def test_too_few_points_give_no_fit():
     fit = fit_power(np.array([0.0, 1.0]), np.array([1.0, 0.5]))
     assert np.isnan(fit.r2) and np.isnan(fit.params["alpha"])
+
+
+def test_exact_decays_are_recovered_with_status_ok():
+    dt = np.arange(300.0)
+    power = fit_power(dt, 0.6 * (dt + 1) ** -0.9)
+    exponential = fit_exponential(dt, 0.2 * np.exp(-0.01 * dt))
+    assert (power.status, exponential.status) == ("ok", "ok") and power.described == ""
+    assert power.params["alpha"] == pytest.approx(0.9, rel=1e-6) and exponential.params["lambda"] == pytest.approx(0.01, rel=1e-6)
+
+
+@pytest.mark.parametrize("fit", [fit_power, fit_exponential])
+def test_a_rising_curve_ends_on_the_bound_as_no_decay(fit):
+    """Attention sinks make P(dt) rise at large dt: the best decay is then flat, said as such."""
+    dt = np.arange(128.0)
+    rising = 0.01 + 1e-4 * dt  # an unbounded fit would report a negative rate: a growth printed as a decay
+    result = fit(dt, rising)
+    rate = "alpha" if fit is fit_power else "lambda"
+    assert result.status == "at_bound" and result.params[rate] == 0.0
+    assert result.params["c"] == pytest.approx(rising.mean(), rel=1e-6)  # the flat curve closest to the data
+    assert result.r2 == pytest.approx(0.0, abs=1e-9)  # the mean explains nothing
+    assert result.described == ("at bound: α = 0, no decay" if fit is fit_power else "at bound: λ = 0, no decay")
+
+
+def test_a_curve_rising_after_a_decay_keeps_a_nonnegative_rate():
+    """The study's shape: a decay at short lags, the sink's upturn at the largest ones."""
+    dt = np.arange(256.0)
+    curve = 0.3 * (dt + 1) ** -1.0 + 1e-3 * np.exp((dt - 255) / 10)
+    for fitted in (fit_power(dt, curve), fit_exponential(dt, curve)):
+        assert fitted.status in ("ok", "at_bound")
+        assert all(value >= 0 for value in fitted.params.values())
+        assert fitted.params["c"] <= 10 * curve.max()
+
+
+def test_failed_fits_have_no_numbers_and_say_why():
+    too_short = fit_power(np.array([0.0, 1.0]), np.array([1.0, 0.5]))
+    assert too_short.status == "failed" and "at least 3" in too_short.note
+    assert np.isnan(too_short.r2) and np.isnan(too_short.params["c"]) and np.isnan(too_short.prediction).all()
+    zero = fit_exponential(np.arange(5.0), np.zeros(5))
+    assert zero.status == "failed" and "zero" in zero.described
+    assert fit_power(np.arange(5.0), np.zeros(5)).to_dict()["status"] == "failed"

@@ -25,6 +25,7 @@ from equivariance_probe import (
     IntervalUnavailableError,
     ProbeResult,
     paired_difference,
+    zero_like,
 )
 from equivariance_probe.runs.tables import summary_table
 from equivariance_probe.analyses.intervals import INTERVAL_STATISTICS
@@ -301,3 +302,38 @@ def test_run_prints_every_number_with_its_interval_and_the_differences(tiny_mode
     assert "no interval" in printed and f"| log | fitted | {trained.query_position_r2():.4f} |" in printed
     assert main([*arguments, "--out", str(tmp_path / "bad"), "--interval-groups", "1"]) == 2
     assert "--interval-groups 20" in capsys.readouterr().err
+
+
+def test_an_r2_interval_never_passes_one_and_says_it_was_clipped():
+    from equivariance_probe.maths.intervals import CLIPPED, PLAIN, jackknife_interval
+
+    replicates = np.array([0.995, 0.97, 0.999, 0.96, 0.99, 0.985, 0.93, 0.998])
+    plain = jackknife_interval(0.9908, replicates)
+    assert plain.high > 1 and plain.method == PLAIN  # the symmetric interval runs past the bound
+    bounded = jackknife_interval(0.9908, replicates, upper=1.0)
+    assert bounded.high == 1.0 and bounded.low == plain.low and bounded.method == CLIPPED
+    assert bounded.standard_error == plain.standard_error and bounded.half_width == pytest.approx(plain.half_width)
+    assert "clipped at R² = 1" in repr(bounded) and bounded.to_dict()["method"] == CLIPPED
+    inside = jackknife_interval(0.05, np.array([0.04, 0.06, 0.05, 0.055]), upper=1.0)
+    assert inside.method == PLAIN and inside.high < 1  # nothing to clip: the plain interval
+
+
+def test_no_r2_interval_of_a_result_exceeds_one():
+    """A random model's uniform-prior fit has R² near 1 on every window: a symmetric interval passes 1."""
+    from equivariance_probe.analyses.intervals import BY_CHOICES
+    from equivariance_probe.maths.intervals import CLIPPED
+
+    from synthetic import tiny_llama
+
+    tokens = torch.randint(3, 97, (6, 24), generator=torch.Generator().manual_seed(1))
+    result = EquivarianceProbe(tiny_llama(1)).run(tokens, progress=False, interval_groups=4)
+    methods = []
+    for statistic in INTERVAL_STATISTICS:
+        for by in BY_CHOICES[statistic]:
+            found = result.interval(statistic, by)
+            for interval in found.values() if isinstance(found, dict) else [found]:
+                assert np.all(np.asarray(interval.high) <= 1.0), (statistic, by)
+                methods.append(interval.method)
+    assert CLIPPED in methods  # some interval did reach past 1 and was clipped, not just never near it
+    bounds = result.summary()["intervals"]["persistence_fit_r2"]["prior"]
+    assert bounds[1] <= 1.0 and "clipped at 1" in result.summary()["intervals"]["method"]

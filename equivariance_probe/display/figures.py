@@ -109,9 +109,12 @@ def persistence_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
         ax.plot(dt + 1, curves.curve[has], color="tab:blue", lw=2, label="P(dt)")
         for name, fit in curves.fits.items():
             color, style = _FIT_STYLE[name]
-            ax.plot(dt + 1, fit.prediction, color=color, ls=style, label=f"{name} (R²={fit.r2:.3f})")
-        # Fits may run far outside the data (an exponential can grow to meet an attention
-        # sink at the largest lag); the axes show the data's range.
+            if fit.status == "failed":  # no curve to draw: the legend says why
+                ax.plot([], [], color=color, ls=style, label=f"{name}: no fit ({fit.note})")
+                continue
+            bound = " at its bound, no decay" if fit.status == "at_bound" else ""
+            ax.plot(dt + 1, fit.prediction, color=color, ls=style, label=f"{name} (R²={fit.r2:.3f}{bound})")
+        # The axes show the data's range.
         values = np.concatenate([curves.curve[has], curves.prior[has]])
         values = values[values > 0]
         if values.size:

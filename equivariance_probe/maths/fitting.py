@@ -4,9 +4,14 @@ Place in the seams: *maths*, pure functions of numpy arrays that import nothing 
 package but its errors.
 
 * Persistence curves (METHODS.md section 2): power law, exponential, and the uniform prior.
-  Each fit is least squares on the curve itself (raw scale), and its R² is
-  ``1 - Σ(P - f)² / Σ(P - P̄)²`` over the lags fitted. Starting values come from a
-  straight-line fit on the log scale, so the result does not depend on a guess.
+  The two families are *decays*: each is least squares on the curve itself (raw scale) within
+  the bounds ``c > 0``, ``α ≥ 0`` (``λ ≥ 0``), and its R² is ``1 - Σ(P - f)² / Σ(P - P̄)²`` over
+  the lags fitted. Starting values come from a straight-line fit on the log scale, so the result
+  does not depend on a guess. Every fit carries a status: ``"ok"``; ``"at_bound"`` when the rate
+  ends on 0 (the best decay is a constant: the curve does not decay, e.g. where attention sinks
+  make ``P(dt)`` rise at large ``dt``), reported with its R² but as no decay; or ``"failed"`` (too
+  few lags, no convergence, a parameter at an absurd scale), with NaN parameters and R², never
+  printed as a curve.
 * TISA's positional scoring function ``f(k) = Σ_s a_s·exp(-|b_s|·(k - c_s)²)`` (Wennberg &
   Henter, "The Case for Translation-Invariant Self-Attention", eq. 9-12; METHODS.md
   section 3), fitted by variable projection.
@@ -25,6 +30,7 @@ from ..errors import InputError
 
 __all__ = [
     "FIT_NAMES",
+    "FIT_STATUSES",
     "CurveFit",
     "curve_r2",
     "residual_r2",
@@ -40,6 +46,14 @@ __all__ = [
 #: The three fits of the study, in the order they are reported.
 FIT_NAMES = ("power", "exponential", "prior")
 
+#: What a fit can be: a decay within its bounds, a decay whose rate ends on its bound 0 (no decay),
+#: or no fit at all.
+FIT_STATUSES = ("ok", "at_bound", "failed")
+
+#: A fitted scale ``c`` further than this factor from the curve's largest value is a failed fit:
+#: a decay's ``c`` is its value at ``dt = 0`` and lies near the curve's values.
+ABSURD_SCALE = 1e3
+
 
 @dataclass(frozen=True)
 class CurveFit:
@@ -48,18 +62,29 @@ class CurveFit:
     Attributes:
         name: ``"power"`` (``c·(dt+1)^(-alpha)``), ``"exponential"`` (``c·exp(-lam·dt)``)
             or ``"prior"`` (the parameter-free uniform prior ``1/|V(t+dt)|``).
-        params: fitted parameters (empty for the prior).
-        r2: R² of the fit on the curve.
-        prediction: the fitted curve at the lags that were fitted.
+        params: fitted parameters (empty for the prior; NaN for a failed fit).
+        r2: R² of the fit on the curve (NaN for a failed fit).
+        prediction: the fitted curve at the lags that were fitted (NaN for a failed fit).
+        status: one of :data:`FIT_STATUSES`.
+        note: why a fit is ``"at_bound"`` or ``"failed"``, in words (empty when ``"ok"``).
     """
 
     name: str
     params: dict[str, float]
     r2: float
     prediction: np.ndarray = field(repr=False)
+    status: str = "ok"
+    note: str = ""
+
+    @property
+    def described(self) -> str:
+        """The status in words for a table cell: ``""`` when ok, else e.g. ``"at bound: α = 0, no decay"``."""
+        if self.status == "ok":
+            return ""
+        return f"{self.status.replace('_', ' ')}: {self.note}" if self.note else self.status.replace("_", " ")
 
     def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "params": dict(self.params), "r2": self.r2}
+        return {"name": self.name, "params": dict(self.params), "r2": self.r2, "status": self.status, "note": self.note}
 
 
 def curve_r2(curve: np.ndarray, prediction: np.ndarray) -> float:
@@ -90,19 +115,49 @@ def _loglinear_start(x: np.ndarray, curve: np.ndarray) -> tuple[float, float]:
     return float(intercept), float(slope)
 
 
-def _least_squares(model, x: np.ndarray, curve: np.ndarray, start: tuple[float, float]) -> np.ndarray:
+def _bounded_decay(
+    name: str, model, x: np.ndarray, curve: np.ndarray, start: tuple[float, float], rate: str
+) -> CurveFit:
+    """Least squares of ``model(x, c, rate)`` within ``c >= 0``, ``rate >= 0``, with its status."""
     from scipy.optimize import curve_fit
 
-    if len(x) <= len(start):
+    symbol = {"alpha": "α", "lambda": "λ"}[rate]
+
+    def failed(note: str) -> CurveFit:
+        return CurveFit(name, {"c": float("nan"), rate: float("nan")}, float("nan"), np.full(len(x), np.nan),
+                        "failed", note)
+
+    finite = np.isfinite(curve)
+    if len(x) <= len(start) or finite.sum() <= len(start):
         # Two parameters cannot be fitted to two points or fewer: no fit, not a perfect one.
-        return np.full(len(start), np.nan)
+        return failed(f"{int(finite.sum())} lags, a decay needs at least 3")
+    largest = float(np.max(np.abs(curve)))
+    if not largest > 0:
+        return failed("the curve is zero at every lag")
+    # The start must lie inside the bounds: a rising log-linear start becomes a slow decay.
+    c0 = float(np.clip(start[0], largest * 1e-6, largest * 10.0)) if np.isfinite(start[0]) else largest
+    r0 = max(float(start[1]), 1e-6) if np.isfinite(start[1]) else 1e-6
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            params, _ = curve_fit(model, x, curve, p0=start, maxfev=20000)
-        except (RuntimeError, ValueError, TypeError):
-            params = np.asarray(start, dtype=np.float64)
-    return np.asarray(params, dtype=np.float64)
+            params, _ = curve_fit(model, x, curve, p0=(c0, r0), bounds=([0.0, 0.0], [np.inf, np.inf]),
+                                  method="trf", maxfev=20000)
+        except (RuntimeError, ValueError, TypeError) as error:
+            return failed(f"no convergence ({type(error).__name__})")
+    c, value = (float(v) for v in params)
+    if not (np.isfinite(c) and np.isfinite(value)):
+        return failed("no convergence (non-finite parameters)")
+    if not largest / ABSURD_SCALE <= c <= largest * ABSURD_SCALE:
+        return failed(f"c = {c:.3g} is at an absurd scale for a curve whose largest value is {largest:.3g}")
+    prediction = model(x, c, value)
+    # On the bound: the best decay is flat, or so nearly that over the lags fitted it falls by less
+    # than 1e-4 of itself (the optimiser stops a hair inside the bound).
+    if 1.0 - float(model(np.max(x), 1.0, value)) / float(model(np.min(x), 1.0, value)) < 1e-4:
+        flat = float(np.mean(curve))  # the least-squares constant: the fit on its bound
+        prediction = np.full(len(x), flat)
+        return CurveFit(name, {"c": flat, rate: 0.0}, curve_r2(curve, prediction), prediction, "at_bound",
+                        f"{symbol} = 0, no decay")
+    return CurveFit(name, {"c": c, rate: value}, curve_r2(curve, prediction), prediction)
 
 
 def _power(dt: np.ndarray, c: float, alpha: float) -> np.ndarray:
@@ -114,7 +169,7 @@ def _exponential(dt: np.ndarray, c: float, lam: float) -> np.ndarray:
 
 
 def fit_power(dt: np.ndarray, curve: np.ndarray) -> CurveFit:
-    """Fit ``P(dt) ≈ c·(dt+1)^(-alpha)`` by least squares.
+    """Fit ``P(dt) ≈ c·(dt+1)^(-alpha)`` by least squares within ``c >= 0``, ``alpha >= 0``.
 
     Args:
         dt: lags ``[n]`` (``>= 0``).
@@ -123,19 +178,15 @@ def fit_power(dt: np.ndarray, curve: np.ndarray) -> CurveFit:
     dt = np.asarray(dt, dtype=np.float64)
     curve = np.asarray(curve, dtype=np.float64)
     intercept, slope = _loglinear_start(np.log(dt + 1.0), curve)
-    c, alpha = _least_squares(_power, dt, curve, (float(np.exp(intercept)), -slope))
-    prediction = _power(dt, c, alpha)
-    return CurveFit("power", {"c": float(c), "alpha": float(alpha)}, curve_r2(curve, prediction), prediction)
+    return _bounded_decay("power", _power, dt, curve, (float(np.exp(intercept)), -slope), "alpha")
 
 
 def fit_exponential(dt: np.ndarray, curve: np.ndarray) -> CurveFit:
-    """Fit ``P(dt) ≈ c·exp(-lam·dt)`` by least squares."""
+    """Fit ``P(dt) ≈ c·exp(-lam·dt)`` by least squares within ``c >= 0``, ``lam >= 0``."""
     dt = np.asarray(dt, dtype=np.float64)
     curve = np.asarray(curve, dtype=np.float64)
     intercept, slope = _loglinear_start(dt, curve)
-    c, lam = _least_squares(_exponential, dt, curve, (float(np.exp(intercept)), -slope))
-    prediction = _exponential(dt, c, lam)
-    return CurveFit("exponential", {"c": float(c), "lambda": float(lam)}, curve_r2(curve, prediction), prediction)
+    return _bounded_decay("exponential", _exponential, dt, curve, (float(np.exp(intercept)), -slope), "lambda")
 
 
 def fit_prior(curve: np.ndarray, prior: np.ndarray) -> CurveFit:

@@ -10,6 +10,14 @@ Over the ``G'`` non-empty groups (Kott's delete-a-group jackknife, "JK1"):
 * ``v = (G' - 1)/G' · Σ_g (θ₍g₎ - θ̄)²``, ``θ̄`` the mean of the replicates, ``se = √v``;
 * the interval ``θ ± t_{G'-1, (1+level)/2} · se`` around the full-data estimate ``θ``.
 
+An R² is at most 1, and near 1 the symmetric interval runs past it (``0.9908 [0.9377, 1.0439]``).
+For a statistic bounded above by ``b`` (``upper=1`` for every R²) the interval is *clipped* at ``b``:
+``[min(θ - t·se, b), min(θ + t·se, b)]``, and ``Interval.method`` says so (:data:`CLIPPED`) whenever
+an end was clipped. Clipping keeps the interval's coverage (the true value is at most ``b``) and its
+lower end; an interval on ``log(b - θ)`` was tried and rejected: where a replicate comes close to
+``b`` its log spread explodes and the lower end runs to absurd values (-5e4 for replicates within
+1e-4 of 1). ``standard_error`` is always the plain jackknife ``se`` of ``θ``.
+
 With fewer than two non-empty groups there is no spread to measure: the interval is undefined and
 :func:`jackknife_interval` says so by raising :class:`~equivariance_probe.errors.IntervalUnavailableError`.
 """
@@ -24,7 +32,13 @@ import numpy as np
 
 from ..errors import InputError, IntervalUnavailableError
 
-__all__ = ["Interval", "jackknife_interval", "check_level", "windows_for_half_width", "format_interval"]
+__all__ = ["Interval", "jackknife_interval", "check_level", "windows_for_half_width", "format_interval",
+           "PLAIN", "CLIPPED"]
+
+#: ``Interval.method`` of the plain interval ``θ ± t·se``.
+PLAIN = "jackknife t"
+#: ``Interval.method`` of an interval of a bounded statistic (an R² ≤ 1) with an end clipped at the bound.
+CLIPPED = "jackknife t, clipped at the bound (R² ≤ 1)"
 
 
 def check_level(level: Any) -> float:
@@ -44,6 +58,8 @@ class Interval:
         level: the confidence level (0.95).
         n_groups: ``G'``, the non-empty groups of windows behind the replicates.
         standard_error: ``se``, the jackknife standard error, shaped like ``estimate``.
+        method: how the interval was formed: :data:`PLAIN`, or :data:`CLIPPED` where an end was clipped at
+            the statistic's bound (an R²'s 1).
 
     Example:
         >>> interval = Interval(0.017, 0.015, 0.019, 0.95, 20, 0.001)
@@ -57,6 +73,7 @@ class Interval:
     level: float
     n_groups: int
     standard_error: Any
+    method: str = PLAIN
 
     @property
     def width(self) -> Any:
@@ -65,8 +82,10 @@ class Interval:
 
     @property
     def half_width(self) -> Any:
-        """``(high - low) / 2``, the ``±`` of the interval."""
-        return np.subtract(self.high, self.low) / 2
+        """``t·se``, the ``±`` of the unclipped interval (``(high - low) / 2`` where nothing was clipped)."""
+        if self.method == PLAIN:
+            return np.subtract(self.high, self.low) / 2
+        return np.subtract(self.estimate, self.low)
 
     def __str__(self) -> str:
         if np.ndim(self.estimate):
@@ -76,14 +95,15 @@ class Interval:
     def __repr__(self) -> str:
         if np.ndim(self.estimate):
             return str(self)
-        return f"Interval({self}, {self.level:.0%} over {self.n_groups} groups of windows)"
+        clipped = "" if self.method == PLAIN else ", clipped at R² = 1"
+        return f"Interval({self}, {self.level:.0%} over {self.n_groups} groups of windows{clipped})"
 
     def to_dict(self) -> dict[str, Any]:
-        """``estimate, low, high, level, n_groups, standard_error`` (arrays as lists)."""
+        """``estimate, low, high, level, n_groups, standard_error, method`` (arrays as lists)."""
         return {name: np.asarray(value).tolist() if np.ndim(value) else value
                 for name, value in (("estimate", self.estimate), ("low", self.low), ("high", self.high),
                                     ("level", self.level), ("n_groups", self.n_groups),
-                                    ("standard_error", self.standard_error))}
+                                    ("standard_error", self.standard_error), ("method", self.method))}
 
 
 def is_undefined(value: Any) -> bool:
@@ -99,13 +119,15 @@ def format_interval(estimate: Any, low: Any, high: Any, digits: int = 4) -> str:
     return f"{number(estimate)} [{number(low)}, {number(high)}]"
 
 
-def jackknife_interval(estimate: Any, replicates: Any, *, level: float = 0.95) -> Interval:
+def jackknife_interval(estimate: Any, replicates: Any, *, level: float = 0.95, upper: float | None = None) -> Interval:
     """The delete-a-group jackknife interval of ``estimate`` (see the module docstring).
 
     Args:
         estimate: ``θ`` from every window: a float or an array ``[...]``.
         replicates: ``θ₍g₎``, ``[G', ...]``: one per non-empty group.
         level: confidence level in ``(0, 1)``.
+        upper: the statistic's upper bound ``b`` (1 for an R²): ends above it are clipped to it;
+            ``None`` for the plain interval.
 
     Returns:
         An :class:`Interval` (arrays where ``estimate`` is one; NaN where an element's estimate or
@@ -127,11 +149,15 @@ def jackknife_interval(estimate: Any, replicates: Any, *, level: float = 0.95) -
     spread = replicates - replicates.mean(0)
     standard_error = np.sqrt((count - 1) / count * np.sum(spread * spread, axis=0))
     estimate_array = np.asarray(estimate, dtype=np.float64)
-    half = float(t.ppf((1.0 + level) / 2.0, count - 1)) * standard_error
-    low, high = estimate_array - half, estimate_array + half
+    quantile = float(t.ppf((1.0 + level) / 2.0, count - 1))
+    low, high = estimate_array - quantile * standard_error, estimate_array + quantile * standard_error
+    method = PLAIN
+    if upper is not None and bool(np.any(high > upper)):
+        low, high = np.minimum(low, upper), np.minimum(high, upper)
+        method = CLIPPED
     if estimate_array.ndim == 0:
-        return Interval(float(estimate_array), float(low), float(high), level, count, float(standard_error))
-    return Interval(estimate_array, low, high, level, count, standard_error)
+        return Interval(float(estimate_array), float(low), float(high), level, count, float(standard_error), method)
+    return Interval(estimate_array, low, high, level, count, standard_error, method)
 
 
 def windows_for_half_width(n_windows: int, half_width: float, target: float) -> float:

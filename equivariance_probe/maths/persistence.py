@@ -74,6 +74,15 @@ class PersistenceCurves:
             )
         return self.intervals[fit]
 
+    def status(self, fit: str) -> np.ndarray | str:
+        """The status of ``fit`` for every curve: ``"ok"``, ``"at_bound"`` or ``"failed"`` (see
+        :mod:`~equivariance_probe.maths.fitting`); an array of strings for split curves."""
+        check_choice("fit", fit, fitting.FIT_NAMES)
+        if not self.shape:
+            return self.fits[fit].status
+        flat = [f[fit].status for f in np.asarray(self.fits, dtype=object).ravel()]
+        return np.asarray(flat, dtype=object).reshape(self.shape)
+
     def params(self, fit: str, name: str) -> np.ndarray | float:
         """A fitted parameter (``c``, ``alpha`` for power; ``c``, ``lambda`` for exponential)."""
         check_choice("fit", fit, ("power", "exponential"))
@@ -94,7 +103,8 @@ class PersistenceCurves:
     def __repr__(self) -> str:
         if not self.shape:
             parts = [f"{n} R²={self.fits[n].r2:.3f}" + ("" if self.intervals is None else f" [{self.intervals[n].low:.3f}, "
-                                                         f"{self.intervals[n].high:.3f}]") for n in fitting.FIT_NAMES]
+                                                         f"{self.intervals[n].high:.3f}]")
+                     + (f" ({self.fits[n].described})" if self.fits[n].status != "ok" else "") for n in fitting.FIT_NAMES]
             return f"PersistenceCurves(lags={len(self.dt)}, " + ", ".join(parts) + ")"
         return f"PersistenceCurves(by={self.by!r}, curves={self.shape}, lags={len(self.dt)})"
 

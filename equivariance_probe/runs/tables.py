@@ -141,7 +141,11 @@ def windows_needed_text(summary: dict[str, Any], half_width: float = TARGET_HALF
         reason = intervals.get("unavailable", "no interval stored")
         return f"{what}: no interval, so no estimate of the windows needed ({reason})"
     n_windows = summary["n_windows"]
+    # An R² interval clipped at 1 keeps its lower side whole: that side is the ±.
+    estimate = summary_value(summary, path)
     reached = (bounds[1] - bounds[0]) / 2
+    if isinstance(estimate, (int, float)) and not is_undefined(estimate):
+        reached = max(reached, float(estimate) - bounds[0])
     needed = windows_for_half_width(n_windows, reached, half_width)
     return (f"{what}: ±{reached:.4f} at {intervals['level']:.0%} from {n_windows} windows in {intervals['groups']} groups; "
             f"±{half_width:g} needs about {math.ceil(needed)} windows (the interval narrows as 1/√windows)")
@@ -209,7 +213,13 @@ def _parameters(summary: dict[str, Any], fit: str, names: tuple[str, ...]) -> st
     fits = summary.get("persistence_fits")
     if not fits:
         return "–"
-    return ", ".join("n/a" if is_undefined(fits[fit]["params"].get(n)) else f"{fits[fit]['params'][n]:.4g}" for n in names)
+    entry = fits[fit]
+    # Files written before fits had a status hold unbounded fits: their parameters are shown as they are.
+    status, note = entry.get("status", "ok"), entry.get("note", "")
+    if status == "failed":
+        return f"no fit ({note})" if note else "no fit"
+    cell = ", ".join("n/a" if is_undefined(entry["params"].get(n)) else f"{entry['params'][n]:.4g}" for n in names)
+    return f"{cell} (at its bound: {note})" if status == "at_bound" else cell
 
 
 def _prior_best_bins(summary: dict[str, Any]) -> str:
