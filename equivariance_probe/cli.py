@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -414,6 +415,7 @@ def _merge(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     from .result import ProbeResult
+    from .runs.study import BASELINES
     from .runs.tables import summary_table
 
     results = {str(path): ProbeResult.load(path) for path in args.results}
@@ -423,8 +425,15 @@ def _show(args: argparse.Namespace) -> int:
                                           "summary": result.summary()}
                                    for path, result in results.items()}), indent=1))
         return 0
+    # The study's order, whatever the shell's glob gave: the trained model first, then its baselines.
+    def study_order(item: tuple[int, tuple[str, ProbeResult]]) -> tuple[int, int]:
+        index, (_, result) = item
+        label = result.metadata.get("label")
+        return (0 if label == "trained" else 1 if label in BASELINES else 2, index)
+
+    ordered = [pair for _, pair in sorted(enumerate(results.items()), key=study_order)]
     columns: dict[str, dict[str, Any]] = {}
-    for path, result in results.items():
+    for path, result in ordered:
         label = str(result.metadata.get("label") or Path(path).name)
         label = label if label not in columns else f"{label} ({path})"
         summary = result.summary()
@@ -432,9 +441,11 @@ def _show(args: argparse.Namespace) -> int:
             raise InputError(f"{path} holds no windows (an empty result): there is nothing to show")
         columns[label] = summary
         state = "" if result.complete else " (PARTIAL: the run stopped before the end)"
-        print(f"{label}: {path}, model {result.model_name}, log floor eps = {result.log_floor:.3g}, excluded keys "
-              f"{list(result.excluded_keys) or 'none'}{state}")
-    print("\nQuery-position R² over every visible entry (log scale: y = log max(a, eps))\n")
+        named = path if label == Path(path).name else f"{label} ({path})"
+        print(f"{named}: model {result.model_name}, {summary['n_windows']} windows, log floor eps = "
+              f"{result.log_floor:.3g}, excluded keys {list(result.excluded_keys) or 'none'}{state}")
+    print("\nQuery-position R² over every visible entry (log scale: y = log max(a, eps)), with 95 % intervals over "
+          "windows where the file has them\n")
     print(summary_table(columns, extended=True))
     return 0
 
@@ -546,13 +557,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         with command_line_options(FLAGS):
-            return args.handler(args)
+            status = args.handler(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at the interpreter's exit
+        return status
     except EquivarianceProbeError as error:
         print(f"equivariance-probe {args.command}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`show ... | head`): what it read is all it wanted. Point stdout at
+        # /dev/null so that the interpreter's final flush does not raise again (Python's documented recipe).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -180,7 +180,7 @@ class EquivarianceProbe:
         max_windows: int | None = None,
         sample_size: int = 0,
         sample_seed: int | None = None,
-        progress: bool = True,
+        progress: bool | str = True,
         device: str | torch.device | None = None,
         key_bins: int = KEY_BINS,
         engine: str = "auto",
@@ -211,7 +211,7 @@ class EquivarianceProbe:
             sample_size: also keep a uniform sample of this many visible entries (for the
                 attention-vs-prior scatter plot); 0 keeps none.
             sample_seed: seed of that sample (use different seeds for shards to be merged).
-            progress: show a progress bar.
+            progress: show a progress bar; a string shows one under that name (e.g. ``"T=1024, trained"``).
             device: where the float64 sums live (default: the model's device).
             key_bins: key-position bins of the key-conditioned persistence curves (the study's
                 Figure 1c): one per key up to this many positions, equal-width bins beyond.
@@ -272,7 +272,7 @@ class EquivarianceProbe:
         total = len(docs) if hasattr(docs, "__len__") and not isinstance(docs, (torch.Tensor, Mapping)) else None
         if isinstance(docs, torch.Tensor):
             total = 1 if docs.dim() == 1 else int(docs.shape[0])
-        bar = progress_bar(progress, total)
+        bar = progress_bar(bool(progress), total, progress if isinstance(progress, str) else "documents")
         skipped = 0
         try:
             batch: list[list[int]] = []
@@ -382,10 +382,29 @@ class _NoProgress:
         pass
 
 
+class _FinishOnce:
+    """A tqdm bar whose last step is drawn by ``close()`` alone: tqdm draws the step that reaches the
+    total and then draws it again when closed, which a log (stderr not a terminal) shows as two lines
+    at 100 %."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+
+    def update(self, n: int = 1) -> None:
+        if self.bar.total is not None and self.bar.n + n >= self.bar.total:
+            self.bar.n += n  # drawn once, by close()
+        else:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def progress_bar(enabled: bool, total: int | None, description: str = "documents") -> Any:
-    """A tqdm progress bar over ``total`` documents, or one that shows nothing when not ``enabled``."""
+    """A tqdm progress bar over ``total`` documents, drawn at 100 % once, or one that shows nothing when not
+    ``enabled``. ``description`` names what is measured (a study's variant: ``"trained: documents"``)."""
     if not enabled:
         return _NoProgress()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=description, unit="doc")
+    return _FinishOnce(tqdm(total=total, desc=description, unit="doc"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from equivariance_probe import ProbeResult
 from equivariance_probe.cli import main
@@ -106,3 +107,43 @@ def test_report_command_writes_a_self_contained_html_file(tiny, tmp_path, capsys
     (tmp_path / "broken.json").write_text('{"format_version": 1')
     assert main(["report", str(tmp_path / "broken.json")]) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_show_puts_trained_first_names_each_file_once_and_survives_a_closed_pipe(tmp_path):
+    """`show results/*.safetensors | head`: the glob's order puts baseline_* before results; the reader
+    closes the pipe after a line."""
+    import subprocess
+    import sys as system
+
+    from equivariance_probe import EquivarianceProbe
+
+    from synthetic import tiny_gpt2
+
+    tokens = torch.randint(3, 90, (4, 16), generator=torch.Generator().manual_seed(0))
+    for label, seed in (("trained", 0), ("random_init", 1)):
+        result = EquivarianceProbe(tiny_gpt2(seed)).run(tokens, progress=False)
+        result.metadata["label"] = label
+        result.save(tmp_path / ("results.safetensors" if label == "trained" else f"baseline_{label}.safetensors"))
+    files = sorted(str(path) for path in tmp_path.glob("*.safetensors"))  # baseline_random_init first
+    shown = subprocess.run([system.executable, "-m", "equivariance_probe.cli", "show", *files],
+                           capture_output=True, text=True, check=True).stdout
+    header = [line for line in shown.splitlines() if line.startswith("| scale")][0]
+    assert header.index("trained") < header.index("random_init")
+    first = shown.splitlines()[0]
+    assert first.startswith("trained (") and first.count("results.safetensors") == 1
+    # A reader that is gone before the table is written (`| head` after its lines): no traceback, exit status 0.
+    piped = subprocess.Popen([system.executable, "-m", "equivariance_probe.cli", "show", *files],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    piped.stdout.close()
+    assert piped.wait(timeout=120) == 0
+    assert "Traceback" not in piped.stderr.read().decode()
+
+
+def test_each_progress_bar_names_its_variant_and_reaches_100_percent_once(tiny, tmp_path, capsys):
+    root, model, corpus = tiny
+    assert main(["run", "--out", str(tmp_path / "out"), "--model", model, "--corpus", corpus, "--n-docs", "3",
+                 "--context-length", "16", "--batch-size", "1", "--sample-size", "0", "--no-figures"]) == 0
+    bars = capsys.readouterr().err.replace("\r", "\n")
+    for variant in ("trained", "random_init", "zero"):
+        finished = [line for line in bars.splitlines() if line.startswith(f"{variant}: documents") and "100%" in line]
+        assert len(finished) == 1, (variant, bars)

@@ -211,7 +211,7 @@ def test_show_prints_every_headline_number_without_reading_an_array(result, tmp_
     printed = capsys.readouterr().out
     for row in ("| log | prior |", "| log | fitted |", "| log | eta2 |", "| raw | prior |", "| raw | fitted |",
                 "| raw | eta2 |", "| P(dt) | power fit R² |", "| P(dt) | exponential fit c, λ |",
-                "| Fig. 1c | key bins where the prior fits best |", "| Toeplitz | mean per-window R² |",
+                "| P(dt) by key (Fig. 1c) | key bins where the uniform prior fits better than both decays |", "| Toeplitz | mean per-window R² |",
                 "| heads | most position-bound (log η²) |", "|  | windows / tokens | 5 / "):
         assert row in printed, row
     # every headline number with its 95 % interval, from the header alone

@@ -232,7 +232,7 @@ class CheckpointedRun:
             total = self._load(self.current["file"]) if self.current["file"] else None
         every = self.every or max(len(docs), 1)
         probe = build_probe()
-        bar = progress_bar(progress, len(docs))
+        bar = progress_bar(progress, len(docs), f"{name}: documents")
         bar.update(position)
         try:
             for start in range(position, len(docs), every):

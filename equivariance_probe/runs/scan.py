@@ -535,7 +535,8 @@ def scan_context_lengths(
             # Interval groups by span, not by window: every length then resamples the same text regions,
             # so that two lengths pair group by group (ContextScan.difference).
             result = probe.run(windows[length], context_length=length, batch_size=_batch_size(length, batch_size),
-                               exclude_keys=exclude_keys, progress=progress, resampling_keys=windows[length].spans)
+                               exclude_keys=exclude_keys, progress=progress and f"T={length}, {variant}: windows",
+                               resampling_keys=windows[length].spans)
             timings[length][variant] = time.perf_counter() - start
             # The study's metadata, so that a report of one length shows its baselines beside it.
             result.metadata.update(

@@ -72,8 +72,9 @@ def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False
             for fit in fitting.FIT_NAMES:
                 row(f"P(dt), {group} layers", f"{fit} fit R²",
                     lambda s, group=group, fit=fit: _group_number(s, group, ("persistence_fit_r2", fit)))
-        row("Fig. 1c", "key bins where the prior fits best", _prior_best_bins)
-        row("Fig. 1c", "prior fit R² over key bins", lambda s: _spread(s.get("fit_r2_by_key_position", {}).get("prior")))
+        row("P(dt) by key (Fig. 1c)", "key bins where the uniform prior fits better than both decays", _prior_best_bins)
+        row("P(dt) by key (Fig. 1c)", "uniform prior's R², lowest … highest over key bins",
+            lambda s: _spread(s.get("fit_r2_by_key_position", {}).get("prior")))
     row("Toeplitz", "mean per-window R²", lambda s: _with_interval(s, ("toeplitz_r2_per_doc_mean",)))
     if extended:
         row("Toeplitz", "document-averaged pattern R²",
@@ -229,7 +230,7 @@ def _prior_best_bins(summary: dict[str, Any]) -> str:
     prior, power, exponential = (np.asarray(by_key[n], dtype=np.float64) for n in ("prior", "power", "exponential"))
     defined = np.isfinite(prior)
     best = defined & (prior > np.where(np.isfinite(power), power, -np.inf)) & (prior > np.where(np.isfinite(exponential), exponential, -np.inf))
-    return f"{int(best.sum())} of {int(defined.sum())}"
+    return f"{int(best.sum())} of {int(defined.sum())} bins"
 
 
 def _spread(values: Any) -> str:
