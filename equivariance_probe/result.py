@@ -665,6 +665,7 @@ class ProbeResult:
                 "query_position_r2": {scale: {form: tables[scale][form][group] for form in metrics.FORMS}
                                       for scale in metrics.SCALES},
                 "persistence_fit_r2": {name: curves[group].fits[name].r2 for name in fitting.FIT_NAMES},
+                "persistence_fit_status": {name: curves[group].fits[name].status for name in fitting.FIT_NAMES},
             }
             for group, layers in groups.items()
             if group != "all"

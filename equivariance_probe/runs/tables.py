@@ -64,14 +64,14 @@ def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False
                 row(f"{scale}, {group} layers", form,
                     lambda s, group=group, scale=scale, form=form: _group_number(s, group, ("query_position_r2", scale, form)))
     for fit in fitting.FIT_NAMES:
-        row("P(dt)", f"{fit} fit R²", lambda s, fit=fit: _with_interval(s, ("persistence_fit_r2", fit)))
+        row("P(dt)", f"{fit} fit R²", lambda s, fit=fit: _fit_r2(s, (), fit))
     if extended:
         row("P(dt)", "power fit c, α", lambda s: _parameters(s, "power", ("c", "alpha")))
         row("P(dt)", "exponential fit c, λ", lambda s: _parameters(s, "exponential", ("c", "lambda")))
         for group in groups:
             for fit in fitting.FIT_NAMES:
                 row(f"P(dt), {group} layers", f"{fit} fit R²",
-                    lambda s, group=group, fit=fit: _group_number(s, group, ("persistence_fit_r2", fit)))
+                    lambda s, group=group, fit=fit: _fit_r2(s, ("layer_groups", group), fit))
         row("P(dt) by key (Fig. 1c)", "key bins where the uniform prior fits better than both decays", _prior_best_bins)
         row("P(dt) by key (Fig. 1c)", "uniform prior's R², lowest … highest over key bins",
             lambda s: _spread(s.get("fit_r2_by_key_position", {}).get("prior")))
@@ -208,6 +208,20 @@ def _group_number(summary: dict[str, Any], group: str, path: tuple[str, ...]) ->
     if summary_value(summary, ("layer_groups", group, *path)) is None:
         return "–"
     return _with_interval(summary, ("layer_groups", group, *path))
+
+
+def _fit_r2(summary: dict[str, Any], where: tuple[str, ...], fit: str) -> str:
+    """A fit's R² (with its interval), said as no decay where the fit sits on its bound and as no fit where it failed."""
+    if where and summary_value(summary, (*where, "persistence_fit_r2")) is None:
+        return "–"  # the model has no such layer group
+    if where:
+        status = (summary_value(summary, (*where, "persistence_fit_status")) or {}).get(fit, "ok")
+    else:
+        status = ((summary.get("persistence_fits") or {}).get(fit) or {}).get("status", "ok")
+    if status == "failed":
+        return "no fit"
+    cell = _with_interval(summary, (*where, "persistence_fit_r2", fit))
+    return f"{cell} (no decay: at its bound)" if status == "at_bound" else cell
 
 
 def _parameters(summary: dict[str, Any], fit: str, names: tuple[str, ...]) -> str:
