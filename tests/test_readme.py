@@ -1,4 +1,5 @@
-"""Every Python block of the README runs as written, in order, in one namespace (as a notebook would).
+"""Every Python block of the README runs as written, in order, in one namespace (as a notebook would),
+and every example script runs as written.
 
 The README's models are real (Gemma 3 270M, SmolLM2, Qwen2.5); here a tiny random Gemma 3 saved with
 its tokenizer stands in for every packaged name that ``load_model`` (and the comparisons and scans
@@ -89,3 +90,28 @@ def test_every_python_block_of_the_readme_runs_as_written(stand_in_models, tmp_p
     merged = notebook["result"].merge(notebook["other"])
     assert merged.n_windows == notebook["result"].n_windows + notebook["other"].n_windows
     assert (tmp_path / "run.safetensors").exists() and (tmp_path / "heads.html").exists()
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, arguments", [
+    ("quickstart.py", ["--docs", "4", "--context-length", "64", "--out", "results/quickstart.safetensors"]),
+    ("study.py", ["--out", "study_out", "--docs", "3", "--context-length", "32"]),
+    ("remote_llama.py", ["--docs", "4", "--context", "32"]),  # without --remote: the same code on a local model
+])
+def test_every_example_script_runs_as_written(script, arguments, stand_in_models, tmp_path, monkeypatch, capsys):
+    import runpy
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [script, *arguments])
+    runpy.run_path(str(EXAMPLES / script), run_name="__main__")
+    printed = capsys.readouterr().out
+    assert printed.strip()
+    if script == "quickstart.py":
+        assert (tmp_path / "results" / "quickstart.safetensors").exists()
+        assert "equivariance-probe show results/quickstart.safetensors" in printed
+    if script == "study.py":
+        assert (tmp_path / "study_out" / "results.safetensors").exists()
