@@ -193,3 +193,14 @@ def test_a_fused_kernel_that_cannot_run_is_named_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         triton_kernels.warn_triton_unavailable()  # once per process
+
+
+def test_nan_attention_in_a_later_layer_is_non_finite_attention_not_an_engine_mismatch():
+    """Python's max skips a NaN that is not first: NaN weights in layer 1 must still read as non-finite."""
+    from equivariance_probe import NonFiniteAttentionError
+
+    model = tiny_llama()
+    with torch.no_grad():
+        model.model.layers[1].self_attn.q_proj.weight.fill_(float("nan"))
+    with pytest.raises(NonFiniteAttentionError):
+        EquivarianceProbe(model).run(_windows(), batch_size=2, progress=False)

@@ -350,7 +350,8 @@ class HuggingFaceAdapter(Adapter):
             # recomputation needs no eager kernel (and neither weights path could run).
             return {**decision, "source": "recompute", "max_difference": None,
                     "reason": f"not checked: the model cannot run eager attention ({error!s:.200})"}
-        largest = max(differences, default=0.0)
+        # Python's max skips a NaN that is not first; a NaN anywhere means the weights are not finite.
+        largest = math.nan if any(map(math.isnan, differences)) else max(differences, default=0.0)
         decision["max_difference"] = largest
         if math.isnan(largest):
             # Non-finite weights are the model's, whichever way they are read: the statistics refuse them.
