@@ -43,7 +43,7 @@ from ..errors import AttentionCaptureError, IncompatibleResultsError, InputError
 from .blocks import ENGINES, attention_sums_from_qk, attention_sums_from_weights, toeplitz_r2_per_window
 from .groups import DEFAULT_INTERVAL_GROUPS, WindowGroups, as_keys
 from .kernels import visible_mask
-from .masks import KEY_BINS, default_log_floor, key_bins, mask_counts, n_lags, uniform_prior
+from .masks import KEY_BINS, default_log_floor, key_bins, mask_counts, n_lags, pinned, uniform_prior
 from .sample import EntrySample
 
 __all__ = ["AttentionStatistics", "STATISTICS", "MASK_LEAK_TOLERANCE", "ENGINES"]
@@ -236,8 +236,8 @@ class AttentionStatistics:
         self._batch_fingerprints = fingerprints
         # On the host for the block bounds and the mask's closed forms (no device-to-host copy
         # per layer), and on the device for what runs there.
-        self._host_lengths = lengths.detach().to("cpu", torch.long)
-        self._lengths = self._host_lengths.to(self.device)
+        self._host_lengths = pinned(lengths.detach().to("cpu", torch.long))
+        self._lengths = self._host_lengths.to(self.device, non_blocking=True)
         if self.sample is not None:
             self._sample_before = self.sample.to_arrays()
         if self.groups is not None:
@@ -265,7 +265,7 @@ class AttentionStatistics:
                 bins, count = key_bins(self.n_positions, self.key_bins)
                 counts = mask_counts(self._host_lengths, self.n_positions, window=window,
                                      excluded_keys=self.excluded_keys, key_bin=bins, n_key_bins=count, causal=self.causal)
-                self._batch_masks[host] = {**counts, "key_bin": bins}
+                self._batch_masks[host] = {name: pinned(value) for name, value in {**counts, "key_bin": bins}.items()}
             self._batch_masks[key] = {name: value.to(device, non_blocking=True)
                                       for name, value in self._batch_masks[host].items()}
         return self._batch_masks[key]

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from ..errors import IncompatibleResultsError, InputError, option
-from .masks import mask_counts
+from .masks import mask_counts, pinned
 
 __all__ = ["WindowGroups", "GROUP_SUMS", "DEFAULT_INTERVAL_GROUPS", "group_of", "KEY_KINDS"]
 
@@ -152,7 +152,8 @@ class WindowGroups:
             return
         groups = group_of(keys, self.n_groups)
         present, slot = np.unique(groups, return_inverse=True)
-        self._batch = {"present": present, "slot": torch.from_numpy(slot.astype(np.int64)), "kind": kind,
+        # "slots": the window-to-group slots copied once per device of the batch, not once per layer.
+        self._batch = {"present": present, "slot": pinned(torch.from_numpy(slot.astype(np.int64))), "kind": kind,
                        "lengths": lengths.detach().to("cpu", torch.long), "slots": {}}
 
     def single_group(self) -> bool:
@@ -172,15 +173,17 @@ class WindowGroups:
         if self._batch is None:
             return
         width = sums["log_sum"].shape[0]
+        device = sums["log_sum"].device
         if width == 1 and len(self._batch["present"]) == 1:
-            slot, count = torch.zeros(1, dtype=torch.long), 1
+            slot, count = torch.zeros(1, dtype=torch.long, device=device), 1
         elif width == len(self._batch["slot"]):
-            slot, count = self._batch["slot"], len(self._batch["present"])
+            slots = self._batch["slots"]
+            if device not in slots:
+                slots[device] = self._batch["slot"].to(device, non_blocking=True)
+            slot, count = slots[device], len(self._batch["present"])
         else:
             raise InputError(f"group sums for {width} windows in a batch of {len(self._batch['slot'])} windows of "
                              f"{len(self._batch['present'])} groups; give one row per window")
-        device = sums["log_sum"].device
-        slot = slot.to(device)
 
         def grouped(value: torch.Tensor) -> torch.Tensor:
             value = value.to(torch.float64)

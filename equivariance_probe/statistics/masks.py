@@ -170,6 +170,12 @@ def visible_key_counts(
     return allowed - (before[query + 1] - before[first])
 
 
+def pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor in page-locked memory where CUDA runs, so that its copies to the device are asynchronous
+    (a copy from pageable memory waits for the device); the tensor itself elsewhere."""
+    return tensor.pin_memory() if torch.cuda.is_available() else tensor
+
+
 def _check_key_bins(
     key_bin: torch.Tensor | None, n_key_bins: int | None, n_positions: int, device: torch.device
 ) -> tuple[torch.Tensor, int]:
