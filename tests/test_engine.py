@@ -204,3 +204,14 @@ def test_nan_attention_in_a_later_layer_is_non_finite_attention_not_an_engine_mi
         model.model.layers[1].self_attn.q_proj.weight.fill_(float("nan"))
     with pytest.raises(NonFiniteAttentionError):
         EquivarianceProbe(model).run(_windows(), batch_size=2, progress=False)
+
+
+def test_a_local_nnsight_run_checks_its_engine_too():
+    nnsight = pytest.importorskip("nnsight")
+
+    model = tiny_llama()
+    model.set_attn_implementation("sdpa")
+    wrapped = nnsight.NNsight(model)
+    result = EquivarianceProbe(wrapped, pattern_source="recompute").run(_windows(), batch_size=2, progress=False)
+    check = result.metadata["engine"]["engine_check"]
+    assert check["passed"] and check["engine"] == "torch" and check["max_difference"] < 1e-5

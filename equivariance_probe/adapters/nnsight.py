@@ -128,6 +128,9 @@ class NNsightAdapter(Adapter):
             raise InputError(f"remote must be True, False, 'local' or a host URL, not {remote!r}")
         self.remote = remote
         self.pattern_source = pattern_source
+        #: The first local batch's check of the engine against a float64 reduction of the model's own
+        #: weights (by the wrapped model's Hugging Face adapter), empty until then and on other paths.
+        self.engine_check: dict[str, Any] = {}
         inner = inner_module(model)
         try:
             from transformers import PreTrainedModel
@@ -361,6 +364,10 @@ class NNsightAdapter(Adapter):
             if self.resolved_source() == "weights":
                 self.run_patterns(tokens, statistics.update)
             else:
+                if statistics.n_windows == 0 and self.engine_check.get("option") != statistics.engine:
+                    # Outside any trace, on the wrapped model: the engine against the model's own weights.
+                    self._hf._check_recompute(tokens, statistics)
+                    self.engine_check = dict(self._hf.engine_check)
                 self._run_scores(tokens, statistics)
             return
         if getattr(statistics, "sample", None) is not None:
