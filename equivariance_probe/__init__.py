@@ -70,6 +70,7 @@ from .errors import (
     ModelNotDeployedError,
     ServerUnreachableError,
     ResultFileError,
+    FileWriteError,
     UndefinedStatisticError,
     UnsupportedModelError,
 )
@@ -166,5 +167,6 @@ __all__ = [
     "IntervalUnavailableError",
     "IncompatibleResultsError",
     "ResultFileError",
+    "FileWriteError",
     "CheckpointError",
 ]

@@ -9,6 +9,7 @@ import torch
 from equivariance_probe import (
     AttentionStatistics,
     EquivarianceProbe,
+    FileWriteError,
     IncompatibleResultsError,
     NotRunError,
     ProbeResult,
@@ -150,3 +151,20 @@ def test_entry_sample_is_uniform_bounded_saved_and_merged(tmp_path):
     assert counts.sum() == 2000 and counts.min() > 120 and counts.max() < 290
     merged = uniform.merge(EntrySample(2000, seed=5))
     assert len(merged) == 2000
+
+
+def test_save_where_no_file_can_be_written_is_a_named_error_and_leaves_no_tmp(result, tmp_path, monkeypatch):
+    with pytest.raises(FileWriteError, match=r"is a folder; give a file name inside it"):
+        result.save(tmp_path)  # onto a path that is a folder
+    with pytest.raises(FileWriteError, match=r"folder .*no_dir.* does not exist; create it first"):
+        result.save(tmp_path / "no_dir" / "out.safetensors")
+    import os
+
+    def refuse(*args, **kwargs):  # tests run as root, where chmod does not stop a write
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(FileWriteError, match=r"not writable by this user.*write into a folder you can write to") as caught:
+        result.save(tmp_path / "read_only.safetensors")
+    assert isinstance(caught.value, OSError) and isinstance(caught.value.__cause__, PermissionError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no .tmp left behind, no result claimed
