@@ -30,7 +30,7 @@ import torch
 
 from .adapters import Adapter, get_adapter
 from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError
-from .records.provenance import library_versions, model_revision, window_fingerprints
+from .records.provenance import library_versions, model_identity, model_revision, window_fingerprints
 from .result import ProbeResult
 from .sources.devices import resolve_device
 from .sources.packing import PackedWindows, windows_record
@@ -409,6 +409,9 @@ class EquivarianceProbe:
                 "device": info.device,
                 **info.extra,
                 "revision": model_revision(self.adapter.model),
+                # Which weights these are (a strided sample of every tensor): results of one model name
+                # with other weights (a fine-tune, a random_init_like copy) refuse to merge.
+                "weights_sha256": model_identity(self.adapter.model).get("weights_sha256"),
             },
             "layout": {
                 "n_layers": layout.n_layers,
