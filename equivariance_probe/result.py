@@ -533,6 +533,7 @@ class ProbeResult:
                 "the sums of one model's attention do not add to another's; merge only results of one model "
                 "(compare two models with compare_models, or side by side with equivariance-probe report)"
             )
+        provenance = merged_provenance(self.metadata, other.metadata)  # refuses duplicates, other shards' corpora
         weights = (mine.get("weights_sha256"), theirs.get("weights_sha256"))
         if all(weights) and weights[0] != weights[1]:
             raise IncompatibleResultsError(
@@ -542,7 +543,6 @@ class ProbeResult:
                 "random_init_like copy, another dtype) measures other attention; merge only results of the same "
                 "weights, and run the remaining windows on the weights the first result used"
             )
-        provenance = merged_provenance(self.metadata, other.metadata)  # refuses duplicates, other shards' corpora
         statistics = self.statistics.merge(other.statistics, allow_duplicate_windows=allow_duplicate_windows)
         metadata = dict(self.metadata)
         metadata["merged_from"] = [self.metadata.get("run_id"), other.metadata.get("run_id")]
