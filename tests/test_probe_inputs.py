@@ -163,3 +163,12 @@ def test_cuda_on_a_machine_without_cuda_is_a_named_error():
 
     with pytest.raises(InputError, match=r"device 'cuda'.*no CUDA GPU.*device='cpu'"):
         EquivarianceProbe(tiny_gpt2()).run(torch.arange(1, 9).repeat(2, 1), device="cuda", progress=False)
+
+
+def test_an_encoder_decoder_model_is_refused_as_unsupported_not_told_to_wrap_itself():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
+    with pytest.raises(UnsupportedModelError, match=r"T5ForConditionalGeneration is an encoder-decoder model.*decoder-only") as caught:
+        EquivarianceProbe(t5)
+    assert "Wrap the model" not in str(caught.value)
