@@ -71,6 +71,7 @@ from .errors import (
     ModelNotDeployedError,
     ServerUnreachableError,
     ResultFileError,
+    FileWriteError,
     UndefinedStatisticError,
     UnsupportedModelError,
 )
@@ -168,5 +169,6 @@ __all__ = [
     "IntervalUnavailableError",
     "IncompatibleResultsError",
     "ResultFileError",
+    "FileWriteError",
     "CheckpointError",
 ]

@@ -46,6 +46,7 @@ __all__ = [
     "IntervalUnavailableError",
     "IncompatibleResultsError",
     "ResultFileError",
+    "FileWriteError",
     "CheckpointError",
     "check_choice",
     "option",
@@ -152,6 +153,11 @@ class IncompatibleResultsError(EquivarianceProbeError, ValueError):
 
 class ResultFileError(EquivarianceProbeError, ValueError):
     """A saved result file is truncated, malformed, or of an unknown format version."""
+
+
+class FileWriteError(EquivarianceProbeError, OSError):
+    """A result or checkpoint file cannot be written where it was asked for: its folder does not exist
+    or is not writable, the path is a folder, or the disk refused it. Nothing is left behind."""
 
 
 class CheckpointError(EquivarianceProbeError, ValueError):

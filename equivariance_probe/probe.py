@@ -20,6 +20,7 @@ which of these protocols a run used.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -29,8 +30,9 @@ import torch
 
 from .adapters import Adapter, get_adapter
 from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError
-from .records.provenance import library_versions, model_revision, window_fingerprints
+from .records.provenance import library_versions, model_identity, model_revision, window_fingerprints
 from .result import ProbeResult
+from .sources.devices import resolve_device
 from .sources.packing import PackedWindows, windows_record
 from .sources.padding import check_not_left_padded, rows_from_encoding
 from .statistics import AttentionStatistics
@@ -242,8 +244,7 @@ class EquivarianceProbe:
         context_length = self._context_length(docs, context_length)
         layout = self.adapter.layout
         exclude_keys = tuple(int(k) for k in exclude_keys)
-        if any(k < 0 for k in exclude_keys):
-            raise InputError(f"exclude_keys must be non-negative key positions, got {list(exclude_keys)}")
+        self._check_run_options(context_length, exclude_keys, min_tokens, max_windows, key_bins, device)
         statistics = AttentionStatistics(
             n_layers=layout.n_layers,
             n_heads=layout.n_heads,
@@ -298,12 +299,16 @@ class EquivarianceProbe:
                     raise InputError(f"resampling_keys has {len(keys)} keys for {read} windows; give one key per window")
             if batch:
                 self._run_batch(batch, statistics, None if keys is None else keys[batch_keys])
-        except (EquivarianceProbeError, KeyboardInterrupt, RuntimeError) as error:
+        except BaseException as error:
+            # Whatever stopped the run (the package's own error, an interrupt, an OSError from a
+            # document generator, a ValueError from a user's hook), the batches done so far are kept
+            # and marked partial, so nothing computed is lost and nothing claims to be complete.
             statistics.abort_batch()
             metadata["engine"] = self._engine(statistics)
             metadata["skipped_windows"] = skipped
             metadata["complete"] = False
-            error.partial_result = result  # type: ignore[attr-defined]
+            with contextlib.suppress(AttributeError, TypeError):  # exceptions with __slots__ take no attribute
+                error.partial_result = result  # type: ignore[attr-defined]
             raise
         finally:
             bar.close()
@@ -318,6 +323,54 @@ class EquivarianceProbe:
         if statistics.device.type != "cpu":
             result.statistics = statistics.to("cpu")
         return result
+
+    def _check_run_options(
+        self,
+        context_length: int,
+        exclude_keys: tuple[int, ...],
+        min_tokens: int,
+        max_windows: int | None,
+        key_bins: int,
+        device: Any,
+    ) -> None:
+        """Refuse options that would run without measuring anything, or measure something other than asked."""
+        if any(k < 0 for k in exclude_keys):
+            raise InputError(f"exclude_keys must be non-negative key positions, got {list(exclude_keys)}")
+        outside = sorted(k for k in exclude_keys if k >= context_length)
+        if outside:
+            raise InputError(
+                f"exclude_keys={list(exclude_keys)} names key positions {outside} that a window of "
+                f"context_length={context_length} does not have (positions 0..{context_length - 1}); drop them "
+                "or raise context_length"
+            )
+        if len(set(exclude_keys)) >= context_length:
+            raise InputError(
+                f"exclude_keys={list(exclude_keys)} leaves out every key position of a window of "
+                f"context_length={context_length}, so no statistic has anything to measure; exclude fewer keys"
+            )
+        if context_length < 2:
+            # One token attends only to itself (weight 1): no position varies, so every R² is 0/0.
+            raise InputError(
+                f"context_length={context_length} gives windows of one token, whose attention (1 on itself) "
+                "has no position to depend on, so every R² is undefined; pass context_length=2 or more"
+            )
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 1:
+            raise InputError(f"min_tokens must be a positive integer, not {min_tokens!r}")
+        if min_tokens > context_length:
+            raise InputError(
+                f"min_tokens={min_tokens} is more than context_length={context_length}, so every window would be "
+                f"skipped as too short; pass min_tokens={context_length} or less, or raise context_length"
+            )
+        if max_windows is not None and (
+            not isinstance(max_windows, int) or isinstance(max_windows, bool) or max_windows < 1
+        ):
+            raise InputError(
+                f"max_windows must be a positive integer or None (no limit), not {max_windows!r}"
+            )
+        if not isinstance(key_bins, int) or isinstance(key_bins, bool) or key_bins < 1:
+            raise InputError(f"key_bins must be a positive integer, not {key_bins!r}; the default is {KEY_BINS}")
+        if device is not None:
+            resolve_device(device)  # a named error for a device torch cannot use (CUDA on a machine without it)
 
     def _engine(self, statistics: AttentionStatistics) -> dict[str, Any]:
         """How the sums were computed: the attention source, its first-batch check, the engine's check
@@ -357,6 +410,9 @@ class EquivarianceProbe:
                 "device": info.device,
                 **info.extra,
                 "revision": model_revision(self.adapter.model),
+                # Which weights these are (a strided sample of every tensor): results of one model name
+                # with other weights (a fine-tune, a random_init_like copy) refuse to merge.
+                "weights_sha256": model_identity(self.adapter.model).get("weights_sha256"),
             },
             "layout": {
                 "n_layers": layout.n_layers,

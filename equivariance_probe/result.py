@@ -532,9 +532,20 @@ class ProbeResult:
         mine, theirs = self.metadata.get("model", {}), other.metadata.get("model", {})
         if mine.get("name") and theirs.get("name") and mine.get("name") != theirs.get("name"):
             raise IncompatibleResultsError(
-                f"cannot merge results of different models ({mine.get('name')!r} and {theirs.get('name')!r})"
+                f"cannot merge results of different models ({mine.get('name')!r} and {theirs.get('name')!r}): "
+                "the sums of one model's attention do not add to another's; merge only results of one model "
+                "(compare two models with compare_models, or side by side with equivariance-probe report)"
             )
         provenance = merged_provenance(self.metadata, other.metadata)  # refuses duplicates, other shards' corpora
+        weights = (mine.get("weights_sha256"), theirs.get("weights_sha256"))
+        if all(weights) and weights[0] != weights[1]:
+            raise IncompatibleResultsError(
+                f"cannot merge results of model {mine.get('name')!r} with weights sha256 {weights[0][:12]}… and "
+                f"of model {theirs.get('name')!r} with weights sha256 {weights[1][:12]}… (metadata['model']"
+                "['weights_sha256']): the same model name with other weights (a fine-tune, another checkpoint, a "
+                "random_init_like copy, another dtype) measures other attention; merge only results of the same "
+                "weights, and run the remaining windows on the weights the first result used"
+            )
         statistics = self.statistics.merge(other.statistics, allow_duplicate_windows=allow_duplicate_windows)
         metadata = dict(self.metadata)
         metadata["merged_from"] = [self.metadata.get("run_id"), other.metadata.get("run_id")]

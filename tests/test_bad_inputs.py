@@ -286,3 +286,27 @@ def test_a_model_on_the_meta_device_is_refused_by_name():
         model = tiny_gpt2()
     with pytest.raises(InputError, match="meta device.*load its weights"):
         EquivarianceProbe(model)
+
+
+@pytest.mark.parametrize("fault", [OSError("document source gone"), ValueError("a user's forward hook refused")],
+                         ids=["oserror", "valueerror_from_a_hook"])
+def test_a_study_stopped_by_any_exception_keeps_its_chunks_as_a_partial_result(tmp_path, monkeypatch, fault):
+    original = EquivarianceProbe._run_batch
+    calls = {"n": 0}
+
+    def failing(self, rows, statistics, keys=None):
+        calls["n"] += 1
+        if calls["n"] == 3:  # the first batch of the second chunk
+            raise fault
+        return original(self, rows, statistics, keys)
+
+    docs = [" ".join(WORDS[i:i + 9]) for i in range(4)]
+    options = dict(loaded=(tiny_gpt2(), _NoBosTokenizer()), context_length=16, baselines=(), sample_size=0,
+                   progress=False, batch_size=1, corpus=docs, n_docs=4)
+    monkeypatch.setattr(EquivarianceProbe, "_run_batch", failing)
+    with pytest.raises(type(fault)) as caught:
+        run_study(checkpoint_dir=tmp_path / "ck", checkpoint_every=2, **options)
+    partial = caught.value.partial_result
+    assert partial.metadata["complete"] is False and partial.n_windows == 2
+    monkeypatch.undo()
+    _equal(partial, run_study(**{**options, "corpus": docs[:2], "n_docs": 2}).trained, exact=True)

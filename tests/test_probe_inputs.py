@@ -109,3 +109,66 @@ def test_a_mask_the_adapter_does_not_know_is_detected():
                                n_layers=1, n_heads=1, sliding_windows=[3])
     with pytest.raises(AttentionCaptureError, match="outside the mask"):
         EquivarianceProbe(adapter).run(torch.zeros((1, 10), dtype=torch.long), progress=False)
+
+
+# ----------------------------------------------------------------- runs that stop, options that measure nothing
+@pytest.mark.parametrize("fault", [OSError("disk gone"), ValueError("hook refused"), KeyboardInterrupt()],
+                         ids=["oserror_from_a_document_generator", "valueerror_from_a_hook", "interrupt"])
+def test_any_exception_leaves_a_partial_result_marked_incomplete(fault):
+    from synthetic import tiny_gpt2
+
+    def documents():
+        for _ in range(4):
+            yield torch.arange(1, 9)
+        raise fault
+
+    probe = EquivarianceProbe(tiny_gpt2())
+    with pytest.raises(type(fault)) as caught:
+        probe.run(documents(), context_length=8, batch_size=2, progress=False)
+    partial = probe.last_result
+    assert caught.value.partial_result is partial
+    assert partial.metadata["complete"] is False
+    assert partial.n_windows == 4  # the two batches done before the fault, kept whole
+    whole = EquivarianceProbe(tiny_gpt2()).run(torch.arange(1, 9).repeat(4, 1), batch_size=2, progress=False)
+    for name, value in whole.statistics.arrays.items():
+        assert torch.equal(value, partial.statistics.arrays[name]), name
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"exclude_keys": [1000]}, r"exclude_keys=\[1000\].*\[1000\].*context_length=8.*0\.\.7"),
+        ({"exclude_keys": list(range(8))}, r"leaves out every key position.*exclude fewer keys"),
+        ({"max_windows": 0}, r"max_windows must be a positive integer.*not 0"),
+        ({"key_bins": -1}, r"key_bins must be a positive integer, not -1"),
+        ({"context_length": 1, "min_tokens": 1}, r"context_length=1 .*pass context_length=2 or more"),
+        ({"context_length": 1}, r"context_length=1 .*pass context_length=2 or more"),
+        ({"min_tokens": 9}, r"min_tokens=9 is more than context_length=8"),
+    ],
+    ids=["exclude_key_outside_the_window", "exclude_every_key", "max_windows_zero", "negative_key_bins",
+         "one_token_context_min_tokens_1", "one_token_context_default_min_tokens", "min_tokens_over_context"],
+)
+def test_options_that_would_measure_nothing_are_refused_by_name(options, match):
+    from synthetic import tiny_gpt2
+
+    options = {"context_length": 8, **options}
+    with pytest.raises(InputError, match=match):
+        EquivarianceProbe(tiny_gpt2()).run(torch.arange(1, 9).repeat(2, 1)[:, : options["context_length"]],
+                                           progress=False, **options)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_cuda_on_a_machine_without_cuda_is_a_named_error():
+    from synthetic import tiny_gpt2
+
+    with pytest.raises(InputError, match=r"device 'cuda'.*no CUDA GPU.*device='cpu'"):
+        EquivarianceProbe(tiny_gpt2()).run(torch.arange(1, 9).repeat(2, 1), device="cuda", progress=False)
+
+
+def test_an_encoder_decoder_model_is_refused_as_unsupported_not_told_to_wrap_itself():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
+    with pytest.raises(UnsupportedModelError, match=r"T5ForConditionalGeneration is an encoder-decoder model.*decoder-only") as caught:
+        EquivarianceProbe(t5)
+    assert "Wrap the model" not in str(caught.value)

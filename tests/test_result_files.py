@@ -9,6 +9,7 @@ import torch
 from equivariance_probe import (
     AttentionStatistics,
     EquivarianceProbe,
+    FileWriteError,
     IncompatibleResultsError,
     NotRunError,
     ProbeResult,
@@ -150,3 +151,79 @@ def test_entry_sample_is_uniform_bounded_saved_and_merged(tmp_path):
     assert counts.sum() == 2000 and counts.min() > 120 and counts.max() < 290
     merged = uniform.merge(EntrySample(2000, seed=5))
     assert len(merged) == 2000
+
+
+def test_save_where_no_file_can_be_written_is_a_named_error_and_leaves_no_tmp(result, tmp_path, monkeypatch):
+    with pytest.raises(FileWriteError, match=r"is a folder; give a file name inside it"):
+        result.save(tmp_path)  # onto a path that is a folder
+    with pytest.raises(FileWriteError, match=r"folder .*no_dir.* does not exist; create it first"):
+        result.save(tmp_path / "no_dir" / "out.safetensors")
+    import os
+
+    def refuse(*args, **kwargs):  # tests run as root, where chmod does not stop a write
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(FileWriteError, match=r"not writable by this user.*write into a folder you can write to") as caught:
+        result.save(tmp_path / "read_only.safetensors")
+    assert isinstance(caught.value, OSError) and isinstance(caught.value.__cause__, PermissionError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no .tmp left behind, no result claimed
+
+
+def test_a_merge_of_one_model_name_with_other_weights_is_refused_with_the_fix():
+    from equivariance_probe import random_init_like
+
+    model = tiny_gpt2()
+    tokens = torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(5))
+    trained = EquivarianceProbe(model).run(tokens[:1], progress=False)
+    same_weights = EquivarianceProbe(model).run(tokens[1:], progress=False)
+    assert (trained + same_weights).n_windows == 2
+    copy = random_init_like(model, seed=1)  # seed 0 would rebuild tiny_gpt2 weights exactly
+    other_weights = EquivarianceProbe(copy).run(tokens[1:], progress=False)
+    assert other_weights.metadata["model"]["name"] == trained.metadata["model"]["name"]
+    digest = trained.metadata["model"]["weights_sha256"][:12]
+    with pytest.raises(IncompatibleResultsError, match=rf"weights sha256 {digest}.*random_init_like.*merge only results of the same weights"):
+        trained + other_weights
+
+
+def test_a_merge_of_two_models_names_both_and_the_fix():
+    tokens = torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(6))
+    gpt2 = EquivarianceProbe(tiny_gpt2()).run(tokens, progress=False)
+    gemma = EquivarianceProbe(tiny_gemma3(window=6)).run(tokens, progress=False)
+    names = gpt2.metadata["model"]["name"], gemma.metadata["model"]["name"]
+    assert names[0] != names[1]
+    with pytest.raises(IncompatibleResultsError, match=rf"{names[0]!r} and {names[1]!r}.*merge only results of one model"):
+        gpt2 + gemma
+
+
+def test_partial_results_merge_into_a_partial_result_from_python_and_the_command_line(tmp_path, capsys):
+    from equivariance_probe.cli import main
+
+    tokens = torch.randint(3, 97, (4, 16), generator=torch.Generator().manual_seed(7))
+    model = tiny_gpt2()
+    whole = EquivarianceProbe(model).run(tokens, progress=False)
+    first = EquivarianceProbe(model).run(tokens[:2], progress=False)
+    first.metadata["complete"] = False  # as a run that stopped after its first two windows leaves it
+    second = EquivarianceProbe(model).run(tokens[2:], progress=False)
+    merged = first + second
+    assert merged.complete is False
+    for name, value in whole.statistics.arrays.items():
+        assert torch.allclose(value, merged.statistics.arrays[name], rtol=1e-12, atol=1e-12), name
+    paths = [str(first.save(tmp_path / "a.safetensors")), str(second.save(tmp_path / "b.safetensors"))]
+    assert main(["merge", *paths, "-o", str(tmp_path / "ab.safetensors")]) == 0
+    err = capsys.readouterr().err
+    assert "a.safetensors is a partial result" in err and "merged result is partial" in err
+    assert ProbeResult.load(tmp_path / "ab.safetensors").complete is False
+
+
+def test_merge_into_a_missing_folder_on_the_command_line_is_one_line_and_exit_2(result, tmp_path, capsys):
+    from equivariance_probe.cli import main
+
+    half = str(result.save(tmp_path / "a.safetensors"))
+    other = EquivarianceProbe(tiny_gemma3(window=6)).run(
+        torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(8)), progress=False, exclude_keys=[0],
+        keep_pattern=True)
+    assert main(["merge", half, str(other.save(tmp_path / "b.safetensors")), "-o",
+                 str(tmp_path / "no_dir" / "out.safetensors")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no_dir" in err[0] and "does not exist" in err[0]

@@ -97,6 +97,19 @@ def test_cli_merge_of_two_shards_equals_the_single_run(shard_files, capsys):
     assert "shards [1] of 2 are still missing" in capsys.readouterr().out
 
 
+def test_cli_merge_of_a_partial_shard_is_a_partial_merge_with_a_note(shard_files, tmp_path, capsys):
+    result = ProbeResult.load(shard_files["1/2"])
+    result.metadata["complete"] = False
+    partial = result.save(tmp_path / "partial.json")
+    out = tmp_path / "merged.json"
+    assert main(["merge", str(shard_files["0/2"]), str(partial), "-o", str(out)]) == 0
+    assert "merged result is partial" in capsys.readouterr().err
+    merged, whole = ProbeResult.load(out), ProbeResult.load(shard_files["whole"])
+    assert not merged.complete and merged.n_windows == whole.n_windows
+    for name, value in whole.statistics.arrays.items():
+        assert torch.allclose(merged.statistics.arrays[name], value, rtol=1e-12, atol=1e-12), name
+
+
 @pytest.mark.parametrize(
     "inputs, message",
     [
@@ -106,7 +119,6 @@ def test_cli_merge_of_two_shards_equals_the_single_run(shard_files, capsys):
         (["0/2", "seed 1/2"], "different study configurations"),
         (["0/2", "whole"], "not a shard"),
         (["0/2", "zero 1/2"], "different study variants"),
-        (["0/2", "partial 1/2"], "partial result"),
     ],
 )
 def test_cli_merge_refuses_what_would_double_count_or_mix(shard_files, tmp_path, capsys, inputs, message):
@@ -114,10 +126,6 @@ def test_cli_merge_refuses_what_would_double_count_or_mix(shard_files, tmp_path,
     for name in inputs:
         if name == "zero 1/2":
             paths.append(shard_files["1/2"].with_name("baseline_zero.safetensors"))
-        elif name == "partial 1/2":
-            result = ProbeResult.load(shard_files["1/2"])
-            result.metadata["complete"] = False
-            paths.append(result.save(tmp_path / "partial.json"))
         else:
             paths.append(shard_files[name])
     assert main(["merge", *map(str, paths), "-o", str(tmp_path / "merged.json")]) == 2

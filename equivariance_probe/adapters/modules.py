@@ -120,8 +120,17 @@ def find_attention_modules(model: Any) -> list[torch.nn.Module]:
     all hold a module named one of :data:`ATTENTION_NAMES`.
 
     Raises:
+        UnsupportedModelError: an encoder-decoder model (T5, BART, ...): its decoder's cross-attention
+            reads encoder positions, not its own, so a query-by-key pattern over one window is not defined.
         AttentionCaptureError: no such layer list.
     """
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(model).__name__} is an encoder-decoder model, which equivariance_probe does not support "
+            "(wrapping it in TransformerLens or nnsight does not change that); probe a decoder-only causal LM "
+            "(GPT-2, Llama, Gemma, ...) or an encoder (BERT-like)"
+        )
     base = getattr(model, "base_model", model)
     for path in LAYER_LISTS:
         layers = _get_path(base, path)

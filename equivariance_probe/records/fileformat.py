@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ResultFileError
+from ..errors import EquivarianceProbeError, FileWriteError, ResultFileError
 from ..statistics import STATISTICS, AttentionStatistics, EntrySample
 
 __all__ = [
@@ -84,9 +84,23 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
 
     A crash or SIGKILL at any moment leaves either the previous file or the new one, never a
     truncated or renamed-but-empty file (a kill may leave ``<name>.tmp`` beside it). An error in
-    ``write`` removes the temporary file and leaves ``path`` as it was.
+    ``write`` or in the rename removes the temporary file and leaves ``path`` as it was.
+
+    Raises:
+        FileWriteError: the folder does not exist or is not writable, ``path`` is a folder, or the
+            file system refused the write (the original ``OSError`` is its cause).
     """
     path = Path(path)
+    if path.is_dir():
+        raise FileWriteError(
+            f"cannot write {str(path)!r}: it is a folder; give a file name inside it, e.g. "
+            f"{str(path / 'result.safetensors')!r}"
+        )
+    if not path.parent.is_dir():
+        raise FileWriteError(
+            f"cannot write {str(path)!r}: the folder {str(path.parent)!r} does not exist; create it first "
+            "(mkdir -p) or write into an existing folder"
+        )
     temporary = path.with_name(path.name + ".tmp")
     try:
         write(temporary)
@@ -95,11 +109,27 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
-    except BaseException:
+        os.replace(temporary, path)
+    except BaseException as error:
         temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError) and not isinstance(error, EquivarianceProbeError):
+            raise FileWriteError(_write_failure(path, error)) from error
         raise
-    os.replace(temporary, path)
     return path
+
+
+def _write_failure(path: Path, error: OSError) -> str:
+    """What went wrong writing ``path`` and how to fix it."""
+    if isinstance(error, PermissionError):
+        return (f"cannot write {str(path)!r}: the folder {str(path.parent)!r} is not writable by this user "
+                f"({error.strerror}); write into a folder you can write to, or change its permissions")
+    if isinstance(error, IsADirectoryError):
+        return f"cannot write {str(path)!r}: it is a folder; give a file name inside it"
+    if isinstance(error, FileNotFoundError):
+        return (f"cannot write {str(path)!r}: the folder {str(path.parent)!r} does not exist; create it first "
+                "(mkdir -p) or write into an existing folder")
+    return (f"cannot write {str(path)!r}: {type(error).__name__}: {error.strerror or error}; check the disk has "
+            "space and the folder is writable, then save again")
 
 
 def write_json_atomically(path: str | os.PathLike, data: Any) -> Path:

@@ -241,13 +241,14 @@ class CheckpointedRun:
                     part = probe.run(chunk, sample_seed=chunk_seed(*seed_parts, start // every), progress=False, **run_options)
                 except EmptyCorpusError:
                     skipped += len(chunk)  # every document of the chunk was empty or too short
-                except (EquivarianceProbeError, KeyboardInterrupt, RuntimeError) as error:
+                except BaseException as error:  # any fault: the chunks done so far are kept, marked partial
                     partial = getattr(error, "partial_result", None)
                     if total is not None:
                         partial = total if partial is None or partial.n_windows == 0 else _add(total, partial)
                     if partial is not None:
                         partial.metadata["complete"] = False
-                        error.partial_result = partial  # type: ignore[attr-defined]
+                        with contextlib.suppress(AttributeError, TypeError):  # exceptions with __slots__
+                            error.partial_result = partial  # type: ignore[attr-defined]
                     raise
                 else:
                     skipped += int(part.metadata.get("skipped_windows", 0))
