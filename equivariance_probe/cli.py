@@ -114,6 +114,17 @@ def _names(text: str) -> list[str]:
 
 
 # -- the parser ----------------------------------------------------------------------------------
+class _Deprecated(argparse.Action):
+    """An old spelling of an option: stores the value under the new one and says so on stderr."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        new = "--" + self.dest.replace("_", "-")
+        print(f"equivariance-probe: {option_string} is deprecated; use {new} (the old spelling goes in the next "
+              "release)", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def _parent(*arguments: tuple[tuple[str, ...], dict[str, Any]]) -> argparse.ArgumentParser:
     parent = argparse.ArgumentParser(add_help=False)
     for flags, options in arguments:
@@ -125,13 +136,15 @@ def build_parser() -> argparse.ArgumentParser:
     from .runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
     from .runs.compare import DEFAULT_COMPARE_MODELS, DEFAULT_COMPARISON
     from .runs.scan import DEFAULT_CONTEXT_LENGTHS, DEFAULT_SCAN
+    from . import __version__
+    from .runs.positional import ANALYSES
     from .runs.study import BASELINES, DEFAULT_STUDY
     from .statistics.groups import DEFAULT_INTERVAL_GROUPS
 
     # One function per shared option group: argparse shares a parent's actions with every child,
     # so each subcommand gets its own copy (its defaults differ).
     def output() -> argparse.ArgumentParser:
-        return _parent((("--out",), {"required": True, "help": "output folder (created if missing)"}))
+        return _parent((("-o", "--out"), {"required": True, "help": "output folder (created if missing)"}))
 
     def model() -> argparse.ArgumentParser:
         return _parent(
@@ -200,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="equivariance-probe",
         description="How much does attention depend on absolute position? Exact, streaming attention statistics.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
     run = commands.add_parser("run", parents=[output(), model(), kernel(), corpus(), windows(**DEFAULT_STUDY),
@@ -207,14 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
                                               baselines(BASELINES), measured(), intervals(), display()],
                               help="run the study on a model and corpus and write results and figures")
     run.set_defaults(handler=_run)
-    run.add_argument("--backend", default="huggingface", choices=["huggingface", "transformer_lens", "nnsight"])
+    run.add_argument("--backend", default="huggingface", choices=["huggingface", "transformer_lens", "nnsight"],
+                     help="the framework that runs the model: huggingface (default), transformer_lens (a TransformerBridge) "
+                          "or nnsight (local); every backend gives the same numbers")
     run.add_argument("--sample-size", type=_non_negative, default=20000, help="entries sampled for the scatter plot")
     run.add_argument("--keep-pattern", action="store_true",
                      help="also keep the window-summed pattern (8*L*H*T^2 bytes per variant, in memory and in each "
                           "result file) for the Toeplitz R² of the document-averaged pattern")
     run.add_argument("--analyses", type=_analyses, default=[],
                      help="also run positional analyses (at most 8 windows of 256 tokens), comma-separated from "
-                     "gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all' (see 'positional')")
+                     f"{','.join(ANALYSES)}, or 'all' (see 'positional')")
     run.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_CHECKPOINT_EVERY,
                      help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
     run.add_argument("--resume", action="store_true",
@@ -230,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     merge = commands.add_parser("merge", parents=[display()], help="merge result files of shards into one")
     merge.set_defaults(handler=_merge)
     merge.add_argument("inputs", nargs="+", help="result files to merge (any format version)")
-    merge.add_argument("-o", "--output", required=True, help="merged results file")
+    merge.add_argument("-o", "--out", default=None,
+                       help="the merged result file (required; the folder-writing commands take a folder as --out)")
+    merge.add_argument("--output", dest="out", action=_Deprecated, help="deprecated spelling of -o/--out")
     merge.add_argument("--allow-duplicate-windows", action="store_true",
                        help="merge results that share windows (the same token ids), counting those windows twice "
                             "(default: refused, naming how many are shared)")
@@ -244,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="write an offline HTML report from a results file")
     report.set_defaults(handler=_report)
     report.add_argument("results", help="a results.safetensors written by 'run' (or a result file of any version)")
-    report.add_argument("-o", "--output", default=None, help="HTML file (default: next to the results, report.html)")
+    report.add_argument("-o", "--out", default=None, help="the HTML file (default: report.html next to the results)")
+    report.add_argument("--output", dest="out", action=_Deprecated, help="deprecated spelling of -o/--out")
     report.add_argument("--views", action="store_true",
                         help="add CircuitsVis views of heads: reloads the model named in the results (offline) and one document")
     report.add_argument("--heads", default=None, help="heads to view, e.g. 'L4H3,L5H1' (default: the 2 most and 2 least position-bound)")
@@ -284,13 +304,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="where order comes from: Gram/TISA Toeplitzness, permutation symmetry, variance shrinkage")
     positional.set_defaults(handler=_positional)
     positional.add_argument("--analyses", type=_analyses, default="all",
-                            help="comma-separated from gram,positional_logits,tisa,permutation,shrinkage,correlation, or 'all'")
+                            help=f"comma-separated from {','.join(ANALYSES)}, or 'all' (default)")
     positional.add_argument("--n-prompts", type=_positive, default=4, help="prompts for the permutation analysis")
-    positional.add_argument("--prompt-length", type=_positive, default=64)
-    positional.add_argument("--n-permutations", type=_positive, default=8)
+    positional.add_argument("--prompt-length", type=_positive, default=64,
+                            help="tokens per prompt of the permutation analysis (default %(default)s)")
+    positional.add_argument("--n-permutations", type=_positive, default=8,
+                            help="random orders of each prompt's tokens in the permutation analysis (default %(default)s)")
     positional.add_argument("--kernels", type=_positive, default=5, help="S, kernels of the TISA fit")
-    positional.add_argument("--baseline", default="random_init", choices=["random_init", "none"],
-                            help="shrinkage and correlations also at the model's own random initialisation")
+    positional.add_argument("--baselines", default="random_init", choices=["random_init", "none"],
+                            help="random_init (default): shrinkage and correlations also at the model's own random "
+                                 "initialisation; none: the trained model only (one baseline at most here: the "
+                                 "positional analyses compare with the random initialisation alone)")
+    positional.add_argument("--baseline", dest="baselines", choices=["random_init", "none"], action=_Deprecated,
+                            help="deprecated spelling of --baselines (removed in the next release)")
     return parser
 
 
@@ -393,6 +419,8 @@ def _run(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     from .result import ProbeResult
 
+    if args.out is None:
+        raise InputError("merge needs the file to write: -o/--out merged.safetensors")
     results = [ProbeResult.load(path) for path in args.inputs]
     for result in results:
         result.statistics  # every input's arrays read and checksum-verified before anything is merged
@@ -400,7 +428,7 @@ def _merge(args: argparse.Namespace) -> int:
     merged = results[0]
     for other in results[1:]:
         merged = merged.merge(other, allow_duplicate_windows=args.allow_duplicate_windows)
-    output = merged.save(args.output)
+    output = merged.save(args.out)
     if partial:  # the numbers are exact sums of what was measured; the file says it is partial
         print(f"equivariance-probe merge: note: {', '.join(map(str, partial))} "
               f"{'is a partial result' if len(partial) == 1 else 'are partial results'} of a run that stopped, "
@@ -459,7 +487,7 @@ def _report(args: argparse.Namespace) -> int:
     from .runs.study import load_study_baselines
 
     result = ProbeResult.load(args.results)
-    output = Path(args.output) if args.output else Path(args.results).with_name("report.html")
+    output = Path(args.out) if args.out else Path(args.results).with_name("report.html")
     # A study's trained result: its baselines lie beside it, shown side by side.
     baselines, missing = load_study_baselines(args.results, result)
     if missing:
@@ -545,7 +573,7 @@ def _positional(args: argparse.Namespace) -> int:
         out, args, model_name=args.model, analyses=args.analyses, documents=_documents(args),
         n_docs=args.n_docs, context_length=args.context_length, n_prompts=args.n_prompts,
         prompt_length=args.prompt_length, n_permutations=args.n_permutations, n_kernels=args.kernels,
-        baseline=None if args.baseline == "none" else args.baseline,
+        baseline=None if args.baselines == "none" else args.baselines,
     )
     study = positional["study"]
     _print(args, study.table(), study.summary(), positional["wrote"])

@@ -147,3 +147,38 @@ def test_each_progress_bar_names_its_variant_and_reaches_100_percent_once(tiny, 
     for variant in ("trained", "random_init", "zero"):
         finished = [line for line in bars.splitlines() if line.startswith(f"{variant}: documents") and "100%" in line]
         assert len(finished) == 1, (variant, bars)
+
+
+def test_every_option_of_every_command_has_help_and_there_is_a_version(capsys):
+    import argparse
+
+    from equivariance_probe import __version__
+    from equivariance_probe.cli import build_parser
+
+    parser = build_parser()
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"{name} {'/'.join(action.option_strings) or action.dest} has no help"
+    analyses = next(action for action in commands.choices["positional"]._actions if action.dest == "analyses")
+    assert "attention_toeplitz" in analyses.help
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert __version__ in capsys.readouterr().out
+
+
+def test_old_spellings_still_work_and_say_they_are_deprecated(tiny, tmp_path, capsys):
+    root, model, corpus = tiny
+    out = tmp_path / "a"
+    assert main(["run", "-o", str(out), "--model", model, "--corpus", corpus, "--n-docs", "2", "--context-length", "16",
+                 "--baselines", "none", "--no-progress", "--sample-size", "0", "--no-figures"]) == 0
+    capsys.readouterr()
+    merged = tmp_path / "merged.safetensors"
+    assert main(["merge", str(out / "results.safetensors"), "--output", str(merged)]) == 0
+    assert "--output is deprecated; use --out" in capsys.readouterr().err and merged.exists()
+    assert main(["merge", str(out / "results.safetensors")]) == 2
+    assert "-o/--out" in capsys.readouterr().err
+    assert main(["report", str(out / "results.safetensors"), "-o", str(tmp_path / "r.html")]) == 0
+    assert (tmp_path / "r.html").exists()
