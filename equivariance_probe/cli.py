@@ -338,6 +338,16 @@ def _check_writable(folder: Path) -> None:
         ) from None
 
 
+def _finished(path: Path) -> bool:
+    """Whether ``path`` is a complete result file (a finished run's)."""
+    from .result import ProbeResult
+
+    try:
+        return path.is_file() and ProbeResult.load(path).complete
+    except EquivarianceProbeError:
+        return False
+
+
 def _documents(args: argparse.Namespace) -> Any:
     """The corpus the command reads: ``None`` (the packaged one), a path, or texts read with ``--text-field``."""
     _check_corpus(args.corpus)
@@ -380,6 +390,11 @@ def _run(args: argparse.Namespace) -> int:
         shard = Shard.from_environment() if args.shard.strip() == "auto" else Shard.parse(args.shard)
         out = out / f"shard-{shard.index}-of-{shard.count}"
     _check_writable(out)
+    if args.resume and not (out / CHECKPOINT_FOLDER / "state.json").exists() and _finished(out / "results.safetensors"):
+        # Killed after its results were written, while its checkpoint was being cleared: nothing is left to run.
+        clear_checkpoint(out / CHECKPOINT_FOLDER)
+        print(f"the run in {out} had finished: its results are in {out / 'results.safetensors'}")
+        return 0
     documents = _documents(args)
     study = run_study(
         args.model,

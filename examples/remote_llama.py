@@ -69,7 +69,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=None, help="tokens per window (default: 1024 remote, 128 local)")
     parser.add_argument("--batch-size", type=int, default=4, help="windows per trace (= per remote job)")
     parser.add_argument("--pattern-source", choices=("auto", "weights", "recompute"), default="auto")
-    parser.add_argument("--save", default=None, help="write the result to this JSON file")
+    # dest is not "save": nnsight mounts a .save() method on every object, so argparse would find
+    # args.save already there and never set its default.
+    parser.add_argument("--save", dest="save_to", default=None, help="write the result to this file")
     args = parser.parse_args()
 
     if args.remote:
@@ -87,9 +89,9 @@ def main() -> None:
         result = probe.last_result
         print(f"interrupted: keeping the {result.statistics.n_windows} windows of complete batches")
     print(result)
-    if args.save:
-        result.save(args.save)
-        print("saved to", args.save)
+    if args.save_to:
+        result.save(args.save_to)
+        print("saved to", args.save_to)
 
 
 if __name__ == "__main__":

@@ -256,3 +256,39 @@ def test_saving_a_checkpointed_study_links_the_finished_files_instead_of_rewriti
     study2.save(tmp_path / "out2")
     assert not os.path.samefile(tmp_path / "out2" / "results.safetensors", tmp_path / "ck2" / "trained-done.safetensors")
     assert ProbeResult.load(tmp_path / "out2" / "results.safetensors").metadata["note"] == "edited"
+
+
+def test_a_kill_while_the_checkpoint_is_cleared_leaves_a_run_that_resumes(tiny, tmp_path, monkeypatch, capsys):
+    """Killed while its checkpoint is cleared: were a finished variant's file deleted before state.json,
+    the state would point to a deleted file and --resume refuse it as unreadable (tests/test_resume_faults.py
+    lands kills there)."""
+    import equivariance_probe.runs.checkpoint as checkpoint
+
+    root, model, corpus = tiny
+    out = tmp_path / "out"
+    deleted = []
+    real_unlink = Path.unlink
+
+    def dying_unlink(self, *args, **kwargs):  # the first file the clearing deletes, then the kill
+        real_unlink(self, *args, **kwargs)
+        if self.parent.name == "checkpoint":
+            deleted.append(self.name)
+            raise KeyboardInterrupt
+
+    real_clear = checkpoint.clear_checkpoint
+
+    def clear_then_die(folder):
+        monkeypatch.setattr(Path, "unlink", dying_unlink)
+        try:
+            real_clear(folder)
+        finally:
+            monkeypatch.setattr(Path, "unlink", real_unlink)
+
+    monkeypatch.setattr(checkpoint, "clear_checkpoint", clear_then_die)
+    assert main(_args(out, model, corpus)) == 130
+    monkeypatch.setattr(checkpoint, "clear_checkpoint", real_clear)
+    assert deleted == ["state.json"]  # the state goes first: no state points to a deleted file
+    capsys.readouterr()
+    assert main(_args(out, model, corpus, "--resume")) == 0
+    assert "had finished" in capsys.readouterr().out
+    assert ProbeResult.load(out / "results.safetensors").complete and not (out / "checkpoint").exists()

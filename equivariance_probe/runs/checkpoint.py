@@ -75,10 +75,16 @@ def _own_files(folder: Path) -> list[Path]:
 
 def clear_checkpoint(folder: str | os.PathLike) -> None:
     """Delete a checkpoint's files (after the finished study's results were saved), and its
-    folder if nothing else is in it."""
+    folder if nothing else is in it.
+
+    ``state.json`` goes first: a kill part-way through then leaves files that no state points to
+    (the next run ignores and clears them), never a state pointing to deleted files, which a
+    resume would refuse as unreadable.
+    """
     folder = Path(folder)
     if not folder.is_dir():
         return
+    (folder / _STATE).unlink(missing_ok=True)
     for path in _own_files(folder):
         path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
