@@ -381,7 +381,7 @@ def _print(args: argparse.Namespace, table: str, numbers: Any, wrote: Sequence[P
 def _run(args: argparse.Namespace) -> int:
     from .display.figures import heatmaps_figure, save_figures, study_figures
     from .records.sharding import Shard
-    from .runs.checkpoint import CHECKPOINT_FOLDER, clear_checkpoint
+    from .runs.checkpoint import CHECKPOINT_FOLDER, clear_checkpoint, has_checkpoint
     from .runs.study import run_study
 
     out = Path(args.out)
@@ -390,7 +390,7 @@ def _run(args: argparse.Namespace) -> int:
         shard = Shard.from_environment() if args.shard.strip() == "auto" else Shard.parse(args.shard)
         out = out / f"shard-{shard.index}-of-{shard.count}"
     _check_writable(out)
-    if args.resume and not (out / CHECKPOINT_FOLDER / "state.json").exists() and _finished(out / "results.safetensors"):
+    if args.resume and not has_checkpoint(out / CHECKPOINT_FOLDER) and _finished(out / "results.safetensors"):
         # Killed after its results were written, while its checkpoint was being cleared: nothing is left to run.
         clear_checkpoint(out / CHECKPOINT_FOLDER)
         print(f"the run in {out} had finished: its results are in {out / 'results.safetensors'}")

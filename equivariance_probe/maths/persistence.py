@@ -78,21 +78,20 @@ class PersistenceCurves:
         """The status of ``fit`` for every curve: ``"ok"``, ``"at_bound"`` or ``"failed"`` (see
         :mod:`~equivariance_probe.maths.fitting`); an array of strings for split curves."""
         check_choice("fit", fit, fitting.FIT_NAMES)
-        if not self.shape:
-            return self.fits[fit].status
-        flat = [f[fit].status for f in np.asarray(self.fits, dtype=object).ravel()]
-        return np.asarray(flat, dtype=object).reshape(self.shape)
+        return self._collect(lambda fits: fits[fit].status, dtype=object)
 
     def params(self, fit: str, name: str) -> np.ndarray | float:
         """A fitted parameter (``c``, ``alpha`` for power; ``c``, ``lambda`` for exponential)."""
         check_choice("fit", fit, ("power", "exponential"))
         return self._collect(lambda fits: fits[fit].params[name])
 
-    def _collect(self, get) -> np.ndarray | float:
+    def _collect(self, get, dtype: Any = np.float64) -> Any:
+        """``get(fits)`` of every curve: one value (a float for numbers), or an array ``[*shape]`` of ``dtype``."""
         if not self.shape:
-            return float(get(self.fits))
+            value = get(self.fits)
+            return float(value) if dtype is np.float64 else value
         flat = [get(f) for f in np.asarray(self.fits, dtype=object).ravel()]
-        return np.asarray(flat, dtype=np.float64).reshape(self.shape)
+        return np.asarray(flat, dtype=dtype).reshape(self.shape)
 
     def summary(self) -> dict[str, Any]:
         """Fit parameters and R² of a single curve (``by=None``)."""

@@ -91,16 +91,11 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
             file system refused the write (the original ``OSError`` is its cause).
     """
     path = Path(path)
+    # Refused before anything is written, in the words of the OSError the write would raise.
     if path.is_dir():
-        raise FileWriteError(
-            f"cannot write {str(path)!r}: it is a folder; give a file name inside it, e.g. "
-            f"{str(path / 'result.safetensors')!r}"
-        )
+        raise FileWriteError(_write_failure(path, IsADirectoryError()))
     if not path.parent.is_dir():
-        raise FileWriteError(
-            f"cannot write {str(path)!r}: the folder {str(path.parent)!r} does not exist; create it first "
-            "(mkdir -p) or write into an existing folder"
-        )
+        raise FileWriteError(_write_failure(path, FileNotFoundError()))
     temporary = path.with_name(path.name + ".tmp")
     try:
         write(temporary)
@@ -124,7 +119,8 @@ def _write_failure(path: Path, error: OSError) -> str:
         return (f"cannot write {str(path)!r}: the folder {str(path.parent)!r} is not writable by this user "
                 f"({error.strerror}); write into a folder you can write to, or change its permissions")
     if isinstance(error, IsADirectoryError):
-        return f"cannot write {str(path)!r}: it is a folder; give a file name inside it"
+        return (f"cannot write {str(path)!r}: it is a folder; give a file name inside it, e.g. "
+                f"{str(path / 'result.safetensors')!r}")
     if isinstance(error, FileNotFoundError):
         return (f"cannot write {str(path)!r}: the folder {str(path.parent)!r} does not exist; create it first "
                 "(mkdir -p) or write into an existing folder")

@@ -50,7 +50,8 @@ from ..records.provenance import config_fingerprint
 from ..records.result_file import RESULT_SUFFIX
 from ..result import ProbeResult
 
-__all__ = ["CheckpointedRun", "chunk_seed", "clear_checkpoint", "CHECKPOINT_FOLDER", "DEFAULT_CHECKPOINT_EVERY"]
+__all__ = ["CheckpointedRun", "chunk_seed", "clear_checkpoint", "has_checkpoint", "CHECKPOINT_FOLDER",
+           "DEFAULT_CHECKPOINT_EVERY"]
 
 CHECKPOINT_FOLDER = "checkpoint"
 DEFAULT_CHECKPOINT_EVERY = 50
@@ -71,6 +72,11 @@ _OWN_FILE = re.compile(r"(state\.json|[A-Za-z0-9_]+-(\d{9}|done)\.(json|safetens
 
 def _own_files(folder: Path) -> list[Path]:
     return [path for path in folder.iterdir() if path.is_file() and _OWN_FILE.fullmatch(path.name)]
+
+
+def has_checkpoint(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds the checkpoint of an unfinished run (its ``state.json``)."""
+    return (Path(folder) / _STATE).is_file()
 
 
 def clear_checkpoint(folder: str | os.PathLike) -> None:

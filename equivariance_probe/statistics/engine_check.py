@@ -36,7 +36,7 @@ import torch
 
 from ..errors import EngineCheckError, option
 from .attention import AttentionStatistics
-from .kernels import attention_scores
+from .kernels import attention_scores, visible_mask
 from .masks import default_log_floor
 
 __all__ = ["CHECKED_SUMS", "EngineCheck", "engine_tolerance"]
@@ -119,11 +119,8 @@ class EngineCheck:
                                   scaling, softcap)
         if self.reference.causal:
             n = scores.shape[-1]
-            window = self.reference.sliding_windows[layer]
-            position = torch.arange(n).view(-1, 1)
-            other = torch.arange(n).view(1, -1)
-            hidden = (other > position) | ((position - other >= window) if window is not None else False)
-            scores = scores.masked_fill(hidden, float("-inf"))
+            allowed = visible_mask(n, self.reference.sliding_windows[layer], torch.tensor([n]))  # [1, query, key]
+            scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
         return torch.softmax(scores, dim=-1)
 
     def finish(self) -> dict[str, Any]:

@@ -580,8 +580,12 @@ def attention_sums(
         ``"triton"`` or ``"torch"``. The path is returned beside the dict, not inside
         it, so that the dict holds tensors only and merges like any other.
     """
+    global _TRITON_FAILURE
     check_choice("backend", backend, ENGINES)
-    use_triton = backend == "triton" or (backend == "auto" and query.is_cuda and triton is not None)
+    # "auto" takes the fused kernel on CUDA where Triton imports and has not failed in this process.
+    use_triton = backend == "triton" or (
+        backend == "auto" and query.is_cuda and triton is not None and _TRITON_FAILURE is None
+    )
     arguments = dict(
         scaling=scaling,
         softcap=softcap,
@@ -595,17 +599,15 @@ def attention_sums(
         block_size=block_size,
         compile_blocks=compile_blocks,
     )
-    if use_triton and backend == "auto" and _TRITON_FAILURE is not None:
-        use_triton = False
     if use_triton:
-        if backend == "triton":
-            return attention_sums_triton(query, key, **arguments), "triton"
         try:
             return attention_sums_triton(query, key, **arguments), "triton"
         except EquivarianceProbeError:
             raise
         except Exception as error:  # noqa: BLE001 - a kernel that cannot compile or launch here: torch path
-            _record_triton_failure(error)
+            if backend == "triton":
+                raise
+            _TRITON_FAILURE = error
     if backend == "auto" and query.is_cuda:
         warn_triton_unavailable()
     return attention_sums_from_qk(query, key, **arguments), "torch"
@@ -615,11 +617,6 @@ def attention_sums(
 #: torch path), or ``None``.
 _TRITON_FAILURE: Exception | None = None
 _warned_triton_unavailable = False
-
-
-def _record_triton_failure(error: Exception) -> None:
-    global _TRITON_FAILURE
-    _TRITON_FAILURE = error
 
 
 def warn_triton_unavailable() -> None:
