@@ -14,8 +14,9 @@ rounds (the best of ``--rounds`` is kept, so a shared machine's load falls on ev
   weights — EquivarianceProbe.run(pattern_source="weights") on the eager model: captured weights,
            reduced by the same block engine (for models the recomputation cannot model).
 
-The probe's first call (its first-batch check of the recomputation against eager weights) is
-reported apart. Targets: probe <= 1.1x eager. With ``--memory``, peak resident memory is measured
+Each probe is built once. Its first call (the first-batch checks of the recomputation and of the
+engine against the model's weights) is reported apart; the rounds time the steady state.
+Targets: probe <= 1.1x eager, probe <= 1.2x sdpa. With ``--memory``, peak resident memory is measured
 in fresh processes (benchmarks/_measure.py): the probe at N and 2N documents (flat in the
 documents), and one window of ``--long-context`` tokens (target: <= 6 GiB at 8192).
 """
@@ -65,15 +66,19 @@ def main() -> None:
             for start in range(0, args.docs, args.batch):
                 model.base_model(tokens[start : start + args.batch], use_cache=False)
 
+    # One probe per route, built once: a probe's first run checks its engine against the model's
+    # own weights (reported apart below), later runs are the steady state a study lives in.
+    probes = {source: EquivarianceProbe(model, tokenizer=tokenizer, pattern_source=source)
+              for source in ("auto", "weights")}
+
     def probe(source: str) -> None:
         model.set_attn_implementation("sdpa" if source == "auto" else "eager")
-        EquivarianceProbe(model, tokenizer=tokenizer, pattern_source=source).run(
-            tokens, batch_size=args.batch, progress=False)
+        probes[source].run(tokens, batch_size=args.batch, progress=False)
 
     routes = {"eager": lambda: forward("eager"), "sdpa": lambda: forward("sdpa"),
               "probe": lambda: probe("auto"), "weights": lambda: probe("weights")}
     first = {}
-    for name in ("probe", "weights"):  # first calls: the recomputation check, allocator warm-up
+    for name in ("probe", "weights"):  # first calls: the engine and recomputation checks, allocator warm-up
         start = time.perf_counter()
         routes[name]()
         first[name] = time.perf_counter() - start
@@ -90,7 +95,7 @@ def main() -> None:
         print(f"  {name:8s} {seconds:8.2f} s   (rounds: {', '.join(f'{s:.2f}' for s in times[name])})")
     print(f"  first call of the probe: {first['probe']:.2f} s; of the weights route: {first['weights']:.2f} s")
     print(f"probe / eager forward without logits:   {best['probe'] / best['eager']:.2f}x  (target <= 1.1)")
-    print(f"probe / sdpa forward without logits:    {best['probe'] / best['sdpa']:.2f}x")
+    print(f"probe / sdpa forward without logits:    {best['probe'] / best['sdpa']:.2f}x  (target <= 1.2)")
     print(f"weights route / eager forward:          {best['weights'] / best['eager']:.2f}x")
     report = {"docs": args.docs, "context": args.context, "batch": args.batch, "threads": torch.get_num_threads(),
               "seconds": times, "best": best, "first_call": first,

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from ..errors import AttentionCaptureError, IncompatibleResultsError, InputError, NonFiniteAttentionError, check_choice, option
-from .blocks import ENGINES, attention_sums_from_qk, attention_sums_from_weights, toeplitz_r2_per_window
+from .blocks import ENGINES, BlockWorkspace, attention_sums_from_qk, attention_sums_from_weights, toeplitz_r2_per_window
 from .groups import DEFAULT_INTERVAL_GROUPS, WindowGroups, as_keys
 from .kernels import visible_mask
 from .masks import KEY_BINS, default_log_floor, key_bins, mask_counts, n_lags, pinned, uniform_prior
@@ -165,6 +165,9 @@ class AttentionStatistics:
         self._batch_masks: dict[tuple[int | None, str], dict[str, torch.Tensor]] = {}
         self._lengths: torch.Tensor | None = None
         self._host_lengths: torch.Tensor | None = None
+        # The query blocks' temporaries, kept from layer to layer within a batch and let go at its end
+        # (see BlockWorkspace: on CPU, fresh allocations of that size page-fault).
+        self._workspace: BlockWorkspace | None = None
         self.sample = EntrySample(sample_size, sample_seed) if sample_size else None
         self._sample_before: dict[str, Any] | None = None
         #: Sorted ``uint64`` fingerprints of the windows added so far (those given one in :meth:`begin_batch`).
@@ -238,6 +241,7 @@ class AttentionStatistics:
         # per layer), and on the device for what runs there.
         self._host_lengths = pinned(lengths.detach().to("cpu", torch.long))
         self._lengths = self._host_lengths.to(self.device, non_blocking=True)
+        self._workspace = BlockWorkspace()
         if self.sample is not None:
             self._sample_before = self.sample.to_arrays()
         if self.groups is not None:
@@ -314,7 +318,7 @@ class AttentionStatistics:
             # The fused kernel knows causal masks only; bidirectional encoders go through the torch blocks.
             if self.engine == "triton":
                 raise InputError("engine='triton' computes causal attention only; use engine='auto' or 'torch' for an encoder")
-            sums, path = attention_sums_from_qk(query, key, causal=False, **arguments), "torch"
+            sums, path = attention_sums_from_qk(query, key, causal=False, workspace=self._workspace, **arguments), "torch"
         elif query.is_cuda and self.engine != "torch":
             from . import triton_kernels  # imported on CUDA only: Triton is heavy, and absent on CPU installs
 
@@ -322,7 +326,7 @@ class AttentionStatistics:
         elif self.engine == "triton":
             raise InputError(f"engine='triton' needs CUDA tensors, got queries on {query.device}; use engine='auto'")
         else:
-            sums, path = attention_sums_from_qk(query, key, **arguments), "torch"
+            sums, path = attention_sums_from_qk(query, key, workspace=self._workspace, **arguments), "torch"
         self.paths[path] = self.paths.get(path, 0) + 1
         self._add_layer(layer, sums, masks, width)
         if self.sample is not None:
@@ -355,7 +359,7 @@ class AttentionStatistics:
         sums = attention_sums_from_weights(
             pattern, window=window, lengths=self._host_lengths, excluded_keys=self.excluded_keys, log_floor=self.log_floor,
             key_bin=masks["key_bin"][:n_query], n_key_bins=self.key_bins, keep_pattern=self.keep_pattern,
-            block_size=self.block_size, causal=self.causal,
+            block_size=self.block_size, causal=self.causal, workspace=self._workspace,
         )
         self.paths["weights"] = self.paths.get("weights", 0) + 1
         self._add_layer(layer, sums, masks, n_query)
@@ -501,6 +505,7 @@ class AttentionStatistics:
         self._batch_masks = {}
         self._lengths = None
         self._host_lengths = None
+        self._workspace = None
         if self.groups is not None:
             self.groups.abort()
 

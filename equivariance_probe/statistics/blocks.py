@@ -74,6 +74,7 @@ from .masks import _check_key_bins, _effective_window, _excluded_flags, default_
 __all__ = [
     "DEFAULT_BLOCK_MEMORY",
     "ENGINES",
+    "BlockWorkspace",
     "SUM_NAMES",
     "attention_sums_from_qk",
     "attention_sums_from_weights",
@@ -93,25 +94,29 @@ ENGINES = ("auto", "torch", "triton")
 SUM_NAMES = ("raw_sum", "raw_sq", "log_sum", "log_sq", "floored", "lag_sum", "key_lag_sum")
 
 #: Default memory budget of one query block's temporaries, in bytes (see
-#: :func:`choose_block_size`): about a million block entries, which measured as fast as
-#: any block size on CPU at both T = 1024 and T = 8192.
+#: :func:`choose_block_size`): about 1.4 million block entries in float32 work, so that
+#: memory limits the block only for long contexts or many heads (below 64 rows from
+#: ``B·H·T`` of about 22,000 on), where 16-32 rows measured as fast as larger blocks.
 DEFAULT_BLOCK_MEMORY = 96 * 2**20
 
 #: Bytes of temporaries per ``[batch, head, query, key]`` entry of a block, by work dtype:
-#: the scores, weights and log weights in the work dtype, their float64 copies (the
-#: weights padded for the lag sums) and the deviations of the row moments. The figures
-#: are the measured peak resident memory per entry on CPU, rounded up (they include
-#: what the allocator holds on to); the live tensors alone come to about 44 bytes
-#: (float32 work) and 72 (float64).
-_BYTES_PER_ENTRY = {torch.float32: 96, torch.float64: 128}
+#: the scores, weights, log weights and the mask test in the work dtype, the float64
+#: weights (padded for the lag sums), log weights and deviations of the row moments, and
+#: what torch allocates inside the operations (a float64 output computed from float32
+#: inputs goes through a float32 temporary). The figures are the peak resident memory per
+#: entry measured on CPU (``[2, 4, 256, 4096]`` blocks: 69 and 79 bytes), rounded up.
+_BYTES_PER_ENTRY = {torch.float32: 72, torch.float64: 80}
 
 #: Query blocks are a multiple of this many rows (when there are that many), which keeps
 #: the matrix products on their fast paths.
 _BLOCK_MULTIPLE = 16
 
-#: Upper bound on the automatic block size. Beyond a few hundred rows a block's
-#: temporaries fall out of the CPU caches and nothing is gained in the matrix products.
-_MAX_AUTO_BLOCK = 256
+#: Upper bound on the automatic block size. On CPU (2 cores), once the temporaries stay in a
+#: :class:`BlockWorkspace`, blocks of 64 rows were as fast as 128 under full causal attention and
+#: 10-15% faster than 128-256 under a 512-token window (``[2, 4]`` windows and heads at T = 1024,
+#: ``[1, 4]`` at T = 8192): larger blocks fall out of the caches, and the matrix products gain
+#: nothing beyond a few dozen rows.
+_MAX_AUTO_BLOCK = 64
 
 
 # -- small helpers --------------------------------------------------------------------
@@ -163,13 +168,13 @@ def choose_block_size(
 
     A block of ``n`` query rows holds about ``B·H·n·n_keys(n)·bytes_per_entry`` bytes,
     with ``n_keys(n) = T`` under full causal attention and ``min(T, w + n - 1)`` under a
-    sliding window ``w``, and ``bytes_per_entry`` 96 for float32 work, 128 for float64
+    sliding window ``w``, and ``bytes_per_entry`` 72 for float32 work, 80 for float64
     (measured peaks). The rule takes the largest ``n`` with
     ``B·H·n·n_keys(n)·bytes_per_entry <= budget`` (solving the quadratic for windows),
-    rounds it down to a multiple of 16 and clamps it to ``[1, min(T, 256)]``: blocks of
-    more than a few hundred rows only fall out of the caches. With the default 96 MiB:
-    64 rows at ``B·H = 16``, ``T = 1024`` (full causal), 96 with window 512, and 32 rows
-    at ``B·H = 4``, ``T = 8192``.
+    rounds it down to a multiple of 16 and clamps it to ``[1, min(T, 64)]``: larger
+    blocks only fall out of the caches. With the default 96 MiB: 64 rows at
+    ``B·H = 16``, ``T = 1024`` (full causal or window 512), 16 rows at ``B·H = 64``,
+    ``T = 1024``, and 32 rows at ``B·H = 4``, ``T = 8192``.
 
     Args:
         batch, heads: ``B`` and ``H`` (query heads).
@@ -358,23 +363,77 @@ def _empty_sums(layout: _Layout, keep_pattern: bool) -> dict[str, torch.Tensor]:
     return out
 
 
-def _blocks(layout: _Layout, block_size: int | None, dtype: torch.dtype) -> Iterator[tuple[int, int, int, int]]:
-    """``(q0, q1, k0, k1)`` per query block, up to the longest window (later rows are padding)."""
+def _blocks(layout: _Layout, block_size: int | None, dtype: torch.dtype) -> list[tuple[int, int, int, int]]:
+    """``(q0, q1, k0, k1)`` per query block, up to the longest window (later rows are padding), the
+    largest block first, so that a :class:`BlockWorkspace` is sized once by the first."""
     if block_size is None:
         block_size = choose_block_size(layout.batch, layout.heads, layout.n_positions, layout.window, dtype)
     block_size = int(block_size)
     if block_size < 1:
         raise InputError(f"block_size must be at least 1, got {block_size}")
     n_real = max(layout.host_lengths, default=0)
-    for q0 in range(0, n_real, block_size):
-        q1 = min(q0 + block_size, n_real)
-        yield (q0, q1, *layout.key_range(q0, q1))
+    blocks = [(q0, min(q0 + block_size, n_real)) for q0 in range(0, n_real, block_size)]
+    blocks = [(q0, q1, *layout.key_range(q0, q1)) for q0, q1 in blocks]
+    return sorted(blocks, key=lambda block: (block[1] - block[0]) * (block[3] - block[2]), reverse=True)
+
+
+# -- the block's temporaries --------------------------------------------------------------
+
+
+class BlockWorkspace:
+    """Buffers for a query block's temporaries, reused from block to block and from layer to layer.
+
+    Why: glibc serves an allocation of a few megabytes with freshly mapped pages and unmaps them
+    when it is freed, so on CPU every block's new temporaries were faulted in page by page: up to
+    17,000 minor page faults per layer (tens of milliseconds, a third of the engine's time) for a
+    batch of two 1024-token windows with 4 heads, depending on the allocation history. A
+    workspace keeps one flat buffer per temporary and hands out views of its first elements;
+    a buffer is replaced only when a larger block needs more. The block loops run the largest
+    block first, so one allocation per buffer serves a whole layer.
+
+    :class:`~equivariance_probe.statistics.AttentionStatistics` keeps one for the duration of a
+    batch. It holds about one block's temporaries (:func:`choose_block_size`). Not thread-safe:
+    one workspace per thread.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def take(self, name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """An uninitialised contiguous tensor of ``shape``: a view of buffer ``name``, valid until the
+        next ``take(name, ...)``."""
+        size = math.prod(shape)
+        device = torch.device(device)
+        slot = (name, device)  # a model spread over devices keeps one buffer on each
+        buffer = self._buffers.get(slot)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
+            self._buffers.pop(slot, None)  # freed before the larger one is allocated
+            buffer = self._buffers[slot] = torch.empty(size, dtype=dtype, device=device)
+        return buffer[:size].view(tuple(shape))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(buffer.numel() * buffer.element_size() for buffer in self._buffers.values())
+
+    def clear(self) -> None:
+        """Let every buffer go."""
+        self._buffers.clear()
+
+
+def _taker(workspace: BlockWorkspace | None, device: torch.device) -> Callable[..., torch.Tensor]:
+    """``take(name, shape, dtype)``: from ``workspace``, or a fresh tensor without one (the compiled blocks)."""
+    if workspace is None:
+        return lambda name, shape, dtype: torch.empty(tuple(shape), dtype=dtype, device=device)
+    return lambda name, shape, dtype: workspace.take(name, shape, dtype, device)
 
 
 # -- per-block maths ----------------------------------------------------------------------
 
 
-def row_moments(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def row_moments(
+    values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, deviation: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``Σ_k y`` and ``Σ_k y²`` per row, in float64, accurate to float64 even for float32 ``y``.
 
     Squaring float32 values rounds each square (relative 6e-8), which would leave a
@@ -388,8 +447,10 @@ def row_moments(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -
 
     Args:
         values: ``[..., key]`` float32 or float64, zero (and finite) where ``mask`` is false.
-        mask: bool, broadcastable to ``values``.
+        mask: bool, or 0/1 in ``values``' dtype, broadcastable to ``values``.
         count: ``[...]`` float64 visible keys per row.
+        deviation: a buffer of ``values``' shape and dtype for the deviations (overwritten), or
+            ``None`` to allocate one.
 
     Returns:
         ``(Σy, Σy²)``, each ``[...]`` float64.
@@ -397,12 +458,16 @@ def row_moments(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -
     total = values.sum(-1, dtype=torch.float64)
     mean = total / count.clamp_min(1)
     mean_rounded = mean.to(values.dtype)
-    # Hidden entries hold 0, so their deviation is finite and multiplying it by the 0/1
-    # mask zeroes it exactly; on CPU that is ~3x faster than torch.where with a
-    # broadcast mask.
-    deviation = (values - mean_rounded.unsqueeze(-1)).mul_(mask.to(values.dtype))
+    mask = mask if mask.dtype == values.dtype else mask.to(values.dtype)
+    # values - mask·m̃ in one pass: the deviation of a visible entry, and exactly 0 for a hidden one
+    # (which holds 0). On CPU that is ~1.5x faster than a subtraction followed by a product with the
+    # mask, and ~4x faster than torch.where with a broadcast mask.
+    deviation = torch.addcmul(values, mask, mean_rounded.unsqueeze(-1), value=-1, out=deviation)
     if values.dtype == torch.float64:
-        spread = torch.linalg.vecdot(deviation, deviation)
+        # Σd² as the square of vector_norm, one pass over d: vecdot and (d*d).sum() write the
+        # products out first on CPU, twice the time. The square of the root is within 2 ulp of Σd²,
+        # and 0 where every deviation is 0.
+        spread = torch.linalg.vector_norm(deviation, dim=-1).square()
     else:
         spread = (deviation * deviation).sum(-1, dtype=torch.float64)
     offset = mean - mean_rounded.to(torch.float64)
@@ -412,67 +477,89 @@ def row_moments(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -
 
 def _block_from_scores(
     scores: torch.Tensor, visible: torch.Tensor, row_count: torch.Tensor, log_eps: float, pad: int, masked: bool,
-    pad_after: int = 0,
+    pad_after: int = 0, workspace: BlockWorkspace | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Softmax and row moments of one query block, from masked scores.
 
-    ``log a = s - logsumexp(s)``, computed as ``(s - m) - log Σ exp(s - m)`` with ``m``
-    the row maximum, and ``a = exp(s - m) / Σ exp(s - m)`` (one exponential per entry
-    serves both), in the scores' dtype, written straight into the zero-padded buffer the
-    lag sums read. Every sum accumulates in float64 (:func:`row_moments`): a float32 value
-    squared in float64 is exact, and rows of identical values stay exact.
+    ``log a = log_softmax(s)`` and ``a = softmax(s)``, each one fused pass of torch's
+    (``(s - m) - log Σ exp(s - m)`` and ``exp(s - m) / Σ exp(s - m)`` with ``m`` the row
+    maximum, so ``log a`` stays accurate where ``a`` underflows), in the scores' dtype. The
+    weights and the log weights are then copied once to float64, the weights straight into the
+    zero-padded buffer the lag sums read: every sum reads float64 (:func:`row_moments`), where a
+    float32 tensor summed with ``dtype=torch.float64`` is copied to float64 by torch on CPU
+    once per sum. A float32 value squared in float64 is exact, and rows of identical values
+    stay exact.
 
     Args:
         scores: ``[B, H, rows, keys]`` float32/64, ``-inf`` where the model's mask hides
-            an entry (every row keeps at least its diagonal). Overwritten.
+            an entry (every row keeps at least its diagonal).
         visible: ``[B, 1, rows, keys]`` bool, the entries the statistics read.
         row_count: ``[B, 1, rows]`` float64, visible keys per row.
         log_eps: ``log eps``, the floor of the log scale.
         pad: zero columns put in front of the weights (for :func:`_lag_sums`).
         masked: whether the block holds entries the model sees but the statistics do not
-            (excluded keys, padding rows); without them ``exp(-inf) = 0`` already zeroes every
-            hidden weight.
+            (excluded keys, padding rows); without them ``softmax`` already gives every
+            hidden weight 0 (``exp(-inf)``).
         pad_after: zero columns put after the weights (signed lags of a bidirectional block).
+        workspace: where the block's temporaries live (:class:`BlockWorkspace`); ``None``
+            allocates them.
 
     Returns:
-        ``padded_weights`` (``[B, H, rows, pad + keys + pad_after]`` in the scores' dtype, 0 where
-        not visible), the per-row ``Σa, Σa², Σy, Σy²`` (``[B, H, rows]`` float64) and the floored
-        entries per ``(b, h)`` (``[B, H]`` float64).
+        ``padded_weights`` (``[B, H, rows, pad + keys + pad_after]`` float64, 0 where not visible),
+        the per-row ``Σa, Σa², Σy, Σy²`` (``[B, H, rows]`` float64) and the floored entries per
+        ``(b, h)`` (``[B, H]`` float64).
 
     Elementwise maths and row reductions only, so ``torch.compile`` can fuse it.
     """
-    batch, heads, rows, keys = scores.shape
-    shifted = scores.sub_(scores.amax(-1, keepdim=True))
-    padded = torch.empty((batch, heads, rows, pad + keys + pad_after), dtype=scores.dtype, device=scores.device)
+    take = _taker(workspace, scores.device)
+    log_weights = torch.log_softmax(scores, -1, out=take("log_weights", scores.shape, scores.dtype))
+    weights = torch.softmax(scores, -1, out=take("weights", scores.shape, scores.dtype))
+    below = torch.lt(log_weights, log_eps, out=take("below", scores.shape, torch.bool))
+    floored = torch.count_nonzero(below.logical_and_(visible), dim=(-2, -1)).to(torch.float64)
+    padded, kept = _padded_float64(weights, pad, pad_after, visible if masked else None, take)
+    # The floor, then 0 for every entry the statistics do not read (a product with the 0/1 mask,
+    # which the clamp keeps finite), written as float64 in the same pass.
+    logs = torch.mul(log_weights.clamp_min_(log_eps), visible, out=take("logs", scores.shape, torch.float64))
+    return _moments(padded, kept, logs, visible, row_count, floored, take)
+
+
+def _padded_float64(
+    weights: torch.Tensor, pad: int, pad_after: int, visible: torch.Tensor | None, take: Callable[..., torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weights: [..., keys]`` in float64 between ``pad`` and ``pad_after`` zero columns, 0 where
+    ``visible`` (if given) is false: the padded buffer (for :func:`_lag_sums`) and its view of the
+    weights."""
+    keys = weights.shape[-1]
+    padded = take("padded", (*weights.shape[:-1], pad + keys + pad_after), torch.float64)
     padded[..., :pad].zero_()
     padded[..., pad + keys :].zero_()
-    weights = torch.exp(shifted, out=padded[..., pad : pad + keys])
-    normaliser = weights.sum(-1, keepdim=True)
-    weights.div_(normaliser)
-    log_weights = shifted.sub_(normaliser.log_())
-    hidden = ~visible
-    floored = torch.count_nonzero((log_weights < log_eps).logical_and_(visible), dim=(-2, -1)).to(torch.float64)
-    logs = log_weights.clamp_min_(log_eps).masked_fill_(hidden, 0.0)
-    if masked:
-        weights.masked_fill_(hidden, 0.0)
-    return _moments(padded, weights, logs, visible, row_count, floored)
+    kept = padded[..., pad : pad + keys]
+    if visible is None:
+        kept.copy_(weights)
+    else:
+        torch.mul(weights, visible, out=kept)
+    return padded, kept
 
 
 def _block_from_weights(
     weights: torch.Tensor, visible: torch.Tensor, row_count: torch.Tensor, log_floor: float, pad: int,
-    pad_after: int = 0,
+    pad_after: int = 0, workspace: BlockWorkspace | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """:func:`_block_from_scores` for captured weights: ``y = log max(a, eps)``, floored ``a < eps``."""
-    batch, heads, rows, keys = weights.shape
+    """:func:`_block_from_scores` for captured weights: ``y = log max(a, eps)``, floored ``a < eps``.
+
+    ``weights`` is read, never written (it may be a view of the caller's pattern). Entries the
+    statistics do not read may hold anything, NaN included, so they are overwritten with 0
+    (``masked_fill_``) rather than multiplied by a 0/1 mask (``NaN·0`` is NaN).
+    """
+    take = _taker(workspace, weights.device)
     hidden = ~visible
-    floored = torch.count_nonzero((weights < log_floor).logical_and_(visible), dim=(-2, -1)).to(torch.float64)
-    logs = torch.log(weights.clamp_min(log_floor)).masked_fill_(hidden, 0.0)
-    padded = torch.empty((batch, heads, rows, pad + keys + pad_after), dtype=weights.dtype, device=weights.device)
-    padded[..., :pad].zero_()
-    padded[..., pad + keys :].zero_()
-    kept = padded[..., pad : pad + keys]
-    kept.copy_(weights).masked_fill_(hidden, 0.0)
-    return _moments(padded, kept, logs, visible, row_count, floored)
+    below = torch.lt(weights, log_floor, out=take("below", weights.shape, torch.bool))
+    floored = torch.count_nonzero(below.logical_and_(visible), dim=(-2, -1)).to(torch.float64)
+    log_weights = torch.clamp(weights, min=log_floor, out=take("log_weights", weights.shape, weights.dtype)).log_()
+    logs = take("logs", weights.shape, torch.float64).copy_(log_weights).masked_fill_(hidden, 0.0)
+    padded, kept = _padded_float64(weights, pad, pad_after, None, take)
+    kept.masked_fill_(hidden, 0.0)
+    return _moments(padded, kept, logs, visible, row_count, floored, take)
 
 
 def _moments(
@@ -482,10 +569,13 @@ def _moments(
     visible: torch.Tensor,
     row_count: torch.Tensor,
     floored: torch.Tensor,
+    take: Callable[..., torch.Tensor],
 ) -> tuple[torch.Tensor, ...]:
     """Both scales' row moments of a block (shared by both block kinds), with the padded weights."""
-    raw_sum, raw_sq = row_moments(weights, visible, row_count)
-    log_sum, log_sq = row_moments(logs, visible, row_count)
+    mask = take("mask", visible.shape, weights.dtype).copy_(visible)  # one 0/1 mask serves both scales
+    deviation = take("deviation", weights.shape, weights.dtype)
+    raw_sum, raw_sq = row_moments(weights, mask, row_count, deviation)
+    log_sum, log_sq = row_moments(logs, mask, row_count, deviation)
     return padded, raw_sum, raw_sq, log_sum, log_sq, floored
 
 
@@ -598,24 +688,26 @@ def _block_function(name: str, compile_blocks: bool):
     return _compiled[name]
 
 
-def _run_block(name: str, compile_blocks: bool, arguments: Callable[[], tuple]) -> tuple[torch.Tensor, ...]:
+def _run_block(
+    name: str, compile_blocks: bool, arguments: Callable[[], tuple], workspace: BlockWorkspace | None = None
+) -> tuple[torch.Tensor, ...]:
     """Run the per-block function ``name`` on ``arguments()``, compiled if asked.
 
-    ``arguments`` builds the inputs afresh: the score block is overwritten in place, so
-    after a compiler failure the eager fallback recomputes it rather than reuse a
-    tensor the failed call may have touched.
+    ``arguments`` builds the inputs afresh, so after a compiler failure the eager fallback
+    does not reuse a tensor the failed call may have touched. The eager function keeps its
+    temporaries in ``workspace``; the compiled one allocates its own.
     """
     global _compile_failed
     function = _block_function(name, compile_blocks)
     eager = _block_from_scores if name == "scores" else _block_from_weights
     if function is eager:
-        return eager(*arguments())
+        return eager(*arguments(), workspace=workspace)
     try:
         return function(*arguments())
     except Exception as error:  # noqa: BLE001 - any compiler failure falls back to the same maths
         _compile_failed = True
         warnings.warn(f"torch.compile of the attention block sums failed ({error!r:.200}); using eager torch", stacklevel=3)
-        return eager(*arguments())
+        return eager(*arguments(), workspace=workspace)
 
 
 # -- public entry points --------------------------------------------------------------------
@@ -631,24 +723,34 @@ def _block_scores(
     scaling: float,
     softcap: float | None,
     allowed: torch.Tensor,
+    workspace: BlockWorkspace | None = None,
 ) -> torch.Tensor:
     """Masked scores of query rows ``[q0, q1)`` against keys ``[k0, k1)``: ``[B, H, rows, keys]``.
 
     ``query`` is ``[B, H_kv, G, T, d]`` (the query heads grouped by the key head they
     read), ``key`` is ``[B, H_kv, T, d]``: one batched product per key head serves its
-    ``G`` query heads, with no repeated keys.
+    ``G`` query heads, with no repeated keys. The model's mask enters as a 0/-inf bias
+    (``s + 0 = s``, ``s - inf = -inf``).
     """
     batch, kv_heads, group, _, dim = query.shape
-    rows = q1 - q0
-    block = query[:, :, :, q0:q1].reshape(batch, kv_heads, group * rows, dim)
-    scores = torch.matmul(block, key[:, :, k0:k1].transpose(-1, -2))
-    scores = scores.view(batch, kv_heads * group, rows, k1 - k0).mul_(scaling)
-    if softcap is not None:
-        scores.div_(softcap).tanh_().mul_(softcap)
-    # Adding a 0/-inf bias broadcasts ~5x faster on CPU than masked_fill_ with a
-    # broadcast mask, with the same result (s + 0 = s, s - inf = -inf).
-    bias = torch.zeros(allowed.shape, dtype=scores.dtype, device=scores.device).masked_fill_(~allowed, float("-inf"))
-    return scores.add_(bias)
+    rows, keys = q1 - q0, k1 - k0
+    block = query[:, :, :, q0:q1].reshape(batch * kv_heads, group * rows, dim)
+    key_block = key[:, :, k0:k1].reshape(batch * kv_heads, keys, dim).transpose(-1, -2)
+    scores = _taker(workspace, query.device)("scores", (batch * kv_heads, group * rows, keys), query.dtype)
+    bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, float("-inf"))
+    if softcap is None:
+        # Scaling and mask in the product's epilogue, scaling·(q·kᵀ) + bias: one pass over the
+        # scores where a product, a scaling and an addition were three. The bias ([1, 1, rows, keys]
+        # causal, [B, 1, 1, keys] bidirectional) is laid out as the product's [B·H_kv, G·rows, keys].
+        if allowed.shape[0] == 1 and allowed.shape[-2] == rows:
+            bias = bias.view(1, rows, keys).expand(group, rows, keys).reshape(1, group * rows, keys)
+        else:
+            bias = bias.view(batch, 1, keys).expand(batch, kv_heads, keys).reshape(batch * kv_heads, 1, keys)
+        torch.baddbmm(bias, block, key_block, alpha=scaling, out=scores)
+        return scores.view(batch, kv_heads * group, rows, keys)
+    torch.bmm(block, key_block, out=scores)
+    scores = scores.view(batch, kv_heads * group, rows, keys).mul_(scaling)
+    return scores.div_(softcap).tanh_().mul_(softcap).add_(bias)
 
 
 def _grouped(query: torch.Tensor, key: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
@@ -675,6 +777,7 @@ def attention_sums_from_qk(
     block_size: int | None = None,
     compile_blocks: bool = False,
     causal: bool = True,
+    workspace: BlockWorkspace | None = None,
 ) -> dict[str, torch.Tensor]:
     """One layer's per-window attention sums, from its queries and keys, in query blocks.
 
@@ -712,6 +815,8 @@ def attention_sums_from_qk(
             results would depend on whether a C++ compiler is present (measured on 2
             CPU cores while the engine was built; no benchmark of this repository
             repeats it).
+        workspace: a :class:`BlockWorkspace` that keeps the blocks' temporaries between
+            calls (one per thread); ``None`` uses one for this call only.
 
     Returns:
         float64 tensors on ``query.device``: ``raw_sum, raw_sq, log_sum, log_sq: [B, H, T]``,
@@ -738,6 +843,7 @@ def attention_sums_from_qk(
     scale = float(dim**-0.5 if scaling is None else scaling)
     log_eps = math.log(layout.log_floor)
     out = _empty_sums(layout, keep_pattern)
+    workspace = BlockWorkspace() if workspace is None else workspace
     with full_float32_matmul(query.device), torch.no_grad():
         for q0, q1, k0, k1 in _blocks(layout, block_size, dtype):
             allowed = layout.allowed(q0, q1, k0, k1)
@@ -748,10 +854,10 @@ def attention_sums_from_qk(
 
             def arguments(q0=q0, q1=q1, k0=k0, k1=k1, allowed=allowed, visible=visible, count=count, masked=masked,
                           pad_after=pad_after) -> tuple:
-                scores = _block_scores(grouped_query, work_key, q0, q1, k0, k1, scale, softcap, allowed)
+                scores = _block_scores(grouped_query, work_key, q0, q1, k0, k1, scale, softcap, allowed, workspace)
                 return scores, visible, count, log_eps, q1 - q0 - 1, masked, pad_after
 
-            _accumulate(out, layout, q0, q1, k0, k1, _run_block("scores", compile_blocks, arguments))
+            _accumulate(out, layout, q0, q1, k0, k1, _run_block("scores", compile_blocks, arguments, workspace))
     return out
 
 
@@ -768,6 +874,7 @@ def attention_sums_from_weights(
     block_size: int | None = None,
     compile_blocks: bool = False,
     causal: bool = True,
+    workspace: BlockWorkspace | None = None,
 ) -> dict[str, torch.Tensor]:
     """The sums of :func:`attention_sums_from_qk` from captured post-softmax weights.
 
@@ -780,7 +887,7 @@ def attention_sums_from_weights(
     Args:
         pattern: ``[B, H, T, T]`` post-softmax weights, any float dtype.
         window, lengths, excluded_keys, log_floor, key_bin, n_key_bins, keep_pattern,
-        block_size, compile_blocks: as in :func:`attention_sums_from_qk`
+        block_size, compile_blocks, workspace: as in :func:`attention_sums_from_qk`
             (``log_floor=None`` takes the smallest normal number of ``pattern.dtype``).
 
     Returns:
@@ -805,13 +912,14 @@ def attention_sums_from_weights(
     )
     dtype = _work_dtype(pattern.dtype)
     out = _empty_sums(layout, keep_pattern)
+    workspace = BlockWorkspace() if workspace is None else workspace
     with torch.no_grad():
         for q0, q1, k0, k1 in _blocks(layout, block_size, dtype):
             visible = layout.visible(q0, q1, k0, k1, layout.allowed(q0, q1, k0, k1))
             count = layout.row_count[:, q0:q1].unsqueeze(1)
             weights = pattern[:, :, q0:q1, k0:k1].to(dtype)
             arguments = (weights, visible, count, layout.log_floor, q1 - q0 - 1, 0 if causal else q1 - q0 - 1)
-            _accumulate(out, layout, q0, q1, k0, k1, _run_block("weights", compile_blocks, lambda a=arguments: a))
+            _accumulate(out, layout, q0, q1, k0, k1, _run_block("weights", compile_blocks, lambda a=arguments: a, workspace))
     return out
 
 
