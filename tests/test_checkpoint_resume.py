@@ -292,3 +292,48 @@ def test_a_kill_while_the_checkpoint_is_cleared_leaves_a_run_that_resumes(tiny, 
     assert main(_args(out, model, corpus, "--resume")) == 0
     assert "had finished" in capsys.readouterr().out
     assert ProbeResult.load(out / "results.safetensors").complete and not (out / "checkpoint").exists()
+
+
+# Writes one large safetensors file; safetensors' save_file writes it to a temporary of its own
+# (``.tmpXXXXXX``) in the destination folder and renames it, so a SIGKILL inside it leaves that file.
+_SAVE_LARGE = """
+import sys, numpy as np
+from safetensors.numpy import save_file
+save_file({"sums": np.zeros(2**25, dtype=np.float32)}, sys.argv[1])
+"""
+
+
+def test_a_kill_inside_safetensors_own_write_leaves_nothing_the_clearing_keeps(tmp_path):
+    """A SIGKILL while safetensors writes a checkpoint file leaves its ``.tmpXXXXXX`` beside the
+    checkpoint's files; clearing the finished checkpoint removes it and the folder (a leftover kept
+    the folder, so the fault-injection test of tests/test_resume_faults.py found a finished run
+    with a checkpoint folder), and still keeps any file a checkpoint never writes."""
+    import re
+    import time
+
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    leftovers: list[str] = []
+    for _ in range(5):  # the parent polls for the temporary; a write that outran the poll is retried
+        child = subprocess.Popen([sys.executable, "-c", _SAVE_LARGE, str(folder / "trained-done.safetensors.tmp")])
+        while child.poll() is None and not leftovers:
+            leftovers = [name for name in os.listdir(folder) if re.fullmatch(r"\.tmp[A-Za-z0-9]{6}", name)]
+            time.sleep(0.0005)
+        child.kill()
+        child.wait()
+        if leftovers:
+            break
+        for path in folder.iterdir():
+            path.unlink()
+    if not leftovers:
+        pytest.skip("this safetensors writes its file in place (no temporary of its own was seen)")
+    assert [name for name in os.listdir(folder) if name.startswith(".tmp")] == leftovers
+    (folder / "state.json").write_text("{}")
+    clear_checkpoint(folder)
+    assert not folder.exists()
+
+    folder.mkdir()
+    (folder / ".tmpAb12Cd").write_bytes(b"")
+    (folder / "notes.txt").write_text("the user's own file")
+    clear_checkpoint(folder)
+    assert sorted(os.listdir(folder)) == ["notes.txt"]
