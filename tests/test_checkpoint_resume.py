@@ -294,8 +294,7 @@ def test_a_kill_while_the_checkpoint_is_cleared_leaves_a_run_that_resumes(tiny, 
     assert ProbeResult.load(out / "results.safetensors").complete and not (out / "checkpoint").exists()
 
 
-# Writes one large safetensors file; safetensors' save_file writes it to a temporary of its own
-# (``.tmpXXXXXX``) in the destination folder and renames it, so a SIGKILL inside it leaves that file.
+# Writes one large safetensors file, long enough for the parent to see what lies in its folder mid-write.
 _SAVE_LARGE = """
 import sys, numpy as np
 from safetensors.numpy import save_file
@@ -304,20 +303,21 @@ save_file({"sums": np.zeros(2**25, dtype=np.float32)}, sys.argv[1])
 
 
 def test_a_kill_inside_safetensors_own_write_leaves_nothing_the_clearing_keeps(tmp_path):
-    """A SIGKILL while safetensors writes a checkpoint file leaves its ``.tmpXXXXXX`` beside the
-    checkpoint's files; clearing the finished checkpoint removes it and the folder (a leftover kept
-    the folder, so the fault-injection test of tests/test_resume_faults.py found a finished run
-    with a checkpoint folder), and still keeps any file a checkpoint never writes."""
-    import re
+    """safetensors' ``save_file`` writes a temporary of its own (``.tmpXXXXXX``) beside its
+    destination and renames it, so a SIGKILL inside it leaves that file among the checkpoint's;
+    clearing the finished checkpoint removes it and the folder, and still keeps any file a
+    checkpoint never writes. The leftover is whatever the killed write left besides its
+    destination, found without the checkpoint's own file pattern."""
     import time
 
     folder = tmp_path / "checkpoint"
     folder.mkdir()
+    destination = "trained-done.safetensors.tmp"  # the name write_atomically hands to save_file
     leftovers: list[str] = []
     for _ in range(5):  # the parent polls for the temporary; a write that outran the poll is retried
-        child = subprocess.Popen([sys.executable, "-c", _SAVE_LARGE, str(folder / "trained-done.safetensors.tmp")])
+        child = subprocess.Popen([sys.executable, "-c", _SAVE_LARGE, str(folder / destination)])
         while child.poll() is None and not leftovers:
-            leftovers = [name for name in os.listdir(folder) if re.fullmatch(r"\.tmp[A-Za-z0-9]{6}", name)]
+            leftovers = [name for name in os.listdir(folder) if name != destination]
             time.sleep(0.0005)
         child.kill()
         child.wait()
@@ -327,7 +327,7 @@ def test_a_kill_inside_safetensors_own_write_leaves_nothing_the_clearing_keeps(t
             path.unlink()
     if not leftovers:
         pytest.skip("this safetensors writes its file in place (no temporary of its own was seen)")
-    assert [name for name in os.listdir(folder) if name.startswith(".tmp")] == leftovers
+    assert all(name.startswith(".tmp") for name in leftovers), leftovers
     (folder / "state.json").write_text("{}")
     clear_checkpoint(folder)
     assert not folder.exists()

@@ -69,8 +69,8 @@ def chunk_seed(seed: int, *parts: int) -> int:
 #: others), and the temporaries a kill can leave of them: ``<name>.tmp`` (``write_atomically``) and
 #: ``.tmpXXXXXX``, the temporary that safetensors' ``save_file`` itself writes in the destination
 #: folder and then renames (Rust's ``tempfile``: ``.tmp`` and six random letters or digits; seen
-#: with strace on safetensors 0.8; left behind by a SIGKILL inside ``save_file``, it kept the
-#: folder from being removed). Nothing else in the folder is ever deleted.
+#: with strace on safetensors 0.8), which a SIGKILL inside ``save_file`` leaves behind and which
+#: would keep the folder from being removed. Nothing else in the folder is ever deleted.
 _OWN_FILE = re.compile(r"(state\.json|[A-Za-z0-9_]+-(\d{9}|done)\.(json|safetensors))(\.tmp)?|\.tmp[A-Za-z0-9]{6}")
 
 
