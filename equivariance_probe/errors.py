@@ -49,6 +49,8 @@ __all__ = [
     "FileWriteError",
     "CheckpointError",
     "check_choice",
+    "is_integer",
+    "check_integer",
     "option",
     "command_line_options",
 ]
@@ -170,6 +172,45 @@ def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:
     allowed = tuple(allowed)
     if value not in allowed:
         raise InputError(f"{name}={value!r} is not one of {allowed}; pass one of these")
+
+
+def is_integer(value: Any, minimum: int | None = None) -> bool:
+    """Whether ``value`` is an ``int`` of at least ``minimum`` (``bool`` excluded: ``True`` is an ``int`` to
+    Python, but a flag given where a count was meant is a mistake, not the count 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and (minimum is None or value >= minimum)
+
+
+def check_integer(
+    name: str,
+    value: Any,
+    *,
+    minimum: int = 1,
+    allow_none: bool = False,
+    message: str | None = None,
+    error: type[EquivarianceProbeError] = InputError,
+) -> Any:
+    """``value`` unchanged if it is an integer of at least ``minimum`` (or ``None`` with ``allow_none``),
+    else ``error`` (an :class:`InputError` by default) naming it.
+
+    Args:
+        name: the argument, as the caller spells it.
+        value: what was given.
+        minimum: the smallest value allowed (1: a positive integer; 0: a non-negative one).
+        allow_none: ``None`` is allowed (it means "no limit" or "the default").
+        message: the whole message, where the argument's fix says more than its type.
+        error: the error class (a file's malformed field is a :class:`ResultFileError`, a checkpoint's a
+            :class:`CheckpointError`).
+
+    Example:
+        >>> check_integer("batch_size", 4)
+        4
+    """
+    if (allow_none and value is None) or is_integer(value, minimum):
+        return value
+    if message is None:
+        kind = {1: "a positive integer", 0: "a non-negative integer"}.get(minimum, f"an integer of at least {minimum}")
+        message = f"{name} must be {kind}{' or None' if allow_none else ''}, not {value!r}"
+    raise error(message)
 
 
 #: While the command-line program runs: API argument name -> its flag (see :func:`option`).

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from .adapters import Adapter, get_adapter
-from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError
+from .errors import ContextLengthError, EmptyCorpusError, InputError, check_integer, is_integer
 from .records.provenance import library_versions, model_identity, model_revision, window_fingerprints
 from .result import ProbeResult
 from .sources.devices import resolve_device
@@ -89,8 +89,7 @@ class EquivarianceProbe:
                 context_length = int(docs.shape[-1])
             else:
                 context_length = min(DEFAULT_CONTEXT_LENGTH, layout.max_context or DEFAULT_CONTEXT_LENGTH)
-        if not isinstance(context_length, int) or isinstance(context_length, bool) or context_length < 1:
-            raise InputError(f"context_length must be a positive integer, not {context_length!r}")
+        check_integer("context_length", context_length)
         if layout.max_context is not None and context_length > layout.max_context:
             raise ContextLengthError(
                 f"context_length={context_length} is longer than this model's maximum context of "
@@ -125,7 +124,7 @@ class EquivarianceProbe:
                 yield self._encode(doc, context_length)
             elif isinstance(doc, torch.Tensor):
                 yield from self._tensor_rows(doc, context_length)
-            elif isinstance(doc, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in doc):
+            elif isinstance(doc, (list, tuple)) and all(is_integer(t) for t in doc):
                 yield from self._tensor_rows(torch.tensor(doc, dtype=torch.long), context_length)
             else:
                 raise InputError(
@@ -236,8 +235,7 @@ class EquivarianceProbe:
             windows of complete batches so far are in ``probe.last_result`` and in the
             error's ``partial_result`` attribute.
         """
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise InputError(f"batch_size must be a positive integer, not {batch_size!r}")
+        check_integer("batch_size", batch_size)
         windows = windows_record(docs)
         if isinstance(docs, PackedWindows):
             docs = docs.tokens
@@ -354,21 +352,16 @@ class EquivarianceProbe:
                 f"context_length={context_length} gives windows of one token, whose attention (1 on itself) "
                 "has no position to depend on, so every R² is undefined; pass context_length=2 or more"
             )
-        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 1:
-            raise InputError(f"min_tokens must be a positive integer, not {min_tokens!r}")
+        check_integer("min_tokens", min_tokens)
         if min_tokens > context_length:
             raise InputError(
                 f"min_tokens={min_tokens} is more than context_length={context_length}, so every window would be "
                 f"skipped as too short; pass min_tokens={context_length} or less, or raise context_length"
             )
-        if max_windows is not None and (
-            not isinstance(max_windows, int) or isinstance(max_windows, bool) or max_windows < 1
-        ):
-            raise InputError(
-                f"max_windows must be a positive integer or None (no limit), not {max_windows!r}"
-            )
-        if not isinstance(key_bins, int) or isinstance(key_bins, bool) or key_bins < 1:
-            raise InputError(f"key_bins must be a positive integer, not {key_bins!r}; the default is {KEY_BINS}")
+        check_integer("max_windows", max_windows, allow_none=True,
+                      message=f"max_windows must be a positive integer or None (no limit), not {max_windows!r}")
+        check_integer("key_bins", key_bins,
+                      message=f"key_bins must be a positive integer, not {key_bins!r}; the default is {KEY_BINS}")
         if device is not None:
             resolve_device(device)  # a named error for a device torch cannot use (CUDA on a machine without it)
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from .analyses import intervals as resampling
 from .analyses.heads import TOP_K, HeadRanking, head_scores, rank_heads, ranking_stability
-from .errors import IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_choice
+from .errors import IncompatibleResultsError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_choice, check_integer
 from .maths import fitting, metrics
 from .maths.intervals import Interval, check_level, is_undefined, jackknife_interval, windows_for_half_width
 from .maths.persistence import PersistenceCurves, lag_curves, persistence_curves
@@ -291,8 +291,7 @@ class ProbeResult:
             return curves
         if by == "key_position":
             stored = self.statistics.key_bins
-            if isinstance(bins, bool) or not isinstance(bins, int) or bins < 1:
-                raise InputError(f"bins={bins!r} must be a positive integer (the statistics keep {stored} key bins)")
+            check_integer("bins", bins, message=f"bins={bins!r} must be a positive integer (the statistics keep {stored} key bins)")
             # Coarser bins are sums of the stored ones: stored bin i goes to bin i·bins // stored, so with
             # bins dividing the stored count (16 of 64) the edges are exactly linspace(0, T, bins + 1).
             groups = min(bins, stored)

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError
+from ..errors import InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_integer
 from ..maths.fitting import curve_r2
 from ..maths.metrics import FORMS, SCALES
 from .intervals import top_k_share
@@ -292,8 +292,7 @@ def ranking_stability(result: RankableResult, by: str = "log_eta2", top_k: int =
         ``{"key": by, "top_k": k, "share": [layer][head] lists}``, or ``{"key", "top_k", "unavailable":
         why}`` (what :meth:`ProbeResult.summary` stores).
     """
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise InputError(f"top_k={top_k!r} must be a positive number of heads, e.g. 10")
+    check_integer("top_k", top_k, message=f"top_k={top_k!r} must be a positive number of heads, e.g. 10")
     try:
         replicates = result.head_score_replicates(by)
     except IntervalUnavailableError as error:

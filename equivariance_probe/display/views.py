@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..analyses.heads import HeadRanking
-from ..errors import InputError, ModelNotFoundError, option
+from ..errors import InputError, ModelNotFoundError, check_integer, is_integer, option
 from ..probe import EquivarianceProbe
 from ..result import ProbeResult
 from ..sources.corpus import load_corpus
@@ -284,7 +284,7 @@ def _document_ids(probe: EquivarianceProbe, document: Any, context_length: int |
         ids = probe.adapter.encode(document)
     elif isinstance(document, torch.Tensor) and document.dim() == 1 and not document.is_floating_point():
         ids = document.tolist()
-    elif isinstance(document, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in document):
+    elif isinstance(document, (list, tuple)) and all(is_integer(i) for i in document):
         ids = list(document)
     else:
         raise InputError(
@@ -433,8 +433,8 @@ def views_for_result(
                 "(a path) to choose the document to view"
             )
     source = None if corpus == "default" else corpus
-    if isinstance(document, bool) or not isinstance(document, int) or document < 0:
-        raise InputError(f"document must be a non-negative index into the corpus, got {document!r}")
+    check_integer("document", document, minimum=0,
+                  message=f"document must be a non-negative index into the corpus, got {document!r}")
     docs = load_corpus(source, n_docs=document + 1)
     if len(docs) <= document:
         raise InputError(f"the corpus has {len(docs)} documents, so there is no document {document}; pass a smaller index")

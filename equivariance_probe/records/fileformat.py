@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import EquivarianceProbeError, FileWriteError, ResultFileError
+from ..errors import EquivarianceProbeError, FileWriteError, ResultFileError, is_integer
 from ..statistics import STATISTICS, AttentionStatistics, EntrySample
 
 __all__ = [
@@ -166,7 +166,7 @@ def checksum(statistics: dict[str, Any]) -> str:
 
 def check_version(version: Any, source: str) -> None:
     """Raise :class:`ResultFileError` unless ``version`` is one this code reads (1..newest)."""
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= NEWEST_FORMAT_VERSION:
+    if not is_integer(version, 1) or version > NEWEST_FORMAT_VERSION:
         raise ResultFileError(
             f"{source} has format_version {version!r}; this equivariance_probe reads versions "
             f"1..{NEWEST_FORMAT_VERSION}. Upgrade equivariance_probe to read newer files"
@@ -225,7 +225,7 @@ def check_config(statistics: dict[str, Any], source: str) -> None:
         require(config[name] >= 1, source, f"'statistics.config.{name}' must be positive")
     for name in ("n_windows", "n_tokens"):
         value = statistics.get(name)
-        require(isinstance(value, int) and not isinstance(value, bool) and value >= 0, source,
+        require(is_integer(value, 0), source,
                  f"'statistics.{name}' must be a non-negative integer")
 
 

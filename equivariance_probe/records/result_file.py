@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ResultFileError
+from ..errors import ResultFileError, is_integer
 from ..statistics import AttentionStatistics, EntrySample
 from ..statistics.sample import COLUMNS as SAMPLE_COLUMNS
 from .container import Container, file_kind, read_container, read_tensors, tensor_checksum, write_container
@@ -205,7 +205,7 @@ def open_result_file(path: str | os.PathLike) -> ResultFile:
     require(isinstance(statistics, dict), source, "'statistics' is missing or not an object")
     check_config(statistics, source)
     sample_size = statistics.get("sample_size")
-    require(sample_size is None or (isinstance(sample_size, int) and not isinstance(sample_size, bool) and sample_size >= 1),
+    require(sample_size is None or is_integer(sample_size, 1),
              source, "'statistics.sample_size' must be a positive integer or null")
     _check_tensors(container, statistics, source)
     metadata = dict(header["metadata"])

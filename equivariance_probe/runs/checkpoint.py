@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, option
+from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, check_integer, option
 from ..probe import progress_bar
 from ..records.fileformat import write_json_atomically
 from ..records.provenance import config_fingerprint
@@ -126,8 +126,8 @@ class CheckpointedRun:
         identity: dict[str, Any],
         resume: bool = False,
     ) -> None:
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise CheckpointError(f"checkpoint_every must be a positive number of documents or None, not {every!r}")
+        check_integer("checkpoint_every", every, allow_none=True, error=CheckpointError,
+                      message=f"checkpoint_every must be a positive number of documents or None, not {every!r}")
         self.folder = None if folder is None else Path(folder)
         self.every = every
         self.identity = json.loads(json.dumps(identity, default=str))  # as it reads back from state.json

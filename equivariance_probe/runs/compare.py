@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 
-from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError, IntervalUnavailableError
+from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError, IntervalUnavailableError, check_integer
 from ..maths.metrics import FORMS, SCALES
 from ..result import DIFFERENCE_STATISTICS, paired_differences
 from .tables import interval_bounds, markdown_table, row_cell, summary_value
@@ -332,8 +332,7 @@ def compare_models(
         raise InputError("models is empty; pass at least one model name, e.g. ['gemma-3-270m'].")
     check_baselines(baselines)
     for name, value in (("n_docs", n_docs), ("context_length", context_length), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InputError(f"{name} must be a positive integer, got {value!r}")
+        check_integer(name, value, message=f"{name} must be a positive integer, got {value!r}")
 
     # Tokenizers first (converting packaged models once, without keeping their weights), then
     # the memory check for every model, before any model is loaded.

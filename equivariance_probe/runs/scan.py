@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import (CheckpointError, ContextLengthError, EmptyCorpusError, IncompatibleResultsError, InputError,
-                      IntervalUnavailableError, UndefinedStatisticError, option)
+                      IntervalUnavailableError, UndefinedStatisticError, check_integer, is_integer, option)
 from ..maths.fitting import FIT_NAMES
 from ..maths.intervals import format_interval
 from ..maths.metrics import FORMS, SCALES
@@ -367,17 +367,17 @@ def scan_windows(
 
 def _check_lengths(context_lengths: Sequence[int], n_tokens: int, batch_size: int | None) -> list[int]:
     lengths = list(context_lengths)
-    if not lengths or any(isinstance(t, bool) or not isinstance(t, int) or t < 2 for t in lengths):
+    if not lengths or not all(is_integer(t, 2) for t in lengths):
         raise InputError(f"context_lengths must be integers of at least 2 tokens, e.g. {list(DEFAULT_CONTEXT_LENGTHS)}; "
                          f"got {lengths!r}")
     if len(set(lengths)) != len(lengths):
         raise InputError(f"context_lengths {lengths} name a length twice; give each length once")
     lengths.sort()
-    if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < lengths[-1]:
-        raise InputError(f"{option('n_tokens', n_tokens)} must be at least the longest context length {lengths[-1]} (one window "
-                         f"of it); pass {option('n_tokens', 2 * lengths[-1])} for two")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-        raise InputError(f"batch_size must be a positive integer or None (about 4096 tokens per batch), got {batch_size!r}")
+    check_integer("n_tokens", n_tokens, minimum=lengths[-1],
+                  message=f"{option('n_tokens', n_tokens)} must be at least the longest context length {lengths[-1]} "
+                          f"(one window of it); pass {option('n_tokens', 2 * lengths[-1])} for two")
+    check_integer("batch_size", batch_size, allow_none=True,
+                  message=f"batch_size must be a positive integer or None (about 4096 tokens per batch), got {batch_size!r}")
     return lengths
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import EmptyCorpusError, InputError, option
+from ..errors import EmptyCorpusError, InputError, check_integer, option
 from .packing import PackedWindows, pack_documents
 from .wikipedia import DEFAULT_CORPUS, load_default_articles
 
@@ -213,10 +213,8 @@ def load_corpus(
         >>> len(docs), all(len(d) >= 10_000 for d in docs)
         (4, True)
     """
-    if n_docs is not None and (isinstance(n_docs, bool) or not isinstance(n_docs, int) or n_docs < 1):
-        raise InputError(f"n_docs must be a positive integer or None, got {n_docs!r}.")
-    if isinstance(min_chars, bool) or not isinstance(min_chars, int) or min_chars < 0:
-        raise InputError(f"min_chars must be a non-negative integer, got {min_chars!r}.")
+    check_integer("n_docs", n_docs, allow_none=True, message=f"n_docs must be a positive integer or None, got {n_docs!r}.")
+    check_integer("min_chars", min_chars, minimum=0, message=f"min_chars must be a non-negative integer, got {min_chars!r}.")
     if separator == "":
         raise InputError("separator must be a non-empty string or None (one document per file).")
     if pack is not None and tokenizer is None:

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ..errors import EmptyCorpusError, InputError, check_choice, option
+from ..errors import EmptyCorpusError, InputError, check_choice, check_integer, option
 
 __all__ = [
     "PackedWindows",
@@ -259,8 +259,8 @@ def pack_stream(
         :class:`PackedWindows` (possibly with no window, when the stream is shorter than a span).
     """
     prefix = tuple(int(i) for i in prefix)
-    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length <= len(prefix):
-        raise InputError(f"context_length must be an integer above the {len(prefix)} prefix tokens, got {context_length!r}")
+    check_integer("context_length", context_length, minimum=len(prefix) + 1,
+                  message=f"context_length must be an integer above the {len(prefix)} prefix tokens, got {context_length!r}")
     text = context_length - len(prefix)
     span_tokens = text if span_tokens is None else int(span_tokens)
     if span_tokens < text:
@@ -311,11 +311,11 @@ def pack_documents(
         separator = document_separator(tokenizer) if separator is None else tuple(separator)
     else:
         separator = ()
-    if isinstance(context_length, bool) or not isinstance(context_length, int) or context_length <= len(prefix):
-        raise InputError(f"context_length must be an integer above the {len(prefix)} prefix tokens, got {context_length!r}")
+    check_integer("context_length", context_length, minimum=len(prefix) + 1,
+                  message=f"context_length must be an integer above the {len(prefix)} prefix tokens, got {context_length!r}")
     span = context_length - len(prefix) if span_tokens is None else span_tokens
-    if max_spans is not None and (isinstance(max_spans, bool) or not isinstance(max_spans, int) or max_spans < 1):
-        raise InputError(f"max_spans must be a positive integer or None, got {max_spans!r}")
+    check_integer("max_spans", max_spans, allow_none=True,
+                  message=f"max_spans must be a positive integer or None, got {max_spans!r}")
     stream, used = token_stream(documents, tokenizer, protocol=protocol, separator=separator, span_tokens=span,
                                 max_tokens=None if max_spans is None else max_spans * span)
     windows = pack_stream(stream, context_length, prefix=prefix, span_tokens=span, separator=separator,
