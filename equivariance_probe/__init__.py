@@ -13,7 +13,8 @@ part imports its own when used). The folders are the architecture, from the grou
 
 Measure:
 
-* :class:`EquivarianceProbe` — wrap a model, ``run`` documents, get a :class:`ProbeResult`.
+* :class:`EquivarianceProbe` — wrap a model, ``run`` documents, get a :class:`ProbeResult`;
+  :class:`MeasurementOptions` — how a run measures, one value from the command line down to ``run``.
 * :class:`ProbeResult` — query-position R², persistence curves and fits, Toeplitz R²;
   ``save``/``load``/``merge``; :class:`PersistenceCurves`.
 * :class:`Interval`, :func:`paired_difference` — confidence intervals over windows (delete-a-group
@@ -77,7 +78,7 @@ from .errors import (
 )
 from .maths.fitting import fit_tisa_kernel
 from .maths.metrics import toeplitz_r2
-from .probe import EquivarianceProbe
+from .probe import EquivarianceProbe, MeasurementOptions
 from .records.provenance import window_fingerprint
 from .records.sharding import Shard
 from .maths.intervals import Interval
@@ -99,6 +100,7 @@ __all__ = [
     "__version__",
     # measure
     "EquivarianceProbe",
+    "MeasurementOptions",
     "ProbeResult",
     "PersistenceCurves",
     "Interval",

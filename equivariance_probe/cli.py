@@ -358,12 +358,21 @@ def _documents(args: argparse.Namespace) -> Any:
     return args.corpus
 
 
+def _measurement(args: argparse.Namespace, **changes: Any) -> Any:
+    """The :class:`~equivariance_probe.probe.MeasurementOptions` the command's flags set (each subcommand
+    has the flags that make sense for it; ``changes`` sets what it decides itself)."""
+    from .probe import MEASUREMENT_FIELDS, MeasurementOptions
+
+    # --device places the model (the sums follow it), so it is not the options' device of the sums.
+    given = {name: getattr(args, name) for name in MEASUREMENT_FIELDS
+             if name != "device" and getattr(args, name, None) is not None}
+    return MeasurementOptions(**{**given, **changes})
+
+
 def _study_options(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
     """The keyword arguments ``run`` and ``compare`` pass alike to their study function."""
-    return dict(corpus=documents, n_docs=args.n_docs, context_length=args.context_length, batch_size=args.batch_size,
-                baselines=args.baselines, exclude_keys=args.exclude_keys, seed=args.seed, cache_dir=args.cache_dir,
-                progress=not args.no_progress, attn_implementation=args.attn_implementation,
-                interval_groups=args.interval_groups)
+    return dict(corpus=documents, n_docs=args.n_docs, baselines=args.baselines, seed=args.seed, cache_dir=args.cache_dir,
+                progress=not args.no_progress, attn_implementation=args.attn_implementation)
 
 
 def _memory_limit(args: argparse.Namespace) -> int | None:
@@ -399,9 +408,8 @@ def _run(args: argparse.Namespace) -> int:
     study = run_study(
         args.model,
         **_study_options(args, documents),
+        options=_measurement(args),
         backend=args.backend,
-        sample_size=args.sample_size,
-        keep_pattern=args.keep_pattern,
         checkpoint_dir=None if args.checkpoint_every == 0 else out / CHECKPOINT_FOLDER,
         checkpoint_every=args.checkpoint_every or None,
         resume=args.resume,
@@ -531,7 +539,8 @@ def _compare(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     _check_writable(out)
-    comparison = compare_models(args.models, **_study_options(args, _documents(args)), memory_limit=_memory_limit(args))
+    comparison = compare_models(args.models, **_study_options(args, _documents(args)), options=_measurement(args),
+                                memory_limit=_memory_limit(args))
     paths = save_comparison(comparison, out)
     _print(args, comparison.table(), comparison.rows(), list(paths.values()) + [out / "models"])
     return 0
@@ -546,8 +555,9 @@ def _scan(args: argparse.Namespace) -> int:
     _check_writable(out)
     scan = scan_context_lengths(
         args.model, context_lengths=args.context_lengths, corpus=_documents(args), n_tokens=args.n_tokens,
-        pack=args.pack, baselines=args.baselines, batch_size=args.batch_size, exclude_keys=args.exclude_keys,
-        seed=args.seed, out=out, cache_dir=args.cache_dir, memory_limit=_memory_limit(args),
+        pack=args.pack, baselines=args.baselines, batch_size=args.batch_size, seed=args.seed,
+        options=_measurement(args), out=out, cache_dir=args.cache_dir,
+        memory_limit=_memory_limit(args),
         progress=not args.no_progress, attn_implementation=args.attn_implementation,
     )
     paths = save_scan(scan, out)
@@ -562,18 +572,20 @@ def _scan(args: argparse.Namespace) -> int:
 
 
 def _positional_into(out: Path, args: argparse.Namespace, *, model_name: str, analyses: list[str], documents: Any,
-                     **settings: Any) -> dict[str, Any]:
+                     context_length: int, **settings: Any) -> dict[str, Any]:
     """Run the positional analyses into ``out``: ``positional.safetensors``, one PNG per analysis, ``positional.html``."""
     from .display.figures import save_figures
     from .display.positional import positional_figures, render_positional_page
+    from .probe import MeasurementOptions
     from .runs.positional import run_positional
     from .sources.corpus import load_corpus
     from .sources.models import load_positional_model
 
     model, tokenizer = load_positional_model(model_name, cache_dir=args.cache_dir)
     docs = load_corpus(documents) if isinstance(documents, (str, Path)) else documents
-    study = run_positional(model, tokenizer, docs=docs, analyses=analyses, batch_size=args.batch_size,
-                           exclude_keys=args.exclude_keys, seed=args.seed, progress=not args.no_progress, **settings)
+    study = run_positional(model, tokenizer, docs=docs, analyses=analyses, seed=args.seed, progress=not args.no_progress,
+                           options=MeasurementOptions(context_length=context_length, batch_size=args.batch_size,
+                                                      exclude_keys=args.exclude_keys), **settings)
     wrote = [study.save(out / "positional.safetensors")]
     wrote += save_figures(positional_figures(study), out, prefix="positional_")
     page = out / "positional.html"

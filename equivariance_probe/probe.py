@@ -21,9 +21,11 @@ which of these protocols a run used.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,10 +41,96 @@ from .statistics import AttentionStatistics
 from .statistics.groups import DEFAULT_INTERVAL_GROUPS, as_keys
 from .statistics.masks import KEY_BINS
 
-__all__ = ["EquivarianceProbe", "DEFAULT_CONTEXT_LENGTH", "progress_bar"]
+__all__ = ["EquivarianceProbe", "MeasurementOptions", "DEFAULT_CONTEXT_LENGTH", "progress_bar"]
 
 #: Context length for strings when none is given (the study's), capped at the model's maximum.
 DEFAULT_CONTEXT_LENGTH = 1024
+
+
+@dataclass(frozen=True)
+class MeasurementOptions:
+    """How a run measures: one value passed whole from the command line through studies,
+    comparisons and scans down to :meth:`EquivarianceProbe.run`.
+
+    Every field has the default :meth:`EquivarianceProbe.run` uses; a study or a scan starts from its
+    own defaults and sets what it decides (:meth:`replace`). The probe checks the values against the
+    model when it runs (a context length longer than the model's maximum, excluded keys outside the
+    window), so building one never fails on a value.
+
+    Attributes:
+        context_length: window length ``T`` in tokens (``None``: 1024, capped at the model's maximum;
+            for a tensor, its width).
+        batch_size: windows per forward pass. Results do not depend on it.
+        exclude_keys: key positions left out of every statistic (e.g. ``(0,)``, the first token,
+            which many heads use as an attention sink).
+        log_floor: ``eps`` of the log scale, ``log max(a, eps)``; default the smallest normal number
+            of the attention dtype (1.2e-38 for float32 and bfloat16).
+        keep_pattern: also keep the pattern summed over windows (``8·L·H·T²`` bytes: 600 MB for
+            Gemma 3 270M at T = 1024, in memory and in the result file), which only
+            ``toeplitz_r2(by="head")``, ``mean_pattern`` and the ``toeplitz`` ranking score read.
+        min_tokens: windows with fewer tokens are skipped (and counted).
+        max_windows: stop after this many windows (``None``: no limit).
+        sample_size: also keep a uniform sample of this many visible entries (for the
+            attention-vs-prior scatter plot); 0 keeps none.
+        sample_seed: seed of that sample (use different seeds for shards to be merged).
+        device: where the float64 sums live (``None``: the model's device).
+        key_bins: key-position bins of the key-conditioned persistence curves (the study's
+            Figure 1c): one per key up to this many positions, equal-width bins beyond.
+        engine: how attention recomputed from queries and keys is reduced: ``"auto"`` (a fused
+            Triton kernel on CUDA where Triton imports, else torch in query blocks), ``"torch"`` or
+            ``"triton"``.
+        interval_groups: ``G``, groups of windows for the intervals over windows (the
+            delete-a-group jackknife); 0 for none. Each group keeps ``8·(2·L·H·T + 4·L·H + L·T + T + 1)``
+            bytes (1.2 MB for Gemma 3 270M at T = 1024); only groups that hold windows are kept.
+
+    Example:
+        >>> options = MeasurementOptions(context_length=256, exclude_keys=[0])
+        >>> options.replace(batch_size=8).batch_size, options.exclude_keys
+        (8, (0,))
+    """
+
+    context_length: int | None = None
+    batch_size: int = 4
+    exclude_keys: tuple[int, ...] = ()
+    log_floor: float | None = None
+    keep_pattern: bool = False
+    min_tokens: int = 2
+    max_windows: int | None = None
+    sample_size: int = 0
+    sample_seed: int | None = None
+    device: str | torch.device | None = None
+    key_bins: int = KEY_BINS
+    engine: str = "auto"
+    interval_groups: int = DEFAULT_INTERVAL_GROUPS
+
+    def __post_init__(self) -> None:
+        # Any iterable of positions is accepted, kept as a tuple so that the options stay hashable and
+        # frozen; the probe checks the positions against the window when it runs.
+        keys = self.exclude_keys
+        if not isinstance(keys, tuple) and isinstance(keys, Iterable) and not isinstance(keys, (str, bytes)):
+            object.__setattr__(self, "exclude_keys", tuple(keys))
+
+    def replace(self, **changes: Any) -> MeasurementOptions:
+        """A copy with ``changes`` (field name -> value).
+
+        Raises:
+            TypeError: a name that is not a measurement option (listing those that are).
+        """
+        unknown = sorted(set(changes) - set(MEASUREMENT_FIELDS))
+        if unknown:
+            raise TypeError(f"{', '.join(unknown)} {'is not a measurement option' if len(unknown) == 1 else 'are not measurement options'}; "
+                            f"the options are {', '.join(MEASUREMENT_FIELDS)}")
+        return dataclasses.replace(self, **changes) if changes else self
+
+    @classmethod
+    def of(cls, options: MeasurementOptions | None = None, /, **changes: Any) -> MeasurementOptions:
+        """``options`` (default: ``MeasurementOptions()``) with ``changes``: how a function that takes
+        both an options object and single keywords combines them (the keywords win)."""
+        return (cls() if options is None else options).replace(**changes)
+
+
+#: The names of :class:`MeasurementOptions`' fields, in order.
+MEASUREMENT_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(MeasurementOptions))
 
 
 class EquivarianceProbe:
@@ -171,22 +259,11 @@ class EquivarianceProbe:
     def run(
         self,
         docs: Iterable[str] | Iterable[torch.Tensor] | torch.Tensor | PackedWindows,
+        options: MeasurementOptions | None = None,
         *,
-        context_length: int | None = None,
-        batch_size: int = 4,
-        exclude_keys: Iterable[int] = (),
-        log_floor: float | None = None,
-        keep_pattern: bool = False,
-        min_tokens: int = 2,
-        max_windows: int | None = None,
-        sample_size: int = 0,
-        sample_seed: int | None = None,
         progress: bool | str = True,
-        device: str | torch.device | None = None,
-        key_bins: int = KEY_BINS,
-        engine: str = "auto",
-        interval_groups: int = DEFAULT_INTERVAL_GROUPS,
         resampling_keys: Any = None,
+        **measurement: Any,
     ) -> ProbeResult:
         """Run documents through the model and return their attention statistics.
 
@@ -196,68 +273,53 @@ class EquivarianceProbe:
                 tokenizer=...)``: used as their token tensor, their description kept in
                 ``metadata["windows"]``), or any iterable of strings or token tensors (streamed:
                 only one batch is in memory).
-            context_length: window length ``T`` in tokens (default: 1024, capped at the
-                model's maximum; for a tensor, its width).
-            batch_size: windows per forward pass. Results do not depend on it.
-            exclude_keys: key positions left out of every statistic (e.g. ``[0]``, the
-                first token, which many heads use as an attention sink).
-            log_floor: ``eps`` of the log scale, ``log max(a, eps)``; default the smallest
-                normal number of the attention dtype (1.2e-38 for float32 and bfloat16).
-            keep_pattern: also keep the pattern summed over windows (``8·L·H·T²`` bytes: 600 MB for
-                Gemma 3 270M at T = 1024, in memory and in the result file), which only
-                ``toeplitz_r2(by="head")``, ``mean_pattern`` and the ``toeplitz`` ranking score read;
-                every other number, ``toeplitz_r2(by="head_per_doc")`` included, works without it.
-            min_tokens: windows with fewer tokens are skipped (and counted).
-            max_windows: stop after this many windows.
-            sample_size: also keep a uniform sample of this many visible entries (for the
-                attention-vs-prior scatter plot); 0 keeps none.
-            sample_seed: seed of that sample (use different seeds for shards to be merged).
+            options: how to measure, a :class:`MeasurementOptions` (default: its defaults).
             progress: show a progress bar; a string shows one under that name (e.g. ``"T=1024, trained"``).
-            device: where the float64 sums live (default: the model's device).
-            key_bins: key-position bins of the key-conditioned persistence curves (the study's
-                Figure 1c): one per key up to this many positions, equal-width bins beyond.
-            engine: how attention recomputed from queries and keys is reduced: ``"auto"`` (a
-                fused Triton kernel on CUDA where Triton imports, else torch in query blocks),
-                ``"torch"`` or ``"triton"``. The result's ``metadata["engine"]`` says which ran.
-            interval_groups: ``G``, groups of windows for the intervals over windows (the
-                delete-a-group jackknife: ``result.query_position_r2(..., interval=0.95)``); 0 for
-                none. Each group keeps ``8·(2·L·H·T + 4·L·H + L·T + T + 1)`` bytes (1.2 MB for
-                Gemma 3 270M at T = 1024); only groups that hold windows are kept.
             resampling_keys: one 64-bit integer per window, in the order the windows are read (one
                 per string, one per row of a token tensor; skipped windows included), choosing each
                 window's interval group; windows with the same key share a group, so runs over
                 different windowings of one text (a context-length scan) can pair their groups by
                 text region (:func:`~equivariance_probe.result.paired_difference`). Default: each
                 window's fingerprint, which gives every shard, resumed run and merge the same groups.
+            **measurement: any field of :class:`MeasurementOptions` by name (``context_length=1024,
+                batch_size=4, exclude_keys=[0], keep_pattern=True, ...``), over those of ``options``.
+                ``engine`` picks the reduction; the result's ``metadata["engine"]`` says which ran.
+                ``interval_groups`` gives the intervals over windows
+                (``result.query_position_r2(..., interval=0.95)``).
 
         Returns:
             A :class:`ProbeResult`. If the run stops with an error (or an interrupt), the
             windows of complete batches so far are in ``probe.last_result`` and in the
             error's ``partial_result`` attribute.
+
+        Raises:
+            TypeError: a keyword that is not a measurement option.
         """
+        options = MeasurementOptions.of(options, **measurement)
+        batch_size, min_tokens, max_windows = options.batch_size, options.min_tokens, options.max_windows
         check_integer("batch_size", batch_size)
         windows = windows_record(docs)
         if isinstance(docs, PackedWindows):
             docs = docs.tokens
-        context_length = self._context_length(docs, context_length)
+        context_length = self._context_length(docs, options.context_length)
         layout = self.adapter.layout
-        exclude_keys = tuple(int(k) for k in exclude_keys)
-        self._check_run_options(context_length, exclude_keys, min_tokens, max_windows, key_bins, device)
+        exclude_keys = tuple(int(k) for k in options.exclude_keys)
+        self._check_run_options(context_length, exclude_keys, min_tokens, max_windows, options.key_bins, options.device)
         statistics = AttentionStatistics(
             n_layers=layout.n_layers,
             n_heads=layout.n_heads,
             n_positions=context_length,
             sliding_windows=layout.sliding_windows,
-            log_floor=log_floor,
+            log_floor=options.log_floor,
             excluded_keys=exclude_keys,
-            keep_pattern=keep_pattern,
-            sample_size=sample_size,
-            sample_seed=sample_seed,
-            device=device if device is not None else self.adapter.device,
-            key_bins=key_bins,
-            engine=engine,
+            keep_pattern=options.keep_pattern,
+            sample_size=options.sample_size,
+            sample_seed=options.sample_seed,
+            device=options.device if options.device is not None else self.adapter.device,
+            key_bins=options.key_bins,
+            engine=options.engine,
             causal=layout.causal,
-            interval_groups=interval_groups,
+            interval_groups=options.interval_groups,
         )
         keys = None if resampling_keys is None else as_keys(resampling_keys)
         if keys is not None and isinstance(docs, torch.Tensor):

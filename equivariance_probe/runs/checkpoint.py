@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, check_integer, option
-from ..probe import progress_bar
+from ..probe import MeasurementOptions, progress_bar
 from ..records.fileformat import write_json_atomically
 from ..records.provenance import config_fingerprint
 from ..records.result_file import RESULT_SUFFIX
@@ -222,9 +222,9 @@ class CheckpointedRun:
         docs: Sequence[Any],
         *,
         seed_parts: Sequence[int],
+        options: MeasurementOptions,
         progress: bool = False,
         metadata: dict[str, Any] | None = None,
-        **run_options: Any,
     ) -> ProbeResult:
         """The variant's result over ``docs``, resumed from the checkpoint where there is one.
 
@@ -233,10 +233,10 @@ class CheckpointedRun:
             build_probe: makes the :class:`EquivarianceProbe` (called only if work is left).
             docs: the documents of this run (after sharding).
             seed_parts: ``(seed, variant, shard)``; the chunk index is appended for each chunk's sample seed.
+            options: how to measure (:meth:`EquivarianceProbe.run`); its ``sample_seed`` is each chunk's.
             progress: a progress bar over documents.
             metadata: added to the finished result's metadata *before* it is written to the
                 checkpoint, so that the written copy is the final file (see :meth:`finished_file`).
-            **run_options: passed to :meth:`EquivarianceProbe.run`.
         """
         if name in self.done:
             result = self._load(self.done[name])
@@ -254,7 +254,8 @@ class CheckpointedRun:
             for start in range(position, len(docs), every):
                 chunk = docs[start : start + every]
                 try:
-                    part = probe.run(chunk, sample_seed=chunk_seed(*seed_parts, start // every), progress=False, **run_options)
+                    part = probe.run(chunk, options.replace(sample_seed=chunk_seed(*seed_parts, start // every)),
+                                     progress=False)
                 except EmptyCorpusError:
                     skipped += len(chunk)  # every document of the chunk was empty or too short
                 except BaseException as error:  # any fault: the chunks done so far are kept, marked partial

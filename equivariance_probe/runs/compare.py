@@ -41,12 +41,12 @@ from typing import Any
 
 from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError, IntervalUnavailableError, check_integer
 from ..maths.metrics import FORMS, SCALES
+from ..probe import MeasurementOptions
 from ..result import DIFFERENCE_STATISTICS, paired_differences
 from .tables import interval_bounds, markdown_table, row_cell, summary_value
 from ..sources.corpus import load_corpus
 from ..sources.models import load_config, load_model, load_tokenizer
 from ..sources.resources import MemoryEstimate, PeakMemory, check_fits, estimate_memory_of, model_size
-from ..statistics.groups import DEFAULT_INTERVAL_GROUPS
 from .study import Study, check_baselines, run_study
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "common_windows",
     "DEFAULT_COMPARE_MODELS",
     "DEFAULT_COMPARISON",
+    "COMPARISON_MEASUREMENT",
     "model_folder",
 ]
 
@@ -65,6 +66,11 @@ DEFAULT_COMPARE_MODELS = ("gemma-3-270m", "smollm2-135m-instruct", "qwen2.5-code
 #: The default comparison, sized to run the three packaged models, trained and at random
 #: initialisation, in well under 30 minutes on 2 CPU cores (README, "Across architectures").
 DEFAULT_COMPARISON = {"n_docs": 12, "context_length": 512, "batch_size": 4, "baselines": ("random_init",)}
+
+#: How a comparison measures unless told otherwise: every model at one window length, no entry sample
+#: (the comparison draws no scatter plot).
+COMPARISON_MEASUREMENT = MeasurementOptions(context_length=DEFAULT_COMPARISON["context_length"],
+                                            batch_size=DEFAULT_COMPARISON["batch_size"])
 
 _FITS = ("power", "exponential", "prior")
 
@@ -284,16 +290,14 @@ def compare_models(
     *,
     corpus: Any = None,
     n_docs: int = DEFAULT_COMPARISON["n_docs"],
-    context_length: int = DEFAULT_COMPARISON["context_length"],
-    batch_size: int = DEFAULT_COMPARISON["batch_size"],
     baselines: Sequence[str] = DEFAULT_COMPARISON["baselines"],
-    exclude_keys: Sequence[int] = (),
     seed: int = 0,
+    options: MeasurementOptions | None = None,
     cache_dir: str | os.PathLike | None = None,
     memory_limit: int | None = None,
     progress: bool = True,
     attn_implementation: str = "sdpa",
-    interval_groups: int = DEFAULT_INTERVAL_GROUPS,
+    **measurement: Any,
 ) -> Comparison:
     """Run the study on several models over the same windows and collect one table.
 
@@ -304,19 +308,22 @@ def compare_models(
         corpus: anything :func:`~equivariance_probe.sources.corpus.load_corpus` reads (``None``: the
             packaged Wikipedia articles).
         n_docs: windows (one per document).
-        context_length: tokens per window ``T``, the same for every model.
-        batch_size: windows per forward pass.
         baselines: any of ``"random_init"``, ``"zero"`` (each model's own).
-        exclude_keys: key positions left out of every statistic.
         seed: seed of the random initialisations.
+        options: how every model is measured, a :class:`~equivariance_probe.probe.MeasurementOptions`
+            (default :data:`COMPARISON_MEASUREMENT`: ``context_length=512``, ``batch_size=4``, no entry
+            sample); ``context_length`` is the tokens per window ``T``, the same for every model.
         cache_dir: where converted packaged models are cached.
         memory_limit: bytes a model may use; ``None``: the memory available now.
         progress: show progress bars.
         attn_implementation: the attention kernel each model runs (see
             :func:`~equivariance_probe.runs.study.run_study`).
-        interval_groups: groups of windows for the 95 % intervals and the trained-minus-baseline
-            differences (per model: windows are grouped by their token ids' fingerprints, which
-            differ between tokenizers); 0 for none.
+        **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
+            those of ``options``: ``context_length``, ``batch_size`` (windows per forward pass),
+            ``exclude_keys`` (key positions left out of every statistic), ``interval_groups`` (groups of
+            windows for the 95 % intervals and the trained-minus-baseline differences, per model:
+            windows are grouped by their token ids' fingerprints, which differ between tokenizers; 0
+            for none), ...
 
     Returns:
         A :class:`Comparison`.
@@ -331,6 +338,8 @@ def compare_models(
     if not entries:
         raise InputError("models is empty; pass at least one model name, e.g. ['gemma-3-270m'].")
     check_baselines(baselines)
+    options = MeasurementOptions.of(COMPARISON_MEASUREMENT if options is None else options, **measurement)
+    context_length, batch_size = options.context_length, options.batch_size
     for name, value in (("n_docs", n_docs), ("context_length", context_length), ("batch_size", batch_size)):
         check_integer(name, value, message=f"{name} must be a positive integer, got {value!r}")
 
@@ -357,10 +366,8 @@ def compare_models(
             loaded = (load_model(entry, cache_dir=cache_dir, attn_implementation=attn_implementation)
                       if isinstance(entry, str) else entry)
             load_seconds = time.perf_counter() - start
-            study = run_study(label, corpus=texts, n_docs=len(texts), context_length=context_length,
-                              batch_size=batch_size, baselines=baselines, exclude_keys=exclude_keys, seed=seed,
-                              sample_size=0, cache_dir=cache_dir, progress=progress, loaded=loaded,
-                              interval_groups=interval_groups)
+            study = run_study(label, corpus=texts, n_docs=len(texts), baselines=baselines, seed=seed, options=options,
+                              cache_dir=cache_dir, progress=progress, loaded=loaded)
             del loaded
             gc.collect()  # one model in memory at a time
         for variant, result in study.results.items():
@@ -374,8 +381,8 @@ def compare_models(
                                  peak_bytes=peak.bytes, peak_method=peak.method, estimate=estimates[label])
     config = {
         "arguments": {"models": list(entries), "n_docs": n_docs, "context_length": context_length,
-                      "batch_size": batch_size, "baselines": list(baselines), "exclude_keys": list(exclude_keys),
-                      "seed": seed, "interval_groups": interval_groups},
+                      "batch_size": batch_size, "baselines": list(baselines), "exclude_keys": list(options.exclude_keys),
+                      "seed": seed, "interval_groups": options.interval_groups},
         "windows_description": (
             f"{len(texts)} windows of exactly {context_length} tokens per model, cut from the same "
             f"{len(texts)} documents ({'the packaged Wikipedia articles' if corpus is None else 'the given corpus'}) "

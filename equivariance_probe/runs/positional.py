@@ -64,7 +64,7 @@ from ..records.container import file_kind, read_container, read_tensors, tensor_
 from ..records.fileformat import check_version
 from ..sources.baselines import random_init_like
 from ..sources.corpus import load_corpus
-from ..probe import EquivarianceProbe
+from ..probe import EquivarianceProbe, MeasurementOptions
 from ..sources.registry import name_of_converted_copy
 
 __all__ = ["ANALYSES", "PositionalStudy", "run_positional", "POSITIONAL_KIND", "POSITIONAL_FORMAT_VERSION"]
@@ -325,6 +325,10 @@ def _representation_parts(model: Any, tokens: torch.Tensor, analyses: tuple[str,
     return parts
 
 
+#: The windows the positional analyses measure unless told otherwise: 256 tokens, 4 per forward pass.
+POSITIONAL_MEASUREMENT = MeasurementOptions(context_length=256)
+
+
 def run_positional(
     model: Any,
     tokenizer: Any | None = None,
@@ -332,16 +336,15 @@ def run_positional(
     docs: Any = None,
     analyses: tuple[str, ...] | list[str] = ANALYSES,
     n_docs: int = 8,
-    context_length: int = 256,
     n_prompts: int = 4,
     prompt_length: int = 64,
     n_permutations: int = 8,
     n_kernels: int = 5,
     baseline: str | None = "random_init",
-    batch_size: int = 4,
-    exclude_keys: tuple[int, ...] | list[int] = (),
     seed: int = 0,
+    options: MeasurementOptions | None = None,
     progress: bool = True,
+    **measurement: Any,
 ) -> PositionalStudy:
     """Run the positional analyses (METHODS.md sections 3-4) on a model.
 
@@ -351,20 +354,28 @@ def run_positional(
         tokenizer: its tokenizer (default: the probe's or model's own).
         docs: strings or a LongTensor ``[n, T]`` (default: the packaged Wikipedia articles).
         analyses: a subset of ``ANALYSES``.
-        n_docs, context_length: windows for ``attention_toeplitz``, ``tisa``, ``shrinkage`` and ``correlation``.
+        n_docs: windows for ``attention_toeplitz``, ``tisa``, ``shrinkage`` and ``correlation``.
         n_prompts, prompt_length, n_permutations: the permutation protocol.
         n_kernels: ``S`` of the TISA fits.
         baseline: ``"random_init"`` (shrinkage and correlations also on the model's own random
             initialisation, seed ``seed``) or ``None``.
-        batch_size: windows per forward pass.
-        exclude_keys: key positions left out of the ``tisa`` profiles and the attention Toeplitz R²
-            (e.g. ``[0]``, a BOS sink).
         seed: seed of permutations and baseline.
+        options: how the windows are measured, a :class:`~equivariance_probe.probe.MeasurementOptions`
+            (default: ``context_length=256``): ``context_length`` (the windows' length), ``batch_size``
+            (windows per forward pass) and ``exclude_keys`` (key positions left out of the ``tisa``
+            profiles and the attention Toeplitz R², e.g. ``[0]``, a BOS sink) are read; the attention
+            Toeplitz R² always keeps the summed pattern it needs.
         progress: print one line per analysis.
+        **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
+            those of ``options`` (``context_length=256, batch_size=4, exclude_keys=[0]``).
 
     Returns:
         :class:`PositionalStudy`.
     """
+    options = MeasurementOptions.of(POSITIONAL_MEASUREMENT if options is None else options, **measurement)
+    if options.context_length is None:
+        options = options.replace(context_length=POSITIONAL_MEASUREMENT.context_length)
+    context_length, batch_size, exclude_keys = options.context_length, options.batch_size, options.exclude_keys
     analyses = tuple(analyses)
     unknown = [a for a in analyses if a not in ANALYSES]
     if unknown:
@@ -417,8 +428,7 @@ def run_positional(
     if windows is not None:
         study.metadata["windows"] = [int(windows.shape[0]), int(windows.shape[1])]
     if "attention_toeplitz" in analyses:
-        result = EquivarianceProbe(hf, tokenizer=tokenizer).run(
-            windows, batch_size=batch_size, exclude_keys=exclude_keys, keep_pattern=True, progress=False)
+        result = EquivarianceProbe(hf, tokenizer=tokenizer).run(windows, options.replace(keep_pattern=True), progress=False)
         study.parts["attention_toeplitz"] = AttentionToeplitz(
             result.toeplitz_r2("head"), result.toeplitz_r2("head_per_doc"), result.n_windows,
             int(windows.shape[1]), result.causal)

@@ -59,7 +59,7 @@ from ..errors import (CheckpointError, ContextLengthError, EmptyCorpusError, Inc
 from ..maths.fitting import FIT_NAMES
 from ..maths.intervals import format_interval
 from ..maths.metrics import FORMS, SCALES
-from ..probe import EquivarianceProbe
+from ..probe import EquivarianceProbe, MeasurementOptions
 from ..records.provenance import corpus_fingerprint, model_identity, window_fingerprints
 from ..result import ProbeResult, paired_difference
 from ..sources.corpus import load_corpus
@@ -86,6 +86,13 @@ DEFAULT_CONTEXT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 #: The default scan: two windows of the longest length (16,384 window tokens per length), trained
 #: vs its own random initialisation, batches of about 4,096 tokens.
 DEFAULT_SCAN = {"n_tokens": 16384, "baselines": ("random_init",), "batch_tokens": 4096}
+
+#: Options that change what a length's result file holds, beyond the exclusions (always in its identity):
+#: a file of the scan is reused only if these are as asked, and they enter its identity only where they
+#: differ from :class:`~equivariance_probe.probe.MeasurementOptions`' defaults, so that files written
+#: before they were recorded are still reused under the defaults.
+_STORED_OPTIONS = ("log_floor", "keep_pattern", "min_tokens", "max_windows", "sample_size", "sample_seed", "key_bins",
+                   "interval_groups")
 
 #: The numbers whose differences between lengths (and trained minus baseline) the scan tabulates.
 DIFFERENCE_ROWS = ("log_fitted", "log_eta2", "raw_eta2", "prior_fit")
@@ -440,13 +447,14 @@ def scan_context_lengths(
     pack: bool = False,
     baselines: Sequence[str] = DEFAULT_SCAN["baselines"],
     batch_size: int | None = None,
-    exclude_keys: Sequence[int] = (),
     seed: int = 0,
+    options: MeasurementOptions | None = None,
     out: str | os.PathLike | None = None,
     cache_dir: str | os.PathLike | None = None,
     memory_limit: int | None = None,
     progress: bool = True,
     attn_implementation: str = "sdpa",
+    **measurement: Any,
 ) -> ContextScan:
     """Run the trained model and its baselines on the same text at every context length.
 
@@ -461,14 +469,20 @@ def scan_context_lengths(
             one document; see the module docstring).
         baselines: any of ``"random_init"``, ``"zero"``.
         batch_size: windows per forward pass at every length; ``None``: ``max(1, 4096 // T)``.
-        exclude_keys: key positions left out of every statistic.
         seed: seed of the random initialisation.
+        options: how each length is measured, a :class:`~equivariance_probe.probe.MeasurementOptions`
+            (default: its defaults); its ``context_length`` and ``batch_size`` are each length's (the
+            two arguments above), and each window's interval group is its span's, so that every length
+            resamples the same text regions.
         out: folder for the result files, written as each is measured; complete files of the same
             scan already there are reused.
         cache_dir: where converted packaged models are cached.
         memory_limit: bytes a length may need; ``None``: the memory available now.
         progress: show progress bars.
         attn_implementation: the attention kernel the model runs (``"sdpa"``, ``"eager"``, ...).
+        **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
+            those of ``options``: ``exclude_keys`` (key positions left out of every statistic),
+            ``interval_groups``, ...
 
     Returns:
         A :class:`ContextScan`.
@@ -482,6 +496,8 @@ def scan_context_lengths(
     """
     lengths = _check_lengths(context_lengths, n_tokens, batch_size)
     check_baselines(baselines)
+    options = MeasurementOptions.of(options, **measurement)
+    exclude_keys = options.exclude_keys
     loaded = model if isinstance(model, tuple) else None
     name = str(model) if loaded is None else None
     size = model_size(loaded[0] if loaded is not None else load_config(name, cache_dir=cache_dir))
@@ -500,6 +516,10 @@ def scan_context_lengths(
     measured = {"model": model_identity(network), "stream": corpus_fingerprint([stream])["sha256"],
                 "protocol": longest.protocol, "span_tokens": longest.span_tokens, "n_spans": longest.n_spans,
                 "prefix": list(longest.prefix), "exclude_keys": list(exclude_keys)}
+    defaults = MeasurementOptions()
+    stored = {name: getattr(options, name) for name in _STORED_OPTIONS if getattr(options, name) != getattr(defaults, name)}
+    if stored:
+        measured["measurement"] = stored
     text = (f"{longest.n_spans} spans of {longest.span_tokens} stream tokens "
             + (f"from {longest.n_documents} documents concatenated with EOS {list(longest.separator)} between them"
                if pack else f"(the first {longest.span_tokens} tokens of {longest.n_documents} documents)")
@@ -509,7 +529,7 @@ def scan_context_lengths(
         "arguments": {"context_lengths": lengths, "n_tokens": n_tokens, "pack": pack, "baselines": list(baselines),
                       "batch_size": batch_size, "exclude_keys": list(exclude_keys), "seed": seed,
                       "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
-                      "attn_implementation": attn_implementation if loaded is None else None},
+                      "attn_implementation": attn_implementation if loaded is None else None, **stored},
         "text_description": text,
         "load_seconds": load_seconds,
     }
@@ -534,9 +554,9 @@ def scan_context_lengths(
             start = time.perf_counter()
             # Interval groups by span, not by window: every length then resamples the same text regions,
             # so that two lengths pair group by group (ContextScan.difference).
-            result = probe.run(windows[length], context_length=length, batch_size=_batch_size(length, batch_size),
-                               exclude_keys=exclude_keys, progress=progress and f"T={length}, {variant}: windows",
-                               resampling_keys=windows[length].spans)
+            result = probe.run(windows[length], options.replace(context_length=length,
+                                                                batch_size=_batch_size(length, batch_size)),
+                               progress=progress and f"T={length}, {variant}: windows", resampling_keys=windows[length].spans)
             timings[length][variant] = time.perf_counter() - start
             # The study's metadata, so that a report of one length shows its baselines beside it.
             result.metadata.update(

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..probe import EquivarianceProbe
+from ..probe import EquivarianceProbe, MeasurementOptions
 from ..records.provenance import config_fingerprint, corpus_fingerprint, model_identity
 from ..records.result_file import RESULT_SUFFIX
 from ..records.sharding import Shard, shard_metadata
@@ -31,10 +31,10 @@ from ..sources.corpus import load_corpus
 from ..sources.devices import parse_dtype, resolve_device
 from ..sources.models import load_model
 from ..sources.packing import pack_documents
-from ..statistics.groups import DEFAULT_INTERVAL_GROUPS
 from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun
 
-__all__ = ["Study", "run_study", "result_filename", "load_study_baselines", "BASELINES", "DEFAULT_STUDY"]
+__all__ = ["Study", "run_study", "result_filename", "load_study_baselines", "BASELINES", "DEFAULT_STUDY",
+           "STUDY_MEASUREMENT"]
 
 #: Baselines: name -> what it is.
 BASELINES = {
@@ -44,6 +44,11 @@ BASELINES = {
 
 #: The default study, sized to finish in about 10 minutes on 2 CPU cores.
 DEFAULT_STUDY = {"n_docs": 24, "context_length": 1024, "batch_size": 4}
+
+#: How a study measures unless told otherwise: :class:`~equivariance_probe.probe.MeasurementOptions`'
+#: defaults, at the study's window length and batch size, keeping an entry sample for the scatter plot.
+STUDY_MEASUREMENT = MeasurementOptions(context_length=DEFAULT_STUDY["context_length"],
+                                       batch_size=DEFAULT_STUDY["batch_size"], sample_size=20000)
 
 
 @dataclass
@@ -191,13 +196,9 @@ def run_study(
     backend: str = "huggingface",
     corpus: Any = None,
     n_docs: int = DEFAULT_STUDY["n_docs"],
-    context_length: int = DEFAULT_STUDY["context_length"],
-    batch_size: int = DEFAULT_STUDY["batch_size"],
     baselines: Sequence[str] = tuple(BASELINES),
-    exclude_keys: Sequence[int] = (),
     seed: int = 0,
-    sample_size: int = 20000,
-    keep_pattern: bool = False,
+    options: MeasurementOptions | None = None,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
     loaded: tuple[Any, Any] | None = None,
@@ -209,7 +210,7 @@ def run_study(
     dtype: str | None = None,
     attn_implementation: str = "sdpa",
     pack: bool = False,
-    interval_groups: int = DEFAULT_INTERVAL_GROUPS,
+    **measurement: Any,
 ) -> Study:
     """Run the study: the trained model and each baseline on the same documents.
 
@@ -219,15 +220,12 @@ def run_study(
         corpus: anything :func:`~equivariance_probe.sources.corpus.load_corpus` reads (``None``: the
             packaged default corpus).
         n_docs: documents (one window each).
-        context_length: window length in tokens.
-        batch_size: windows per forward pass.
         baselines: any of ``"random_init"``, ``"zero"``.
-        exclude_keys: key positions left out of every statistic (e.g. ``[0]``).
         seed: seed of the random initialisation and of the entry sample.
-        sample_size: entries kept for the scatter plot.
-        keep_pattern: also keep the window-summed pattern (``8·L·H·T²`` bytes per variant, in
-            memory and in each result file) for the Toeplitz R² of the document-averaged pattern
-            (:meth:`ProbeResult.toeplitz_r2` ``by="head"``) and :meth:`ProbeResult.mean_pattern`.
+        options: how each variant is measured, a :class:`~equivariance_probe.probe.MeasurementOptions`
+            (default :data:`STUDY_MEASUREMENT`: ``context_length=1024``, ``batch_size=4``,
+            ``sample_size=20000``). Its ``sample_seed`` is replaced by one drawn from ``seed`` for each
+            checkpoint chunk, variant and shard; a ``context_length`` of ``None`` is the study's 1024.
         cache_dir: where converted packaged models are cached.
         progress: show progress bars.
         loaded: an already loaded ``(model, tokenizer)``, to skip loading.
@@ -238,7 +236,8 @@ def run_study(
             with another model, corpus or configuration.
         shard: ``Shard(i, n)`` or ``"i/n"``: run only the i-th of n contiguous slices of the
             ``n_docs`` documents (:mod:`equivariance_probe.records.sharding`); merge the shards' results.
-        device: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        device: where the model runs: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``,
+            ``"cuda:N"`` (the sums live there too unless ``options.device`` says otherwise).
         dtype: the model's parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``);
             ``None``: as loaded (float32).
         attn_implementation: the attention kernel the model runs (``"sdpa"``, ``"eager"``,
@@ -248,9 +247,20 @@ def run_study(
             exactly ``context_length`` tokens, each after the tokenizer's special prefix
             (:func:`~equivariance_probe.sources.packing.pack_documents`), instead of one window per
             document; checkpoints and shards then count windows, not documents.
-        interval_groups: groups of windows for the 95 % intervals (by window fingerprint, so the
-            variants, shards and resumed runs share them); 0 for none.
+        **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
+            those of ``options``: ``context_length`` (window length in tokens), ``batch_size``
+            (windows per forward pass), ``exclude_keys`` (key positions left out of every statistic,
+            e.g. ``[0]``), ``sample_size`` (entries kept for the scatter plot), ``keep_pattern`` (also
+            keep the window-summed pattern, ``8·L·H·T²`` bytes per variant, in memory and in each
+            result file, for :meth:`ProbeResult.toeplitz_r2` ``by="head"`` and
+            :meth:`ProbeResult.mean_pattern`), ``interval_groups`` (groups of windows for the 95 %
+            intervals, by window fingerprint, so the variants, shards and resumed runs share them;
+            0 for none), ...
     """
+    options = MeasurementOptions.of(STUDY_MEASUREMENT if options is None else options, **measurement)
+    if options.context_length is None:
+        options = options.replace(context_length=STUDY_MEASUREMENT.context_length)
+    context_length = options.context_length
     check_baselines(baselines)
     timings: dict[str, float] = {}
     shard = Shard.parse(shard) if isinstance(shard, str) else shard
@@ -275,15 +285,15 @@ def run_study(
         "backend": backend,
         "n_docs": len(all_docs),
         "context_length": context_length,
-        "batch_size": batch_size,
-        "exclude_keys": list(exclude_keys),
+        "batch_size": options.batch_size,
+        "exclude_keys": list(options.exclude_keys),
         "seed": seed,
         "baselines": list(baselines),
-        "sample_size": sample_size,
-        "keep_pattern": bool(keep_pattern),
+        "sample_size": options.sample_size,
+        "keep_pattern": bool(options.keep_pattern),
         "checkpoint_every": checkpoint_every if checkpoint_dir is not None else None,
         "attn_implementation": attn_implementation if loaded is None else None,
-        "interval_groups": interval_groups,
+        "interval_groups": options.interval_groups,
     }
     if pack:  # only then, so that the fingerprints of unpacked studies stay what they were
         config["pack"] = True
@@ -296,15 +306,6 @@ def run_study(
     runner = CheckpointedRun(checkpoint_dir, every=config["checkpoint_every"], identity=identity, resume=resume)
     if shard is not None:
         config["shard"] = str(shard)
-    run_options = dict(
-        context_length=context_length,
-        batch_size=batch_size,
-        exclude_keys=exclude_keys,
-        sample_size=sample_size,
-        keep_pattern=keep_pattern,
-        progress=progress,
-        interval_groups=interval_groups,
-    )
     results: dict[str, ProbeResult] = {}
     for index, (name, build) in enumerate(variant_builders(network, baselines, seed)):
         start = time.perf_counter()
@@ -319,7 +320,8 @@ def run_study(
             docs,
             seed_parts=(seed, index, 0 if shard is None else shard.index + 1),
             metadata=metadata,
-            **run_options,
+            options=options,
+            progress=progress,
         )
         timings[name] = time.perf_counter() - start
     return Study(results, config, timings, checkpoint=runner)
