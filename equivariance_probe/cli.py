@@ -17,8 +17,9 @@ files it wrote.
 * ``positional`` — where order comes from: position-embedding Gram matrices, TISA kernel fits,
   permutation sensitivity, variance shrinkage, position correlations.
 
-Options shared by several commands are declared once, in parent parsers. Bad arguments exit with
-status 2 and a message that names the problem and the fix in this program's flags
+Options shared by several commands are declared once (:func:`shared_options`) and each subcommand takes
+them with :func:`add_shared_options`, so a flag has one spelling and one meaning everywhere; where a
+default differs, its help says why. Bad arguments exit with status 2 and a message that names the problem and the fix in this program's flags
 (:data:`FLAGS` tells :func:`~equivariance_probe.errors.option` how the API's arguments are spelt here).
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,7 +37,7 @@ from typing import Any
 from .errors import EquivarianceProbeError, InputError, ModelNotFoundError, command_line_options
 from .records.fileformat import jsonable
 
-__all__ = ["main", "build_parser", "FLAGS"]
+__all__ = ["main", "build_parser", "shared_options", "add_shared_options", "HelpFormatter", "FLAGS"]
 
 #: API argument -> the flag that sets it here, so that error messages name the flag.
 FLAGS = {
@@ -68,6 +70,8 @@ FLAGS = {
     "context_lengths": "--context-lengths",
     "n_tokens": "--n-tokens",
     "interval_groups": "--interval-groups",
+    "backend": "--framework",
+    "framework": "--framework",
 }
 
 
@@ -125,113 +129,156 @@ class _Deprecated(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-def _parent(*arguments: tuple[tuple[str, ...], dict[str, Any]]) -> argparse.ArgumentParser:
-    parent = argparse.ArgumentParser(add_help=False)
-    for flags, options in arguments:
-        parent.add_argument(*flags, **options)
-    return parent
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, wrapping a comma-separated list (``gram,attention_toeplitz,...``) after a
+    comma instead of inside a name: argparse's own wrapping (textwrap) breaks only at spaces, so a
+    list without spaces is cut wherever the line ends ("correlati" / "on")."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        text = self._whitespace_matcher.sub(" ", text).strip()
+        lines: list[str] = []
+        line = ""
+        # Pieces end at a space or right after a comma; a piece after a comma joins without a space.
+        for match in re.finditer(r"[^\s,]*,(?=\S)|\S+?(?=\s|$)|\S+", text):
+            piece = match.group()
+            joint = "" if not line or (match.start() > 0 and not text[match.start() - 1].isspace()) else " "
+            if line and len(line) + len(joint) + len(piece) > width:
+                lines.append(line)
+                line = piece
+            else:
+                line += joint + piece
+        return lines + [line] if line else lines
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
-    from .runs.compare import DEFAULT_COMPARE_MODELS, DEFAULT_COMPARISON
-    from .runs.scan import DEFAULT_CONTEXT_LENGTHS, DEFAULT_SCAN
-    from . import __version__
+#: Where an option's default on a subcommand differs from its default elsewhere, its help says why,
+#: after this word (checked by the tests: one spelling and one meaning for every shared option).
+WHY = "here"
+
+
+def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
+    """Every option that several subcommands take, declared once: name -> ``(flags, argparse keywords)``.
+
+    A subcommand takes them with :func:`add_shared_options`, naming the ones that make sense for it
+    and, where its default differs, the default and why.
+    """
     from .runs.positional import ANALYSES
     from .runs.study import BASELINES, DEFAULT_STUDY
     from .statistics.groups import DEFAULT_INTERVAL_GROUPS
 
-    # One function per shared option group: argparse shares a parent's actions with every child,
-    # so each subcommand gets its own copy (its defaults differ).
-    def output() -> argparse.ArgumentParser:
-        return _parent((("-o", "--out"), {"required": True, "help": "output folder (created if missing)"}))
-
-    def model() -> argparse.ArgumentParser:
-        return _parent(
-            (("--model",), {"default": "gemma-3-270m",
-                            "help": "packaged model name, local model folder, or a hub name already cached (default: gemma-3-270m)"}),
-            (("--cache-dir",), {"default": None, "help": "where converted packaged models are cached"}),
-        )
-
-    def kernel() -> argparse.ArgumentParser:
-        return _parent((("--attn-implementation",), {
+    return {
+        "out": (("-o", "--out"), {"required": True, "help": "output folder (created if missing)"}),
+        "model": (("--model",), {"default": "gemma-3-270m", "help": "packaged model name, local model folder, or a "
+                                 "hub name already cached (default: gemma-3-270m)"}),
+        "cache_dir": (("--cache-dir",), {"default": None, "help": "where converted packaged models are cached"}),
+        "framework": (("--framework",), {
+            "default": "huggingface", "choices": ["huggingface", "transformer_lens", "nnsight"],
+            "help": "the framework that runs the model: huggingface (default), transformer_lens (a TransformerBridge) "
+                    "or nnsight (local); every framework gives the same numbers"}),
+        "attn_implementation": (("--attn-implementation",), {
             "default": "sdpa", "help": "the attention kernel the model runs: sdpa (default), eager or flash_attention_2; "
-                                       "the probe reads queries and keys whatever the kernel"}))
+                                       "the probe reads queries and keys whatever the kernel"}),
+        "device": (("--device",), {"default": "auto", "help": "where the model runs: auto (CUDA if available, else CPU), "
+                                                               "cpu, cuda or cuda:N (default auto)"}),
+        "dtype": (("--dtype",), {"default": None, "choices": ["float32", "bfloat16", "float16"],
+                                 "help": "the model's parameter dtype (default: as loaded, float32)"}),
+        "corpus": (("--corpus",), {"default": None, "help": "text file, folder of .txt, .jsonl, or a datasets "
+                                   "save_to_disk folder (default: the packaged Wikipedia articles)"}),
+        "text_field": (("--text-field",), {"default": "text", "help": "JSONL field / dataset column holding the text"}),
+        "n_docs": (("--n-docs",), {"type": _positive, "default": DEFAULT_STUDY["n_docs"], "help": "documents, one window each "
+                                   "(default %(default)s)"}),
+        "context_length": (("--context-length",), {"type": _positive, "default": DEFAULT_STUDY["context_length"],
+                                                   "help": "window length in tokens (default %(default)s)"}),
+        "batch_size": (("--batch-size",), {"type": _positive, "default": DEFAULT_STUDY["batch_size"],
+                                           "help": "windows per forward pass (default %(default)s)"}),
+        "pack": (("--pack",), {"action": "store_true", "help": (
+            "concatenate the documents (tokenised without special tokens, EOS between them) and cut windows of "
+            "exactly T tokens, each after the tokenizer's special prefix (BOS for Gemma and Llama), as "
+            "TransformerLens' tokenize_and_concatenate; default: one window per document, its first T tokens")}),
+        "baselines": (("--baselines",), {"type": _names, "default": list(BASELINES), "help": (
+            f"comma-separated baselines from {','.join(sorted(BASELINES))}, or 'none' (default: {','.join(BASELINES)})")}),
+        "exclude_keys": (("--exclude-keys",), {"type": _int_list, "default": [], "help": (
+            "key positions left out of every statistic, e.g. '0' for the first token (attention sink)")}),
+        "seed": (("--seed",), {"type": int, "default": 0,
+                               "help": "seed of random initialisations, samples and permutations (default %(default)s)"}),
+        "sample_size": (("--sample-size",), {"type": _non_negative, "default": 20000,
+                                             "help": "entries sampled for the scatter plot (default %(default)s)"}),
+        "keep_pattern": (("--keep-pattern",), {"action": "store_true", "help": (
+            "also keep the window-summed pattern (8*L*H*T^2 bytes per variant, in memory and in each result file) "
+            "for the Toeplitz R² of the document-averaged pattern")}),
+        "interval_groups": (("--interval-groups",), {"type": _non_negative, "default": DEFAULT_INTERVAL_GROUPS, "help": (
+            "groups of windows (by fingerprint) for the 95%% intervals, a delete-a-group jackknife; 0 for none "
+            "(default %(default)s)")}),
+        "memory_limit_gib": (("--memory-limit-gib",), {"type": float, "default": None, "help": (
+            "refuse work whose estimated memory exceeds this many GiB (default: the memory available)")}),
+        "analyses": (("--analyses",), {"type": _analyses, "default": "all", "help": (
+            f"positional analyses, comma-separated from {','.join(ANALYSES)}, or 'all' (default)")}),
+        "no_progress": (("--no-progress",), {"action": "store_true", "help": "no progress bars"}),
+        "json": (("--json",), {"action": "store_true", "help": "print the numbers as JSON instead of a table"}),
+    }
 
-    def corpus() -> argparse.ArgumentParser:
-        return _parent(
-            (("--corpus",), {"default": None, "help": "text file, folder of .txt, .jsonl, or a datasets save_to_disk folder "
-                                                      "(default: the packaged Wikipedia articles)"}),
-            (("--text-field",), {"default": "text", "help": "JSONL field / dataset column holding the text"}),
-        )
 
-    def windows(n_docs: int, context_length: int, batch_size: int) -> argparse.ArgumentParser:
-        return _parent(
-            (("--n-docs",), {"type": _positive, "default": n_docs, "help": "documents, one window each (default %(default)s)"}),
-            (("--context-length",), {"type": _positive, "default": context_length,
-                                     "help": "window length in tokens (default %(default)s)"}),
-            (("--batch-size",), {"type": _positive, "default": batch_size, "help": "windows per forward pass (default %(default)s)"}),
-        )
+def add_shared_options(parser: argparse.ArgumentParser, *names: str,
+                       differ: dict[str, tuple[dict[str, Any], str]] | None = None) -> argparse.ArgumentParser:
+    """Give ``parser`` the shared options ``names`` (:func:`shared_options`), spelt and explained as everywhere.
 
-    def measured() -> argparse.ArgumentParser:
-        return _parent(
-            (("--exclude-keys",), {"type": _int_list, "default": [],
-                                   "help": "key positions left out of every statistic, e.g. '0' for the first token (attention sink)"}),
-            (("--seed",), {"type": int, "default": 0, "help": "seed of random initialisations, samples and permutations"}),
-        )
+    Args:
+        parser: a subcommand's parser.
+        names: the options that make sense for it.
+        differ: ``{name: (changes, why)}`` for an option whose default (or meaning) differs on this
+            subcommand: the argparse keywords that change, and why, which the help then says.
+    """
+    declared = shared_options()
+    differ = differ or {}
+    unknown = sorted((set(names) | set(differ)) - set(declared))
+    if unknown:
+        raise ValueError(f"no shared options {unknown}; declare them in shared_options()")
+    for name in names:
+        flags, keywords = declared[name]
+        keywords = dict(keywords)
+        if name in differ:
+            changes, why = differ[name]
+            keywords.update(changes)
+            keywords["help"] = f"{changes.get('help', keywords['help'])}; {WHY}: {why}"
+        parser.add_argument(*flags, **keywords)
+    return parser
 
-    def intervals() -> argparse.ArgumentParser:
-        return _parent((("--interval-groups",), {
-            "type": _non_negative, "default": DEFAULT_INTERVAL_GROUPS,
-            "help": "groups of windows (by fingerprint) for the 95%% intervals, a delete-a-group jackknife; "
-                    "0 for none (default %(default)s)"}))
 
-    def baselines(default: Sequence[str]) -> argparse.ArgumentParser:
-        return _parent((("--baselines",), {"type": _names, "default": list(default),
-                                           "help": f"comma-separated baselines from {sorted(BASELINES)}, or 'none' "
-                                                   f"(default: {','.join(default)})"}))
-
-    def packing(default: str) -> argparse.ArgumentParser:
-        return _parent((("--pack",), {
-            "action": "store_true",
-            "help": "concatenate the documents (tokenised without special tokens, EOS between them) and cut windows of "
-                    "exactly T tokens, each after the tokenizer's special prefix (BOS for Gemma and Llama), as "
-                    f"TransformerLens' tokenize_and_concatenate; default: {default}"}))
-
-    def memory() -> argparse.ArgumentParser:
-        return _parent((("--memory-limit-gib",), {
-            "type": float, "default": None,
-            "help": "refuse work whose estimated memory exceeds this many GiB (default: the memory available)"}))
-
-    def display() -> argparse.ArgumentParser:
-        return _parent(
-            (("--no-progress",), {"action": "store_true", "help": "no progress bars"}),
-            (("--json",), {"action": "store_true", "help": "print the numbers as JSON instead of a table"}),
-        )
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
+    from .runs.compare import DEFAULT_COMPARE_MODELS, DEFAULT_COMPARISON
+    from .runs.scan import DEFAULT_CONTEXT_LENGTHS, DEFAULT_SCAN
 
     parser = argparse.ArgumentParser(
-        prog="equivariance-probe",
+        prog="equivariance-probe", formatter_class=HelpFormatter,
         description="How much does attention depend on absolute position? Exact, streaming attention statistics.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                         help="print the version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", parents=[output(), model(), kernel(), corpus(), windows(**DEFAULT_STUDY),
-                                              packing("one window per document, its first T tokens"),
-                                              baselines(BASELINES), measured(), intervals(), display()],
-                              help="run the study on a model and corpus and write results and figures")
+    def command(name: str, summary: str, details: str = "") -> argparse.ArgumentParser:
+        """A subcommand whose help starts with its one-line ``summary`` (``details``: what it leaves out, and why)."""
+        return commands.add_parser(name, help=summary, description=f"{summary[0].upper()}{summary[1:]}. {details}".strip(),
+                                   formatter_class=HelpFormatter)
+
+    model_options = ("model", "cache_dir", "attn_implementation", "device", "dtype")
+    measured = ("exclude_keys", "seed", "interval_groups", "keep_pattern")
+
+    run = command("run", "run the study on a model and corpus and write results, figures and a summary",
+                  "Trained weights vs baselines over the same windows; the only command that checkpoints "
+                  "(--checkpoint-every, --resume) and splits the corpus into shards (--shard).")
+    add_shared_options(run, "out", *model_options, "framework", "corpus", "text_field", "n_docs", "context_length",
+                       "batch_size", "pack", "baselines", *measured, "sample_size", "memory_limit_gib", "no_progress",
+                       "json", differ={"memory_limit_gib": ({"help": "refuse a study whose estimated memory exceeds "
+                                                                      "this many GiB"},
+                                                             "default: no check, the study runs as loaded")})
     run.set_defaults(handler=_run)
-    run.add_argument("--backend", default="huggingface", choices=["huggingface", "transformer_lens", "nnsight"],
-                     help="the framework that runs the model: huggingface (default), transformer_lens (a TransformerBridge) "
-                          "or nnsight (local); every backend gives the same numbers")
-    run.add_argument("--sample-size", type=_non_negative, default=20000, help="entries sampled for the scatter plot")
-    run.add_argument("--keep-pattern", action="store_true",
-                     help="also keep the window-summed pattern (8*L*H*T^2 bytes per variant, in memory and in each "
-                          "result file) for the Toeplitz R² of the document-averaged pattern")
-    run.add_argument("--analyses", type=_analyses, default=[],
-                     help="also run positional analyses (at most 8 windows of 256 tokens), comma-separated from "
-                     f"{','.join(ANALYSES)}, or 'all' (see 'positional')")
+    run.add_argument("--backend", dest="framework", choices=["huggingface", "transformer_lens", "nnsight"],
+                     action=_Deprecated, help="deprecated spelling of --framework (removed in the next release)")
+    add_shared_options(run, "analyses", differ={"analyses": ({"default": [], "help": (
+        "also run positional analyses (at most 8 windows of 256 tokens), comma-separated as for 'positional', "
+        "or 'all'")}, "default none: the study alone, the analyses only when asked for")})
     run.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_CHECKPOINT_EVERY,
                      help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
     run.add_argument("--resume", action="store_true",
@@ -239,83 +286,104 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--shard", default=None, metavar="I/N",
                      help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
                           "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.safetensors")
-    run.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
-    run.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                     help="the model's parameter dtype (default: as loaded, float32)")
     run.add_argument("--no-figures", action="store_true", help="write results and summary only (e.g. for shards)")
 
-    merge = commands.add_parser("merge", parents=[display()], help="merge result files of shards into one")
+    merge = command("merge", "merge result files of shards into one",
+                    "Reads and writes result files only: no model, corpus or progress bar.")
+    add_shared_options(merge, "json")
     merge.set_defaults(handler=_merge)
     merge.add_argument("inputs", nargs="+", help="result files to merge (any format version)")
     merge.add_argument("-o", "--out", default=None,
-                       help="the merged result file (required; the folder-writing commands take a folder as --out)")
+                       help=f"the merged result file (required); {WHY}: a file, not a folder, since merge writes one result")
     merge.add_argument("--output", dest="out", action=_Deprecated, help="deprecated spelling of -o/--out")
     merge.add_argument("--allow-duplicate-windows", action="store_true",
                        help="merge results that share windows (the same token ids), counting those windows twice "
                             "(default: refused, naming how many are shared)")
 
-    show = commands.add_parser("show", help="print the headline numbers of result files (header only: instant, "
-                                            "whatever the file's size)")
+    show = command("show", "print the headline numbers of result files",
+                   "Reads each file's header only: instant, whatever the file's size.")
     show.set_defaults(handler=_show)
     show.add_argument("results", nargs="+", help="result files (any format version), one column each")
-    show.add_argument("--json", action="store_true", help="print the stored summaries as JSON instead of a table")
+    add_shared_options(show, "json", differ={"json": ({"help": "print the stored summaries as JSON instead of a table"},
+                                                      "the whole stored summary and metadata of each file")})
 
-    report = commands.add_parser("report", help="write an offline HTML report from a results file")
+    report = command("report", "write an offline HTML report from a results file",
+                     "With --views, CircuitsVis views of the most and least position-bound heads, reloading the "
+                     "model the results name (offline).")
     report.set_defaults(handler=_report)
     report.add_argument("results", help="a results.safetensors written by 'run' (or a result file of any version)")
-    report.add_argument("-o", "--out", default=None, help="the HTML file (default: report.html next to the results)")
+    report.add_argument("-o", "--out", default=None,
+                        help=f"the HTML file; {WHY}: a file, not a folder, since a report is one page "
+                             "(default: report.html next to the results)")
     report.add_argument("--output", dest="out", action=_Deprecated, help="deprecated spelling of -o/--out")
+    add_shared_options(report, "cache_dir", "corpus", "no_progress", differ={"corpus": ({"help": (
+        "corpus to take the viewed document from")}, "default: the study's")})
     report.add_argument("--views", action="store_true",
                         help="add CircuitsVis views of heads: reloads the model named in the results (offline) and one document")
     report.add_argument("--heads", default=None, help="heads to view, e.g. 'L4H3,L5H1' (default: the 2 most and 2 least position-bound)")
     report.add_argument("--document", type=_non_negative, default=0, help="index of the corpus document to view (default 0)")
-    report.add_argument("--corpus", default=None, help="corpus to take the document from (default: the study's)")
     report.add_argument("--start", type=_non_negative, default=0, help="first position shown")
     report.add_argument("--stop", type=_positive, default=None, help="position after the last shown (default: start + 128)")
     report.add_argument("--decimals", type=int, default=3, help="round view values to this many decimals (default 3)")
 
-    sizes = {key: DEFAULT_COMPARISON[key] for key in ("n_docs", "context_length", "batch_size")}
-    compare = commands.add_parser("compare", parents=[output(), kernel(), corpus(), windows(**sizes),
-                                                      baselines(DEFAULT_COMPARISON["baselines"]), measured(), memory(), intervals(),
-                                                      display()],
-                                  help="run the study on several models over the same windows: one table and figure")
+    compare = command("compare", "run the study on several models over the same windows: one table and figure",
+                      "No checkpoints or shards (each model's study is short: use 'run' per model for long ones), "
+                      "no entry sample (the comparison draws no scatter plot), and the Hugging Face framework only "
+                      "(every framework gives the same numbers).")
     compare.set_defaults(handler=_compare)
     compare.add_argument("--models", type=_names, default=list(DEFAULT_COMPARE_MODELS),
                          help=f"comma-separated packaged model names or local model folders (default: {','.join(DEFAULT_COMPARE_MODELS)})")
-    compare.add_argument("--cache-dir", default=None, help="where converted packaged models are cached")
+    sized = "sized so that the three packaged models, trained and at random initialisation, finish in well under 30 minutes on 2 CPU cores"
+    add_shared_options(compare, "out", "cache_dir", "attn_implementation", "device", "dtype", "corpus", "text_field",
+                       "n_docs", "context_length", "batch_size", "baselines", *measured, "memory_limit_gib",
+                       "no_progress", "json", differ={
+        "n_docs": ({"default": DEFAULT_COMPARISON["n_docs"]}, sized),
+        "context_length": ({"default": DEFAULT_COMPARISON["context_length"]}, sized),
+        "baselines": ({"default": list(DEFAULT_COMPARISON["baselines"])},
+                      "default random_init: each model against its own initialisation (every zero model is the same "
+                      "uniform attention)")})
 
-    scan = commands.add_parser(
-        "scan", parents=[output(), model(), kernel(), corpus(),
-                         packing("the first T_max tokens of each document long enough, cut into windows of T"),
-                         baselines(DEFAULT_SCAN["baselines"]), measured(), memory(), display()],
-        help="the same text at several context lengths, trained vs baselines, per layer group: one table and figure")
+    scan = command("scan", "the same text at several context lengths, trained vs baselines, per layer group: one "
+                   "table and figure",
+                   "Result files are written per length and variant as they are measured, and reused when the scan "
+                   "runs again into the same --out (so it needs no --resume); no shards, no entry sample.")
     scan.set_defaults(handler=_scan)
     scan.add_argument("--context-lengths", type=_int_list, default=list(DEFAULT_CONTEXT_LENGTHS),
                       help=f"comma-separated window lengths (default: {','.join(map(str, DEFAULT_CONTEXT_LENGTHS))})")
     scan.add_argument("--n-tokens", type=_positive, default=DEFAULT_SCAN["n_tokens"],
                       help="window tokens per length: N // T_max windows of the longest length, and the same text cut "
                            "into shorter windows at every other length (default %(default)s)")
-    scan.add_argument("--batch-size", type=_positive, default=None,
-                      help=f"windows per forward pass at every length (default: {DEFAULT_SCAN['batch_tokens']} // T, at least 1)")
+    add_shared_options(scan, "out", *model_options, "corpus", "text_field", "batch_size", "pack", "baselines", *measured,
+                       "memory_limit_gib", "no_progress", "json", differ={
+        "batch_size": ({"default": None}, f"default {DEFAULT_SCAN['batch_tokens']} // T at each length, at least 1, "
+                                          "so that every length's batch holds about as many tokens"),
+        "pack": ({"help": "concatenate the documents (tokenised without special tokens, EOS between them) and cut "
+                          "windows of exactly T tokens, each after the tokenizer's special prefix"},
+                 "default: the first T_max tokens of each document long enough, cut into windows of T"),
+        "baselines": ({"default": list(DEFAULT_SCAN["baselines"])},
+                      "default random_init: every baseline is measured at every length")})
 
-    positional = commands.add_parser(
-        "positional", parents=[output(), model(), corpus(), windows(n_docs=8, context_length=256, batch_size=4), measured(),
-                               display()],
-        help="where order comes from: Gram/TISA Toeplitzness, permutation symmetry, variance shrinkage")
+    positional = command("positional", "where order comes from: Gram/TISA Toeplitzness, permutation symmetry, "
+                         "variance shrinkage, position correlations",
+                         "The analyses read hidden states and position embeddings in short windows: no checkpoints, "
+                         "shards, interval groups or kept pattern (the attention Toeplitz R² keeps it always).")
     positional.set_defaults(handler=_positional)
-    positional.add_argument("--analyses", type=_analyses, default="all",
-                            help=f"comma-separated from {','.join(ANALYSES)}, or 'all' (default)")
+    small = "the analyses' windows are few and short, since some keep every hidden state"
+    add_shared_options(positional, "out", "model", "cache_dir", "attn_implementation", "corpus", "text_field", "n_docs",
+                       "context_length", "batch_size", "exclude_keys", "seed", "analyses", "no_progress", "json", differ={
+        "n_docs": ({"default": 8}, small),
+        "context_length": ({"default": 256}, small)})
+    add_shared_options(positional, "baselines", differ={"baselines": ({"default": ["random_init"]},
+                       "random_init (default) also measures shrinkage and correlations at the model's own random "
+                       "initialisation, none the trained model only: the positional analyses compare with the "
+                       "random initialisation alone")})
     positional.add_argument("--n-prompts", type=_positive, default=4, help="prompts for the permutation analysis")
     positional.add_argument("--prompt-length", type=_positive, default=64,
                             help="tokens per prompt of the permutation analysis (default %(default)s)")
     positional.add_argument("--n-permutations", type=_positive, default=8,
                             help="random orders of each prompt's tokens in the permutation analysis (default %(default)s)")
     positional.add_argument("--kernels", type=_positive, default=5, help="S, kernels of the TISA fit")
-    positional.add_argument("--baselines", default="random_init", choices=["random_init", "none"],
-                            help="random_init (default): shrinkage and correlations also at the model's own random "
-                                 "initialisation; none: the trained model only (one baseline at most here: the "
-                                 "positional analyses compare with the random initialisation alone)")
-    positional.add_argument("--baseline", dest="baselines", choices=["random_init", "none"], action=_Deprecated,
+    positional.add_argument("--baseline", dest="baselines", type=_names, action=_Deprecated,
                             help="deprecated spelling of --baselines (removed in the next release)")
     return parser
 
@@ -375,6 +443,18 @@ def _study_options(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
                 progress=not args.no_progress, attn_implementation=args.attn_implementation)
 
 
+def _check_study_fits(args: argparse.Namespace) -> None:
+    """Refuse a study whose model, at ``--context-length`` and ``--batch-size``, would need more than ``--memory-limit-gib``."""
+    from .sources.devices import parse_dtype
+    from .sources.resources import check_fits, estimate_memory_of
+
+    estimate = estimate_memory_of(args.model, context_length=args.context_length, batch_size=args.batch_size,
+                                  copies=2 if args.baselines else 1, dtype=parse_dtype(args.dtype),
+                                  keep_pattern=args.keep_pattern, cache_dir=args.cache_dir)
+    check_fits({args.model: estimate}, _memory_limit(args), what="",
+               fix="Lower --batch-size or --context-length, or raise --memory-limit-gib.")
+
+
 def _memory_limit(args: argparse.Namespace) -> int | None:
     """``--memory-limit-gib`` in bytes (``None``: the memory available)."""
     return None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30)
@@ -404,12 +484,14 @@ def _run(args: argparse.Namespace) -> int:
         clear_checkpoint(out / CHECKPOINT_FOLDER)
         print(f"the run in {out} had finished: its results are in {out / 'results.safetensors'}")
         return 0
+    if args.memory_limit_gib is not None:
+        _check_study_fits(args)
     documents = _documents(args)
     study = run_study(
         args.model,
         **_study_options(args, documents),
         options=_measurement(args),
-        backend=args.backend,
+        backend=args.framework,
         checkpoint_dir=None if args.checkpoint_every == 0 else out / CHECKPOINT_FOLDER,
         checkpoint_every=args.checkpoint_every or None,
         resume=args.resume,
@@ -520,7 +602,8 @@ def _report(args: argparse.Namespace) -> int:
         heads = parse_heads(args.heads) if args.heads else None  # bad heads: exit 2, not a silent report
         try:
             views, note = views_for_result(result, heads=heads, document=args.document, corpus=args.corpus,
-                                           start=args.start, stop=args.stop, decimals=args.decimals)
+                                           start=args.start, stop=args.stop, decimals=args.decimals,
+                                           cache_dir=args.cache_dir)
             print(note)
         except ModelNotFoundError as error:
             print(f"writing the report without views: {error}", file=sys.stderr)
@@ -540,7 +623,7 @@ def _compare(args: argparse.Namespace) -> int:
     out = Path(args.out)
     _check_writable(out)
     comparison = compare_models(args.models, **_study_options(args, _documents(args)), options=_measurement(args),
-                                memory_limit=_memory_limit(args))
+                                memory_limit=_memory_limit(args), device=args.device, dtype=args.dtype)
     paths = save_comparison(comparison, out)
     _print(args, comparison.table(), comparison.rows(), list(paths.values()) + [out / "models"])
     return 0
@@ -557,7 +640,7 @@ def _scan(args: argparse.Namespace) -> int:
         args.model, context_lengths=args.context_lengths, corpus=_documents(args), n_tokens=args.n_tokens,
         pack=args.pack, baselines=args.baselines, batch_size=args.batch_size, seed=args.seed,
         options=_measurement(args), out=out, cache_dir=args.cache_dir,
-        memory_limit=_memory_limit(args),
+        memory_limit=_memory_limit(args), device=args.device, dtype=args.dtype,
         progress=not args.no_progress, attn_implementation=args.attn_implementation,
     )
     paths = save_scan(scan, out)
@@ -581,7 +664,8 @@ def _positional_into(out: Path, args: argparse.Namespace, *, model_name: str, an
     from .sources.corpus import load_corpus
     from .sources.models import load_positional_model
 
-    model, tokenizer = load_positional_model(model_name, cache_dir=args.cache_dir)
+    model, tokenizer = load_positional_model(model_name, cache_dir=args.cache_dir,
+                                             attn_implementation=args.attn_implementation)
     docs = load_corpus(documents) if isinstance(documents, (str, Path)) else documents
     study = run_positional(model, tokenizer, docs=docs, analyses=analyses, seed=args.seed, progress=not args.no_progress,
                            options=MeasurementOptions(context_length=context_length, batch_size=args.batch_size,
@@ -593,6 +677,16 @@ def _positional_into(out: Path, args: argparse.Namespace, *, model_name: str, an
     return {"study": study, "wrote": wrote + [page]}
 
 
+def _positional_baseline(baselines: list[str]) -> str | None:
+    """The one baseline the positional analyses take: ``random_init`` or ``None``."""
+    if not baselines:
+        return None
+    if baselines != ["random_init"]:
+        raise InputError(f"the positional analyses compare with the model's random initialisation only; pass "
+                         f"--baselines random_init or --baselines none, not {','.join(baselines)}")
+    return "random_init"
+
+
 def _positional(args: argparse.Namespace) -> int:
     out = Path(args.out)
     _check_writable(out)
@@ -600,7 +694,7 @@ def _positional(args: argparse.Namespace) -> int:
         out, args, model_name=args.model, analyses=args.analyses, documents=_documents(args),
         n_docs=args.n_docs, context_length=args.context_length, n_prompts=args.n_prompts,
         prompt_length=args.prompt_length, n_permutations=args.n_permutations, n_kernels=args.kernels,
-        baseline=None if args.baselines == "none" else args.baselines,
+        baseline=_positional_baseline(args.baselines),
     )
     study = positional["study"]
     _print(args, study.table(), study.summary(), positional["wrote"])

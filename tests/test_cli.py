@@ -182,3 +182,59 @@ def test_old_spellings_still_work_and_say_they_are_deprecated(tiny, tmp_path, ca
     assert "-o/--out" in capsys.readouterr().err
     assert main(["report", str(out / "results.safetensors"), "-o", str(tmp_path / "r.html")]) == 0
     assert (tmp_path / "r.html").exists()
+
+
+def test_every_shared_option_has_one_spelling_and_one_meaning_and_every_command_a_description():
+    """A flag that several subcommands take is the same flag on each: the same name, destination, type,
+    choices and action, and the same default and help, unless its help says why it differs here."""
+    import argparse
+
+    from equivariance_probe.cli import WHY, build_parser, shared_options
+
+    parser = build_parser()
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    by_flag: dict[str, list[tuple[str, argparse.Action]]] = {}
+    spellings: dict[str, set[tuple[str, ...]]] = {}
+    for name, command in commands.choices.items():
+        assert command.description and command.description.strip(), f"{name} has no description line"
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings or "deprecated" in action.help:
+                continue
+            spellings.setdefault(action.dest, set()).add(tuple(action.option_strings))
+            for flag in action.option_strings:
+                by_flag.setdefault(flag, []).append((name, action))
+    for dest, found in spellings.items():
+        assert len(found) == 1, f"{dest} is spelt {sorted(found)} on different subcommands"
+    shared = {flag: uses for flag, uses in by_flag.items() if len(uses) > 1}
+    assert {"--out", "--model", "--context-length", "--exclude-keys", "--interval-groups", "--no-progress"} <= set(shared)
+    reference = argparse.ArgumentParser(add_help=False)  # each shared option as declared
+    actions = [reference.add_argument(*flags, **keywords) for flags, keywords in shared_options().values()]
+    declared = {flag: action for action in actions for flag in action.option_strings}
+    for flag, uses in shared.items():
+        assert flag in declared, f"{flag} is on {[name for name, _ in uses]} but not declared once in shared_options()"
+        meaning = {(action.dest, action.type, tuple(action.choices or ()), type(action).__name__) for _, action in uses}
+        assert len(meaning) == 1, f"{flag} means different things: {meaning}"
+        for name, action in uses:
+            if action.default != declared[flag].default or action.help != declared[flag].help:
+                assert f"; {WHY}: " in action.help, f"{name} {flag} differs from its declaration without saying why"
+
+
+def test_help_wraps_a_list_between_its_names(capsys):
+    with pytest.raises(SystemExit):
+        main(["positional", "--help"])
+    printed = capsys.readouterr().out
+    from equivariance_probe.runs.positional import ANALYSES
+
+    lines = [line.strip() for line in printed.splitlines()]
+    for name in ANALYSES:  # each name whole on one line
+        assert any(name in line.replace(",", " ").split() for line in lines), name
+
+
+def test_backend_is_now_framework_and_the_old_spelling_says_so(tiny, tmp_path, capsys):
+    root, model, corpus = tiny
+    out = tmp_path / "a"
+    assert main(["run", "-o", str(out), "--model", model, "--corpus", corpus, "--n-docs", "2", "--context-length", "16",
+                 "--baselines", "none", "--no-progress", "--sample-size", "0", "--no-figures",
+                 "--backend", "huggingface"]) == 0
+    assert "--backend is deprecated; use --framework" in capsys.readouterr().err
+    assert ProbeResult.load(out / "results.safetensors").metadata["study"]["backend"] == "huggingface"

