@@ -316,7 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"the HTML file; {WHY}: a file, not a folder, since a report is one page "
                              "(default: report.html next to the results)")
     report.add_argument("--output", dest="out", action=_Deprecated, help="deprecated spelling of -o/--out")
-    add_shared_options(report, "cache_dir", "corpus", "no_progress", differ={"corpus": ({"help": (
+    add_shared_options(report, "cache_dir", "corpus", "no_progress", differ={
+        "no_progress": ({}, "a report draws no progress bar (it reloads at most one model and one document); the "
+                            "flag is taken so that a script can pass the same flags to every command"),
+        "corpus": ({"help": (
         "corpus to take the viewed document from")}, "default: the study's")})
     report.add_argument("--views", action="store_true",
                         help="add CircuitsVis views of heads: reloads the model named in the results (offline) and one document")
