@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from .analyses import intervals as resampling
-from .analyses.heads import TOP_K, HeadRanking, head_scores, rank_heads, ranking_stability
-from .errors import IncompatibleResultsError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_choice, check_integer
+from .analyses.heads import TOP_K, HeadRanking, rank_heads
+from .analyses.summary import head_label, result_summary
+from .errors import IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_choice, check_integer
 from .maths import fitting, metrics
 from .maths.intervals import Interval, check_level, is_undefined, jackknife_interval, windows_for_half_width
 from .maths.persistence import PersistenceCurves, lag_curves, persistence_curves
@@ -75,25 +76,30 @@ class ProbeResult:
     :meth:`merge`); save with :meth:`save` and load with :meth:`load`.
 
     Args:
-        statistics: the sums.
+        statistics: the sums (``None`` with ``file``).
         metadata: how they were measured (model, context, versions, study, ...).
+        file: an opened result file (:func:`~equivariance_probe.records.result_file.open_result_file`)
+            whose sums load the first time a number needs them, instead of ``statistics``.
 
     Example:
         >>> result.query_position_r2(scale="log", form="fitted")  # doctest: +SKIP
         0.41
     """
 
-    def __init__(self, statistics: AttentionStatistics, metadata: dict[str, Any] | None = None) -> None:
+    def __init__(self, statistics: AttentionStatistics | None = None, metadata: dict[str, Any] | None = None, *,
+                 file: ResultFile | None = None) -> None:
+        if (statistics is None) == (file is None):
+            raise InputError("a ProbeResult holds either statistics or an opened result file (file=...), one of the two")
         self._statistics: AttentionStatistics | None = statistics
         self.metadata: dict[str, Any] = {} if metadata is None else metadata
         # A loaded result: the opened file (arrays not read yet) and the summary its header holds.
-        self._file: ResultFile | None = None
-        self._stored_summary: dict[str, Any] | None = None
+        self._file: ResultFile | None = file
+        self._stored_summary: dict[str, Any] | None = None if file is None else file.summary
         # The last computed summary and the state it describes (statistics object, windows, tokens):
         # a run adds windows to its statistics in place, so a summary of fewer windows is stale.
         self._computed_summary: tuple[tuple[int, int, int], dict[str, Any]] | None = None
-        # The jackknife's replicates (sums, then values per statistic) and the state they describe.
-        self._replicate_cache: tuple[tuple[int, int, int], dict[Any, Any]] | None = None
+        # The jackknife's replicates and the state they describe.
+        self._replicates: tuple[tuple[int, int, int], resampling.Replicates] | None = None
 
     @property
     def statistics(self) -> AttentionStatistics:
@@ -339,33 +345,13 @@ class ProbeResult:
             )
         covering = arrays["windows_covering"]
         if not self.causal:
-            return self._bidirectional_mean_pattern_toeplitz(arrays["pattern_sum"], covering)
+            return metrics.bidirectional_mean_pattern_toeplitz_r2(arrays["pattern_sum"], covering, self.excluded_keys)
         mean = metrics.mean_pattern_key_lag(metrics.key_lag_layout(arrays["pattern_sum"]), covering)
         out = np.empty((self.n_layers, self.n_heads))
         for layer, window in enumerate(self.statistics.sliding_windows):
             visible = metrics.key_lag_visible(self.statistics.n_positions, window, covering, self.excluded_keys)
             out[layer] = metrics.toeplitz_r2_key_lag(mean[layer], visible)
         return out
-
-    def _bidirectional_mean_pattern(self, pattern_sum: np.ndarray, covering: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """An encoder's document-averaged pattern ``[..., query, key]`` (0 where hidden) and its
-        ``[query, key]`` entries: those some window holds (query and key both real:
-        ``#windows(q, k) = c[max(q, k)]``) whose key is not excluded."""
-        n = self.statistics.n_positions
-        both = covering[np.maximum.outer(np.arange(n), np.arange(n))]
-        visible = both > 0
-        for key in self.excluded_keys:
-            if 0 <= key < n:
-                visible[:, key] = False
-        with np.errstate(invalid="ignore", divide="ignore"):
-            mean = np.where(visible, pattern_sum / np.where(visible, both, 1), 0.0)
-        return mean, visible
-
-    def _bidirectional_mean_pattern_toeplitz(self, pattern_sum: np.ndarray, covering: np.ndarray) -> np.ndarray:
-        """Toeplitz R² of an encoder's document-averaged pattern over its entries (:meth:`_bidirectional_mean_pattern`)."""
-        mean, visible = self._bidirectional_mean_pattern(pattern_sum, covering)
-        return np.array([[metrics.toeplitz_r2(mean[layer, head], visible) for head in range(self.n_heads)]
-                         for layer in range(self.n_layers)])
 
     def entry_sample(self) -> dict[str, np.ndarray]:
         """The uniform sample of visible entries kept during the run (``sample_size``).
@@ -385,7 +371,8 @@ class ProbeResult:
         if "pattern_sum" not in arrays:
             raise NotRunError("this run did not keep the summed pattern; run with keep_pattern=True")
         if not self.causal:  # every real key is visible: the upper triangle too
-            return self._bidirectional_mean_pattern(arrays["pattern_sum"][layer, head], arrays["windows_covering"])[0]
+            return metrics.bidirectional_mean_pattern(arrays["pattern_sum"][layer, head], arrays["windows_covering"],
+                                                      self.excluded_keys)[0]
         n = self.statistics.n_positions
         key_lag = metrics.mean_pattern_key_lag(metrics.key_lag_layout(arrays["pattern_sum"][layer, head]), arrays["windows_covering"])
         visible = metrics.key_lag_visible(n, self.statistics.sliding_windows[layer], arrays["windows_covering"], self.excluded_keys)
@@ -426,7 +413,8 @@ class ProbeResult:
             Interval(0.0157 [0.0143, 0.0171], 95% over 14 groups of windows)
         """
         level = check_level(level)
-        estimate, replicates = self._jackknife(statistic, by)
+        resampling.check_statistic(statistic, by)  # a name without intervals is named before missing groups
+        estimate, replicates = self.replicates().of(statistic, by)
         # Every statistic with an interval is an R², at most 1: an interval past 1 is clipped there.
         if isinstance(estimate, dict):
             return {group: jackknife_interval(estimate[group], replicates[group], level=level, upper=1.0)
@@ -447,53 +435,31 @@ class ProbeResult:
             IntervalUnavailableError: no replicates, or a score without per-group state
                 (``toeplitz``, ``prior_fit``).
         """
-        return self._jackknife(name, "head")[1]
+        resampling.check_statistic(name, "head")
+        return self.replicates().of(name, "head")[1]
 
     def interval_groups(self) -> dict[str, Any]:
         """The groups of windows behind the intervals: ``{"interval_groups": G, "occupied": G', "keys": ...}``
         (``keys``: ``window_fingerprint``, ``explicit``, ``ordinal`` or ``mixed``), or ``{"unavailable": why}``."""
         try:
-            groups = self._groups()
+            groups = self.replicates().groups
         except IntervalUnavailableError as error:
             return {"unavailable": str(error)}
         return {"interval_groups": groups.n_groups, "occupied": len(groups.ids), "keys": groups.keys}
 
-    def _groups(self) -> Any:
-        """The statistics' interval groups, or the error that says why there are no intervals."""
-        self._require_data()
-        groups = self.statistics.groups
-        if groups is None:
-            raise IntervalUnavailableError(
-                "this result keeps no per-group sums of its windows (run with interval_groups=0, or saved before "
-                "interval groups existed); run it again with interval_groups=20 (the default) for intervals"
-            )
-        if groups.unavailable is not None:
-            raise IntervalUnavailableError(f"this result has no interval groups: {groups.unavailable}")
-        if len(groups.ids) < 2:
-            raise IntervalUnavailableError(
-                f"the result's {self.n_windows} window{'s' if self.n_windows != 1 else ''} fall into {len(groups.ids)} "
-                "non-empty interval group; a jackknife interval needs windows in at least 2 groups: run more windows"
-            )
-        return groups
+    def replicates(self) -> resampling.Replicates:
+        """The delete-a-group jackknife's replicates of this result's numbers
+        (:class:`~equivariance_probe.analyses.intervals.Replicates`), kept until windows are added.
 
-    def _jackknife(self, statistic: str, by: str | None) -> tuple[Any, Any]:
-        """``(θ, θ₍g₎)`` of a statistic: the estimate from every window and its replicates ``[G', ...]``
-        (dicts of both for ``by="layer_group"``), cached until windows are added."""
-        resampling.check_statistic(statistic, by)
-        groups = self._groups()
+        Raises:
+            IntervalUnavailableError: fewer than two non-empty groups, or no per-group sums (says why).
+        """
+        self._require_data()
         state = (id(self.statistics), self.statistics.n_windows, self.statistics.n_tokens)
-        if self._replicate_cache is None or self._replicate_cache[0] != state:
-            sums = groups.replicates(sliding_windows=self.statistics.sliding_windows, excluded_keys=self.excluded_keys,
-                                    causal=self.causal)
-            self._replicate_cache = (state, {"sums": sums})
-        cache = self._replicate_cache[1]
-        if (statistic, by) not in cache:
-            values = resampling.replicate_values(
-                cache["sums"], statistic, by, n_heads=self.n_heads, visible_keys=self.statistics.visible_keys().numpy(),
-                layer_groups=self.layer_groups(), cache=cache, dt=self._lags(),
-            )
-            cache[(statistic, by)] = (self._estimate(statistic, by, cache), values)
-        return cache[(statistic, by)]
+        if self._replicates is None or self._replicates[0] != state:
+            self._replicates = (state, resampling.Replicates(self.statistics, self._estimate,
+                                                             layer_groups=self.layer_groups(), dt=self._lags()))
+        return self._replicates[1]
 
     def _estimate(self, statistic: str, by: str | None, cache: dict[Any, Any]) -> Any:
         """The number ``statistic`` names, from every window (what its own method returns); the
@@ -581,105 +547,8 @@ class ProbeResult:
             return {"n_windows": 0}
         state = (id(self.statistics), self.statistics.n_windows, self.statistics.n_tokens)
         if self._computed_summary is None or self._computed_summary[0] != state:
-            self._computed_summary = (state, self._compute_summary())
+            self._computed_summary = (state, result_summary(self, key_bins=SUMMARY_KEY_BINS, level=SUMMARY_LEVEL))
         return copy.deepcopy(self._computed_summary[1])
-
-    def _compute_summary(self) -> dict[str, Any]:
-        scores = head_scores(self)
-        persistence = self.persistence()
-        bins = min(SUMMARY_KEY_BINS, self.statistics.n_positions)
-        by_key = self.persistence(by="key_position", bins=bins)
-        mean_pattern = scores["toeplitz"]
-        return {
-            "n_windows": self.n_windows,
-            "n_tokens": self.n_tokens,
-            "n_entries": self.n_entries(),
-            "floored_entries": self.floored(),
-            "log_floor": self.log_floor,
-            "excluded_keys": list(self.excluded_keys),
-            "query_position_r2": self.query_position_table(),
-            "persistence_fit_r2": {name: persistence.fits[name].r2 for name in fitting.FIT_NAMES},
-            "persistence_fits": {name: {"params": dict(persistence.fits[name].params), "r2": persistence.fits[name].r2,
-                                        "status": persistence.fits[name].status, "note": persistence.fits[name].note}
-                                 for name in fitting.FIT_NAMES},
-            "fit_r2_by_key_position": {"key_bins": by_key.key_bins.tolist(),
-                                       **{name: np.asarray(by_key.r2(name)).tolist() for name in fitting.FIT_NAMES}},
-            # The same function as its interval's estimate: one code path for the number and its centre.
-            "toeplitz_r2_per_doc_mean": self.toeplitz_r2("per_doc_mean"),
-            "toeplitz_r2_mean_pattern_mean": math.nan if np.all(np.isnan(mean_pattern)) else float(np.nanmean(mean_pattern)),
-            "most_position_bound_head": _head_label(scores["log_eta2"], np.nanargmax),
-            "least_position_bound_head": _head_label(scores["log_eta2"], np.nanargmin),
-            "head_scores": {name: values.tolist() for name, values in scores.items()},
-            "layer_groups": self._layer_group_summary(),
-            "causal": self.causal,
-            "undefined": self.undefined(),
-            "intervals": self._interval_summary(),
-            "head_stability": ranking_stability(self, "log_eta2", TOP_K),
-        }
-
-    def _interval_summary(self) -> dict[str, Any]:
-        """``[low, high]`` at :data:`SUMMARY_LEVEL` of every headline number (and of each layer group's),
-        with the groups behind them; or ``{"level", "unavailable": why}``."""
-        level = SUMMARY_LEVEL
-        try:
-            groups = self._groups()
-        except IntervalUnavailableError as error:
-            return {"level": level, "unavailable": str(error)}
-
-        def bounds(statistic: str, by: str | None = None) -> Any:
-            try:
-                found = self.interval(statistic, by, level)
-            except UndefinedStatisticError:
-                return None  # a number without a value (an encoder's prior forms) has no interval either
-            if isinstance(found, dict):
-                return {group: [value.low, value.high] for group, value in found.items() if group != "all"}
-            return [found.low, found.high]
-
-        qpve = {scale: {form: bounds(f"{scale}_{form}") for form in metrics.FORMS} for scale in metrics.SCALES}
-        fits = {fit: bounds(f"{fit}_fit") for fit in fitting.FIT_NAMES}
-        block = {
-            "level": level,
-            "method": "delete-a-group jackknife, windows as the sampling unit; t intervals of R², clipped at 1 "
-                      "where they would pass it",
-            "interval_groups": groups.n_groups,
-            "groups": len(groups.ids),
-            "keys": groups.keys,
-            "query_position_r2": qpve,
-            "persistence_fit_r2": fits,
-            "toeplitz_r2_per_doc_mean": bounds("toeplitz_per_doc"),
-        }
-        if len(self.layer_groups()) > 1:
-            by_group = {scale: {form: bounds(f"{scale}_{form}", "layer_group") for form in metrics.FORMS}
-                        for scale in metrics.SCALES}
-            fit_groups = {fit: bounds(f"{fit}_fit", "layer_group") for fit in fitting.FIT_NAMES}
-            block["layer_groups"] = {
-                group: {"query_position_r2": {scale: {form: by_group[scale][form][group] for form in metrics.FORMS}
-                                              for scale in metrics.SCALES},
-                        "persistence_fit_r2": {fit: fit_groups[fit][group] for fit in fitting.FIT_NAMES}}
-                for group in self.layer_groups() if group != "all"
-            }
-        return block
-
-    def _layer_group_summary(self) -> dict[str, Any]:
-        """Per layer group (only for models with more than one kind of layer): its layers, every
-        query-position R² form and scale over its entries, and the R² of each fit to its ``P(dt)``."""
-        groups = self.layer_groups()
-        if len(groups) == 1:
-            return {}
-        tables = {scale: {form: self.query_position_r2(scale, form, by="layer_group") for form in metrics.FORMS}
-                  for scale in metrics.SCALES}
-        curves = self.persistence(by="layer_group")
-        return {
-            group: {
-                "layers": list(layers),
-                "query_position_r2": {scale: {form: tables[scale][form][group] for form in metrics.FORMS}
-                                      for scale in metrics.SCALES},
-                "persistence_fit_r2": {name: curves[group].fits[name].r2 for name in fitting.FIT_NAMES},
-                "persistence_fit_status": {name: curves[group].fits[name].status for name in fitting.FIT_NAMES},
-            }
-            for group, layers in groups.items()
-            if group != "all"
-        }
 
     def _headline(self) -> tuple[dict[str, dict[str, float]], str, str]:
         """Query-position R² table and the most/least position-bound heads (from the header when loaded)."""
@@ -687,7 +556,7 @@ class ProbeResult:
             summary = self.summary()
             return summary["query_position_r2"], summary["most_position_bound_head"], summary["least_position_bound_head"]
         eta2 = self.query_position_r2("log", "eta2", by="head")
-        return self.query_position_table(), _head_label(eta2, np.nanargmax), _head_label(eta2, np.nanargmin)
+        return self.query_position_table(), head_label(eta2, np.nanargmax), head_label(eta2, np.nanargmin)
 
     def __repr__(self) -> str:
         model = self.model_name
@@ -765,14 +634,7 @@ class ProbeResult:
             ResultFileError: the file is truncated, edited, not a result, or from a newer format.
         """
         opened = open_result_file(path)
-        result = cls.__new__(cls)
-        result._statistics = None
-        result._file = opened
-        result._stored_summary = opened.summary
-        result._computed_summary = None
-        result._replicate_cache = None
-        result.metadata = opened.metadata
-        return result
+        return cls(metadata=opened.metadata, file=opened)
 
 
 #: The numbers a study reports the trained-minus-baseline difference of, in its table's order.
@@ -812,9 +674,9 @@ def paired_difference(a: ProbeResult, b: ProbeResult, statistic: str = "log_fitt
         Interval(-0.1935 [-0.2060, -0.1810], 95% over 14 groups of windows)
     """
     level = check_level(level)
-    a._groups(), b._groups()
-    resampling.check_paired(a.statistics, b.statistics)
-    (estimate_a, replicates_a), (estimate_b, replicates_b) = a._jackknife(statistic, by), b._jackknife(statistic, by)
+    mine, theirs = a.replicates(), b.replicates()
+    mine.paired(theirs)
+    (estimate_a, replicates_a), (estimate_b, replicates_b) = mine.of(statistic, by), theirs.of(statistic, by)
     if isinstance(estimate_a, dict):
         return {group: jackknife_interval(estimate_a[group] - estimate_b[group], replicates_a[group] - replicates_b[group],
                                           level=level) for group in estimate_a}
@@ -838,11 +700,3 @@ def _undefined_as_nan(value: Any) -> Any:
     if isinstance(value, list):
         return [_undefined_as_nan(v) for v in value]
     return math.nan if value is None else value
-
-
-def _head_label(values: np.ndarray, pick) -> str:
-    if np.all(np.isnan(values)):
-        return "n/a"
-    layer, head = np.unravel_index(pick(values), values.shape)
-    return f"L{layer}H{head} ({values[layer, head]:.3f})"
-

@@ -3,9 +3,10 @@ is recomputed on "every window but group ``g``".
 
 Place in the seams: *analyses*, pure functions from the replicates' sums
 (:meth:`~equivariance_probe.statistics.groups.WindowGroups.replicates`: ``[R, ...]`` arrays, one
-row per non-empty group) to each statistic's replicate values ``θ₍g₎``;
-:class:`~equivariance_probe.result.ProbeResult` pairs them with its estimates and
-:func:`~equivariance_probe.maths.intervals.jackknife_interval` turns both into intervals.
+row per non-empty group) to each statistic's replicate values ``θ₍g₎``, and :class:`Replicates`,
+which pairs them with a result's estimates (``ProbeResult.replicates()``);
+:func:`~equivariance_probe.maths.intervals.jackknife_interval` turns both into intervals, and
+``paired_difference`` subtracts two results' replicates group by group.
 
 Statistics with intervals (:data:`INTERVAL_STATISTICS`; names as the head ranking's scores):
 
@@ -21,6 +22,7 @@ summed pattern per group, ``G·L·H·T²`` numbers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -34,6 +36,8 @@ __all__ = [
     "INTERVAL_STATISTICS",
     "BY_CHOICES",
     "check_statistic",
+    "Replicates",
+    "occupied_groups",
     "replicate_values",
     "toeplitz_per_doc",
     "check_paired",
@@ -199,3 +203,93 @@ def top_k_share(replicate_scores: np.ndarray, k: int, order: Any) -> np.ndarray:
     for scores in replicate_scores:
         count[np.asarray(order(scores))[:k]] += 1
     return (count / len(replicate_scores)).reshape(replicate_scores.shape[1:])
+
+
+def occupied_groups(statistics: Any) -> Any:
+    """The interval groups of ``statistics`` (:class:`~equivariance_probe.statistics.AttentionStatistics`
+    holding windows), or the error that says why there are no intervals.
+
+    Raises:
+        IntervalUnavailableError: no per-group sums (a run with ``interval_groups=0``, a file saved
+            before interval groups, a remote run's batches), or fewer than two occupied groups.
+    """
+    groups = statistics.groups
+    if groups is None:
+        raise IntervalUnavailableError(
+            "this result keeps no per-group sums of its windows (run with interval_groups=0, or saved before "
+            "interval groups existed); run it again with interval_groups=20 (the default) for intervals"
+        )
+    if groups.unavailable is not None:
+        raise IntervalUnavailableError(f"this result has no interval groups: {groups.unavailable}")
+    if len(groups.ids) < 2:
+        n_windows = statistics.n_windows
+        raise IntervalUnavailableError(
+            f"the result's {n_windows} window{'s' if n_windows != 1 else ''} fall into {len(groups.ids)} "
+            "non-empty interval group; a jackknife interval needs windows in at least 2 groups: run more windows"
+        )
+    return groups
+
+
+class Replicates:
+    """The delete-a-group jackknife's replicates of one result's numbers, with the estimates they go with.
+
+    For a statistic of :data:`INTERVAL_STATISTICS`, :meth:`of` gives ``(θ, θ₍g₎)``: the number from every
+    window (what the result's own method returns) and the number recomputed on every window but group
+    ``g``'s, ``[G', ...]`` (dicts of both for ``by="layer_group"``). The replicates' sums are formed once
+    and each statistic's values are kept, so the many intervals of a summary cost one pass.
+
+    Args:
+        statistics: the result's :class:`~equivariance_probe.statistics.AttentionStatistics`, with at
+            least two occupied interval groups (:func:`occupied_groups`).
+        estimate: ``estimate(statistic, by, cache) -> θ``, the result's own number (``cache`` is shared
+            with the replicates, so the persistence curves are fitted once per ``by``).
+        layer_groups: ``{group: layers}`` of the result.
+        dt: ``[N]`` the lag of each column of the lag sums.
+
+    Example:
+        >>> estimate, replicates = result.replicates().of("log_fitted", None)  # doctest: +SKIP
+        >>> replicates.shape  # one value per occupied group
+        (14,)
+    """
+
+    def __init__(self, statistics: Any, estimate: Callable[[str, str | None, dict[Any, Any]], Any], *,
+                 layer_groups: dict[str, tuple[int, ...]], dt: np.ndarray) -> None:
+        self.statistics = statistics
+        self.groups = occupied_groups(statistics)
+        self._estimate = estimate
+        self._layer_groups = layer_groups
+        self._dt = dt
+        self._cache: dict[Any, Any] = {}
+
+    @property
+    def n_groups(self) -> int:
+        """``G'``, the occupied groups (one replicate each)."""
+        return len(self.groups.ids)
+
+    def sums(self) -> dict[str, np.ndarray]:
+        """The replicates' sums (:meth:`~equivariance_probe.statistics.groups.WindowGroups.replicates`), formed once."""
+        if "sums" not in self._cache:
+            statistics = self.statistics
+            self._cache["sums"] = self.groups.replicates(sliding_windows=statistics.sliding_windows,
+                                                         excluded_keys=statistics.excluded_keys, causal=statistics.causal)
+        return self._cache["sums"]
+
+    def of(self, statistic: str, by: str | None = None) -> tuple[Any, Any]:
+        """``(θ, θ₍g₎)`` of ``statistic`` split ``by`` (:data:`BY_CHOICES`).
+
+        Raises:
+            IntervalUnavailableError, InputError: as :func:`check_statistic`.
+        """
+        check_statistic(statistic, by)
+        if (statistic, by) not in self._cache:
+            values = replicate_values(
+                self.sums(), statistic, by, n_heads=self.statistics.n_heads,
+                visible_keys=self.statistics.visible_keys().numpy(), layer_groups=self._layer_groups,
+                cache=self._cache, dt=self._dt,
+            )
+            self._cache[(statistic, by)] = (self._estimate(statistic, by, self._cache), values)
+        return self._cache[(statistic, by)]
+
+    def paired(self, other: Replicates) -> None:
+        """Refuse unless ``other`` holds the same groups of windows (:func:`check_paired`)."""
+        check_paired(self.statistics, other.statistics)

@@ -38,6 +38,8 @@ __all__ = [
     "mean_pattern_key_lag",
     "key_lag_layout",
     "key_lag_visible",
+    "bidirectional_mean_pattern",
+    "bidirectional_mean_pattern_toeplitz_r2",
 ]
 
 SCALES = ("log", "raw")
@@ -310,3 +312,41 @@ def toeplitz_r2_key_lag(values: np.ndarray, visible: np.ndarray) -> np.ndarray:
     tss = (((values - grand_mean[..., None, None]) ** 2) * weights).sum((-2, -1))
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(tss > 0, 1.0 - rss / np.where(tss > 0, tss, 1), np.nan)
+
+
+def bidirectional_mean_pattern(
+    pattern_sum: np.ndarray, windows_covering: np.ndarray, excluded_keys: Sequence[int] = ()
+) -> tuple[np.ndarray, np.ndarray]:
+    """An encoder's document-averaged pattern and the entries it has.
+
+    Every real key is visible to every real query of an encoder's window, so entry ``(q, k)`` is held
+    by the windows that reach both: ``#windows(q, k) = c[max(q, k)]`` with ``c = windows_covering``.
+
+    Args:
+        pattern_sum: ``[..., query, key]`` the pattern summed over windows.
+        windows_covering: ``[T]`` windows that reach each position.
+        excluded_keys: key positions left out.
+
+    Returns:
+        ``(mean, visible)``: ``[..., query, key]`` ``pattern_sum / #windows(q, k)`` (0 where no window holds
+        the entry or its key is excluded), and ``[query, key]`` the entries held.
+    """
+    n_positions = pattern_sum.shape[-1]
+    both = windows_covering[np.maximum.outer(np.arange(n_positions), np.arange(n_positions))]
+    visible = both > 0
+    for key in excluded_keys:
+        if 0 <= key < n_positions:
+            visible[:, key] = False
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.where(visible, pattern_sum / np.where(visible, both, 1), 0.0)
+    return mean, visible
+
+
+def bidirectional_mean_pattern_toeplitz_r2(
+    pattern_sum: np.ndarray, windows_covering: np.ndarray, excluded_keys: Sequence[int] = ()
+) -> np.ndarray:
+    """Toeplitz R² of an encoder's document-averaged pattern per head, over the entries it has
+    (:func:`bidirectional_mean_pattern`): ``[L, H]`` from ``pattern_sum [L, H, T, T]``."""
+    mean, visible = bidirectional_mean_pattern(pattern_sum, windows_covering, excluded_keys)
+    return np.array([[toeplitz_r2(mean[layer, head], visible) for head in range(mean.shape[1])]
+                     for layer in range(mean.shape[0])])

@@ -1,0 +1,139 @@
+"""A result's summary: the headline numbers a result file stores in its header.
+
+Place in the seams: *analyses*, assembling numbers the result already computes (query-position R²
+in every form and scale, the persistence fits, the Toeplitz R², the heads' scores and their
+ranking's stability, and each number's interval over windows) into the plain dict that
+:meth:`~equivariance_probe.result.ProbeResult.summary` returns and the result file keeps, so that a
+loaded result shows them without reading its arrays. It computes nothing of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ..errors import IntervalUnavailableError, UndefinedStatisticError
+from ..maths import fitting, metrics
+from .heads import TOP_K, head_scores, ranking_stability
+
+__all__ = ["result_summary", "head_label"]
+
+
+def head_label(values: np.ndarray, pick: Any) -> str:
+    """``"L{layer}H{head} (value)"`` of the head ``pick`` (``np.nanargmax``/``np.nanargmin``) chooses from
+    ``values [layer, head]``, or ``"n/a"`` where every value is NaN."""
+    if np.all(np.isnan(values)):
+        return "n/a"
+    layer, head = np.unravel_index(pick(values), values.shape)
+    return f"L{layer}H{head} ({values[layer, head]:.3f})"
+
+
+def result_summary(result: Any, *, key_bins: int, level: float) -> dict[str, Any]:
+    """The headline numbers of a result, as :meth:`ProbeResult.summary` returns them and its file stores them.
+
+    Args:
+        result: a :class:`~equivariance_probe.result.ProbeResult` holding windows.
+        key_bins: key-position bins of the Figure 1c numbers (fewer if the window is shorter).
+        level: confidence level of the stored intervals.
+
+    Returns:
+        The keys :meth:`ProbeResult.summary` lists.
+    """
+    scores = head_scores(result)
+    persistence = result.persistence()
+    bins = min(key_bins, result.statistics.n_positions)
+    by_key = result.persistence(by="key_position", bins=bins)
+    mean_pattern = scores["toeplitz"]
+    return {
+        "n_windows": result.n_windows,
+        "n_tokens": result.n_tokens,
+        "n_entries": result.n_entries(),
+        "floored_entries": result.floored(),
+        "log_floor": result.log_floor,
+        "excluded_keys": list(result.excluded_keys),
+        "query_position_r2": result.query_position_table(),
+        "persistence_fit_r2": {name: persistence.fits[name].r2 for name in fitting.FIT_NAMES},
+        "persistence_fits": {name: {"params": dict(persistence.fits[name].params), "r2": persistence.fits[name].r2,
+                                    "status": persistence.fits[name].status, "note": persistence.fits[name].note}
+                             for name in fitting.FIT_NAMES},
+        "fit_r2_by_key_position": {"key_bins": by_key.key_bins.tolist(),
+                                   **{name: np.asarray(by_key.r2(name)).tolist() for name in fitting.FIT_NAMES}},
+        # The same function as its interval's estimate: one code path for the number and its centre.
+        "toeplitz_r2_per_doc_mean": result.toeplitz_r2("per_doc_mean"),
+        "toeplitz_r2_mean_pattern_mean": math.nan if np.all(np.isnan(mean_pattern)) else float(np.nanmean(mean_pattern)),
+        "most_position_bound_head": head_label(scores["log_eta2"], np.nanargmax),
+        "least_position_bound_head": head_label(scores["log_eta2"], np.nanargmin),
+        "head_scores": {name: values.tolist() for name, values in scores.items()},
+        "layer_groups": _layer_group_summary(result),
+        "causal": result.causal,
+        "undefined": result.undefined(),
+        "intervals": _interval_summary(result, level),
+        "head_stability": ranking_stability(result, "log_eta2", TOP_K),
+    }
+
+
+def _interval_summary(result: Any, level: float) -> dict[str, Any]:
+    """``[low, high]`` at ``level`` of every headline number (and of each layer group's),
+    with the groups behind them; or ``{"level", "unavailable": why}``."""
+    try:
+        groups = result.replicates().groups
+    except IntervalUnavailableError as error:
+        return {"level": level, "unavailable": str(error)}
+
+    def bounds(statistic: str, by: str | None = None) -> Any:
+        try:
+            found = result.interval(statistic, by, level)
+        except UndefinedStatisticError:
+            return None  # a number without a value (an encoder's prior forms) has no interval either
+        if isinstance(found, dict):
+            return {group: [value.low, value.high] for group, value in found.items() if group != "all"}
+        return [found.low, found.high]
+
+    qpve = {scale: {form: bounds(f"{scale}_{form}") for form in metrics.FORMS} for scale in metrics.SCALES}
+    fits = {fit: bounds(f"{fit}_fit") for fit in fitting.FIT_NAMES}
+    block = {
+        "level": level,
+        "method": "delete-a-group jackknife, windows as the sampling unit; t intervals of R², clipped at 1 "
+                  "where they would pass it",
+        "interval_groups": groups.n_groups,
+        "groups": len(groups.ids),
+        "keys": groups.keys,
+        "query_position_r2": qpve,
+        "persistence_fit_r2": fits,
+        "toeplitz_r2_per_doc_mean": bounds("toeplitz_per_doc"),
+    }
+    if len(result.layer_groups()) > 1:
+        by_group = {scale: {form: bounds(f"{scale}_{form}", "layer_group") for form in metrics.FORMS}
+                    for scale in metrics.SCALES}
+        fit_groups = {fit: bounds(f"{fit}_fit", "layer_group") for fit in fitting.FIT_NAMES}
+        block["layer_groups"] = {
+            group: {"query_position_r2": {scale: {form: by_group[scale][form][group] for form in metrics.FORMS}
+                                          for scale in metrics.SCALES},
+                    "persistence_fit_r2": {fit: fit_groups[fit][group] for fit in fitting.FIT_NAMES}}
+            for group in result.layer_groups() if group != "all"
+        }
+    return block
+
+
+def _layer_group_summary(result: Any) -> dict[str, Any]:
+    """Per layer group (only for models with more than one kind of layer): its layers, every
+    query-position R² form and scale over its entries, and the R² of each fit to its ``P(dt)``."""
+    groups = result.layer_groups()
+    if len(groups) == 1:
+        return {}
+    tables = {scale: {form: result.query_position_r2(scale, form, by="layer_group") for form in metrics.FORMS}
+              for scale in metrics.SCALES}
+    curves = result.persistence(by="layer_group")
+    return {
+        group: {
+            "layers": list(layers),
+            "query_position_r2": {scale: {form: tables[scale][form][group] for form in metrics.FORMS}
+                                  for scale in metrics.SCALES},
+            "persistence_fit_r2": {name: curves[group].fits[name].r2 for name in fitting.FIT_NAMES},
+            "persistence_fit_status": {name: curves[group].fits[name].status for name in fitting.FIT_NAMES},
+        }
+        for group, layers in groups.items()
+        if group != "all"
+    }
