@@ -308,7 +308,7 @@ class EquivarianceProbe:
         statistics = AttentionStatistics(
             n_layers=layout.n_layers,
             n_heads=layout.n_heads,
-            n_positions=context_length,
+            n_positions=context_length,  # the statistics' word for the window length
             sliding_windows=layout.sliding_windows,
             log_floor=options.log_floor,
             excluded_keys=exclude_keys,
@@ -439,11 +439,11 @@ class EquivarianceProbe:
 
     def _run_batch(self, rows: list[list[int]], statistics: AttentionStatistics, keys: Any = None) -> None:
         lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
-        width = int(lengths.max())
+        longest = int(lengths.max())  # the batch's longest window, at most context_length
         # Right padding: under a causal mask no real query sees a padding key, so the pad
         # id is irrelevant and no attention mask is needed (an encoder's adapter masks padding
         # keys itself, from the lengths begin_batch records).
-        tokens = torch.zeros((len(rows), width), dtype=torch.long)
+        tokens = torch.zeros((len(rows), longest), dtype=torch.long)
         for i, row in enumerate(rows):
             tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
         # Each window's fingerprint goes with its sums (kept only if the batch is added), so that

@@ -160,6 +160,12 @@ class ProbeResult:
         return name_of_converted_copy(name) or name
 
     @property
+    def context_length(self) -> int:
+        """``T``, the window length the statistics are laid out for (the file's ``statistics.config.n_positions``;
+        a window that was shorter fills only its first positions)."""
+        return int(self._config()["n_positions"])
+
+    @property
     def causal(self) -> bool:
         """``False`` for a bidirectional encoder's statistics (signed lags, no query-position prior)."""
         return bool(self._config().get("causal", True))
@@ -302,7 +308,7 @@ class ProbeResult:
             # bins dividing the stored count (16 of 64) the edges are exactly linspace(0, T, bins + 1).
             groups = min(bins, stored)
             which = np.arange(stored) * groups // stored
-            stored_edges = key_bin_edges(self.statistics.n_positions, stored).numpy()
+            stored_edges = key_bin_edges(self.context_length, stored).numpy()
             edges = np.append(stored_edges[np.searchsorted(which, np.arange(groups))], stored_edges[-1])
 
             def binned(name: str) -> np.ndarray:
@@ -316,7 +322,7 @@ class ProbeResult:
 
     def _lags(self) -> np.ndarray:
         """The lag ``dt`` of each column of the lag sums: ``0 .. T-1``, signed ``-(T-1) .. T-1`` for an encoder."""
-        return lag_values(self.statistics.n_positions, self.causal).numpy()
+        return lag_values(self.context_length, self.causal).numpy()
 
     # -- Toeplitz --------------------------------------------------------------------------------
     def toeplitz_r2(self, by: str = "head", interval: float | None = None) -> Any:
@@ -349,7 +355,7 @@ class ProbeResult:
         mean = metrics.mean_pattern_key_lag(metrics.key_lag_layout(arrays["pattern_sum"]), covering)
         out = np.empty((self.n_layers, self.n_heads))
         for layer, window in enumerate(self.statistics.sliding_windows):
-            visible = metrics.key_lag_visible(self.statistics.n_positions, window, covering, self.excluded_keys)
+            visible = metrics.key_lag_visible(self.context_length, window, covering, self.excluded_keys)
             out[layer] = metrics.toeplitz_r2_key_lag(mean[layer], visible)
         return out
 
@@ -373,7 +379,7 @@ class ProbeResult:
         if not self.causal:  # every real key is visible: the upper triangle too
             return metrics.bidirectional_mean_pattern(arrays["pattern_sum"][layer, head], arrays["windows_covering"],
                                                       self.excluded_keys)[0]
-        n = self.statistics.n_positions
+        n = self.context_length
         key_lag = metrics.mean_pattern_key_lag(metrics.key_lag_layout(arrays["pattern_sum"][layer, head]), arrays["windows_covering"])
         visible = metrics.key_lag_visible(n, self.statistics.sliding_windows[layer], arrays["windows_covering"], self.excluded_keys)
         out = np.zeros((n, n))

@@ -353,3 +353,19 @@ def test_encoder_intervals_equal_a_jackknife_over_runs_without_each_group():
     intervals = result.summary()["intervals"]
     assert intervals["query_position_r2"]["log"]["prior"] is None
     assert len(intervals["query_position_r2"]["raw"]["eta2"]) == 2
+
+
+def test_the_encoder_mean_pattern_divides_each_entry_by_the_windows_that_hold_it():
+    """Windows of lengths 4 and 2 (covering c = [2, 2, 1, 1]): entry (q, k) is held by c[max(q, k)] windows,
+    so a pattern summing to that count everywhere averages to 1 there; an excluded key is dropped, and a
+    constant (Toeplitz) mean pattern has Toeplitz R² 1 wherever it varies at all."""
+    from equivariance_probe.maths.metrics import bidirectional_mean_pattern, bidirectional_mean_pattern_toeplitz_r2
+
+    covering = np.array([2.0, 2.0, 1.0, 1.0])
+    held = covering[np.maximum.outer(np.arange(4), np.arange(4))]
+    mean, visible = bidirectional_mean_pattern(held, covering, excluded_keys=[0])
+    assert visible[:, 0].sum() == 0 and visible[:, 1:].all()
+    np.testing.assert_array_equal(mean, np.where(visible, 1.0, 0.0))
+    lags = np.subtract.outer(np.arange(4), np.arange(4)).astype(np.float64)  # a function of q - k only
+    toeplitz = bidirectional_mean_pattern_toeplitz_r2((lags * held)[None, None], covering)
+    assert toeplitz.shape == (1, 1) and toeplitz[0, 0] == pytest.approx(1.0, abs=1e-12)

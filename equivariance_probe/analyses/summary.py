@@ -43,7 +43,7 @@ def result_summary(result: Any, *, key_bins: int, level: float) -> dict[str, Any
     """
     scores = head_scores(result)
     persistence = result.persistence()
-    bins = min(key_bins, result.statistics.n_positions)
+    bins = min(key_bins, result.context_length)
     by_key = result.persistence(by="key_position", bins=bins)
     mean_pattern = scores["toeplitz"]
     return {

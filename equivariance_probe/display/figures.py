@@ -152,7 +152,7 @@ def fit_by_key_figure(results: ProbeResult | dict[str, ProbeResult], bins: int =
     results = _results(results)
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, (label, result) in zip(axes[0], results.items()):
-        curves = result.persistence(by="key_position", bins=min(bins, result.statistics.n_positions))
+        curves = result.persistence(by="key_position", bins=min(bins, result.context_length))
         centres = 0.5 * (curves.key_bins[:-1] + curves.key_bins[1:] - 1)
         for name in ("power", "exponential", "prior"):
             color, style = _FIT_STYLE[name]

@@ -136,7 +136,7 @@ def query_position_r2(
     Returns:
         ``{"prior", "fitted", "eta2"}`` mapped to a float or an array.
     """
-    n_layers, n_heads, n_positions = value_sum.shape
+    n_layers, n_heads, context_length = value_sum.shape
     prior = 1.0 / visible_keys
     x_cell = np.log(prior) if scale == "log" else prior  # [L, T]
     count = np.broadcast_to(query_count[:, None, :], value_sum.shape).astype(np.float64)
@@ -152,7 +152,7 @@ def query_position_r2(
     if by == "layer":
         out = {form: np.full(n_layers, np.nan) for form in FORMS}
         for layer in range(n_layers):
-            keys = np.broadcast_to(np.arange(n_positions), (n_heads, n_positions)).ravel()
+            keys = np.broadcast_to(np.arange(context_length), (n_heads, context_length)).ravel()
             _, _, n_g, s_g, w_g = _pool(count[layer].ravel(), value_sum[layer].ravel(), within[layer].ravel(), keys)
             r2 = r2_from_groups(n_g, s_g, w_g, x_cell[layer])
             for form in FORMS:
@@ -160,9 +160,9 @@ def query_position_r2(
         return out
     check_choice("by", by, (None, "layer", "head"))
     # Total: a group is (query position, visible key set); layers whose masks agree at q share it.
-    query = np.broadcast_to(np.arange(n_positions), value_sum.shape)
+    query = np.broadcast_to(np.arange(context_length), value_sum.shape)
     size = np.broadcast_to(visible_keys[:, None, :], value_sum.shape)
-    keys = (query.astype(np.int64) * (n_positions + 1) + size.astype(np.int64)).ravel()
+    keys = (query.astype(np.int64) * (context_length + 1) + size.astype(np.int64)).ravel()
     x_full = np.broadcast_to(x_cell[:, None, :], value_sum.shape).ravel()
     unique, inverse, n_g, s_g, w_g = _pool(count.ravel(), value_sum.ravel(), within.ravel(), keys)
     x_g = np.zeros(len(unique))
@@ -206,9 +206,9 @@ def query_position_r2_from_totals(
     elif by == "layer":
         count, total, squares, x = n_heads * query_count, value_sum.sum(2), square_total.sum(2), x_cell
     else:
-        n_layers, n_positions = x_cell.shape
-        query = np.broadcast_to(np.arange(n_positions), (n_layers, n_positions))
-        keys = (query.astype(np.int64) * (n_positions + 1) + visible_keys.astype(np.int64)).ravel()
+        n_layers, context_length = x_cell.shape
+        query = np.broadcast_to(np.arange(context_length), (n_layers, context_length))
+        keys = (query.astype(np.int64) * (context_length + 1) + visible_keys.astype(np.int64)).ravel()
         unique, inverse = np.unique(keys, return_inverse=True)
         order = np.argsort(inverse, kind="stable")
         starts = np.searchsorted(inverse[order], np.arange(len(unique)))
@@ -253,18 +253,18 @@ def toeplitz_r2(matrix: np.ndarray, mask: np.ndarray | None = None) -> float:
 
 
 def key_lag_visible(
-    n_positions: int, window: int | None, windows_covering: np.ndarray, excluded_keys: Sequence[int] = ()
+    context_length: int, window: int | None, windows_covering: np.ndarray, excluded_keys: Sequence[int] = ()
 ) -> np.ndarray:
     """Visible entries in key-lag layout ``[key t, lag dt]`` of a document-averaged pattern."""
-    t = np.arange(n_positions)[:, None]
-    dt = np.arange(n_positions)[None, :]
+    t = np.arange(context_length)[:, None]
+    dt = np.arange(context_length)[None, :]
     query = t + dt
-    visible = query < n_positions
-    visible &= windows_covering[np.minimum(query, n_positions - 1)] > 0
+    visible = query < context_length
+    visible &= windows_covering[np.minimum(query, context_length - 1)] > 0
     if window is not None:
         visible &= dt < window
     for key in excluded_keys:
-        if 0 <= key < n_positions:
+        if 0 <= key < context_length:
             visible[key, :] = False
     return visible
 
@@ -275,18 +275,18 @@ def key_lag_layout(matrices: np.ndarray) -> np.ndarray:
     Entry ``[t, dt]`` is ``matrix[t + dt, t]`` (0 where ``t + dt >= T``), so each diagonal at or
     below the main one becomes a column (what :func:`toeplitz_r2_key_lag` reads).
     """
-    n_positions = matrices.shape[-1]
-    t = np.arange(n_positions)[:, None]
-    query = t + np.arange(n_positions)[None, :]
-    inside = query < n_positions
-    laid_out = matrices[..., np.minimum(query, n_positions - 1), np.broadcast_to(t, query.shape)]
+    context_length = matrices.shape[-1]
+    t = np.arange(context_length)[:, None]
+    query = t + np.arange(context_length)[None, :]
+    inside = query < context_length
+    laid_out = matrices[..., np.minimum(query, context_length - 1), np.broadcast_to(t, query.shape)]
     return np.where(inside, laid_out, 0.0)
 
 
 def mean_pattern_key_lag(pattern_sum: np.ndarray, windows_covering: np.ndarray) -> np.ndarray:
     """Document-averaged pattern in key-lag layout: ``pattern_sum[..., t, dt] / #windows(t+dt)``."""
-    n_positions = pattern_sum.shape[-1]
-    query = np.minimum(np.arange(n_positions)[:, None] + np.arange(n_positions)[None, :], n_positions - 1)
+    context_length = pattern_sum.shape[-1]
+    query = np.minimum(np.arange(context_length)[:, None] + np.arange(context_length)[None, :], context_length - 1)
     covering = windows_covering[query]
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(covering > 0, pattern_sum / np.where(covering > 0, covering, 1), 0.0)
@@ -331,11 +331,11 @@ def bidirectional_mean_pattern(
         ``(mean, visible)``: ``[..., query, key]`` ``pattern_sum / #windows(q, k)`` (0 where no window holds
         the entry or its key is excluded), and ``[query, key]`` the entries held.
     """
-    n_positions = pattern_sum.shape[-1]
-    both = windows_covering[np.maximum.outer(np.arange(n_positions), np.arange(n_positions))]
+    context_length = pattern_sum.shape[-1]
+    both = windows_covering[np.maximum.outer(np.arange(context_length), np.arange(context_length))]
     visible = both > 0
     for key in excluded_keys:
-        if 0 <= key < n_positions:
+        if 0 <= key < context_length:
             visible[:, key] = False
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = np.where(visible, pattern_sum / np.where(visible, both, 1), 0.0)

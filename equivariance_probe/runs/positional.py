@@ -299,8 +299,8 @@ def _plain(value: Any) -> Any:
 def _mean_off_diagonal(correlation: np.ndarray) -> np.ndarray:
     """``[layer]`` mean of ``C[i, j]`` over ``i != j``, ignoring undefined entries (a position with
     no variance across documents, such as a BOS at position 0)."""
-    n_positions = correlation.shape[-1]
-    off_diagonal = ~np.eye(n_positions, dtype=bool)
+    context_length = correlation.shape[-1]
+    off_diagonal = ~np.eye(context_length, dtype=bool)
     with np.errstate(invalid="ignore"):
         return np.array([np.nanmean(layer[off_diagonal]) if np.isfinite(layer[off_diagonal]).any() else np.nan
                          for layer in correlation])
