@@ -125,7 +125,15 @@ class MeasurementOptions:
     @classmethod
     def of(cls, options: MeasurementOptions | None = None, /, **changes: Any) -> MeasurementOptions:
         """``options`` (default: ``MeasurementOptions()``) with ``changes``: how a function that takes
-        both an options object and single keywords combines them (the keywords win)."""
+        both an options object and single keywords combines them (the keywords win).
+
+        Raises:
+            TypeError: ``options`` is not a :class:`MeasurementOptions` (e.g. a context length given by
+                position: pass ``context_length=...``), or a change is not a measurement option.
+        """
+        if options is not None and not isinstance(options, MeasurementOptions):
+            raise TypeError(f"options must be a MeasurementOptions, not {type(options).__name__} ({options!r}); "
+                            "pass single options by name, e.g. context_length=1024")
         return (cls() if options is None else options).replace(**changes)
 
 

@@ -172,3 +172,22 @@ def test_an_encoder_decoder_model_is_refused_as_unsupported_not_told_to_wrap_its
     with pytest.raises(UnsupportedModelError, match=r"T5ForConditionalGeneration is an encoder-decoder model.*decoder-only") as caught:
         EquivarianceProbe(t5)
     assert "Wrap the model" not in str(caught.value)
+
+
+def test_measurement_options_are_the_run_keywords_as_one_value():
+    """run(docs, options) measures what run(docs, **the same keywords) does, bit for bit; keywords given
+    beside the options win; a name that is no option, or options given by position, is a TypeError."""
+    from equivariance_probe import MeasurementOptions
+
+    tokens = torch.randint(3, 90, (5, 12), generator=torch.Generator().manual_seed(3))
+    probe = EquivarianceProbe(tiny_gpt2())
+    by_keywords = probe.run(tokens, context_length=12, batch_size=2, exclude_keys=[0], interval_groups=4, progress=False)
+    options = MeasurementOptions(context_length=12, batch_size=3, exclude_keys=(0,), interval_groups=4)
+    by_options = probe.run(tokens, options, batch_size=2, progress=False)
+    assert by_options.metadata["batch_size"] == 2 and by_options.excluded_keys == (0,)
+    for name, value in by_keywords.statistics.numpy().items():
+        assert (by_options.statistics.numpy()[name] == value).all(), name
+    with pytest.raises(TypeError, match="context_lenght is not a measurement option"):
+        probe.run(tokens, context_lenght=12, progress=False)
+    with pytest.raises(TypeError, match="options must be a MeasurementOptions"):
+        probe.run(tokens, 12, progress=False)
