@@ -330,9 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--decimals", type=int, default=3, help="round view values to this many decimals (default 3)")
 
     compare = command("compare", "run the study on several models over the same windows: one table and figure",
-                      "No checkpoints or shards (each model's study is short: use 'run' per model for long ones), "
-                      "no entry sample (the comparison draws no scatter plot), and the Hugging Face framework only "
-                      "(every framework gives the same numbers).")
+                      "The models are named by --models (not --model). Every model reads the same texts, cut so "
+                      "that each tokenizer yields T tokens (so no --pack). "
+                      "No checkpoints or shards (each model's study is short: use 'run' per model for long ones), no "
+                      "--sample-size (the comparison draws no scatter plot), no --analyses (run 'positional' per "
+                      "model), and the Hugging Face framework only, no --framework (every framework gives the same "
+                      "numbers).")
     compare.set_defaults(handler=_compare)
     compare.add_argument("--models", type=_names, default=list(DEFAULT_COMPARE_MODELS),
                          help=f"comma-separated packaged model names or local model folders (default: {','.join(DEFAULT_COMPARE_MODELS)})")
@@ -348,8 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     scan = command("scan", "the same text at several context lengths, trained vs baselines, per layer group: one "
                    "table and figure",
-                   "Result files are written per length and variant as they are measured, and reused when the scan "
-                   "runs again into the same --out (so it needs no --resume); no shards, no entry sample.")
+                   "Each length of --context-lengths reads the same --n-tokens window tokens (in place of --n-docs "
+                   "and --context-length). Result files are written per length and variant as they are measured, "
+                   "and reused when the scan runs again into the same --out (so it needs no --resume); no shards, "
+                   "no --sample-size (no scatter plot), no --analyses (run 'positional'), and the Hugging Face "
+                   "framework only, no --framework (every framework gives the same numbers).")
     scan.set_defaults(handler=_scan)
     scan.add_argument("--context-lengths", type=_int_list, default=list(DEFAULT_CONTEXT_LENGTHS),
                       help=f"comma-separated window lengths (default: {','.join(map(str, DEFAULT_CONTEXT_LENGTHS))})")
@@ -368,8 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     positional = command("positional", "where order comes from: Gram/TISA Toeplitzness, permutation symmetry, "
                          "variance shrinkage, position correlations",
-                         "The analyses read hidden states and position embeddings in short windows: no checkpoints, "
-                         "shards, interval groups or kept pattern (the attention Toeplitz R² keeps it always).")
+                         "The analyses read hidden states and position embeddings of the Hugging Face model (no "
+                         "--framework) in a few short windows, one per document (no --pack), on the CPU in float32 as "
+                         "loaded (no --device, --dtype or --memory-limit-gib); no checkpoints or shards, no "
+                         "--interval-groups or --sample-size (their numbers have no intervals and no scatter plot), "
+                         "and no --keep-pattern (the attention Toeplitz R² keeps the pattern always).")
     positional.set_defaults(handler=_positional)
     small = "the analyses' windows are few and short, since some keep every hidden state"
     add_shared_options(positional, "out", "model", "cache_dir", "attn_implementation", "corpus", "text_field", "n_docs",

@@ -219,6 +219,23 @@ def test_every_shared_option_has_one_spelling_and_one_meaning_and_every_command_
                 assert f"; {WHY}: " in action.help, f"{name} {flag} differs from its declaration without saying why"
 
 
+def test_a_command_that_runs_a_model_takes_every_shared_option_or_says_why_not():
+    import argparse
+    import re
+
+    from equivariance_probe.cli import build_parser, shared_options
+
+    commands = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    flags = [flags[-1] for flags, _ in shared_options().values()]
+    for name in ("run", "compare", "scan", "positional"):
+        command = commands.choices[name]
+        taken = {flag for action in command._actions for flag in action.option_strings}
+        for flag in flags:
+            if flag not in taken:
+                assert re.search(re.escape(flag) + r"(?![\w-])", command.description), \
+                    f"'{name}' has no {flag} and its description does not say why"
+
+
 def test_help_wraps_a_list_between_its_names(capsys):
     with pytest.raises(SystemExit):
         main(["positional", "--help"])
