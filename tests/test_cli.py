@@ -62,6 +62,7 @@ def test_merge_command(tiny, tmp_path, capsys):
         (["--corpus", "EMPTY"], "empty|no document"),
         (["--corpus", "MISSING"], "does not exist"),
         (["--baselines", "bogus"], "unknown baselines"),
+        (["--memory-limit-gib", "0.000001"], "not enough memory"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_clear_message(tiny, tmp_path, capsys, arguments, message):
