@@ -198,3 +198,19 @@ def test_scan_command(tiny_model_folder, text_corpus, tmp_path, capsys):
     error = capsys.readouterr().err
     assert "not enough memory for context lengths [8, 16, 32]" in error and "Lower --batch-size" in error
     assert "(--memory-limit-gib sets the limit)" in error
+
+
+def test_scan_command_measures_as_its_flags_say_and_reuses_only_files_measured_so(tiny_model_folder, text_corpus,
+                                                                                  tmp_path, capsys):
+    folder, corpus = tiny_model_folder("gemma3", 64), text_corpus(n_docs=4, words=60)
+    out = tmp_path / "out"
+    arguments = ["scan", "--out", str(out), "--model", folder, "--corpus", corpus, "--context-lengths", "8,16",
+                 "--n-tokens", "32", "--baselines", "none", "--no-progress"]
+    assert main(arguments + ["--interval-groups", "3", "--keep-pattern"]) == 0
+    result = ProbeResult.load(out / "T16" / "results.safetensors")
+    assert result.interval_groups()["interval_groups"] == 3
+    assert result.toeplitz_r2("head").shape == (result.n_layers, result.n_heads)  # the kept pattern
+    capsys.readouterr()
+    # The same folder measured otherwise is not reused as if it were this scan's.
+    assert main(arguments) == 2
+    assert "measurement differ" in capsys.readouterr().err
