@@ -179,6 +179,18 @@ def test_a_report_or_figure_on_a_full_disk_names_the_file_and_its_size(reference
         save_figures({"persistence": figure}, small_disk)
 
 
+def test_a_folder_that_cannot_be_created_is_a_named_error_not_a_traceback(tmp_path):
+    from equivariance_probe.display.figures import pyplot, save_figures
+    from equivariance_probe.runs.checkpoint import CheckpointedRun
+
+    blocked = tmp_path / "a file"
+    blocked.write_text("in the way")
+    with pytest.raises(FileWriteError, match=r"cannot create the folder .*a file/checkpoint.*NotADirectoryError"):
+        CheckpointedRun(blocked / "checkpoint", every=2, identity={"model": "m", "corpus": "c", "config": {}})
+    with pytest.raises(FileWriteError, match=r"cannot create the folder .*a file/figures"):
+        save_figures({"empty": pyplot().figure()}, blocked / "figures")
+
+
 # -- a corrupted file ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def shards(tiny, tmp_path_factory):

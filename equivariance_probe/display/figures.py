@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..records.fileformat import write_bytes_atomically
+from ..records.fileformat import make_folder, write_bytes_atomically
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
@@ -247,7 +247,7 @@ def save_figures(figures: dict[str, Any], folder: str | os.PathLike, prefix: str
     """
     plt = pyplot()
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folder(folder)
     paths = []
     for name, figure in figures.items():
         path = folder / f"{prefix}{name}.png"

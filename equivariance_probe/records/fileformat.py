@@ -60,6 +60,7 @@ __all__ = [
     "write_json_atomically",
     "write_text_atomically",
     "write_bytes_atomically",
+    "make_folder",
     "encode_array",
     "decode_array",
     "jsonable",
@@ -125,6 +126,21 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None], *, 
             raise FileWriteError(_write_failure(path, error, size=size)) from error
         raise
     return path
+
+
+def make_folder(folder: str | os.PathLike) -> Path:
+    """Create ``folder`` and its parents where missing (a folder that results and checkpoints go into).
+
+    Raises:
+        FileWriteError: the file system refused (not writable, a file in the way, a full disk).
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise FileWriteError(f"cannot create the folder {str(folder)!r}: {type(error).__name__}: "
+                             f"{error.strerror or error}; check the disk has space and its parent is writable") from error
+    return folder
 
 
 def write_bytes_atomically(path: str | os.PathLike, data: bytes) -> Path:

@@ -46,7 +46,7 @@ import numpy as np
 
 from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, option
 from ..probe import progress_bar
-from ..records.fileformat import write_json_atomically
+from ..records.fileformat import make_folder, write_json_atomically
 from ..records.provenance import config_fingerprint
 from ..records.result_file import RESULT_SUFFIX
 from ..result import ProbeResult
@@ -209,7 +209,7 @@ class CheckpointedRun:
                 f"{str(self.folder)!r} holds the checkpoint of an unfinished run; pass {option('resume', True)} to "
                 f"continue it, or delete {str(self.folder)!r} to start over"
             )
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_folder(self.folder)
 
     # -- state ------------------------------------------------------------------------
     def _restore(self, state_path: Path) -> None:

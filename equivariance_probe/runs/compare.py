@@ -41,7 +41,7 @@ from typing import Any
 from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError, IntervalUnavailableError
 from ..maths.metrics import FORMS, SCALES
 from ..result import DIFFERENCE_STATISTICS, paired_differences
-from ..records.fileformat import write_text_atomically
+from ..records.fileformat import make_folder, write_text_atomically
 from .tables import csv_text, interval_bounds, markdown_table, row_cell, summary_value
 from ..sources.corpus import load_corpus
 from ..sources.models import load_config, load_model, load_tokenizer
@@ -183,7 +183,7 @@ class Comparison:
         """Write ``comparison.md``, ``comparison.csv``, ``comparison.json``, and each model's study
         (:meth:`Study.save`) under ``models/<model>/``; the figure is drawn by the display layer."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder)
         rows = self.rows()
         paths = {"csv": folder / "comparison.csv", "json": folder / "comparison.json",
                  "markdown": folder / "comparison.md"}

@@ -67,7 +67,7 @@ from ..sources.packing import PackedWindows, document_separator, pack_stream, sp
 from ..sources.resources import MemoryEstimate, ModelSize, check_fits, estimate_memory_of, model_size
 from ..statistics.masks import LAYER_GROUPS  # the groups in table order (ProbeResult.layer_groups)
 from .study import check_baselines, result_filename, variant_builders
-from ..records.fileformat import write_text_atomically
+from ..records.fileformat import make_folder, write_text_atomically
 from .tables import csv_text, interval_bounds, markdown_table, row_cell, summary_value
 
 __all__ = [
@@ -271,12 +271,12 @@ class ContextScan:
         (``T<length>/results.safetensors``, ``T<length>/baseline_<name>.safetensors``); the figure
         is drawn by the display layer (:func:`~equivariance_probe.display.scan.save_scan`)."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder)
         for length, variants in self.results.items():
             for variant, result in variants.items():
                 path = folder / length_folder(length) / result_filename(variant)
                 if not path.is_file():
-                    path.parent.mkdir(parents=True, exist_ok=True)
+                    make_folder(path.parent)
                     result.save(path)
         rows = self.rows()
         paths = {"csv": folder / "scan.csv", "json": folder / "scan.json", "markdown": folder / "scan.md"}
@@ -542,7 +542,7 @@ def scan_context_lengths(
                 scan={"identity": identity, "context_lengths": lengths, "n_tokens": n_tokens, "pack": pack},
             )
             if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                make_folder(path.parent)
                 result.save(path)
             results[length][variant] = result
         del probe

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..probe import EquivarianceProbe
-from ..records.fileformat import write_text_atomically
+from ..records.fileformat import make_folder, write_text_atomically
 from ..records.provenance import config_fingerprint, corpus_fingerprint, model_identity
 from ..records.result_file import RESULT_SUFFIX
 from ..records.sharding import Shard, shard_metadata
@@ -104,7 +104,7 @@ class Study:
         """Write ``results.safetensors`` (trained) and ``baseline_<name>.safetensors`` (result files,
         :meth:`ProbeResult.save`), plus ``summary.md``."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder)
         paths = {}
         for name, result in self.results.items():
             filename = result_filename(name)
