@@ -1,6 +1,6 @@
-"""Result files by format version: size, save time, load + summary time, full load time.
+"""Result files by format version: size, save time, load + summary time, full load time; the cost of verifying.
 
-    python benchmarks/result_files.py [--n-docs 8] [--context-length 1024] [--tiny] [--study-out DIR]
+    python benchmarks/result_files.py [--n-docs 8] [--context-length 1024] [--tiny] [--study-out DIR] [--verify-only]
 
 Runs the packaged Gemma 3 270M (``--tiny``: a tiny random Gemma 3, for a quick check of shapes)
 on ``--n-docs`` windows of ``--context-length`` tokens once, keeping the summed pattern, and
@@ -17,6 +17,13 @@ checksum verified). ``--study-out DIR`` also runs ``equivariance-probe run --n-d
 --context-length 512 --out DIR`` in this process and prints the size of every file it wrote,
 against the format-2 size of its three results.
 
+Then, for the default file, the cost of verifying it (every array against its digest, and all of
+them against the whole-file checksum, as ``ProbeResult.load(path).statistics`` does), measured side
+by side in rounds: the time to read the arrays alone (``safetensors.numpy.load_file``), the time to
+hash them (one sha256 per array, :func:`~equivariance_probe.records.container.tensor_digest`), and a
+full load; the ratios are medians of each round's own ratios. ``--verify-only`` runs only the
+default case (no summed pattern kept: a quicker run) and this measurement.
+
 Timings are one measurement each, on whatever machine runs this (the README says which).
 """
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -89,19 +97,49 @@ def measure(result: ProbeResult, path: Path, save) -> dict[str, float]:
     return {"bytes": path.stat().st_size, "save_s": saved, "load_summary_s": summarised, "full_load_s": loaded}
 
 
+def verify_cost(path: Path, rounds: int = 7) -> None:
+    """Print the time to hash a file's arrays against the time to read them, and a full (verified) load."""
+    from safetensors.numpy import load_file
+
+    from equivariance_probe.records.container import tensor_digest
+
+    times: dict[str, list[float]] = {"read": [], "hash": [], "load": []}
+    for _ in range(rounds):
+        start = time.perf_counter()
+        arrays = load_file(str(path))
+        times["read"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        digests = [tensor_digest(name, array) for name, array in arrays.items()]
+        times["hash"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        ProbeResult.load(path).statistics
+        times["load"].append(time.perf_counter() - start)
+        assert len(digests) == len(arrays)
+    size = sum(array.nbytes for array in arrays.values())
+    median = {name: statistics.median(values) for name, values in times.items()}
+    hash_over_read = statistics.median(h / r for h, r in zip(times["hash"], times["read"]))
+    hash_over_load = statistics.median(h / f for h, f in zip(times["hash"], times["load"]))
+    print(f"\nverifying the default file ({len(arrays)} arrays, {size / 1e6:.2f} MB of data), median of {rounds} rounds:")
+    print("| read the arrays | hash them (one sha256 each) | hash / read | full verified load | hash / full load |\n"
+          "|---|---|---|---|---|")
+    print(f"| {median['read'] * 1e3:.1f} ms | {median['hash'] * 1e3:.1f} ms | {hash_over_read:.2f} | "
+          f"{median['load'] * 1e3:.1f} ms | {hash_over_load:.2f} |")
+
+
 def build(args: argparse.Namespace) -> ProbeResult:
     if args.tiny:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from synthetic import tiny_gemma3
 
         tokens = torch.randint(3, 97, (args.n_docs, min(args.context_length, 128)), generator=torch.Generator().manual_seed(0))
-        return EquivarianceProbe(tiny_gemma3()).run(tokens, keep_pattern=True, progress=False)
+        return EquivarianceProbe(tiny_gemma3()).run(tokens, keep_pattern=not args.verify_only, progress=False)
     from equivariance_probe import load_corpus, load_model
 
     model, tokenizer = load_model("gemma-3-270m")
     docs = load_corpus(n_docs=args.n_docs, min_chars=20_000)  # long articles: every window is full
     probe = EquivarianceProbe(model, tokenizer=tokenizer)
-    return probe.run(docs, context_length=args.context_length, batch_size=4, keep_pattern=True, progress=False)
+    return probe.run(docs, context_length=args.context_length, batch_size=4, keep_pattern=not args.verify_only,
+                     progress=False)
 
 
 def study_sizes(folder: Path) -> None:
@@ -130,6 +168,8 @@ def main() -> None:
     parser.add_argument("--context-length", type=int, default=1024)
     parser.add_argument("--tiny", action="store_true", help="a tiny random Gemma 3 instead of Gemma 3 270M")
     parser.add_argument("--study-out", default=None, help="also run the small default study into this folder")
+    parser.add_argument("--verify-only", action="store_true",
+                        help="only the default file (no summed pattern kept) and the cost of verifying it")
     args = parser.parse_args()
     start = time.perf_counter()
     result = build(args)
@@ -137,6 +177,14 @@ def main() -> None:
           f"tokens ({result.n_tokens} tokens), {result.n_layers} layers × {result.n_heads} heads; probed in "
           f"{time.perf_counter() - start:.0f} s; torch threads {torch.get_num_threads()}")
     plain = without_pattern(result)
+    if args.verify_only:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "default.safetensors"
+            plain.summary()
+            numbers = measure(plain, path, lambda r, p: r.save(p))
+            print(f"default file: {numbers['bytes'] / 1e6:.2f} MB, saved in {numbers['save_s']:.2f} s")
+            verify_cost(path)
+        return
     ungrouped = without_pattern(result, groups=False)
     plain.summary(), ungrouped.summary(), result.summary()  # computed once here, so that saving times only the writing
     occupied = plain.interval_groups().get("occupied", 0)
@@ -168,6 +216,7 @@ def main() -> None:
               f"{time.perf_counter() - start:.2f} s, status {shown.returncode}")
         largest = sorted(sizes.items(), key=lambda item: -item[1])[:4]
         print("largest arrays of the default file: " + ", ".join(f"{name} {size / 1e6:.2f} MB" for name, size in largest))
+        verify_cost(default_file)
     if args.study_out:
         study_sizes(Path(args.study_out))
 

@@ -8,7 +8,9 @@ files it wrote.
 * ``run``        — the whole study on a model and corpus (default: Gemma 3 270M on the packaged
   Wikipedia articles, trained vs random init vs zero), writing results, figures and a summary.
 * ``merge``      — add result files of shards of one study into one.
-* ``show``       — the headline numbers of result files, read from their headers (no array is loaded).
+* ``show``       — the headline numbers of result files, read from their headers (no array is loaded;
+  ``--verify`` reads every array and checks it against its digest).
+* ``verify``     — read every array of result files and check it against the digest stored when it was written.
 * ``report``     — an offline HTML report from a results file (``--views``: with CircuitsVis
   views of the most and least position-bound heads, reloading the model the results name).
 * ``compare``    — the study on several models over the same windows, one table and figure.
@@ -21,23 +23,33 @@ Options shared by several commands are declared once (:func:`shared_options`) an
 them with :func:`add_shared_options`, so a flag has one spelling and one meaning everywhere; where a
 default differs, its help says why. Bad arguments exit with status 2 and a message that names the problem and the fix in this program's flags
 (:data:`FLAGS` tells :func:`~equivariance_probe.errors.option` how the API's arguments are spelt here).
+A command that writes into an output folder holds that folder's lock while it runs
+(:func:`~equivariance_probe.runs.checkpoint.lock_output_folder`); SIGTERM stops a run before its next
+batch and exits with status 143 (128 + 15, what a shell reports for a process the signal ended).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import sys
+import threading
 from collections.abc import Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
-from .errors import EquivarianceProbeError, InputError, ModelNotFoundError, command_line_options
-from .records.fileformat import jsonable
+from .errors import EquivarianceProbeError, FileWriteError, InputError, ModelNotFoundError, StopRequested, command_line_options
+from .records.fileformat import jsonable, write_text_atomically
 
 __all__ = ["main", "build_parser", "shared_options", "add_shared_options", "HelpFormatter", "FLAGS"]
+
+#: While a command runs (:func:`main`): the output folders' locks it holds, released when it ends.
+_HELD: ContextVar[contextlib.ExitStack | None] = ContextVar("equivariance_probe_held_locks", default=None)
 
 #: API argument -> the flag that sets it here, so that error messages name the flag.
 FLAGS = {
@@ -306,6 +318,15 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("results", nargs="+", help="result files (any format version), one column each")
     add_shared_options(show, "json", differ={"json": ({"help": "print the stored summaries as JSON instead of a table"},
                                                       "the whole stored summary and metadata of each file")})
+    show.add_argument("--verify", action="store_true",
+                      help="also read every array and check it against the digest stored when the file was written "
+                           "(a few MB hashed per default result file; see 'verify')")
+
+    verify = command("verify", "read every array of result files and check it against its digest",
+                     "Reads each file whole and refuses one whose data does not match the digest stored when it was "
+                     "written, naming the file and the array.")
+    verify.set_defaults(handler=_verify)
+    verify.add_argument("results", nargs="+", help="result files (any format version)")
 
     report = command("report", "write an offline HTML report from a results file",
                      "With --views, CircuitsVis views of the most and least position-bound heads, reloading the "
@@ -407,6 +428,9 @@ def _check_corpus(corpus: str | None) -> None:
 
 
 def _check_writable(folder: Path) -> None:
+    """Refuse an output folder that cannot be written, then hold its lock until the command ends."""
+    from .runs.checkpoint import lock_output_folder
+
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe_file = folder / ".write_test"
@@ -416,6 +440,21 @@ def _check_writable(folder: Path) -> None:
         raise InputError(
             f"cannot write to the output folder {str(folder)!r} ({error.strerror or error}); choose a writable --out"
         ) from None
+    held = _HELD.get()
+    if held is not None:
+        held.enter_context(lock_output_folder(folder))
+
+
+def _checkpoint_note(args: argparse.Namespace) -> str:
+    """How to continue a ``run`` that stopped: from its checkpoint with ``--resume`` where it has one."""
+    from .runs.checkpoint import has_checkpoint
+
+    folder = getattr(args, "checkpoint_folder", None)
+    if folder is not None and has_checkpoint(folder):
+        return f"the checkpoint in {folder} is intact: run the same command with --resume to continue from it"
+    if args.command == "run":
+        return "no checkpoint was written yet: run the same command again"
+    return "run the same command again"
 
 
 def _finished(path: Path) -> bool:
@@ -491,6 +530,7 @@ def _run(args: argparse.Namespace) -> int:
         shard = Shard.from_environment() if args.shard.strip() == "auto" else Shard.parse(args.shard)
         out = out / f"shard-{shard.index}-of-{shard.count}"
     _check_writable(out)
+    args.checkpoint_folder = out / CHECKPOINT_FOLDER  # for the note of a run that stops (see main)
     if args.resume and not has_checkpoint(out / CHECKPOINT_FOLDER) and _finished(out / "results.safetensors"):
         # Killed after its results were written, while its checkpoint was being cleared: nothing is left to run.
         clear_checkpoint(out / CHECKPOINT_FOLDER)
@@ -564,11 +604,16 @@ def _show(args: argparse.Namespace) -> int:
     from .runs.tables import summary_table
 
     results = {str(path): ProbeResult.load(path) for path in args.results}
+    if args.verify:
+        for result in results.values():
+            result.verify()  # every array read and checked against its digest before anything is printed
     if args.json:
         print(json.dumps(jsonable({path: {"model": result.model_name, "variant": result.metadata.get("label"),
-                                          "complete": result.complete, "metadata": result.metadata,
+                                          "complete": result.complete, "integrity": result.integrity,
+                                          "arrays_verified": args.verify, "metadata": result.metadata,
                                           "summary": result.summary()}
                                    for path, result in results.items()}), indent=1))
+        print(_verification_note(results, args.verify), file=sys.stderr)
         return 0
     # The study's order, whatever the shell's glob gave: the trained model first, then its baselines.
     def study_order(item: tuple[int, tuple[str, ProbeResult]]) -> tuple[int, int]:
@@ -592,7 +637,39 @@ def _show(args: argparse.Namespace) -> int:
     print("\nQuery-position R² over every visible entry (log scale: y = log max(a, eps)), with 95 % intervals over "
           "windows where the file has them\n")
     print(summary_table(columns, extended=True))
+    print("\n" + _verification_note(results, args.verify))
     return 0
+
+
+def _verification_note(results: dict[str, Any], verified: bool) -> str:
+    """What ``show`` read of the files: their headers alone, or every array checked too."""
+    older = [path for path, result in results.items() if result.integrity != "digests"]
+    note = ("every array was read and matches its digest" if verified else
+            "read from the headers alone: the arrays were not read or checked (--verify, or the 'verify' command, "
+            "checks every array against its digest)")
+    if older:
+        note += (f"; unverified array by array: {', '.join(older)} "
+                 f"{'was' if len(older) == 1 else 'were'} written before per-array digests"
+                 + (" (a whole-file checksum, where the format has one, was checked instead)" if verified else ""))
+    return note
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .result import ProbeResult
+
+    failed = 0
+    for path in args.results:
+        try:
+            integrity = ProbeResult.load(path).verify()
+        except EquivarianceProbeError as error:
+            print(f"equivariance-probe verify: error: {error}", file=sys.stderr)
+            failed += 1
+            continue
+        print({"digests": f"{path}: every array matches its digest",
+               "checksum": f"{path}: unverified array by array (written before per-array digests); its arrays match "
+                           "its whole-file checksum",
+               "unverified": f"{path}: unverified (format 1 holds no checksum to check against)"}[integrity])
+    return 2 if failed else 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -623,7 +700,7 @@ def _report(args: argparse.Namespace) -> int:
     candidates = [Path(args.results).with_name(name) for name in ("positional.safetensors", "positional.json")]
     positional = next((path for path in candidates if path.is_file()), None)
     extra = [positional_report_section(PositionalStudy.load(positional))] if positional is not None else []
-    output.write_text(render_report(result, baselines=baselines, views=views, extra_sections=extra), encoding="utf-8")
+    write_text_atomically(output, render_report(result, baselines=baselines, views=views, extra_sections=extra))
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB)")
     return 0
 
@@ -685,7 +762,7 @@ def _positional_into(out: Path, args: argparse.Namespace, *, model_name: str, an
     wrote = [study.save(out / "positional.safetensors")]
     wrote += save_figures(positional_figures(study), out, prefix="positional_")
     page = out / "positional.html"
-    page.write_text(render_positional_page(study), encoding="utf-8")
+    write_text_atomically(page, render_positional_page(study))
     return {"study": study, "wrote": wrote + [page]}
 
 
@@ -714,16 +791,27 @@ def _positional(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    """Entry point; returns the exit status (0 ok, 2 bad input or a file that cannot be written,
+    130 interrupted, 143 stopped by SIGTERM)."""
     args = build_parser().parse_args(argv)
     try:
-        with command_line_options(FLAGS):
-            status = args.handler(args)
+        with command_line_options(FLAGS), _stop_on_sigterm(), contextlib.ExitStack() as held:
+            token = _HELD.set(held)
+            try:
+                status = args.handler(args)
+            finally:
+                _HELD.reset(token)
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at the interpreter's exit
         return status
     except EquivarianceProbeError as error:
+        if isinstance(error, FileWriteError) and args.command == "run":  # the checkpoint is intact: say how to go on
+            error = f"{error}; {_checkpoint_note(args)}"
         print(f"equivariance-probe {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except StopRequested:
+        print(f"equivariance-probe {args.command}: stopped by SIGTERM before the next batch; {_checkpoint_note(args)}",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -733,6 +821,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm():
+    """While the command runs, SIGTERM (what Slurm and Kubernetes send before SIGKILL) asks every run
+    to stop before its next batch (:data:`~equivariance_probe.probe.STOP_REQUESTED`), so that what the
+    checkpoint holds is kept and the stop says how to resume; a second SIGTERM ends the process at once."""
+    from .probe import STOP_REQUESTED
+
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+
+    def request_stop(signum: int, frame: Any) -> None:
+        STOP_REQUESTED.set()
+        signal.signal(signum, signal.SIG_DFL)
+
+    previous = signal.signal(signal.SIGTERM, request_stop)
+    try:
+        yield
+    finally:
+        # None: the previous handler was not set from Python; the default is what Python starts with.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        STOP_REQUESTED.clear()
 
 
 if __name__ == "__main__":  # pragma: no cover

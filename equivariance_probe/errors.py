@@ -48,6 +48,8 @@ __all__ = [
     "ResultFileError",
     "FileWriteError",
     "CheckpointError",
+    # not an error: a stop asked for from outside
+    "StopRequested",
     "check_choice",
     "is_integer",
     "check_integer",
@@ -164,7 +166,15 @@ class FileWriteError(EquivarianceProbeError, OSError):
 
 class CheckpointError(EquivarianceProbeError, ValueError):
     """A study checkpoint cannot be used: made by another model, corpus or configuration,
-    unreadable, or present where a fresh run would overwrite it."""
+    unreadable, or present where a fresh run would overwrite it; or its output folder is held by
+    another run (the message names that run's process)."""
+
+
+class StopRequested(KeyboardInterrupt):
+    """A run stopped at a batch boundary because a stop was asked for from outside (the command line
+    asks on SIGTERM, which Slurm and Kubernetes send before SIGKILL). Not an error of the input: like
+    Ctrl-C it derives from ``KeyboardInterrupt``, so whatever keeps a run's complete batches on an
+    interrupt (``partial_result``, the checkpoint) does so here too."""
 
 
 def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:

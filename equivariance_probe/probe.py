@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from .adapters import Adapter, get_adapter
-from .errors import ContextLengthError, EmptyCorpusError, InputError, check_integer, is_integer
+from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError, StopRequested, check_integer, is_integer
 from .records.provenance import library_versions, model_identity, model_revision, window_fingerprints
 from .result import ProbeResult
 from .sources.devices import resolve_device
@@ -41,7 +42,18 @@ from .statistics import AttentionStatistics
 from .statistics.groups import DEFAULT_INTERVAL_GROUPS, as_keys
 from .statistics.masks import KEY_BINS
 
-__all__ = ["EquivarianceProbe", "MeasurementOptions", "DEFAULT_CONTEXT_LENGTH", "progress_bar"]
+__all__ = ["EquivarianceProbe", "MeasurementOptions", "DEFAULT_CONTEXT_LENGTH", "progress_bar", "STOP_REQUESTED"]
+
+#: Set from outside (the command line sets it on SIGTERM) to stop every run before its next batch:
+#: the run raises :class:`~equivariance_probe.errors.StopRequested`, its complete batches kept as
+#: the exception's ``partial_result``. A batch is never cut half-way, and a scheduler's grace period
+#: (30 s by default in Slurm and Kubernetes) is spent finishing one batch, not a checkpoint's chunk.
+STOP_REQUESTED = threading.Event()
+
+
+def _stop_if_requested() -> None:
+    if STOP_REQUESTED.is_set():
+        raise StopRequested("a stop was requested (SIGTERM): stopped before the next batch")
 
 #: Context length for strings when none is given (the study's), capped at the model's maximum.
 DEFAULT_CONTEXT_LENGTH = 1024
@@ -360,12 +372,14 @@ class EquivarianceProbe:
                 if max_windows is not None and statistics.n_windows + len(batch) >= max_windows:
                     break
                 if len(batch) == batch_size:
+                    _stop_if_requested()
                     self._run_batch(batch, statistics, None if keys is None else keys[batch_keys])
                     batch, batch_keys = [], []
             else:
                 if keys is not None and read != len(keys):
                     raise InputError(f"resampling_keys has {len(keys)} keys for {read} windows; give one key per window")
             if batch:
+                _stop_if_requested()
                 self._run_batch(batch, statistics, None if keys is None else keys[batch_keys])
         except BaseException as error:
             # Whatever stopped the run (the package's own error, an interrupt, an OSError from a

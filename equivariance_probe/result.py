@@ -8,8 +8,9 @@ versions). Every number is computed on demand from the sums by
 without the model (:mod:`~equivariance_probe.records.result_file` holds the file format).
 
 A loaded result is lazy: :meth:`ProbeResult.load` reads the file's header (metadata and the
-headline numbers of :meth:`ProbeResult.summary`), and the sums load, checksum verified, the
-first time a number needs them.
+headline numbers of :meth:`ProbeResult.summary`), and the sums load, each array checked against
+the digest stored when it was written, the first time a number needs them (every merge, and
+:meth:`ProbeResult.verify`).
 
 Intervals over windows: the statistics keep per-group sums of the windows
 (:mod:`~equivariance_probe.statistics.groups`), every number with an interval
@@ -180,6 +181,23 @@ class ProbeResult:
     def complete(self) -> bool:
         """False for the partial result of a run that stopped (``metadata["complete"]``)."""
         return bool(self.metadata.get("complete", True))
+
+    @property
+    def integrity(self) -> str | None:
+        """How a loaded result's arrays are checked when read (``None`` for a result not loaded from a file):
+        ``"digests"`` (each array against its own sha256, stored when the file was written),
+        ``"checksum"`` (a file written before per-array digests: one checksum over all arrays, so a
+        mismatch names no array) or ``"unverified"`` (format 1: nothing to check against)."""
+        return None if self._file is None else self._file.integrity
+
+    def verify(self) -> str | None:
+        """Read a loaded result's arrays now and check them (see :attr:`integrity`, which it returns).
+
+        Raises:
+            ResultFileError: an array does not match its digest (the message names the file and the array).
+        """
+        self.statistics
+        return self.integrity
 
     def _require_data(self) -> dict[str, np.ndarray]:
         if self.statistics.n_windows == 0:

@@ -171,7 +171,7 @@ def test_the_file_round_trips_every_array_bitwise_in_the_result_format_family(gp
 
     edited_result_file(path, tmp_path / "edited.safetensors", lambda h: None,
                        tensors_edit=lambda t: t["parts/correlation"].__setitem__((0, 1, 1), 0.5))
-    with pytest.raises(ResultFileError, match="checksum does not match the arrays"):
+    with pytest.raises(ResultFileError, match="array .parts/correlation. does not match its digest"):
         PositionalStudy.load(tmp_path / "edited.safetensors")
 
 

@@ -145,7 +145,7 @@ def test_the_header_is_checked_field_by_field_before_anything_is_read(result, tm
                               tensors_edit=lambda t: t["raw_sum"].__setitem__((0, 0, 3), 0.5))
     loaded = ProbeResult.load(path)
     assert loaded.summary()["n_windows"] == 5
-    with pytest.raises(ResultFileError, match="checksum does not match the arrays"):
+    with pytest.raises(ResultFileError, match="array .raw_sum. does not match its digest"):
         loaded.statistics
 
 

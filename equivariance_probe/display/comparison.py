@@ -18,6 +18,7 @@ import numpy as np
 from .figures import figure_title, log_log_axes, pyplot, save_figures
 from .report import figures_html, html_page, render_report
 
+from ..records.fileformat import write_text_atomically
 from ..runs.compare import model_folder
 
 if TYPE_CHECKING:
@@ -100,9 +101,9 @@ def save_comparison(comparison: Comparison, folder: str | os.PathLike) -> dict[s
     reports = {}
     for label, study in comparison.studies.items():
         report = folder / "models" / model_folder(label) / "report.html"
-        report.write_text(render_report(study.trained, baselines=study.baselines()), encoding="utf-8")
+        write_text_atomically(report, render_report(study.trained, baselines=study.baselines()))
         paths[f"report {label}"] = report
         reports[label] = str(report.relative_to(folder))
     paths["html"] = folder / "comparison.html"
-    paths["html"].write_text(comparison_page(comparison, reports), encoding="utf-8")
+    write_text_atomically(paths["html"], comparison_page(comparison, reports))
     return paths

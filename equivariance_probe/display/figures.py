@@ -14,6 +14,7 @@ matplotlib is imported when a figure is drawn, never at package import.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Mapping
 import textwrap
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from ..records.fileformat import make_folder, write_bytes_atomically
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
@@ -237,14 +240,19 @@ def variant_columns(result: ProbeResult, baselines: Mapping[str, ProbeResult] | 
 
 
 def save_figures(figures: dict[str, Any], folder: str | os.PathLike, prefix: str = "") -> list[Path]:
-    """Write figures as PNG files ``{folder}/{prefix}{name}.png`` and close them."""
+    """Write figures as PNG files ``{folder}/{prefix}{name}.png`` and close them.
+
+    Each is drawn in memory and written atomically, so a full disk is a
+    :class:`~equivariance_probe.errors.FileWriteError` saying how many bytes the figure needed.
+    """
     plt = pyplot()
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    make_folder(folder)
     paths = []
     for name, figure in figures.items():
         path = folder / f"{prefix}{name}.png"
-        figure.savefig(path, dpi=120)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=120)
         plt.close(figure)
-        paths.append(path)
+        paths.append(write_bytes_atomically(path, buffer.getvalue()))
     return paths

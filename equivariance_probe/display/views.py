@@ -40,6 +40,7 @@ import torch
 from ..analyses.heads import HeadRanking
 from ..errors import InputError, ModelNotFoundError, check_integer, is_integer, option
 from ..probe import EquivarianceProbe
+from ..records.fileformat import write_text_atomically
 from ..result import ProbeResult
 from ..sources.corpus import load_corpus
 from ..sources.models import load_model
@@ -258,12 +259,11 @@ class HeadViews:
     def save(self, path: str | Path, decimals: Any = ...) -> Path:
         """Write a standalone, offline HTML page with the views."""
         path = Path(path)
-        path.write_text(
+        return write_text_atomically(
+            path,
             f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>head views</title></head>'
             f"<body>{self.to_html(decimals)}</body></html>",
-            encoding="utf-8",
         )
-        return path
 
     def __repr__(self) -> str:
         return (

@@ -7,9 +7,14 @@ here. Each is one `safetensors <https://huggingface.co/docs/safetensors>`_ file:
 * **tensors** — name → array (float64 sums, uint64 window fingerprints, ...), the raw
   little-endian bytes, readable with ``safetensors.numpy.load_file(path)`` or ``safe_open``;
 * **header** — the safetensors ``__metadata__`` holds one entry, ``"equivariance_probe"``, a JSON
-  object with at least ``kind``, ``format_version`` and ``header_checksum`` (the sha256 of that
-  object without this field, as JSON with sorted keys and no spaces), so that an edited header
-  is refused when the file is opened.
+  object with at least ``kind``, ``format_version``, ``digests`` and ``header_checksum`` (the
+  sha256 of that object without this field, as JSON with sorted keys and no spaces), so that an
+  edited header is refused when the file is opened. ``digests`` maps every tensor's name to its
+  own ``"sha256:<hex>"`` (:func:`tensor_digest`), computed from the arrays in memory as they are
+  written; :func:`read_tensors` checks each array it reads against it, so a byte changed on disk
+  or in a copy is refused naming the file and the array. safetensors itself checks only the
+  header's structure and the tensors' offsets, never the data. Files written before digests have
+  none and read as before (their kind's own whole-file checksum, where it has one, is checked).
 
 Why safetensors rather than ``.npz`` + JSON: one file, a header that is read without touching
 the arrays (``safe_open(path).metadata()``, so summaries cost milliseconds whatever the size),
@@ -27,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +51,7 @@ __all__ = [
     "read_container",
     "read_tensors",
     "tensor_checksum",
+    "tensor_digest",
     "header_checksum",
 ]
 
@@ -102,10 +109,23 @@ def tensor_checksum(tensors: Mapping[str, np.ndarray], counts: Iterable[Any] = (
     for count in counts:
         digest.update(f"{count}|".encode())
     for name in sorted(tensors):
-        array = _little_endian(tensors[name])
-        digest.update(f"{name}|{array.dtype.name}|{tuple(array.shape)}|".encode())
-        digest.update(memoryview(array).cast("B"))
+        _hash_tensor(digest, name, tensors[name])
     return "sha256:" + digest.hexdigest()
+
+
+def tensor_digest(name: str, array: np.ndarray) -> str:
+    """``"sha256:<hex>"`` of one tensor: the bytes ``name|dtype|shape|`` (as :func:`tensor_checksum`
+    spells them) followed by the tensor's raw little-endian bytes, so that a changed shape or dtype
+    changes the digest as a changed byte does."""
+    return "sha256:" + _hash_tensor(hashlib.sha256(), name, array).hexdigest()
+
+
+def _hash_tensor(digest: Any, name: str, array: np.ndarray) -> Any:
+    """``digest`` updated with ``name|dtype|shape|`` and the array's bytes, hashed in place (no copy)."""
+    array = _little_endian(array)
+    digest.update(f"{name}|{array.dtype.name}|{tuple(array.shape)}|".encode())
+    digest.update(memoryview(array).cast("B"))
+    return digest
 
 
 def _little_endian(array: np.ndarray) -> np.ndarray:
@@ -114,7 +134,7 @@ def _little_endian(array: np.ndarray) -> np.ndarray:
 
 
 def write_container(path: str | os.PathLike, tensors: Mapping[str, np.ndarray], header: Mapping[str, Any]) -> Path:
-    """Write ``tensors`` and the JSON ``header`` (with its ``header_checksum`` added) atomically.
+    """Write ``tensors`` and the JSON ``header`` (with ``digests`` and ``header_checksum`` added) atomically.
 
     ``header`` must be JSON; NaN and infinities are written as Python's ``json`` writes them
     (``NaN``, ``Infinity``), which ``json.loads`` reads back. Result files have none
@@ -122,20 +142,40 @@ def write_container(path: str | os.PathLike, tensors: Mapping[str, np.ndarray], 
     """
     from safetensors.numpy import save_file
 
+    arrays = {name: _little_endian(value) for name, value in tensors.items()}
     header = dict(header)
+    header["digests"] = {name: tensor_digest(name, array) for name, array in sorted(arrays.items())}
     header["header_checksum"] = header_checksum(header)
     text = json.dumps(header)
-    arrays = {name: _little_endian(value) for name, value in tensors.items()}
+    # The file's size as safetensors lays it out (8-byte length, header of about 100 bytes a
+    # tensor, data), for the message of a full disk.
+    size = 8 + len(text) + 100 * len(arrays) + sum(array.nbytes for array in arrays.values())
 
     def write(temporary: Path) -> None:
         # safetensors makes its files readable by their owner only; a result file gets the
         # permissions of any file the user writes (the umask's), read from a file created here first.
         open(temporary, "wb").close()
         mode = os.stat(temporary).st_mode & 0o777
-        save_file(arrays, str(temporary), metadata={HEADER_KEY: text})
+        try:
+            save_file(arrays, str(temporary), metadata={HEADER_KEY: text})
+        except OSError:
+            raise
+        except Exception as error:  # noqa: BLE001 - safetensors' own error type wraps the OSError of a failed write
+            raise _os_error_of(error, temporary) from error
         os.chmod(temporary, mode)
 
-    return write_atomically(path, write)
+    return write_atomically(path, write, size=size)
+
+
+def _os_error_of(error: Exception, path: Path) -> Exception:
+    """The ``OSError`` inside a safetensors ``SafetensorError`` ("I/O error: No space left on device
+    (os error 28)", Rust's ``io::Error`` as it prints itself), so that a full disk reads as one;
+    ``error`` itself when it holds none."""
+    match = re.search(r"\(os error (\d+)\)", str(error))
+    if match is None:
+        return error
+    number = int(match.group(1))
+    return OSError(number, os.strerror(number), str(path))
 
 
 @dataclass(frozen=True)
@@ -151,6 +191,11 @@ class Container:
     path: Path
     header: dict[str, Any]
     tensors: dict[str, tuple[str, tuple[int, ...]]]
+
+    @property
+    def digests(self) -> dict[str, str] | None:
+        """name → ``"sha256:<hex>"`` of every tensor, or ``None`` for a file written before digests."""
+        return self.header.get("digests")
 
 
 def read_container(path: str | os.PathLike, kind: str) -> Container:
@@ -198,19 +243,35 @@ def read_container(path: str | os.PathLike, kind: str) -> Container:
         raise ResultFileError(
             f"{path}: the header checksum does not match its header (the header was edited or corrupted after saving)"
         )
+    digests = header.get("digests")
+    if digests is not None and not (isinstance(digests, dict) and all(isinstance(value, str) for value in digests.values())):
+        raise ResultFileError(f"{path}: its 'digests' must map array names to 'sha256:<hex>'; the file was edited")
     return Container(path, header, tensors)
 
 
-def read_tensors(path: str | os.PathLike, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
-    """The tensors ``names`` (default: all) of a file of the family, as numpy arrays (read once, writable).
+def read_tensors(container: Container, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:
+    """The tensors ``names`` (default: all) of an opened file, as numpy arrays (read once, writable),
+    each checked against its digest where the file has digests.
 
     Raises:
-        ResultFileError: the file cannot be read as safetensors (changed since it was opened?).
+        ResultFileError: the file cannot be read as safetensors (changed since it was opened?), or
+            an array does not match its digest (naming the file and every such array).
     """
     from safetensors import safe_open
 
+    path = container.path
     try:
         with safe_open(str(path), framework="np") as handle:
-            return {name: handle.get_tensor(name) for name in (handle.keys() if names is None else names)}
+            tensors = {name: handle.get_tensor(name) for name in (handle.keys() if names is None else names)}
     except Exception as error:  # noqa: BLE001 - safetensors raises its own error type (and OSError) on bad files
         raise ResultFileError(f"cannot read the arrays of {path} ({error}); was it changed or truncated?") from None
+    digests = container.digests
+    if digests is not None:
+        changed = [name for name, array in tensors.items() if tensor_digest(name, array) != digests.get(name)]
+        if changed:
+            raise ResultFileError(
+                f"{path}: the array{'s' if len(changed) > 1 else ''} {', '.join(map(repr, changed))} "
+                f"{'do' if len(changed) > 1 else 'does'} not match {'their digests' if len(changed) > 1 else 'its digest'} "
+                "(the bytes changed after saving: a fault on disk, in memory or in a copy); use an intact copy"
+            )
+    return tensors

@@ -29,10 +29,13 @@ checks every field the loader reads before it reads it, so a malformed file gets
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
 import hashlib
 import json
 import math
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,9 @@ __all__ = [
     "read_json_result",
     "write_atomically",
     "write_json_atomically",
+    "write_text_atomically",
+    "write_bytes_atomically",
+    "make_folder",
     "encode_array",
     "decode_array",
     "jsonable",
@@ -79,16 +85,22 @@ _CONFIG_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+def write_atomically(path: str | os.PathLike, write: Callable[[Path], None], *, size: int | None = None) -> Path:
     """Write ``path`` through ``write(temporary)``, flush the temporary file to disk, then rename it over ``path``.
 
     A crash or SIGKILL at any moment leaves either the previous file or the new one, never a
     truncated or renamed-but-empty file (a kill may leave ``<name>.tmp`` beside it). An error in
     ``write`` or in the rename removes the temporary file and leaves ``path`` as it was.
 
+    Args:
+        path: the file.
+        write: writes the whole file to the path it is given.
+        size: the file's size in bytes where it is known beforehand, for the message of a full disk.
+
     Raises:
         FileWriteError: the folder does not exist or is not writable, ``path`` is a folder, or the
-            file system refused the write (the original ``OSError`` is its cause).
+            file system refused the write (a full disk says how much space the file needed and how
+            much is free; the original ``OSError`` is its cause).
     """
     path = Path(path)
     # Refused before anything is written, in the words of the OSError the write would raise.
@@ -106,15 +118,49 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None]) -> 
             os.close(descriptor)
         os.replace(temporary, path)
     except BaseException as error:
+        if size is None:  # at least what was written before the failure
+            with contextlib.suppress(OSError):
+                size = temporary.stat().st_size
         temporary.unlink(missing_ok=True)
         if isinstance(error, OSError) and not isinstance(error, EquivarianceProbeError):
-            raise FileWriteError(_write_failure(path, error)) from error
+            raise FileWriteError(_write_failure(path, error, size=size)) from error
         raise
     return path
 
 
-def _write_failure(path: Path, error: OSError) -> str:
-    """What went wrong writing ``path`` and how to fix it."""
+def make_folder(folder: str | os.PathLike) -> Path:
+    """Create ``folder`` and its parents where missing (a folder that results and checkpoints go into).
+
+    Raises:
+        FileWriteError: the file system refused (not writable, a file in the way, a full disk).
+    """
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise FileWriteError(f"cannot create the folder {str(folder)!r}: {type(error).__name__}: "
+                             f"{error.strerror or error}; check the disk has space and its parent is writable") from error
+    return folder
+
+
+def write_bytes_atomically(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` through :func:`write_atomically` (a figure, a report)."""
+    return write_atomically(path, lambda temporary: temporary.write_bytes(data), size=len(data))
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` as UTF-8 through :func:`write_atomically`."""
+    return write_bytes_atomically(path, text.encode("utf-8"))
+
+
+def write_json_atomically(path: str | os.PathLike, data: Any) -> Path:
+    """Write ``data`` as JSON through :func:`write_atomically`."""
+    return write_text_atomically(path, json.dumps(data))
+
+
+def _write_failure(path: Path, error: OSError, *, size: int | None = None) -> str:
+    """What went wrong writing ``path`` and how to fix it (``size``: the bytes the file needs, or at
+    least needed, for the message of a full disk)."""
     if isinstance(error, PermissionError):
         return (f"cannot write {str(path)!r}: the folder {str(path.parent)!r} is not writable by this user "
                 f"({error.strerror}); write into a folder you can write to, or change its permissions")
@@ -124,18 +170,21 @@ def _write_failure(path: Path, error: OSError) -> str:
     if isinstance(error, FileNotFoundError):
         return (f"cannot write {str(path)!r}: the folder {str(path.parent)!r} does not exist; create it first "
                 "(mkdir -p) or write into an existing folder")
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f"{_megabytes(shutil.disk_usage(path.parent).free)} are free there"
+        except OSError:
+            free = "the free space is unknown"
+        needed = "" if size is None else f"; the file needs {_megabytes(size)}"
+        what = "no space left on the device" if error.errno == errno.ENOSPC else "the disk quota is exceeded"
+        return (f"cannot write {str(path)!r}: {what} ({error.strerror}){needed} and {free}; free that much space "
+                "(or write to another disk), then run again")
     return (f"cannot write {str(path)!r}: {type(error).__name__}: {error.strerror or error}; check the disk has "
             "space and the folder is writable, then save again")
 
 
-def write_json_atomically(path: str | os.PathLike, data: Any) -> Path:
-    """Write ``data`` as JSON through :func:`write_atomically`."""
-
-    def write(temporary: Path) -> None:
-        with open(temporary, "w", encoding="utf-8") as handle:
-            json.dump(data, handle)
-
-    return write_atomically(path, write)
+def _megabytes(size: int) -> str:
+    return f"{size / 1e6:.2f} MB ({size} bytes)"
 
 
 def checksum(statistics: dict[str, Any]) -> str:

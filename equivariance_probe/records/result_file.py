@@ -19,14 +19,18 @@ One file per result (:mod:`~equivariance_probe.records.container`):
   every tensor with the counts ``n_windows``, ``n_tokens`` first), ``statistics`` (``config``,
   ``n_windows``, ``n_tokens``, ``sample_size``, and with interval groups ``groups``:
   ``occupied``, ``keys``, ``unavailable``), ``metadata`` (the run's), ``summary`` (the
-  headline numbers, :meth:`~equivariance_probe.result.ProbeResult.summary`) and
-  ``header_checksum``.
+  headline numbers, :meth:`~equivariance_probe.result.ProbeResult.summary`), ``digests`` (one per
+  tensor) and ``header_checksum``.
 
 When things are checked: :func:`open_result_file` reads the header alone and checks it (kind,
 version, header checksum, every field, and the name, dtype and shape of every tensor against
 the statistics' configuration) before anything else is read; :meth:`ResultFile.statistics`
-reads the tensors on first use and verifies ``checksum`` then. A summary therefore costs one
-header read, and a file whose numbers were changed is refused as soon as they are used.
+reads the tensors on first use and checks each against its digest then (the header's
+``digests``, :mod:`~equivariance_probe.records.container`), and all of them with the counts
+against ``checksum`` (which also ties the header's counts to the arrays; files written before
+digests have this check alone). A summary
+therefore costs one header read, and a file whose numbers were changed is refused, naming the
+array, as soon as they are used.
 
 Versions 1 and 2 (JSON, :mod:`~equivariance_probe.records.fileformat`) are read by the same
 :func:`open_result_file`, which tells the formats apart by their first bytes. Version-3 files
@@ -144,16 +148,30 @@ class ResultFile:
     _container: Container | None = None
     _statistics: AttentionStatistics | None = None
 
+    @property
+    def integrity(self) -> str:
+        """How the file's arrays are checked when they are read: ``"digests"`` (every array against
+        its own digest, so a mismatch names the array), ``"checksum"`` (files written before
+        digests, formats 2 and 3: one checksum over every array, which cannot say which changed)
+        or ``"unverified"`` (format 1: nothing to check against)."""
+        if self._container is not None:
+            return "checksum" if self._container.digests is None else "digests"
+        return "checksum" if self.format_version >= 2 else "unverified"
+
     def statistics(self) -> AttentionStatistics:
-        """The sums, read from the file (format 3: now, checksum verified; formats 1-2: already read).
+        """The sums, read from the file (format 3: now, each array checked against its digest, or
+        files written before digests against their checksum; formats 1-2: already read and checked).
 
         Raises:
-            ResultFileError: the arrays do not match the checksum (changed after saving).
+            ResultFileError: an array does not match its digest (naming it), or the arrays do not
+                match the checksum (changed after saving).
         """
         if self._statistics is not None:
             return self._statistics
         assert self._container is not None
-        tensors = read_tensors(self.path, self._container.tensors)
+        tensors = read_tensors(self._container, self._container.tensors)  # each array checked against its digest
+        # The checksum also covers the counts, which are in the header alone: a header edited and
+        # re-signed (its header checksum recomputed) still fails here.
         if tensor_checksum(tensors, (self.n_windows, self.n_tokens)) != self._container.header["checksum"]:
             raise ResultFileError(
                 f"{self.path}: the checksum does not match the arrays (the numbers were changed or corrupted after "

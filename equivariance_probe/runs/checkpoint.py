@@ -37,7 +37,8 @@ import datetime
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+import socket
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,19 +46,21 @@ import numpy as np
 
 from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, check_integer, option
 from ..probe import MeasurementOptions, progress_bar
-from ..records.fileformat import write_json_atomically
+from ..records.fileformat import make_folder, write_json_atomically
 from ..records.provenance import config_fingerprint
 from ..records.result_file import RESULT_SUFFIX
 from ..result import ProbeResult
 
-__all__ = ["CheckpointedRun", "chunk_seed", "clear_checkpoint", "has_checkpoint", "CHECKPOINT_FOLDER",
-           "DEFAULT_CHECKPOINT_EVERY"]
+__all__ = ["CheckpointedRun", "chunk_seed", "clear_checkpoint", "has_checkpoint", "lock_output_folder", "CHECKPOINT_FOLDER",
+           "DEFAULT_CHECKPOINT_EVERY", "LOCK_FILE"]
 
 CHECKPOINT_FOLDER = "checkpoint"
 DEFAULT_CHECKPOINT_EVERY = 50
 _KIND = "equivariance_probe.StudyCheckpoint"
 _VERSION = 1
 _STATE = "state.json"
+#: The lock file of an output folder (:func:`lock_output_folder`).
+LOCK_FILE = ".equivariance-probe.lock"
 
 
 def chunk_seed(seed: int, *parts: int) -> int:
@@ -99,6 +102,55 @@ def clear_checkpoint(folder: str | os.PathLike) -> None:
         path.unlink(missing_ok=True)
     with contextlib.suppress(OSError):
         folder.rmdir()
+
+
+@contextlib.contextmanager
+def lock_output_folder(folder: str | os.PathLike) -> Iterator[Path]:
+    """Hold the advisory lock of an output folder for the life of a run: one writer per folder.
+
+    ``fcntl.flock`` on ``<folder>/.equivariance-probe.lock``, which holds the holder's process id
+    and host name. The kernel releases the lock when its holder exits, however it exits (SIGKILL
+    included), so a lock file left by a dead process is no obstacle. The file is removed on release
+    while still locked; a process that opened it just before re-checks after locking that the path
+    still names the file it locked, and starts again otherwise, so two runs never hold two files.
+    Without ``fcntl`` (Windows) nothing is locked.
+
+    Raises:
+        CheckpointError: another process holds the folder (named by its process id and host).
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: no advisory locks of this kind
+        yield Path(folder) / LOCK_FILE
+        return
+    path = Path(folder) / LOCK_FILE
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(descriptor, 200).decode("utf-8", "replace").split()
+            os.close(descriptor)
+            named = f"process {holder[0]} on host {holder[1]}" if len(holder) >= 2 else "a process that has just started"
+            raise CheckpointError(
+                f"the output folder {str(folder)!r} is in use by another equivariance-probe run ({named}, holding "
+                f"{str(path)!r}); wait for that run to end, or write into another folder"
+            ) from None
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(descriptor).st_ino:
+            break
+        os.close(descriptor)  # locked a file its last holder had just removed: lock the current one
+    try:
+        os.ftruncate(descriptor, 0)
+        os.write(descriptor, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        os.close(descriptor)
 
 
 class CheckpointedRun:
@@ -157,7 +209,7 @@ class CheckpointedRun:
                 f"{str(self.folder)!r} holds the checkpoint of an unfinished run; pass {option('resume', True)} to "
                 f"continue it, or delete {str(self.folder)!r} to start over"
             )
-        self.folder.mkdir(parents=True, exist_ok=True)
+        make_folder(self.folder)
 
     # -- state ------------------------------------------------------------------------
     def _restore(self, state_path: Path) -> None:

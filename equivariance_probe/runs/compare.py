@@ -27,7 +27,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import csv
 import gc
 import json
 import os
@@ -43,7 +42,8 @@ from ..errors import EmptyCorpusError, IncompatibleResultsError, InputError, Int
 from ..maths.metrics import FORMS, SCALES
 from ..probe import MeasurementOptions
 from ..result import DIFFERENCE_STATISTICS, paired_differences
-from .tables import interval_bounds, markdown_table, row_cell, summary_value
+from ..records.fileformat import make_folder, write_text_atomically
+from .tables import csv_text, interval_bounds, markdown_table, row_cell, summary_value
 from ..sources.corpus import load_corpus
 from ..sources.devices import parse_dtype, resolve_device
 from ..sources.models import load_config, load_model, load_tokenizer
@@ -190,21 +190,18 @@ class Comparison:
         """Write ``comparison.md``, ``comparison.csv``, ``comparison.json``, and each model's study
         (:meth:`Study.save`) under ``models/<model>/``; the figure is drawn by the display layer."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder)
         rows = self.rows()
         paths = {"csv": folder / "comparison.csv", "json": folder / "comparison.json",
                  "markdown": folder / "comparison.md"}
-        with paths["csv"].open("w", newline="", encoding="utf-8") as stream:
-            writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_text_atomically(paths["csv"], csv_text(rows))
         costs = {label: {"seconds": c.seconds, "load_seconds": c.load_seconds, "peak_bytes": c.peak_bytes,
                          "peak_method": c.peak_method, "estimate": c.estimate.describe()}
                  for label, c in self.costs.items()}
-        paths["json"].write_text(json.dumps({"config": self.config, "rows": rows, "costs": costs}, indent=2) + "\n",
-                                 encoding="utf-8")
+        write_text_atomically(paths["json"], json.dumps({"config": self.config, "rows": rows, "costs": costs}, indent=2) + "\n")
         method = next(iter(self.costs.values())).peak_method if self.costs else ""
-        paths["markdown"].write_text(
+        write_text_atomically(
+            paths["markdown"],
             "# Equivariance probe: comparison across models\n\n"
             f"{self.config.get('windows_description', '')}\n\n"
             "QPVE: query-position R² over every visible entry (log scale: y = log max(a, eps)). "
@@ -214,7 +211,6 @@ class Comparison:
             "Cost: windows per minute of each variant (building the "
             f"baseline included) and the model's peak resident memory ({method}).\n\n"
             f"{self.table()}\n\nConfiguration: `{json.dumps(self.config.get('arguments', {}))}`\n",
-            encoding="utf-8",
         )
         for label, study in self.studies.items():
             study.save(folder / "models" / model_folder(label))

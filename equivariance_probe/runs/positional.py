@@ -249,7 +249,7 @@ class PositionalStudy:
         if header.get("format_version") != POSITIONAL_FORMAT_VERSION or not isinstance(header.get("parts"), dict):
             raise ResultFileError(f"{path}: a positional study must have format_version {POSITIONAL_FORMAT_VERSION} and "
                                   "'parts'; the file is malformed (was it edited?)")
-        tensors = read_tensors(path)
+        tensors = read_tensors(container)  # each array checked against its digest
         if tensor_checksum(tensors) != header.get("checksum"):
             raise ResultFileError(f"{path}: the checksum does not match the arrays (changed or corrupted after saving)")
         try:

@@ -41,7 +41,6 @@ Example:
 
 from __future__ import annotations
 
-import csv
 import gc
 import json
 import math
@@ -69,7 +68,8 @@ from ..sources.packing import PackedWindows, document_separator, pack_stream, sp
 from ..sources.resources import MemoryEstimate, ModelSize, check_fits, estimate_memory_of, model_size
 from ..statistics.masks import LAYER_GROUPS  # the groups in table order (ProbeResult.layer_groups)
 from .study import check_baselines, result_filename, variant_builders
-from .tables import interval_bounds, markdown_table, row_cell, summary_value
+from ..records.fileformat import make_folder, write_text_atomically
+from .tables import csv_text, interval_bounds, markdown_table, row_cell, summary_value
 
 __all__ = [
     "ContextScan",
@@ -279,26 +279,23 @@ class ContextScan:
         (``T<length>/results.safetensors``, ``T<length>/baseline_<name>.safetensors``); the figure
         is drawn by the display layer (:func:`~equivariance_probe.display.scan.save_scan`)."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder)
         for length, variants in self.results.items():
             for variant, result in variants.items():
                 path = folder / length_folder(length) / result_filename(variant)
                 if not path.is_file():
-                    path.parent.mkdir(parents=True, exist_ok=True)
+                    make_folder(path.parent)
                     result.save(path)
         rows = self.rows()
         paths = {"csv": folder / "scan.csv", "json": folder / "scan.json", "markdown": folder / "scan.md"}
-        with paths["csv"].open("w", newline="", encoding="utf-8") as stream:
-            writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_text_atomically(paths["csv"], csv_text(rows))
         document = {"config": self.config, "rows": rows, "windows": {str(t): w for t, w in self.windows.items()},
                     "estimates": {str(t): e.describe() for t, e in self.estimates.items()},
                     "timings": {str(t): v for t, v in self.timings.items()},
                     "reused": {str(t): v for t, v in self.reused.items()}}
-        paths["json"].write_text(json.dumps(document, indent=1, allow_nan=False, default=_json_number) + "\n",
-                                 encoding="utf-8")
-        paths["markdown"].write_text(
+        write_text_atomically(paths["json"], json.dumps(document, indent=1, allow_nan=False, default=_json_number) + "\n")
+        write_text_atomically(
+            paths["markdown"],
             f"# Equivariance probe: context-length scan of {self.config.get('model')}\n\n"
             f"{self.config.get('text_description', '')}\n\n"
             "QPVE: query-position R² over every visible entry of the layers in the group (log scale: "
@@ -308,7 +305,6 @@ class ContextScan:
             "Differences with their 95 % intervals, paired span by span (the delete-a-group jackknife deletes "
             "the same text at both lengths, or in both variants):\n\n"
             f"{self.difference_table()}\n\nConfiguration: `{json.dumps(self.config.get('arguments', {}))}`\n",
-            encoding="utf-8",
         )
         return paths
 
@@ -573,7 +569,7 @@ def scan_context_lengths(
                 scan={"identity": identity, "context_lengths": lengths, "n_tokens": n_tokens, "pack": pack},
             )
             if path is not None:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                make_folder(path.parent)
                 result.save(path)
             results[length][variant] = result
         del probe

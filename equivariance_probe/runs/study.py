@@ -21,6 +21,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..probe import EquivarianceProbe, MeasurementOptions
+from ..records.fileformat import make_folder, write_text_atomically
 from ..records.provenance import config_fingerprint, corpus_fingerprint, model_identity
 from ..records.result_file import RESULT_SUFFIX
 from ..records.sharding import Shard, shard_metadata
@@ -108,7 +109,7 @@ class Study:
         """Write ``results.safetensors`` (trained) and ``baseline_<name>.safetensors`` (result files,
         :meth:`ProbeResult.save`), plus ``summary.md``."""
         folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        make_folder(folder)
         paths = {}
         for name, result in self.results.items():
             filename = result_filename(name)
@@ -117,7 +118,8 @@ class Study:
                 result.save(folder / filename)
             paths[name] = folder / filename
         excluded = self.trained.excluded_keys
-        (folder / "summary.md").write_text(
+        write_text_atomically(
+            folder / "summary.md",
             f"# Equivariance probe: {self.config.get('model')}\n\n"
             f"Query-position R² over all visible entries (log scale: y = log max(a, eps), "
             f"eps = {self.trained.log_floor:.3g}; {self.trained.floored()} entries floored). "

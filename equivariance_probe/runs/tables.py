@@ -10,6 +10,8 @@ undefined, ``–`` where a model has no such layer group.
 
 from __future__ import annotations
 
+import csv
+import io
 import math
 from typing import Any
 
@@ -20,8 +22,17 @@ from ..maths import fitting, metrics
 from ..maths.intervals import format_interval, is_undefined, windows_for_half_width
 from ..result import DIFFERENCE_STATISTICS, SUMMARY_LEVEL, TARGET_HALF_WIDTH, ProbeResult, paired_differences
 
-__all__ = ["summary_table", "summary_rows", "difference_table", "paired_rows", "windows_needed_text", "summary_value",
+__all__ = ["csv_text", "summary_table", "summary_rows", "difference_table", "paired_rows", "windows_needed_text", "summary_value",
            "interval_bounds", "row_cell", "markdown_table"]
+
+
+def csv_text(rows: list[dict[str, Any]]) -> str:
+    """``rows`` (dicts with the same keys, the first row's order) as CSV text with a header line."""
+    stream = io.StringIO(newline="")
+    writer = csv.DictWriter(stream, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+    return stream.getvalue()
 
 
 def summary_table(summaries: dict[str, dict[str, Any]], *, extended: bool = False) -> str:
