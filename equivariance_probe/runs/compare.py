@@ -118,6 +118,14 @@ class Comparison:
     costs: dict[str, ModelCost]
     config: dict[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        fitted = "; ".join(
+            f"{label}: " + ", ".join(f"{variant} {result.query_position_r2('log', 'fitted'):.4f}"
+                                     for variant, result in study.results.items())
+            for label, study in self.studies.items())
+        return (f"Comparison({len(self.studies)} models; log fitted query-position R²: {fitted}; "
+                ".table(), .rows(), .save(folder))")
+
     def rows(self) -> list[dict[str, Any]]:
         """One row per ``(model, variant)``: every number of the table, and what it rests on.
 
