@@ -162,7 +162,9 @@ class Adapter(ABC):
                 "pass token ids instead (a LongTensor [n_docs, n_tokens]), or attach a tokenizer "
                 "to the model"
             )
-        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        # verbose=False: the whole document is tokenised and the caller cuts its windows from it,
+        # so transformers' "longer than the specified maximum sequence length" warning is not ours.
+        return list(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
 
     # -- shared checks ------------------------------------------------------------
     def check_layers_seen(self, seen: Sequence[int]) -> None:

@@ -192,7 +192,8 @@ def document_separator(tokenizer: Any) -> tuple[int, ...]:
 
 # -- streams and windows ---------------------------------------------------------------------------
 def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    # verbose=False: a document longer than the model's maximum is cut into windows, never run whole
+    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
 
 
 def token_stream(
