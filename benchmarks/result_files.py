@@ -17,7 +17,7 @@ checksum verified). ``--study-out DIR`` also runs ``equivariance-probe run --n-d
 --context-length 512 --out DIR`` in this process and prints the size of every file it wrote,
 against the format-2 size of its three results.
 
-Timings are one measurement each, on whatever machine runs this (the README says which).
+Timings are one measurement each, on whatever machine runs this (docs/guide/long-runs.md says which).
 """
 
 from __future__ import annotations

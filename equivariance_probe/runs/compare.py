@@ -63,7 +63,7 @@ __all__ = [
 DEFAULT_COMPARE_MODELS = ("gemma-3-270m", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
 
 #: The default comparison, sized to run the three packaged models, trained and at random
-#: initialisation, in well under 30 minutes on 2 CPU cores (README, "Across architectures").
+#: initialisation, in well under 30 minutes on 2 CPU cores (docs/guide/comparisons.md).
 DEFAULT_COMPARISON = {"n_docs": 12, "context_length": 512, "batch_size": 4, "baselines": ("random_init",)}
 
 _FITS = ("power", "exponential", "prior")
