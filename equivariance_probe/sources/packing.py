@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.base import token_ids
 from ..errors import EmptyCorpusError, InputError, check_choice, option
 
 __all__ = [
@@ -192,8 +193,7 @@ def document_separator(tokenizer: Any) -> tuple[int, ...]:
 
 # -- streams and windows ---------------------------------------------------------------------------
 def _encode(tokenizer: Any, text: str) -> list[int]:
-    # verbose=False: a document longer than the model's maximum is cut into windows, never run whole
-    return list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+    return token_ids(tokenizer, text, add_special_tokens=False)
 
 
 def token_stream(
