@@ -24,7 +24,7 @@ hash them (one sha256 per array, :func:`~equivariance_probe.records.container.te
 full load; the ratios are medians of each round's own ratios. ``--verify-only`` runs only the
 default case (no summed pattern kept: a quicker run) and this measurement.
 
-Timings are one measurement each, on whatever machine runs this (the README says which).
+Timings are one measurement each, on whatever machine runs this (docs/guide/long-runs.md says which).
 """
 
 from __future__ import annotations

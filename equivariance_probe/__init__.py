@@ -33,7 +33,8 @@ windows), :func:`scan_context_lengths` / :class:`ContextScan` (the same text at 
 lengths), :func:`run_positional` / :class:`PositionalStudy` (where order comes from).
 
 Heads and reports: :func:`rank_heads` / :class:`HeadRanking`, :func:`head_views` /
-:class:`HeadViews` (offline CircuitsVis), :func:`render_report` / :class:`ReportSection`.
+:class:`HeadViews` (offline CircuitsVis), :func:`render_report` (a :class:`RenderedReport`: drawn in a notebook, ``save(path)`` in a script) /
+:class:`ReportSection`.
 
 Further analyses: :func:`toeplitz_r2`, :func:`gram_toeplitz`, :func:`positional_logits`,
 :func:`score_profile`, :func:`fit_tisa_kernel`, :func:`permutation_sensitivity`,
@@ -48,11 +49,12 @@ from .adapters import SUPPORTED_MODELS, Adapter, AttentionLayout, get_adapter
 from .analyses.heads import HeadRanking, rank_heads
 from .analyses.order import VarianceShrinkage, permutation_sensitivity, position_correlation, representation_sums
 from .analyses.positional import gram_toeplitz, positional_logits, score_profile
-from .display.report import ReportSection, render_report
+from .display.report import RenderedReport, ReportSection, render_report
 from .display.views import HeadViews, head_views
 from .errors import (
     AttentionCaptureError,
     CheckpointError,
+    StopRequested,
     ContextLengthError,
     EmptyCorpusError,
     EquivarianceProbeError,
@@ -137,6 +139,7 @@ __all__ = [
     "head_views",
     "HeadViews",
     "render_report",
+    "RenderedReport",
     "ReportSection",
     # further analyses
     "toeplitz_r2",
@@ -173,4 +176,5 @@ __all__ = [
     "ResultFileError",
     "FileWriteError",
     "CheckpointError",
+    "StopRequested",
 ]

@@ -700,7 +700,7 @@ def _report(args: argparse.Namespace) -> int:
     candidates = [Path(args.results).with_name(name) for name in ("positional.safetensors", "positional.json")]
     positional = next((path for path in candidates if path.is_file()), None)
     extra = [positional_report_section(PositionalStudy.load(positional))] if positional is not None else []
-    write_text_atomically(output, render_report(result, baselines=baselines, views=views, extra_sections=extra))
+    render_report(result, baselines=baselines, views=views, extra_sections=extra).save(output)
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB)")
     return 0
 

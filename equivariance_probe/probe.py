@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import sys
 import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -42,7 +43,7 @@ from .statistics import AttentionStatistics
 from .statistics.groups import DEFAULT_INTERVAL_GROUPS, as_keys
 from .statistics.masks import KEY_BINS
 
-__all__ = ["EquivarianceProbe", "MeasurementOptions", "DEFAULT_CONTEXT_LENGTH", "progress_bar", "STOP_REQUESTED"]
+__all__ = ["EquivarianceProbe", "MeasurementOptions", "DEFAULT_CONTEXT_LENGTH", "progress_bar", "counted", "STOP_REQUESTED"]
 
 #: Set from outside (the command line sets it on SIGTERM) to stop every run before its next batch:
 #: the run raises :class:`~equivariance_probe.errors.StopRequested`, its complete batches kept as
@@ -353,7 +354,8 @@ class EquivarianceProbe:
         total = len(docs) if hasattr(docs, "__len__") and not isinstance(docs, (torch.Tensor, Mapping)) else None
         if isinstance(docs, torch.Tensor):
             total = 1 if docs.dim() == 1 else int(docs.shape[0])
-        bar = progress_bar(bool(progress), total, progress if isinstance(progress, str) else "documents")
+        unit = counted(docs)
+        bar = progress_bar(bool(progress), total, progress if isinstance(progress, str) else unit, unit)
         skipped = 0
         try:
             batch: list[list[int]] = []
@@ -533,11 +535,51 @@ class _FinishOnce:
         self.bar.close()
 
 
-def progress_bar(enabled: bool, total: int | None, description: str = "documents") -> Any:
-    """A tqdm progress bar over ``total`` documents, drawn at 100 % once, or one that shows nothing when not
-    ``enabled``. ``description`` names what is measured (a study's variant: ``"trained: documents"``)."""
+def counted(docs: Any) -> str:
+    """What a progress bar over ``docs`` counts: ``"windows"`` for token rows (a tensor, packed
+    windows: one row is one window, whatever documents it holds), ``"documents"`` for texts
+    (each string becomes one window, truncated to the context)."""
+    return "windows" if isinstance(docs, (torch.Tensor, PackedWindows)) else "documents"
+
+
+def _bar_class() -> Any:
+    """tqdm's widget bar inside a Jupyter kernel where ipywidgets is installed, else its plain bar.
+
+    ``tqdm.auto`` picks the widget bar in every kernel and, without ipywidgets, warns
+    ("IProgress not found") before falling back; choosing here gives the same bars without the
+    warning.
+    """
+    shell = None
+    if "IPython" in sys.modules:
+        with contextlib.suppress(Exception):
+            shell = sys.modules["IPython"].get_ipython()
+    if shell is not None and "IPKernelApp" in getattr(shell, "config", {}):
+        try:
+            import ipywidgets  # noqa: F401 - only asks whether the widget bar can draw
+        except ImportError:
+            pass
+        else:
+            from tqdm.notebook import tqdm as widget_bar
+
+            return widget_bar
+    from tqdm.std import tqdm as plain_bar
+
+    return plain_bar
+
+
+def progress_bar(enabled: bool, total: int | None, description: str = "documents", unit: str = "documents") -> Any:
+    """A progress bar over ``total`` items, drawn at 100 % once, or one that shows nothing when not ``enabled``.
+
+    Args:
+        enabled: ``False`` shows nothing.
+        total: the number of items (``None``: unknown, the bar counts without a percentage).
+        description: what is measured (a study's variant: ``"trained: documents"``).
+        unit: what one step counts, in the plural (``"documents"`` or ``"windows"``, :func:`counted`).
+
+    In a Jupyter kernel the bar is tqdm's widget where ipywidgets is installed, otherwise one plain
+    line on stderr.
+    """
     if not enabled:
         return _NoProgress()
-    from tqdm.auto import tqdm
-
-    return _FinishOnce(tqdm(total=total, desc=description, unit="doc"))
+    singular = unit[:-1] if unit.endswith("s") else unit
+    return _FinishOnce(_bar_class()(total=total, desc=description, unit=f" {singular}"))

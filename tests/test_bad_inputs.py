@@ -195,7 +195,7 @@ def test_left_padded_batches(folders):
     holes = {"input_ids": encoding["input_ids"], "attention_mask": torch.tensor([[1] * 10, [1, 0] * 5, [1] * 10])}
     with pytest.raises(InputError, match="padding between real tokens"):
         probe.run(holes, progress=False)
-    # GPT-2 style pad = EOS cannot be told from text: such tensors are used as given (README, "Inputs").
+    # GPT-2 style pad = EOS cannot be told from text: such tensors are used as given (docs/getting-started.md, "Inputs, precisely").
     tokenizer.pad_token = "<eos>"
     padded = tokenizer(texts, padding=True, return_tensors="pt")["input_ids"]
     assert probe.run(padded, progress=False).n_tokens == padded.numel()

@@ -1,4 +1,4 @@
-"""examples/heads.ipynb is committed executed, small, and offline (it is not run in CI)."""
+"""examples/heads.ipynb is committed executed, small, and offline (tests/test_notebooks.py also runs it in a kernel)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ def test_gemma_views_rows_sum_to_one_and_the_report_carries_one_bundle():
     # the window starts at position 0, so every row holds all its visible keys: rows sum to 1
     np.testing.assert_allclose(views.pattern.sum(-1), 1.0, atol=1e-5)
     assert views.tokens[0] == "<bos>"
-    page = render_report(result, views=views)
+    page = str(render_report(result, views=views))
     assert page.count(circuitsvis_bundle()) == 1 and "L" in views.labels[0]
 
 

@@ -1,4 +1,4 @@
-"""The checks METHODS.md requires, each against an answer computed independently here."""
+"""The checks docs/methods.md#checks lists, each against an answer computed independently here."""
 
 from __future__ import annotations
 

@@ -17,9 +17,13 @@ def test_import_loads_no_framework():
     assert loaded == ""
 
 
-def test_public_api_is_exported_and_listed_in_the_readme():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_public_api_is_exported_and_listed_in_the_api_reference():
+    root = Path(__file__).resolve().parents[1]
+    listing = (root / "docs" / "reference" / "api.md").read_text()
+    readme = (root / "README.md").read_text()
+    assert "docs/reference/api.md" in readme  # the README points to the list
     for name in equivariance_probe.__all__:
         assert hasattr(equivariance_probe, name), name
         if name != "__version__":
-            assert f"`{name}`" in readme, f"{name} is not listed in the README"
+            assert f"`{name}`" in listing, f"{name} is not listed in docs/reference/api.md"
+            assert f"::: equivariance_probe.{name}\n" in listing, f"{name} has no entry in the API reference"

@@ -1,11 +1,15 @@
-"""Every Python block of the README runs as written, in order, in one namespace (as a notebook would),
-and every example script runs as written.
+"""Every Python block of the README and of the documentation's pages runs as a notebook cell, in
+order, in one real Jupyter kernel; each README block shows what it promises; every example
+script runs as written.
 
-The README's models are real (Gemma 3 270M, SmolLM2, Qwen2.5); here a tiny random Gemma 3 saved with
-its tokenizer stands in for every packaged name that ``load_model`` (and the comparisons and scans
-that load by name) is given, so the blocks run in seconds and test the API they show, not the
-models. The packaged MiniLM encoder is small and runs as itself. The blocks that send work to
-NDIF's public service cannot run offline; :data:`NOT_RUN` names them and why.
+The blocks are executed by nbclient in an ipykernel (``notebook_kernel``), so what is checked is
+what a researcher who pastes a block into a cell sees: the last expression's display (a
+ProbeResult table, an Interval, CircuitsVis views, the report), streams and widgets; stderr must
+stay empty. The README's models are real (Gemma 3 270M, SmolLM2, Qwen2.5); here a tiny random
+Gemma 3 saved with its tokenizer stands in for every packaged name that ``load_model`` (and the
+comparisons and scans that load by name) is given, so the blocks run in seconds and test the API
+they show, not the models. The packaged MiniLM encoder is small and runs as itself. The blocks
+that send work to NDIF's public service cannot run offline; :data:`NOT_RUN` names them and why.
 """
 
 from __future__ import annotations
@@ -15,11 +19,17 @@ from pathlib import Path
 
 import pytest
 
-import equivariance_probe
 from equivariance_probe.runs import compare, scan, study
 from equivariance_probe.sources import models
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+#: The pages whose blocks run after the README's, in the site's order (they use its names:
+#: ``model``, ``tokenizer``, ``probe``, ``docs``, ``result``).
+PAGES = [README, *(ROOT / "docs" / page for page in (
+    "getting-started.md", "guide/studies.md", "guide/heads.md", "guide/comparisons.md", "guide/scans.md",
+    "guide/positional.md", "guide/encoders.md", "guide/models.md", "guide/remote.md", "guide/long-runs.md",
+    "guide/engine.md", "guide/cost.md"))]
 
 #: Blocks that cannot run here, by a line they hold, and why.
 NOT_RUN = {
@@ -36,16 +46,22 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
             for match in re.finditer(r"^```python\n(.*?)^```$", text, flags=re.S | re.M)]
 
 
-def test_the_readme_shows_python_blocks_and_names_every_one_it_does_not_run():
-    blocks = python_blocks(README.read_text())
-    assert len(blocks) >= 8
-    skipped = [line for line, code in blocks if any(marker in code for marker in NOT_RUN)]
+def runnable_blocks() -> list[tuple[str, int, str]]:
+    """``(page, line, code)`` of every block that runs here, README first."""
+    return [(page.relative_to(ROOT).as_posix(), line, code) for page in PAGES
+            for line, code in python_blocks(page.read_text()) if not any(marker in code for marker in NOT_RUN)]
+
+
+def test_the_pages_show_python_blocks_and_name_every_one_they_do_not_run():
+    blocks = [code for page in PAGES for _, code in python_blocks(page.read_text())]
+    assert len(python_blocks(README.read_text())) >= 6 and len(blocks) >= 14
+    skipped = [code for code in blocks if any(marker in code for marker in NOT_RUN)]
     assert len(skipped) == len(NOT_RUN)  # every marker still names a block
 
 
 @pytest.fixture
 def stand_in_models(monkeypatch, tiny_model_folder):
-    """Every packaged model name that the README's blocks load becomes a tiny Gemma 3 with its tokenizer."""
+    """Every packaged model name that the blocks load becomes a tiny Gemma 3 with its tokenizer (in this process)."""
     folder = tiny_model_folder("gemma3", 4096)
     real = {name: getattr(models, name) for name in ("load_model", "load_config", "load_tokenizer")}
 
@@ -57,6 +73,8 @@ def stand_in_models(monkeypatch, tiny_model_folder):
 
         return load
 
+    import equivariance_probe
+
     for module in (models, equivariance_probe, compare, scan, study):
         for name in real:
             if hasattr(module, name):
@@ -64,32 +82,55 @@ def stand_in_models(monkeypatch, tiny_model_folder):
     return folder
 
 
-@pytest.mark.slow
-def test_every_python_block_of_the_readme_runs_as_written(stand_in_models, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def cells(tiny_model_folder, tmp_path_factory):
+    """Every runnable block executed as one cell of one notebook: ``[(page, line, cell)]`` and the folder it ran in."""
+    from notebook_kernel import cells_notebook, execute, stand_in_setup
+
     from equivariance_probe.cli import main
 
-    monkeypatch.chdir(tmp_path)  # the blocks write run.safetensors, heads.html, out/, scan_out/, pos/ where they run
-    # The result-file block reads the study the README's command line wrote: a small one stands in.
-    assert main(["run", "--out", "study_out", "--model", stand_in_models, "--n-docs", "4", "--context-length", "64",
-                 "--baselines", "none", "--no-figures", "--no-progress", "--sample-size", "0"]) == 0
-    namespace: dict = {"__name__": "readme"}
-    ran = 0
-    for line, code in python_blocks(README.read_text()):
-        if any(marker in code for marker in NOT_RUN):
-            continue
-        try:
-            exec(compile(code, f"README.md, block at line {line}", "exec"), namespace)
-        except Exception as error:  # noqa: BLE001 - re-raised naming the block
-            raise AssertionError(f"the README's Python block at line {line} does not run as written: "
-                                 f"{type(error).__name__}: {error}") from error
-        if ran == 0:
-            notebook = dict(namespace)  # later blocks reuse these names for other models
-        ran += 1
-    assert ran == len(python_blocks(README.read_text())) - len(NOT_RUN)
-    # What the notebook block promises, checked on what it built.
-    merged = notebook["result"].merge(notebook["other"])
-    assert merged.n_windows == notebook["result"].n_windows + notebook["other"].n_windows
-    assert (tmp_path / "run.safetensors").exists() and (tmp_path / "heads.html").exists()
+    folder = tmp_path_factory.mktemp("readme")
+    stand_in = tiny_model_folder("gemma3", 4096)
+    # The result-file block reads the study the command line wrote: a small one stands in.
+    assert main(["run", "--out", str(folder / "study_out"), "--model", stand_in, "--n-docs", "4",
+                 "--context-length", "64", "--baselines", "none", "--no-figures", "--no-progress",
+                 "--sample-size", "0"]) == 0
+    blocks = runnable_blocks()
+    notebook = execute(cells_notebook([stand_in_setup(stand_in)] + [code for _, _, code in blocks]), folder)
+    return [(page, line, cell) for (page, line, _), cell in zip(blocks, notebook.cells[1:])], folder
+
+
+@pytest.mark.slow
+def test_every_block_runs_as_a_notebook_cell_without_an_error_or_stderr(cells):
+    from notebook_kernel import errors, stderr
+
+    ran, _ = cells
+    assert len(ran) == len(runnable_blocks())
+    for page, line, cell in ran:
+        assert not errors(cell), f"{page}, the block at line {line} does not run as a cell: {errors(cell)}"
+        assert not stderr(cell), f"{page}, the block at line {line} wrote to stderr:\n{stderr(cell)[:2000]}"
+
+
+@pytest.mark.slow
+def test_each_readme_block_shows_what_it_promises(cells):
+    from notebook_kernel import PROBE_RESULT, result_shown, shown
+
+    from equivariance_probe.display.circuitsvis import circuitsvis_bundle
+
+    ran, folder = cells
+    readme = [cell for page, _, cell in ran if page == "README.md"]
+    first, numbers, difference, merged, views, report = readme
+    assert PROBE_RESULT in shown(first) and "8 windows" in shown(first)
+    assert re.match(r"Interval\(-?\d\.\d{4} \[.*\], 95% over \d+ groups of windows", result_shown(numbers))
+    assert result_shown(difference).startswith("Interval(")
+    assert PROBE_RESULT in shown(merged) and "12 windows" in shown(merged)
+    bundle = circuitsvis_bundle()[:2000]
+    assert "circuitsvis-view" in shown(views) and shown(views).count(bundle) == 1
+    drawn = shown(report)
+    assert 'class="equivariance-probe-report"' in drawn and drawn.count(bundle) == 1 and "<h2>Summary</h2>" in drawn
+    assert len(result_shown(report)) < 200  # its text form is a one-line repr, never the page's source
+    assert (folder / "run.safetensors").exists() and (folder / "report.html").exists()
+    assert (folder / "heads.html").exists()  # written by the heads page's block
 
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -47,7 +47,7 @@ def report(tmp_path_factory):
     result = probe.run(tokens, keep_pattern=True, progress=False)
     views = head_views(probe, tokens[0], heads=[POSITIONAL, PREVIOUS_TOKEN], result=result)
     path = folder / "report.html"
-    path.write_text(render_report(result, views=views), encoding="utf-8")
+    render_report(result, views=views).save(path)
     return folder, path
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from equivariance_probe import EquivarianceProbe, HeadViews, InputError, head_views
+from equivariance_probe import EquivarianceProbe, FileWriteError, HeadViews, InputError, head_views
 from equivariance_probe.display.report import ReportSection, render_report
 from equivariance_probe.display.circuitsvis import circuitsvis_bundle
 from equivariance_probe.display.views import (
@@ -149,7 +149,7 @@ def test_report_holds_the_bundle_once_for_every_view_and_extra_sections(probe_an
     probe, result, tokens = probe_and_result
     views = [head_views(probe, tokens[i], heads=[POSITIONAL, PREVIOUS_TOKEN], stop=16) for i in range(2)]
     extra = ReportSection("Positional analyses", "<p id='extra'>more</p>")
-    page = render_report(result, views=views, extra_sections=[extra])
+    page = str(render_report(result, views=views, extra_sections=[extra]))
     bundle = circuitsvis_bundle()
     assert page.count(bundle) == 1
     assert page.count("CircuitsVis.render(") - bundle.count("CircuitsVis.render(") == 4
@@ -158,8 +158,23 @@ def test_report_holds_the_bundle_once_for_every_view_and_extra_sections(probe_an
     assert titles == ["Summary", "Figures", "Heads ranked by how position-bound they are",
                       "Heads on one document (CircuitsVis)", "Positional analyses"]
     assert not EXTERNAL_URL.search(page.replace(bundle, ""))
-    assert render_report(result, views=views[0]).count(bundle) == 1
-    assert bundle not in render_report(result)  # no views: no bundle
+    assert str(render_report(result, views=views[0])).count(bundle) == 1
+    assert bundle not in str(render_report(result))  # no views: no bundle
+
+
+def test_the_report_is_drawn_by_a_notebook_and_saved_by_a_script(probe_and_result, tmp_path):
+    probe, result, tokens = probe_and_result
+    views = head_views(probe, tokens[0], heads=[POSITIONAL, PREVIOUS_TOKEN], stop=16)
+    report = render_report(result, views=views)
+    page, drawn, bundle = str(report), report._repr_html_(), circuitsvis_bundle()
+    # the page for a file; for a notebook the same sections and bundle in one <div> whose style is its own
+    assert page.startswith("<!DOCTYPE html>") and drawn.startswith('<div class="equivariance-probe-report">')
+    assert drawn.count(bundle) == 1 and 'class="circuitsvis-view"' in drawn and "<h2>Summary</h2>" in drawn
+    assert "body{" not in drawn and "<html" not in drawn  # leaves the notebook page's own style alone
+    assert report.save(tmp_path / "report.html").read_text(encoding="utf-8") == page
+    assert "MB" in repr(report) and len(repr(report)) < 200  # a cell never prints megabytes of source
+    with pytest.raises(FileWriteError, match="does not exist"):
+        report.save(tmp_path / "missing" / "report.html")
 
 
 @pytest.fixture(scope="module")

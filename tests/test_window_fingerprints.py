@@ -16,7 +16,7 @@ from synthetic import SyntheticAdapter, tiny_gpt2, uniform_pattern
 
 
 def _blake2b_64(ids: list[int]) -> int:
-    """The fingerprint as the README tells users to compute it, without the package."""
+    """The fingerprint as docs/guide/long-runs.md tells users to compute it, without the package."""
     return int.from_bytes(hashlib.blake2b(np.asarray(ids, dtype="<i8").tobytes(), digest_size=8).digest(), "little")
 
 

@@ -15,7 +15,7 @@ from .base import Adapter, AttentionLayout, ModelInfo, PatternCallback
 
 __all__ = ["Adapter", "AttentionLayout", "ModelInfo", "PatternCallback", "get_adapter", "SUPPORTED_MODELS"]
 
-#: What :func:`get_adapter` accepts, for error messages and the README.
+#: What :func:`get_adapter` accepts, for error messages and docs/guide/models.md.
 SUPPORTED_MODELS = (
     "transformer_lens.model_bridge.TransformerBridge (TransformerLens 4.x)",
     "transformer_lens.HookedTransformer (TransformerLens 2.x)",

@@ -11,6 +11,7 @@ Shapes follow one order everywhere: ``pattern: [batch, head, query, key]``, rows
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -162,7 +163,7 @@ class Adapter(ABC):
                 "pass token ids instead (a LongTensor [n_docs, n_tokens]), or attach a tokenizer "
                 "to the model"
             )
-        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        return token_ids(tokenizer, text, add_special_tokens=True)
 
     # -- shared checks ------------------------------------------------------------
     def check_layers_seen(self, seen: Sequence[int]) -> None:
@@ -179,3 +180,18 @@ class Adapter(ABC):
     def capture_hint(self) -> str:
         """How to make attention capturable for this framework (appended to errors)."""
         return ""
+
+
+def token_ids(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:
+    """The ids of the whole of ``text``, whatever its length.
+
+    Callers cut windows from them and never run a document whole, so a Hugging Face tokenizer is
+    called with ``verbose=False``: its "longer than the specified maximum sequence length" warning
+    would be a false alarm on stderr. Other tokenizers are called as they are.
+    """
+    try:
+        accepts_verbose = "verbose" in inspect.signature(tokenizer.__call__).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature
+        accepts_verbose = False
+    quiet = {"verbose": False} if accepts_verbose else {}
+    return list(tokenizer(text, add_special_tokens=add_special_tokens, **quiet)["input_ids"])

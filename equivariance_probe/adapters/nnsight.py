@@ -181,7 +181,9 @@ class NNsightAdapter(Adapter):
 
     @property
     def dtype(self) -> torch.dtype:
-        config_dtype = getattr(self.hf_model.config, "dtype", None) or getattr(self.hf_model.config, "torch_dtype", None)
+        config = self.hf_model.config
+        # transformers 5 names it dtype and warns on every read of torch_dtype, the 4.x name
+        config_dtype = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
         if self.is_remote and isinstance(config_dtype, torch.dtype):
             return config_dtype  # what the server loads; the meta copy here is float32
         return self._hf.dtype

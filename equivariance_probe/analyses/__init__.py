@@ -6,7 +6,7 @@ ranks its own heads with :mod:`~equivariance_probe.analyses.heads`).
 * :mod:`~equivariance_probe.analyses.heads` — heads ranked from the most to the least
   position-bound.
 * :mod:`~equivariance_probe.analyses.positional` — position-embedding Gram matrices, positional
-  logits, TISA score profiles (METHODS.md section 3).
+  logits, TISA score profiles (docs/methods.md#toeplitz).
 * :mod:`~equivariance_probe.analyses.order` — permutation sensitivity, variance shrinkage,
-  position correlations (METHODS.md section 4).
+  position correlations (docs/methods.md#order).
 """

@@ -2,7 +2,7 @@
 
 Place in the seams: *analyses*. A pure function from a
 :class:`~equivariance_probe.result.ProbeResult` to a table, one row per ``(layer, head)``; every
-score is one the result already computes (METHODS.md):
+score is one the result already computes (docs/methods.md):
 
 * ``log_prior``, ``log_fitted``, ``log_eta2``, ``raw_prior``, ``raw_fitted``, ``raw_eta2`` —
   query-position R² of the head in that scale and form (``result.query_position_r2(scale,

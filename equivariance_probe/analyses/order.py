@@ -4,7 +4,7 @@ Place in the seams: *analyses*. Tensor maths (:func:`distribution_change`), the 
 :class:`~equivariance_probe.statistics.representation.RepresentationSums`, the shrinkage fit of
 :mod:`~equivariance_probe.maths.fitting`, and thin functions that run a Hugging Face model (or
 the one inside a TransformerBridge / nnsight model / probe) under the ablations of
-:mod:`~equivariance_probe.adapters.internals`. METHODS.md section 4: "Breaking
+:mod:`~equivariance_probe.adapters.internals`. docs/methods.md#order: "Breaking
 Symmetry When Training Transformers" and "Latent Positional Information is in the
 Self-Attention Variance of Transformer Language Models Without Positional Embeddings".
 

@@ -5,7 +5,7 @@ Place in the seams: *analyses*. Tensor maths (:func:`gram_toeplitz`,
 kernel fit), plus thin functions that read a Hugging Face model (raw weights: TransformerLens
 bridges and nnsight models are unwrapped, so no TransformerLens weight processing, whose
 centring would change the Gram matrix) through :mod:`~equivariance_probe.adapters.internals`.
-METHODS.md section 3;
+docs/methods.md#toeplitz;
 Wennberg & Henter, "The Case for Translation-Invariant Self-Attention" (TISA), Fig. 1-2,
 eq. 9-12 and appendix B.
 

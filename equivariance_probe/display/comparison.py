@@ -101,7 +101,7 @@ def save_comparison(comparison: Comparison, folder: str | os.PathLike) -> dict[s
     reports = {}
     for label, study in comparison.studies.items():
         report = folder / "models" / model_folder(label) / "report.html"
-        write_text_atomically(report, render_report(study.trained, baselines=study.baselines()))
+        render_report(study.trained, baselines=study.baselines()).save(report)
         paths[f"report {label}"] = report
         reports[label] = str(report.relative_to(folder))
     paths["html"] = folder / "comparison.html"

@@ -20,9 +20,11 @@ import html
 import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import NotRunError
+from ..records.fileformat import write_text_atomically
 from ..runs.tables import paired_rows, summary_rows
 from .circuitsvis import circuitsvis_bundle_script
 from .figures import (fit_by_key_figure, head_curves_figure, heatmaps_figure, persistence_figure, scatter_figure,
@@ -32,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..result import ProbeResult
     from .views import HeadViews
 
-__all__ = ["render_report", "report_sections", "ReportSection", "figures_html", "html_page"]
+__all__ = ["render_report", "report_sections", "ReportSection", "RenderedReport", "figures_html", "html_page"]
 
 
 @dataclass(frozen=True)
@@ -68,16 +70,64 @@ def figures_html(figures: dict[str, Any]) -> str:
     )
 
 
+#: The report's style; ``{root}`` is the element it applies to (``body`` on a page, the report's
+#: ``<div>`` inside a notebook, so that it leaves the notebook's own style alone).
+_STYLE = ("{root}{{font-family:sans-serif;max-width:1100px;margin:auto}}{root} table{{border-collapse:collapse}}"
+          "{root} td,{root} th{{border:1px solid #ccc;padding:3px 8px}}{root} img{{max-width:100%}}"
+          "{root} caption{{text-align:left;padding:4px 0}}{root} figure{{margin:1em 0}}"
+          "{root} figcaption{{font-size:90%;color:#444}}")
+
+
 def html_page(title: str, body: str, head: str = "") -> str:
     """A standalone page in the report's style; ``title`` is escaped, ``body`` and ``head`` are trusted HTML."""
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>body{{font-family:sans-serif;max-width:1100px;margin:auto}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:3px 8px}}img{{max-width:100%}}caption{{text-align:left;padding:4px 0}}
-figure{{margin:1em 0}}figcaption{{font-size:90%;color:#444}}</style>
+<style>{_STYLE.format(root="body")}</style>
 {head}</head><body>
 {body}
 </body></html>"""
+
+
+class RenderedReport:
+    """The HTML report: drawn by a notebook, saved by a script (as CircuitsVis' ``RenderedHTML``).
+
+    ``str(report)`` is the standalone page (what :meth:`save` writes); ``_repr_html_`` is the same
+    content as one ``<div>`` whose style applies to it alone, so that a notebook cell that ends
+    with ``render_report(...)`` draws the report, CircuitsVis views included, offline.
+
+    Example:
+        >>> report = render_report(result, views=views)   # doctest: +SKIP
+        >>> report.save("report.html")                     # doctest: +SKIP
+        >>> report      # the last line of a notebook cell: the report is drawn  # doctest: +SKIP
+
+    Attributes:
+        title: the page's title (names the model).
+        body: the sections' HTML.
+        head: what goes in the page's head (CircuitsVis' inline bundle when a section draws with it).
+    """
+
+    def __init__(self, title: str, body: str, head: str = "") -> None:
+        self.title = title
+        self.body = body
+        self.head = head
+
+    def __str__(self) -> str:
+        return html_page(self.title, self.body, self.head)
+
+    def _repr_html_(self) -> str:
+        return (f'<div class="equivariance-probe-report"><style>{_STYLE.format(root=".equivariance-probe-report")}'
+                f"</style>{self.head}{self.body}</div>")
+
+    def save(self, path: str | Path) -> Path:
+        """Write the standalone, offline page to ``path`` (UTF-8, atomically) and return the path.
+
+        Raises:
+            FileWriteError: the folder does not exist or is not writable, or ``path`` is a folder.
+        """
+        return write_text_atomically(path, str(self))
+
+    def __repr__(self) -> str:
+        return f"RenderedReport({self.title!r}, {len(str(self)) / 1e6:.2f} MB; .save(path) writes it)"
 
 
 def summary_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None = None) -> ReportSection:
@@ -89,7 +139,7 @@ def summary_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | 
     table = _table_html(list(summaries), summary_rows(summaries, extended=True), "summary")
     compared = differences = ""
     if len(variants) > 1:
-        compared = (" Baselines (METHODS.md section 5): <code>random_init</code> is the same architecture at its own "
+        compared = (" Baselines (docs/methods.md#baselines): <code>random_init</code> is the same architecture at its own "
                     "random initialisation, <code>zero</code> has every weight zero (every head exactly uniform).")
         differences = _differences_html(variants)
     body = f"""<p>{result.n_windows} windows, {result.n_tokens} tokens, {first['n_entries']:,} visible entries per variant;
@@ -185,8 +235,11 @@ def render_report(
     baselines: Mapping[str, ProbeResult] | None = None,
     views: HeadViews | Sequence[HeadViews] | None = None,
     extra_sections: Sequence[ReportSection] = (),
-) -> str:
-    """The report as one HTML string (no external scripts, stylesheets or images).
+) -> RenderedReport:
+    """The report: no external scripts, stylesheets or images.
+
+    Returns a :class:`RenderedReport`: a notebook draws it, ``.save(path)`` writes the page,
+    ``str(report)`` is the page's HTML.
 
     Args:
         result: the result to report (a study's trained model).
@@ -207,4 +260,4 @@ def render_report(
     if any(section.uses_circuitsvis for section in sections):
         bundle = circuitsvis_bundle_script()
     body = "".join(f"<section><h2>{html.escape(s.title)}</h2>{s.html}</section>" for s in sections)
-    return html_page(f"equivariance_probe report: {model}", f"<h1>Equivariance probe: {html.escape(model)}</h1>\n{body}", bundle)
+    return RenderedReport(f"equivariance_probe report: {model}", f"<h1>Equivariance probe: {html.escape(model)}</h1>\n{body}", bundle)

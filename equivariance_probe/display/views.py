@@ -179,7 +179,7 @@ class HeadViews:
 
     def _masks(self) -> list[int | None]:
         """Per head, its window as the shown positions see it: a window at least as wide as
-        ``stop`` hides nothing there, so it is full causal (METHODS.md, η² groups)."""
+        ``stop`` hides nothing there, so it is full causal (docs/methods.md#query-position-r2, η² groups)."""
         return [None if w is None or w >= self.stop else w for w in self.sliding_windows]
 
     def priors(self) -> dict[int | None, np.ndarray]:
@@ -331,8 +331,9 @@ def head_views(
         result: the probe's result on a corpus; gives the default heads, the context length and
             the log floor.
         ranking: a :class:`~equivariance_probe.analyses.heads.HeadRanking` (default: ``result.rank_heads()``).
-        start, stop: positions shown, ``start <= q, k < stop`` (default ``stop``: ``start + 128``,
-            capped at the document's length).
+        start: the first position shown.
+        stop: positions shown are ``start <= q, k < stop`` (default: ``start + 128``, capped at the
+            document's length).
         context_length: truncate the document to this many tokens (default: the result's).
         decimals: round rendered values to this many decimals (``None``: full precision).
         n_each: how many of the most and of the least position-bound heads by default.

@@ -1,4 +1,4 @@
-"""Pure functions from float64 sums to the numbers of METHODS.md, and the fits behind them.
+"""Pure functions from float64 sums to the numbers of docs/methods.md, and the fits behind them.
 
 Place in the seams: the floor above the errors; it imports nothing else of the package and no
 framework (numpy and scipy only).

@@ -3,7 +3,7 @@
 Place in the seams: *maths*, pure functions of numpy arrays that import nothing of the
 package but its errors.
 
-* Persistence curves (METHODS.md section 2): power law, exponential, and the uniform prior.
+* Persistence curves (docs/methods.md#persistence): power law, exponential, and the uniform prior.
   The two families are *decays*: each is least squares on the curve itself (raw scale) within
   the bounds ``c > 0``, ``α ≥ 0`` (``λ ≥ 0``), and its R² is ``1 - Σ(P - f)² / Σ(P - P̄)²`` over
   the lags fitted. Starting values come from a straight-line fit on the log scale, so the result
@@ -13,9 +13,9 @@ package but its errors.
   few lags, no convergence, a parameter at an absurd scale), with NaN parameters and R², never
   printed as a curve.
 * TISA's positional scoring function ``f(k) = Σ_s a_s·exp(-|b_s|·(k - c_s)²)`` (Wennberg &
-  Henter, "The Case for Translation-Invariant Self-Attention", eq. 9-12; METHODS.md
-  section 3), fitted by variable projection.
-* The shrinkage exponent ``γ`` of ``var(q) ≈ c·(q+1)^(-γ)`` (METHODS.md section 4).
+  Henter, "The Case for Translation-Invariant Self-Attention", eq. 9-12; docs/methods.md#toeplitz),
+  fitted by variable projection.
+* The shrinkage exponent ``γ`` of ``var(q) ≈ c·(q+1)^(-γ)`` (docs/methods.md#order).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""Metrics: pure functions from sufficient statistics to the numbers of METHODS.md.
+"""Metrics: pure functions from sufficient statistics to the numbers of docs/methods.md.
 
 Inputs are float64 numpy arrays as held by :class:`~equivariance_probe.statistics.AttentionStatistics`
 (``L`` layers, ``H`` heads, ``T`` positions). Nothing here knows a model framework.
 
-Query-position R² (METHODS.md section 1). Over visible entries with ``y = log a`` (or
+Query-position R² (docs/methods.md#query-position-r2). Over visible entries with ``y = log a`` (or
 ``a``) and ``x = log u(q)`` (or ``u(q)``), ``u(q) = 1/|V(q)|``, and groups ``g`` of entries
 sharing the query position and visible key set:
 

@@ -1,4 +1,4 @@
-"""Persistence curves ``P(dt)`` and their fits, from lag sums (METHODS.md section 2).
+"""Persistence curves ``P(dt)`` and their fits, from lag sums (docs/methods.md#persistence).
 
 Place in the seams: *maths*. :func:`persistence_curves` turns sums by lag (and counts, and
 the uniform prior's sums over the same entries) into mean curves and fits each with
@@ -23,7 +23,7 @@ __all__ = ["PersistenceCurves", "persistence_curves", "lag_curves"]
 
 @dataclass
 class PersistenceCurves:
-    """Mean attention by distance, ``P(dt)``, with its three fits (METHODS.md section 2).
+    """Mean attention by distance, ``P(dt)``, with its three fits (docs/methods.md#persistence).
 
     ``P(dt)`` is the mean of ``a[l, h, t+dt, t]`` over windows, key positions ``t`` and
     (unless split) layers and heads. ``prior`` is the mean of ``u(t+dt) = 1/|V(t+dt)|`` over

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, check_integer, option
-from ..probe import MeasurementOptions, progress_bar
+from ..probe import MeasurementOptions, counted, progress_bar
 from ..records.fileformat import make_folder, write_json_atomically
 from ..records.provenance import config_fingerprint
 from ..records.result_file import RESULT_SUFFIX
@@ -286,7 +286,7 @@ class CheckpointedRun:
             docs: the documents of this run (after sharding).
             seed_parts: ``(seed, variant, shard)``; the chunk index is appended for each chunk's sample seed.
             options: how to measure (:meth:`EquivarianceProbe.run`); its ``sample_seed`` is each chunk's.
-            progress: a progress bar over documents.
+            progress: a progress bar over the documents (or windows, for token rows).
             metadata: added to the finished result's metadata *before* it is written to the
                 checkpoint, so that the written copy is the final file (see :meth:`finished_file`).
         """
@@ -300,7 +300,8 @@ class CheckpointedRun:
             total = self._load(self.current["file"]) if self.current["file"] else None
         every = self.every or max(len(docs), 1)
         probe = build_probe()
-        bar = progress_bar(progress, len(docs), f"{name}: documents")
+        unit = counted(docs)
+        bar = progress_bar(progress, len(docs), f"{name}: {unit}", unit)
         bar.update(position)
         try:
             for start in range(position, len(docs), every):

@@ -65,7 +65,7 @@ __all__ = [
 DEFAULT_COMPARE_MODELS = ("gemma-3-270m", "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct")
 
 #: The default comparison, sized to run the three packaged models, trained and at random
-#: initialisation, in well under 30 minutes on 2 CPU cores (README, "Across architectures").
+#: initialisation, in well under 30 minutes on 2 CPU cores (docs/guide/comparisons.md).
 DEFAULT_COMPARISON = {"n_docs": 12, "context_length": 512, "batch_size": 4, "baselines": ("random_init",)}
 
 #: How a comparison measures unless told otherwise: every model at one window length, no entry sample
@@ -124,6 +124,14 @@ class Comparison:
     studies: dict[str, Study]
     costs: dict[str, ModelCost]
     config: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        fitted = "; ".join(
+            f"{label}: " + ", ".join(f"{variant} {result.query_position_r2('log', 'fitted'):.4f}"
+                                     for variant, result in study.results.items())
+            for label, study in self.studies.items())
+        return (f"Comparison({len(self.studies)} models; log fitted query-position R²: {fitted}; "
+                ".table(), .rows(), .save(folder))")
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per ``(model, variant)``: every number of the table, and what it rests on.

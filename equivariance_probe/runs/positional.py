@@ -3,7 +3,8 @@
 Place in the seams: *runs*, orchestration like :mod:`~equivariance_probe.runs.study` (the CLI's
 ``positional`` command and ``run --analyses``). It picks windows from the corpus, runs the
 analyses of :mod:`~equivariance_probe.analyses.positional` and
-:mod:`~equivariance_probe.analyses.order` (METHODS.md sections 3-4), and keeps their results in a
+:mod:`~equivariance_probe.analyses.order` (docs/methods.md#toeplitz and #order), and keeps their results
+in a
 :class:`PositionalStudy` that saves to and loads from one file of the result format family
 (``positional.safetensors``: every array a safetensors tensor, the rest JSON in the header, see
 :mod:`~equivariance_probe.records.container`; the ``positional.json`` of earlier versions still
@@ -346,7 +347,7 @@ def run_positional(
     progress: bool = True,
     **measurement: Any,
 ) -> PositionalStudy:
-    """Run the positional analyses (METHODS.md sections 3-4) on a model.
+    """Run the positional analyses (docs/methods.md#toeplitz and #order) on a model.
 
     Args:
         model: a ``transformers`` model, a TransformerBridge, an nnsight model or an
@@ -355,7 +356,9 @@ def run_positional(
         docs: strings or a LongTensor ``[n, T]`` (default: the packaged Wikipedia articles).
         analyses: a subset of ``ANALYSES``.
         n_docs: windows for ``attention_toeplitz``, ``tisa``, ``shrinkage`` and ``correlation``.
-        n_prompts, prompt_length, n_permutations: the permutation protocol.
+        n_prompts: prompts of the permutation protocol.
+        prompt_length: tokens per prompt.
+        n_permutations: permutations per prompt.
         n_kernels: ``S`` of the TISA fits.
         baseline: ``"random_init"`` (shrinkage and correlations also on the model's own random
             initialisation, seed ``seed``) or ``None``.

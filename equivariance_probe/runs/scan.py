@@ -209,7 +209,8 @@ class ContextScan:
         jackknife deletes the same text at both lengths (:func:`~equivariance_probe.result.paired_difference`).
 
         Args:
-            context_length, reference: two lengths of the scan.
+            context_length: a length of the scan.
+            reference: the length it is compared with.
             statistic: a name of :data:`~equivariance_probe.analyses.intervals.INTERVAL_STATISTICS`
                 (``"log_fitted"``, ``"raw_eta2"``, ``"prior_fit"``, ``"toeplitz_per_doc"``, ...).
             variant: ``"trained"`` or a baseline of the scan.

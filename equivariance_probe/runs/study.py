@@ -3,7 +3,7 @@
 Runs the same documents through the model, through the same architecture at its own
 random initialisation (seeded, the model's own initialiser), and with all weights zero
 (every head exactly uniform), and collects one :class:`ProbeResult` per variant
-(METHODS.md section 5).
+(docs/methods.md#baselines).
 
 Place in the seams: *runs*, orchestration only; the numbers come from the probe, and the
 figures are drawn by :mod:`~equivariance_probe.display` from the :class:`Study` it returns.

@@ -1,6 +1,6 @@
 """Untrained baselines of a model: its own random initialisation, and every weight zero.
 
-Place in the seams: *sources* (METHODS.md section 5). :func:`random_init_like` builds the same
+Place in the seams: *sources* (docs/methods.md#baselines). :func:`random_init_like` builds the same
 architecture at its own random initialisation (the model's own ``_init_weights``, seeded), and
 :func:`zero_like` the same architecture with every parameter zero. Both return new models,
 wrapped the way the original was (Hugging Face model, TransformerLens bridge or nnsight

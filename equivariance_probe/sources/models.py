@@ -27,8 +27,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +93,24 @@ def _resolve(name: str, cache: str | os.PathLike[str] | None) -> tuple[str, bool
     return name, False
 
 
+@contextlib.contextmanager
+def _no_loading_bar() -> Iterator[None]:
+    """transformers' "Loading weights" bar off for one load, then as it was.
+
+    The converted copies load in about a second from local files, so the bar is only noise on
+    stderr (in a notebook, a stream of lines in every saved cell that loads a model).
+    """
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers_logging.enable_progress_bar()
+
+
 def _load_hf(
     source: str, *, local_folder: bool, dtype: torch.dtype, device: str | torch.device, attn_implementation: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -100,9 +120,10 @@ def _load_hf(
     try:
         # local_files_only is HF_HUB_OFFLINE for one call: nothing is downloaded, even
         # for a hub name, and a missing file fails at once instead of reaching the network.
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-        )
+        with _no_loading_bar():
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+            )
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
     except (ValueError, ImportError) as error:
         if "attn" not in str(error).lower() and "attention" not in str(error).lower():
@@ -259,5 +280,6 @@ def load_positional_model(name: str, *, cache_dir: str | None = None,
         return load_model(name, cache_dir=cache_dir, attn_implementation=attn_implementation)
     from transformers import AutoModel, AutoTokenizer
 
-    model = AutoModel.from_pretrained(str(folder), attn_implementation="eager", local_files_only=True).eval()
+    with _no_loading_bar():
+        model = AutoModel.from_pretrained(str(folder), attn_implementation="eager", local_files_only=True).eval()
     return model, AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.base import token_ids
 from ..errors import EmptyCorpusError, InputError, check_choice, check_integer, option
 
 __all__ = [
@@ -192,7 +193,7 @@ def document_separator(tokenizer: Any) -> tuple[int, ...]:
 
 # -- streams and windows ---------------------------------------------------------------------------
 def _encode(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return token_ids(tokenizer, text, add_special_tokens=False)
 
 
 def token_stream(

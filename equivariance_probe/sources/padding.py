@@ -12,7 +12,7 @@ keys. The probe therefore
 * refuses a bare token tensor whose rows start with the tokenizer's pad token (when that id is
   distinct from its BOS and EOS ids, so a real text cannot start with it), naming the fix
   (:func:`check_not_left_padded`). Where the pad id equals BOS or EOS (GPT-2) padding cannot
-  be told from text: such tensors are used as given, and the README says so.
+  be told from text: such tensors are used as given, and docs/getting-started.md says so.
 """
 
 from __future__ import annotations

@@ -260,7 +260,7 @@ _ENTRIES = (
     ),
 )
 
-#: Canonical name -> :class:`ModelSpec`, in the order of the README table.
+#: Canonical name -> :class:`ModelSpec`, in the order of the table in docs/guide/models.md.
 REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in _ENTRIES}
 
 #: The model of the study when none is named: Gemma 3 270M from its packaged GGUF file.

@@ -6,7 +6,7 @@ comparison or a context-length scan refuse a model or a length that does not fit
 anything; the peak measurement is the per-model cost reported next to the numbers. It imports
 ``torch`` only; ``transformers`` to read a model's config (:func:`model_size`).
 
-The estimate follows the engine (README, "The engine"): the model runs its own attention kernel
+The estimate follows the engine (docs/guide/engine.md): the model runs its own attention kernel
 (sdpa by default, which never holds a ``[T, T]`` pattern per head), and the statistics recompute
 attention from its queries and keys in query blocks whose temporaries are bounded by
 :data:`~equivariance_probe.statistics.blocks.DEFAULT_BLOCK_MEMORY`. So memory grows with ``B·T``
@@ -52,7 +52,7 @@ __all__ = [
 #: residual stream and its normed copy, the MLP's gate, up and product (``intermediate_size`` wide)
 #: and the queries, keys, values and attention output (``heads × head_dim`` wide) of one layer at a
 #: time, plus what the allocator keeps between layers. Calibrated on measured peaks
-#: (``benchmarks/memory_estimate.py``; README, "Cost"): Gemma 3 270M's run peak rises by about
+#: (``benchmarks/memory_estimate.py``; docs/guide/cost.md): Gemma 3 270M's run peak rises by about
 #: 66 KB per token of a batch (0.60 → 0.94 GiB above the loaded model from 2,048 to 8,192
 #: tokens), against 73 KB here (6·640 + 4·2048 + 6·1024 float32 values).
 ACTIVATION_WIDTHS = {"hidden": 6.0, "intermediate": 4.0, "attention": 6.0}
@@ -108,7 +108,7 @@ class MemoryEstimate:
     Every weight counts as resident. Weights read from a memory-mapped file that the run never
     touches (the untouched rows of an embedding table, an untied output layer the probe skips)
     stay out of resident memory, so measured peaks are lower: by 25-45 % for the packaged models
-    (README, "Cost").
+    (docs/guide/cost.md).
     """
 
     n_parameters: int

@@ -4,9 +4,9 @@ Every class here follows one protocol, :class:`Mergeable`: state is counts and f
 (or, for the entry sample, a bottom-k sample) that two runs over disjoint documents combine
 exactly with ``a.merge(b)`` or ``a + b``, whatever their batch sizes, processes or machines.
 
-* :class:`AttentionStatistics` — sums of attention weights (METHODS.md sections 1-3).
+* :class:`AttentionStatistics` — sums of attention weights (docs/methods.md sections 1-3).
 * :class:`EntrySample` — a bounded uniform sample of attention entries (scatter plots).
-* :class:`RepresentationSums` — sums of attention outputs and residual streams (section 4).
+* :class:`RepresentationSums` — sums of attention outputs and residual streams (docs/methods.md#order).
 * :mod:`~equivariance_probe.statistics.kernels` — the torch-only reductions behind them, which
   also run inside remote nnsight traces.
 

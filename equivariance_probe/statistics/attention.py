@@ -4,7 +4,7 @@ Place in the seams: *statistics*, what streams and merges. Each layer's attentio
 of windows is reduced, while the forward pass runs, to sums over documents (and over keys)
 that are small, independent of the number of documents, and exactly mergeable: two
 :class:`AttentionStatistics` measured on disjoint documents add up to the statistics of
-their union, whatever the batch sizes, processes or machines. Everything in METHODS.md
+their union, whatever the batch sizes, processes or machines. Everything in docs/methods.md
 sections 1-3 is a function of these sums (:mod:`equivariance_probe.maths`).
 
 Two ways in, the same sums out:
@@ -77,7 +77,8 @@ class AttentionStatistics:
     """Streaming sufficient statistics of a model's attention over a corpus.
 
     Args:
-        n_layers, n_heads: the model's attention layout.
+        n_layers: the model's attention layers.
+        n_heads: query heads per layer.
         n_positions: ``T``, the longest window the statistics hold.
         sliding_windows: per layer, ``None`` (full causal) or the sliding window width.
         log_floor: ``eps`` of the log scale; ``None`` takes the smallest normal number of

@@ -4,8 +4,8 @@ Place in the seams: *statistics*, the local engine. :class:`~equivariance_probe.
 AttentionStatistics` adds what these functions return; on CUDA the fused kernel of
 :mod:`~equivariance_probe.statistics.triton_kernels` computes the same sums in one launch.
 
-Every statistic of METHODS.md sections 1-3 is a function of a few float64 sums over the
-*visible* attention entries of each window (their streaming accumulator,
+Every statistic of docs/methods.md sections 1-3 (query-position R², persistence, Toeplitz) is a function
+of a few float64 sums over the *visible* attention entries of each window (their streaming accumulator,
 :class:`~equivariance_probe.statistics.AttentionStatistics`, merges them across batches by
 adding). This module computes those sums for one layer and one
 batch of right-padded windows directly from the layer's queries and keys, without ever

@@ -3,7 +3,7 @@
 Place in the seams: *statistics*, beside the attention statistics: counts and sums that
 merge by adding. :func:`~equivariance_probe.analyses.order.representation_sums` fills them
 from a model's attention outputs and residual streams; the variance-shrinkage and
-position-correlation analyses (METHODS.md section 4) read them.
+position-correlation analyses (docs/methods.md#order) read them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,76 @@
+"""The documentation site builds from the repository with warnings as errors, and every reference resolves.
+
+``mkdocs build --strict`` fails on a broken link or anchor between pages, a page missing from
+the navigation, or a docstring that griffe cannot read; the API page documents every public
+name; the code's and README's pointers into ``docs/methods.md`` name anchors that exist.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import equivariance_probe
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ROOT / "docs" / "methods.md"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    pytest.importorskip("mkdocs", reason="the site needs the docs extra: pip install -e '.[docs]'")
+    pytest.importorskip("mkdocstrings_handlers.python", reason="the site needs the docs extra: pip install -e '.[docs]'")
+    out = tmp_path_factory.mktemp("site")
+    built = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
+                                                                             "NO_MKDOCS_2_WARNING": "1"})
+    assert built.returncode == 0, f"mkdocs build --strict failed:\n{built.stdout[-3000:]}\n{built.stderr[-6000:]}"
+    return out
+
+
+def test_the_site_builds_strictly_with_every_page(site):
+    pages = {p.relative_to(site).as_posix() for p in site.rglob("index.html")}
+    for page in ("index.html", "getting-started/index.html", "methods/index.html", "guide/studies/index.html",
+                 "guide/heads/index.html", "guide/remote/index.html", "guide/cost/index.html",
+                 "notebooks/quickstart/index.html", "notebooks/heads/index.html", "notebooks/compare/index.html",
+                 "notebooks/remote/index.html", "reference/api/index.html"):
+        assert page in pages, page
+
+
+def test_the_api_reference_documents_every_public_name(site):
+    page = (site / "reference" / "api" / "index.html").read_text(encoding="utf-8")
+    for name in equivariance_probe.__all__:
+        if name != "__version__":
+            assert f'id="equivariance_probe.{name}"' in page, f"{name} is not documented in the API reference"
+
+
+def test_the_executed_notebooks_are_pages_with_their_outputs(site):
+    page = (site / "notebooks" / "heads" / "index.html").read_text(encoding="utf-8")
+    assert "circuitsvis-view" in page and "head-ranking" in page
+
+
+def anchors(markdown: str) -> set[str]:
+    """The ids of a page's headings: explicit ``{#id}`` attributes."""
+    return set(re.findall(r"\{#([\w-]+)\}", markdown))
+
+
+def test_every_pointer_into_the_methods_names_an_anchor_that_exists():
+    known = anchors(METHODS.read_text())
+    sources = [*ROOT.joinpath("equivariance_probe").rglob("*.py"), *ROOT.joinpath("tests").glob("*.py"),
+               ROOT / "README.md", *ROOT.joinpath("docs").rglob("*.md")]
+    cited = {(path.name, anchor) for path in sources
+             for anchor in re.findall(r"methods\.md#([\w-]+)", path.read_text(encoding="utf-8"))}
+    assert len(cited) >= 10
+    assert not [c for c in cited if c[1] not in known], "pointers to anchors docs/methods.md lacks"
+    assert not re.search(r"METHODS\.md", "".join(p.read_text(encoding="utf-8") for p in sources if p != Path(__file__)))
+
+
+def test_the_readme_is_a_first_page_whose_links_resolve():
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    for target in re.findall(r"\]\(((?!https?:)[^)#]+)(?:#[^)]*)?\)", readme):
+        assert (ROOT / target).exists(), f"the README links to {target}, which does not exist"
