@@ -178,7 +178,7 @@ def test_a_failing_fused_engine_names_the_torch_path_as_the_fix():
     scores = (query @ key.repeat_interleave(2, dim=1).transpose(-1, -2)) * 8**-0.5
     weights = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
     check.add_layer(0, query, key, weights.flip(-1).tril())  # weights the engine cannot have computed
-    check.engine.paths = {"triton": 1}  # as on a GPU
+    check.checked.paths = {"triton": 1}  # as on a GPU
     with pytest.raises(EngineCheckError, match="triton engine's sums differ.*engine='torch'"):
         check.finish()
 

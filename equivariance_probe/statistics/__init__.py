@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from typing import Protocol, TypeVar, runtime_checkable
 
-from .attention import STATISTICS, AttentionStatistics
+from .attention import AttentionStatistics
+from .config import STATISTICS, StatisticsConfig
 from .representation import RepresentationSums
 from .sample import EntrySample
 
-__all__ = ["Mergeable", "AttentionStatistics", "EntrySample", "RepresentationSums", "STATISTICS"]
+__all__ = ["Mergeable", "AttentionStatistics", "EntrySample", "RepresentationSums", "STATISTICS", "StatisticsConfig"]
 
 _Self = TypeVar("_Self", bound="Mergeable")
 
