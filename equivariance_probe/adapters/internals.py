@@ -14,7 +14,7 @@ with ``(module, query, key, value, attention_mask, scaling=..., softcap=...)``.
 of a ``with`` block: it sees the queries and keys after rotary embeddings and q/k norms, can
 drop the mask, and then calls the module's own eager function, so the model computes exactly
 what it computes without it. The scores are recomputed with the same helper the nnsight adapter
-uses (:func:`~equivariance_probe.statistics.kernels.attention_scores`).
+uses (:func:`~equivariance_probe.statistics.engines.in_trace.attention_scores`).
 
 Ablations (each checked to take effect; see :func:`ablate`):
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, InputError
-from ..statistics.kernels import attention_scores
+from ..statistics.engines.in_trace import attention_scores
 
 __all__ = [
     "ABLATIONS",

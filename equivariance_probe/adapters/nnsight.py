@@ -37,7 +37,7 @@ scores the server computed in bf16, so the two agree to bf16 rounding of the sco
 What travels to NDIF: the trace's code, the variables it reads, and the functions it
 calls, which are shipped by value: the in-trace functions of
 :mod:`~equivariance_probe.adapters.nnsight_remote` and
-:mod:`~equivariance_probe.statistics.kernels`, which use only ``torch`` and builtins
+:mod:`~equivariance_probe.statistics.engines.in_trace`, which use only ``torch`` and builtins
 (``tests/test_nnsight_adapter.py`` checks what the payload would import). Fits run locally.
 """
 
@@ -275,10 +275,10 @@ class NNsightAdapter(Adapter):
         from cloudpickle import register_pickle_by_value, unregister_pickle_by_value
         from cloudpickle.cloudpickle import _PICKLE_BY_VALUE_MODULES
 
-        from ..statistics import blocks, kernels
+        from ..statistics.engines import block_maths, in_trace
         from . import nnsight_remote
 
-        shipped = (nnsight_remote, kernels, blocks)
+        shipped = (nnsight_remote, in_trace, block_maths)
         assert tuple(m.__name__ for m in shipped) == REMOTE_MODULES
         added = [m for m in shipped if m.__name__ not in _PICKLE_BY_VALUE_MODULES]
         for module in added:

@@ -7,7 +7,7 @@ exactly with ``a.merge(b)`` or ``a + b``, whatever their batch sizes, processes 
 * :class:`AttentionStatistics` — sums of attention weights (METHODS.md sections 1-3).
 * :class:`EntrySample` — a bounded uniform sample of attention entries (scatter plots).
 * :class:`RepresentationSums` — sums of attention outputs and residual streams (section 4).
-* :mod:`~equivariance_probe.statistics.kernels` — the torch-only reductions behind them, which
+* :mod:`~equivariance_probe.statistics.engines.in_trace` — the torch-only reductions behind them, which
   also run inside remote nnsight traces.
 
 Nothing here imports a model framework: only torch, numpy and the package's errors.

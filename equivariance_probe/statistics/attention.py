@@ -11,8 +11,8 @@ Two ways in, the same sums out:
 
 * :meth:`AttentionStatistics.update_from_scores` — from a layer's queries and keys, as the
   model hands them to its attention kernel: the weights are recomputed in query blocks
-  (:mod:`~equivariance_probe.statistics.blocks`; one fused Triton kernel on CUDA,
-  :mod:`~equivariance_probe.statistics.triton_kernels`), never holding a ``[T, T]`` pattern
+  (:mod:`~equivariance_probe.statistics.engines.torch_blocks`; one fused Triton kernel on CUDA,
+  :mod:`~equivariance_probe.statistics.engines.triton`), never holding a ``[T, T]`` pattern
   per head, while the model runs its own kernel (sdpa, flash).
 * :meth:`AttentionStatistics.update` — from captured post-softmax weights
   ``pattern: [batch, head, query, key]``, for what the recomputation cannot model (ALiBi,
@@ -41,10 +41,11 @@ import torch
 
 from ..errors import AttentionCaptureError, IncompatibleResultsError, InputError, NonFiniteAttentionError, check_choice, option
 from .batch import BatchTransaction
-from .blocks import ENGINES, attention_sums_from_qk, attention_sums_from_weights, toeplitz_r2_per_window
+from .engines import ENGINES, reduce_scores, reduce_weights
+from .engines.block_maths import toeplitz_r2_per_window
 from .config import STATISTICS, StatisticsConfig, merge_arrays
 from .groups import DEFAULT_INTERVAL_GROUPS, WindowGroups, as_keys
-from .kernels import visible_mask
+from .engines.in_trace import visible_mask
 from .masks import KEY_BINS, default_log_floor, key_bins, uniform_prior
 from .sample import EntrySample
 
@@ -256,32 +257,15 @@ class AttentionStatistics:
             )
         if self.log_floor is None:
             self.log_floor = default_log_floor(query.dtype)
-        window = self.sliding_windows[layer]
-        masks = batch_state.masks_for(window, query.device)
-        arguments = dict(
-            scaling=scaling, softcap=softcap, window=window, lengths=batch_state.host_lengths, excluded_keys=self.excluded_keys,
-            log_floor=self.log_floor, key_bin=masks["key_bin"][:width], n_key_bins=self.key_bins,
-            keep_pattern=self.keep_pattern, block_size=self.block_size,
-        )
-        if not self.causal:
-            # The fused kernel knows causal masks only; bidirectional encoders go through the torch blocks.
-            if self.engine == "triton":
-                raise InputError("engine='triton' computes causal attention only; use engine='auto' or 'torch' for an encoder")
-            sums, path = attention_sums_from_qk(query, key, causal=False, workspace=batch_state.workspace, **arguments), "torch"
-        elif query.is_cuda and self.engine != "torch":
-            from . import triton_kernels  # imported on CUDA only: Triton is heavy, and absent on CPU installs
-
-            sums, path = triton_kernels.attention_sums(query, key, backend=self.engine, **arguments)
-        elif self.engine == "triton":
-            raise InputError(f"engine='triton' needs CUDA tensors, got queries on {query.device}; use engine='auto'")
-        else:
-            sums, path = attention_sums_from_qk(query, key, workspace=batch_state.workspace, **arguments), "torch"
+        spec, masks = batch_state.spec(layer, width, query.device, self.log_floor, self.block_size,
+                                       scaling=scaling, softcap=softcap)
+        sums, path = reduce_scores(query, key, spec, engine=self.engine, workspace=batch_state.workspace)
         self.paths[path] = self.paths.get(path, 0) + 1
         self._add_layer(layer, sums, masks, width)
         if self.sample is not None:
             self.sample.update_from_scores(
-                layer, query, key, batch_state.host_lengths, scaling=scaling, softcap=softcap, window=window,
-                excluded_keys=self.excluded_keys, causal=self.causal,
+                layer, query, key, batch_state.host_lengths, scaling=scaling, softcap=softcap, window=spec.window,
+                excluded_keys=spec.excluded_keys, causal=spec.causal,
             )
 
     def update(self, layer: int, pattern: torch.Tensor) -> None:
@@ -301,20 +285,15 @@ class AttentionStatistics:
             )
         if self.log_floor is None:
             self.log_floor = default_log_floor(pattern.dtype if pattern.is_floating_point() else torch.float32)
-        window = self.sliding_windows[layer]
-        masks = batch_state.masks_for(window, pattern.device)
+        spec, masks = batch_state.spec(layer, n_query, pattern.device, self.log_floor, self.block_size)
         if self.n_windows == 0:
             self._check_mask(layer, pattern, batch_state.lengths.to(pattern.device))
-        sums = attention_sums_from_weights(
-            pattern, window=window, lengths=batch_state.host_lengths, excluded_keys=self.excluded_keys, log_floor=self.log_floor,
-            key_bin=masks["key_bin"][:n_query], n_key_bins=self.key_bins, keep_pattern=self.keep_pattern,
-            block_size=self.block_size, causal=self.causal, workspace=batch_state.workspace,
-        )
+        sums = reduce_weights(pattern, spec, workspace=batch_state.workspace)
         self.paths["weights"] = self.paths.get("weights", 0) + 1
         self._add_layer(layer, sums, masks, n_query)
         if self.sample is not None:
-            self.sample.update(layer, pattern, batch_state.host_lengths, window=window, excluded_keys=self.excluded_keys,
-                               causal=self.causal)
+            self.sample.update(layer, pattern, batch_state.host_lengths, window=spec.window,
+                               excluded_keys=spec.excluded_keys, causal=spec.causal)
 
     def _add_layer(self, layer: int, sums: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], width: int) -> None:
         """Reduce a layer's per-window sums over the batch (and the per-window Toeplitz R²) and keep them pending."""
@@ -444,7 +423,7 @@ class AttentionStatistics:
         """What a reduction run elsewhere needs to reduce this batch exactly as :meth:`update` would.
 
         For adapters that cannot bring patterns home (a remote nnsight trace): they run
-        :func:`~equivariance_probe.statistics.kernels.reduce_layer` where the model runs and
+        :func:`~equivariance_probe.statistics.engines.in_trace.reduce_layer` where the model runs and
         hand the sums to :meth:`add_batch_sums`. Plain values only, so the plan travels with
         the trace.
 
@@ -452,12 +431,12 @@ class AttentionStatistics:
             width: ``W``, the batch's width in tokens (its longest window).
 
         Returns:
-            ``windows`` (per layer, the sliding window, ``None`` where it covers ``W``),
-            ``excluded_keys``, ``log_floor``, ``keep_pattern``, ``key_bin`` (the bin of each of
-            the ``W`` key positions), ``n_key_bins`` and ``check_mask`` (whether the reduction
-            must measure attention outside the mask: on the first batch).
+            ``spec``: the batch's :class:`~equivariance_probe.statistics.engines.spec.ReductionSpec` in plain
+            form (:meth:`~equivariance_probe.statistics.engines.spec.ReductionSpec.plain`, without a window),
+            ``windows`` (per layer, the sliding window, ``None`` where it covers ``W``) and ``check_mask``
+            (whether the reduction must measure attention outside the mask: on the first batch).
         """
-        self._require_batch("reduction_plan")
+        batch = self._require_batch("reduction_plan")
         if not self.causal:
             raise AttentionCaptureError(
                 "a bidirectional encoder's attention cannot be reduced inside a remote trace (the remote reduction "
@@ -468,14 +447,10 @@ class AttentionStatistics:
                 "the statistics need their log_floor before a reduction runs elsewhere; set it from the "
                 "model's dtype (statistics.log_floor = default_log_floor(dtype)) first"
             )
-        bins, count = key_bins(self.n_positions, self.key_bins)
+        spec, _ = batch.spec(0, width, torch.device("cpu"), self.log_floor, self.block_size)
         return {
+            "spec": {**spec.plain(), "window": None},
             "windows": [None if w is None or w >= width else int(w) for w in self.sliding_windows],
-            "excluded_keys": [int(k) for k in self.excluded_keys],
-            "log_floor": float(self.log_floor),
-            "keep_pattern": bool(self.keep_pattern),
-            "key_bin": [int(b) for b in bins[:width].tolist()],
-            "n_key_bins": count,
             "check_mask": self.n_windows == 0,
         }
 

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from .config import StatisticsConfig
-from .blocks import BlockWorkspace
+from .engines import ReductionSpec
+from .engines.block_maths import BlockWorkspace
 from .masks import key_bins, mask_counts, pinned
 
 __all__ = ["BatchTransaction"]
@@ -71,6 +72,22 @@ class BatchTransaction:
                 self._masks[host] = {name: pinned(value) for name, value in {**counts, "key_bin": bins}.items()}
             self._masks[key] = {name: value.to(device, non_blocking=True) for name, value in self._masks[host].items()}
         return self._masks[key]
+
+    def spec(
+        self, layer: int, width: int, device: torch.device, log_floor: float, block_size: int | None, *,
+        scaling: float | None = None, softcap: float | None = None,
+    ) -> tuple[ReductionSpec, dict[str, torch.Tensor]]:
+        """The :class:`ReductionSpec` of one layer of this batch, ``width`` positions wide, with the mask's sums
+        on ``device`` (:meth:`masks_for`) that the reduced sums are completed with."""
+        config = self.config
+        window = config.sliding_windows[layer]
+        masks = self.masks_for(window, device)
+        spec = ReductionSpec(
+            lengths=self.host_lengths, window=window, causal=config.causal, excluded_keys=config.excluded_keys,
+            log_floor=log_floor, key_bin=masks["key_bin"][:width], n_key_bins=config.key_bins,
+            keep_pattern=config.keep_pattern, scaling=scaling, softcap=softcap, block_size=block_size,
+        )
+        return spec, masks
 
     def missing_layers(self) -> list[int]:
         """Layers of the model whose sums have not been staged."""

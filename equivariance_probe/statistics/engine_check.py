@@ -37,7 +37,7 @@ import torch
 
 from ..errors import EngineCheckError, option
 from .attention import AttentionStatistics
-from .kernels import attention_scores, visible_mask
+from .engines.in_trace import attention_scores, visible_mask
 from .masks import default_log_floor
 
 __all__ = ["CHECKED_SUMS", "EngineCheck", "engine_tolerance"]

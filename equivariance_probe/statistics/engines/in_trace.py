@@ -1,12 +1,12 @@
-"""Torch-only kernels of the statistics that also run where the model runs: scores, masks, and
-the reduction of one layer's captured attention.
+"""The in-trace engine: torch-only reductions that run where the model runs (inside a remote nnsight
+trace): scores, masks, and the reduction of one layer's captured attention.
 
 Place in the seams: *statistics*. The functions here use torch, math and builtins alone, so
 that, shipped by value, they run inside a remote nnsight trace on a server where
 equivariance_probe is not installed (:mod:`~equivariance_probe.adapters.nnsight_remote`). A
 remote batch is reduced by :func:`reduce_layer` from the whole pattern of one layer at a time
 (the server has the memory); local runs use the query-block engine of
-:mod:`~equivariance_probe.statistics.blocks`, which returns the same sums.
+:mod:`~equivariance_probe.statistics.engines.torch_blocks`, which returns the same sums.
 
 Coordinates: ``query`` ``q`` and ``key`` ``k`` are absolute positions in a window; ``lag`` is
 ``dt = q - k``.
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .blocks import row_moments, toeplitz_r2_per_window
-from .masks import default_log_floor, uniform_prior
+from ..masks import default_log_floor, uniform_prior
+from .block_maths import row_moments, toeplitz_r2_per_window
 
 __all__ = [
     "default_log_floor",
