@@ -60,7 +60,7 @@ NO_WEIGHTS = "the attention module returned no attention weights"
 def outside_mass(pattern: torch.Tensor, window: int | None, lengths: torch.Tensor) -> torch.Tensor:
     """Largest attention mass a real query puts outside the reported mask: ``[]`` float64.
 
-    The in-trace twin of ``AttentionStatistics._check_mask``: if it is not ~0, the model's
+    The in-trace twin of :func:`~equivariance_probe.statistics.mask_check.outside_mass`: if it is not ~0, the model's
     real mask is not the one the adapter reported and every statistic would miss mass.
     """
     n_positions = pattern.shape[-1]

@@ -18,69 +18,55 @@ Two ways in, the same sums out:
   ``pattern: [batch, head, query, key]``, for what the recomputation cannot model (ALiBi,
   learned sink logits, custom attention) and for frameworks that hand over patterns.
 
-State that grows with ``T²`` is kept only when asked (``keep_pattern``): the key-conditioned
-lag sums live in ``K`` key bins (:data:`~equivariance_probe.statistics.masks.KEY_BINS`), and
-the mask's part comes in closed form (:func:`~equivariance_probe.statistics.masks.mask_counts`).
-A layer's sums stay on the device its queries are on (a model spread over devices with
-``device_map``) until they are read, and are moved once, not per batch.
+State that grows with ``T²`` is kept only when asked (``keep_pattern``); the key-lag sums live in
+``K`` key bins, and the mask's part comes in closed form. A layer's sums stay on the device its
+queries are on (``device_map``) until they are read, and are moved once, not per batch.
 
-Coordinates: ``query`` ``q`` and ``key`` ``k`` are absolute positions in a window; ``lag`` is
-``dt = q - k``. Key-lag arrays are indexed ``[key bin κ, lag dt]``. A causal model has ``D = T``
-lags ``0 .. T-1``; a bidirectional encoder (``causal=False``: BERT, where every real token sees
-every real token of its window) has ``D = 2T - 1`` signed lags, lag ``dt`` at index ``dt + T - 1``.
+Coordinates: absolute positions ``q``, ``k`` in a window, lags ``dt = q - k`` (``D = T`` causal,
+``2T - 1`` signed bidirectional: :mod:`~equivariance_probe.statistics.masks`); key-lag arrays are
+``[key bin κ, lag dt]``. How they are measured: :mod:`~equivariance_probe.statistics.config`; one
+batch on its way in: :mod:`~equivariance_probe.statistics.batch`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import AttentionCaptureError, IncompatibleResultsError, InputError, NonFiniteAttentionError, check_choice, option
-from .batch import BatchTransaction
-from .engines import ENGINES, reduce_scores, reduce_weights
-from .engines.block_maths import toeplitz_r2_per_window
+from ..errors import AttentionCaptureError, IncompatibleResultsError, check_choice, option
+from . import elsewhere
+from .batch import BatchTransaction, resampling_keys_of, window_fingerprint_array
 from .config import STATISTICS, StatisticsConfig, merge_arrays
-from .groups import DEFAULT_INTERVAL_GROUPS, WindowGroups, as_keys
-from .engines.in_trace import visible_mask
-from .masks import KEY_BINS, default_log_floor, key_bins, uniform_prior
+from .engines import ENGINES, reduce_scores, reduce_weights
+from .groups import DEFAULT_INTERVAL_GROUPS, WindowGroups
+from .mask_check import MASK_LEAK_TOLERANCE, outside_mass, refuse_mask, refuse_nonfinite
+from .masks import KEY_BINS, default_log_floor
 from .sample import EntrySample
 
 __all__ = ["AttentionStatistics", "STATISTICS", "MASK_LEAK_TOLERANCE", "ENGINES"]
-
-#: Largest attention mass per query tolerated outside the mask an adapter reported (first batch):
-#: more means the adapter does not know the model's real mask.
-MASK_LEAK_TOLERANCE = 1e-3
 
 class AttentionStatistics:
     """Streaming sufficient statistics of a model's attention over a corpus.
 
     Args:
-        n_layers, n_heads: the model's attention layout.
-        n_positions: ``T``, the longest window the statistics hold.
-        sliding_windows: per layer, ``None`` (full causal) or the sliding window width.
-        log_floor: ``eps`` of the log scale; ``None`` takes the smallest normal number of
-            the first attention's dtype.
-        excluded_keys: absolute key positions left out of every statistic.
-        keep_pattern: keep the window-summed pattern ``[layer, head, T, T]`` (needed for
-            the Toeplitz R² of the document-averaged pattern; 8·L·H·T² bytes).
-        key_bins: how many key-position bins the key-conditioned lag sums keep (one per key
-            up to this many positions).
-        causal: ``False`` for a bidirectional encoder: every real token of a window sees every
-            real token of it (no sliding windows), lags are signed (``D = 2T - 1``), and the
-            uniform prior ``1/|V|`` is the same for every query of a window.
+        n_layers, n_heads, n_positions, sliding_windows, log_floor, excluded_keys, keep_pattern, key_bins,
+            causal, interval_groups: how the statistics are measured, what must agree for a merge: the
+            fields of :class:`~equivariance_probe.statistics.config.StatisticsConfig` (``n_positions`` is
+            ``T``, the longest window held; ``log_floor=None`` takes the smallest normal number of the first
+            attention's dtype; ``causal=False`` for a bidirectional encoder, whose lags are signed,
+            ``D = 2T - 1``; ``interval_groups``, groups of windows for the delete-a-group jackknife,
+            :mod:`~equivariance_probe.statistics.groups`, held in :attr:`groups`).
         sample_size: also keep a uniform sample of this many entries
             (:class:`~equivariance_probe.statistics.sample.EntrySample`, for scatter plots); 0 for none.
         sample_seed: seed of that sample.
         device: where the float64 sums live while streaming (a layer computed on another
             device keeps its sums there until they are read).
-        engine: one of :data:`ENGINES`, for :meth:`update_from_scores`.
+        engine: one of :data:`ENGINES`, for :meth:`update_from_scores`
+            (:func:`~equivariance_probe.statistics.engines.reduce_scores` routes it).
         block_size: query rows per block of the torch engine (``None``: from a memory budget).
-        interval_groups: ``G``, groups of windows for intervals (the delete-a-group jackknife,
-            :mod:`~equivariance_probe.statistics.groups`; held in :attr:`groups`); 0 for none.
 
     The arguments that must agree for a merge are held in :attr:`settings`, a
     :class:`~equivariance_probe.statistics.config.StatisticsConfig`. All arrays are float64 and
@@ -198,31 +184,13 @@ class AttentionStatistics:
                 (:func:`~equivariance_probe.statistics.groups.group_of`); ``None``: the fingerprints
                 (the window's order in the stream where there are none).
         """
-        if fingerprints is not None:
-            fingerprints = np.asarray(fingerprints, dtype=np.uint64).reshape(-1)
-            if len(fingerprints) != lengths.numel():
-                raise InputError(
-                    f"begin_batch got {len(fingerprints)} window fingerprints for a batch of {lengths.numel()} windows; "
-                    "pass one fingerprint per window (or fingerprints=None)"
-                )
-        keys, kind = self._resampling_keys(lengths.numel(), fingerprints, resampling_keys)
+        fingerprints = window_fingerprint_array(fingerprints, lengths.numel())
+        keys, kind = resampling_keys_of(lengths.numel(), fingerprints, resampling_keys, self.n_windows)
         self.abort_batch()
         sample_before = None if self.sample is None else self.sample.to_arrays()
         self._batch = BatchTransaction(self.settings, lengths, self.device, fingerprints, sample_before)
         if self.groups is not None:
             self.groups.begin(keys, kind, self._batch.host_lengths)
-
-    def _resampling_keys(self, batch: int, fingerprints: np.ndarray | None, keys: Any) -> tuple[np.ndarray, str]:
-        """Each window's interval-group key and where it came from (see :data:`~.groups.KEY_KINDS`)."""
-        if keys is not None:
-            keys = as_keys(keys)
-            if len(keys) != batch:
-                raise InputError(f"begin_batch got {len(keys)} resampling keys for a batch of {batch} windows; "
-                                 "pass one key per window (or resampling_keys=None)")
-            return keys, "explicit"
-        if fingerprints is not None:
-            return fingerprints, "window_fingerprint"
-        return np.arange(self.n_windows, self.n_windows + batch, dtype=np.uint64), "ordinal"
 
     def update_from_scores(
         self,
@@ -287,7 +255,9 @@ class AttentionStatistics:
             self.log_floor = default_log_floor(pattern.dtype if pattern.is_floating_point() else torch.float32)
         spec, masks = batch_state.spec(layer, n_query, pattern.device, self.log_floor, self.block_size)
         if self.n_windows == 0:
-            self._check_mask(layer, pattern, batch_state.lengths.to(pattern.device))
+            leaked = outside_mass(pattern, batch_state.lengths.to(pattern.device), spec.window, spec.causal)
+            if leaked > MASK_LEAK_TOLERANCE:
+                refuse_mask(layer, leaked, spec.window, spec.causal)
         sums = reduce_weights(pattern, spec, workspace=batch_state.workspace)
         self.paths["weights"] = self.paths.get("weights", 0) + 1
         self._add_layer(layer, sums, masks, n_query)
@@ -297,27 +267,7 @@ class AttentionStatistics:
 
     def _add_layer(self, layer: int, sums: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], width: int) -> None:
         """Reduce a layer's per-window sums over the batch (and the per-window Toeplitz R²) and keep them pending."""
-        pad = self.n_positions - width
-
-        def padded(value: torch.Tensor, dims: int) -> torch.Tensor:
-            return value if pad == 0 else torch.nn.functional.pad(value, (0, pad) * dims)
-
-        def padded_lags(value: torch.Tensor) -> torch.Tensor:
-            # Signed lags of a narrower batch sit at dt + W - 1: centre them at dt + T - 1.
-            return padded(value, 1) if self.causal or pad == 0 else torch.nn.functional.pad(value, (pad, pad))
-
-        per_window = {name: padded(sums[name], 1) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq")}
-        per_window["lag_sum"] = padded_lags(sums["lag_sum"])
-        r2, has_variance = toeplitz_r2_per_window(per_window, masks["doc_lag_count"])
-        reduced = {name: value.sum(0) for name, value in per_window.items()}
-        reduced["floored"] = sums["floored"].sum(0)
-        reduced["doc_toeplitz_sum"] = r2.sum(0)
-        reduced["doc_toeplitz_count"] = has_variance.sum(0, dtype=torch.float64)
-        reduced["key_lag_sum"] = padded_lags(sums["key_lag_sum"])
-        if self.keep_pattern:
-            reduced["pattern_sum"] = padded(sums["pattern_sum"], 2)
-        # Checked for NaN and inf in end_batch, all layers at once: one device sync per batch, not per layer.
-        self._batch.pending[layer] = reduced
+        per_window, r2, has_variance = self._batch.stage(layer, sums, masks, width)
         if self.groups is not None:
             self.groups.stage(layer, per_window, r2, has_variance.to(torch.float64))
 
@@ -328,48 +278,6 @@ class AttentionStatistics:
                 "between statistics.begin_batch(lengths) and statistics.end_batch()"
             )
         return self._batch
-
-    @staticmethod
-    def _check_finite(layer: int, reduced: dict[str, torch.Tensor]) -> None:
-        if not bool(torch.isfinite(reduced["raw_sum"]).all() & torch.isfinite(reduced["log_sum"]).all()):
-            AttentionStatistics._refuse_nonfinite(layer)
-
-    @staticmethod
-    def _refuse_nonfinite(layer: int) -> None:
-        raise NonFiniteAttentionError(
-            f"layer {layer} produced NaN or infinite attention weights on visible entries; "
-            "check the model's weights for NaN/inf (e.g. a failed load or an fp16 overflow) "
-            "and run it in float32 or bfloat16. Statistics gathered before this batch are kept."
-        )
-
-    def _check_mask(self, layer: int, pattern: torch.Tensor, lengths: torch.Tensor) -> None:
-        """On the first batch: the model must put no attention outside the mask we read.
-
-        If it did, the adapter reported the wrong mask (e.g. a sliding window it did not
-        know of) and every statistic would silently miss attention mass.
-        """
-        width = pattern.shape[-1]
-        if self.causal:
-            model_mask = visible_mask(width, self.sliding_windows[layer], lengths)
-        else:
-            position = torch.arange(width, device=lengths.device)
-            real = position.view(1, -1) < lengths.view(-1, 1)  # [B, T]
-            model_mask = real.unsqueeze(-1) & real.unsqueeze(-2)
-        real_rows = model_mask.any(-1, keepdim=True).unsqueeze(1)
-        outside = torch.where(real_rows & ~model_mask.unsqueeze(1), pattern.abs(), torch.zeros((), dtype=pattern.dtype, device=pattern.device))
-        leaked = float(outside.sum(-1).max()) if outside.numel() else 0.0
-        if leaked > MASK_LEAK_TOLERANCE:
-            self._refuse_mask(layer, leaked)
-
-    def _refuse_mask(self, layer: int, leaked: float) -> None:
-        window = self.sliding_windows[layer]
-        mask = "bidirectional" if not self.causal else "full causal" if window is None else f"sliding window {window}"
-        raise AttentionCaptureError(
-            f"layer {layer} puts attention mass up to {leaked:.3g} per query on keys outside the mask the "
-            f"adapter reported ({mask}); the "
-            "statistics would miss it. The model's mask is not one this adapter understands: report the "
-            "architecture, or pass an adapter with the right sliding windows"
-        )
 
     def end_batch(self) -> None:
         """Add the batch: every layer must have been given to :meth:`update` or :meth:`update_from_scores`."""
@@ -384,7 +292,7 @@ class AttentionStatistics:
         nonfinite = batch.first_nonfinite_layer(self.device)
         if nonfinite is not None:
             self.abort_batch()
-            self._refuse_nonfinite(nonfinite)
+            refuse_nonfinite(nonfinite)
         for layer, reduced in batch.pending.items():
             if next(iter(reduced.values())).device == self.device:
                 self._add(layer, reduced, self._arrays)
@@ -420,99 +328,14 @@ class AttentionStatistics:
         return None if self._batch is None else self._batch.lengths
 
     def reduction_plan(self, width: int) -> dict[str, Any]:
-        """What a reduction run elsewhere needs to reduce this batch exactly as :meth:`update` would.
-
-        For adapters that cannot bring patterns home (a remote nnsight trace): they run
-        :func:`~equivariance_probe.statistics.engines.in_trace.reduce_layer` where the model runs and
-        hand the sums to :meth:`add_batch_sums`. Plain values only, so the plan travels with
-        the trace.
-
-        Args:
-            width: ``W``, the batch's width in tokens (its longest window).
-
-        Returns:
-            ``spec``: the batch's :class:`~equivariance_probe.statistics.engines.spec.ReductionSpec` in plain
-            form (:meth:`~equivariance_probe.statistics.engines.spec.ReductionSpec.plain`, without a window),
-            ``windows`` (per layer, the sliding window, ``None`` where it covers ``W``) and ``check_mask``
-            (whether the reduction must measure attention outside the mask: on the first batch).
-        """
-        batch = self._require_batch("reduction_plan")
-        if not self.causal:
-            raise AttentionCaptureError(
-                "a bidirectional encoder's attention cannot be reduced inside a remote trace (the remote reduction "
-                "knows causal masks); run the encoder locally"
-            )
-        if self.log_floor is None:
-            raise AttentionCaptureError(
-                "the statistics need their log_floor before a reduction runs elsewhere; set it from the "
-                "model's dtype (statistics.log_floor = default_log_floor(dtype)) first"
-            )
-        spec, _ = batch.spec(0, width, torch.device("cpu"), self.log_floor, self.block_size)
-        return {
-            "spec": {**spec.plain(), "window": None},
-            "windows": [None if w is None or w >= width else int(w) for w in self.sliding_windows],
-            "check_mask": self.n_windows == 0,
-        }
+        """What a reduction run elsewhere (a remote trace) needs to reduce this batch exactly as :meth:`update`
+        would: :func:`~equivariance_probe.statistics.elsewhere.reduction_plan`."""
+        return elsewhere.reduction_plan(self, self._require_batch("reduction_plan"), width)
 
     def add_batch_sums(self, sums: dict[str, torch.Tensor], width: int) -> None:
-        """Add every layer's sums of the current batch, reduced elsewhere with :meth:`reduction_plan`.
-
-        Args:
-            sums: float64 tensors for ``W = width`` and ``L`` layers: ``raw_sum, raw_sq,
-                log_sum, log_sq, lag_sum: [L, head, W]``; ``floored, doc_toeplitz_sum,
-                doc_toeplitz_count: [L, head]``; ``key_lag_sum: [K, W]`` (summed over layers);
-                ``outside_mass: [L]`` (largest attention mass a real query put outside the
-                mask; 0 when not checked); and, with ``keep_pattern``, ``pattern_sum:
-                [L, head, W, W]`` (query-key layout).
-            width: ``W``.
-
-        The mask part is computed here, so the batch merges exactly like one given to
-        :meth:`update`: entries beyond ``W`` are 0, so zero-padding to ``T`` embeds them exactly.
-
-        Interval groups: the sums are totals over the batch, so they are a group's sums only when
-        every window of the batch is in one group (always with ``batch_size=1``); a batch of
-        windows of several groups drops the group sums of these statistics for good, with a warning
-        (the intervals then say why).
-        """
-        batch = self._require_batch("add_batch_sums")
-        outside = sums["outside_mass"]
-        if outside.numel() and float(outside.max()) > MASK_LEAK_TOLERANCE:
-            layer = int(outside.argmax())
-            self._refuse_mask(layer, float(outside[layer]))
-        pad = self.n_positions - width
-
-        def padded(value: torch.Tensor, dims: int) -> torch.Tensor:
-            return value if pad == 0 else torch.nn.functional.pad(value, (0, pad) * dims)
-
-        zero_key_lag = torch.zeros((self.key_bins, self.n_positions), dtype=torch.float64)
-        self._remote_groups()
-        for layer in range(self.n_layers):
-            reduced = {name: padded(sums[name][layer], 1) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum")}
-            for name in ("floored", "doc_toeplitz_sum", "doc_toeplitz_count"):
-                reduced[name] = sums[name][layer]
-            if "pattern_sum" in sums:
-                reduced["pattern_sum"] = padded(sums["pattern_sum"][layer], 2)
-            # The reduction summed key_lag_sum over layers (the statistics only keep that sum):
-            # it goes with the last layer, zeros with the others.
-            last = layer == self.n_layers - 1
-            reduced["key_lag_sum"] = padded(sums["key_lag_sum"], 1) if last else zero_key_lag
-            reduced = {name: value.to(device=self.device, dtype=torch.float64) for name, value in reduced.items()}
-            self._check_finite(layer, reduced)
-            batch.pending[layer] = reduced
-            if self.groups is not None:
-                self.groups.stage(layer, {name: value.unsqueeze(0) for name, value in reduced.items()},
-                                  reduced["doc_toeplitz_sum"].unsqueeze(0), reduced["doc_toeplitz_count"].unsqueeze(0))
-        self.paths["remote"] = self.paths.get("remote", 0) + self.n_layers
-
-    def _remote_groups(self) -> None:
-        """Drop the group sums when a batch reduced elsewhere (summed over its windows) spans several groups."""
-        if self.groups is None or self.groups.unavailable is not None or self.groups.single_group():
-            return
-        reason = ("a batch was reduced remotely, where its sums come back added over its windows, and its windows fall "
-                  "in more than one interval group; rerun remotely with batch_size=1 (each reply is then one window's) "
-                  "or locally for intervals")
-        self.groups.disable(reason)
-        warnings.warn(f"interval groups dropped: {reason}", stacklevel=3)
+        """Add every layer's sums of the current batch, reduced elsewhere with :meth:`reduction_plan`:
+        :func:`~equivariance_probe.statistics.elsewhere.add_batch_sums`."""
+        elsewhere.add_batch_sums(self, self._require_batch("add_batch_sums"), sums, width)
 
     # -- merging --------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
@@ -655,14 +478,8 @@ class AttentionStatistics:
         return {name: value.detach().cpu().numpy() for name, value in self.arrays.items()}
 
     def visible_keys(self) -> torch.Tensor:
-        """``|V(q)|`` per layer under the model's mask: ``[L, T]`` float64.
-
-        For a bidirectional encoder the visible keys are the window's, the same for every query:
-        ``T`` (a full window) everywhere, so that the query-position groups are the positions alone.
-        """
-        if not self.causal:
-            return torch.full((self.n_layers, self.n_positions), float(self.n_positions), dtype=torch.float64)
-        return torch.stack([1.0 / uniform_prior(self.n_positions, w) for w in self.sliding_windows])
+        """``|V(q)|`` per layer under the model's mask: ``[L, T]`` float64 (:meth:`StatisticsConfig.visible_keys`)."""
+        return self.settings.visible_keys()
 
     def nbytes(self) -> int:
         groups = 0 if self.groups is None else self.groups.nbytes()

@@ -16,12 +16,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import InputError
 from .config import StatisticsConfig
 from .engines import ReductionSpec
-from .engines.block_maths import BlockWorkspace
+from .engines.block_maths import BlockWorkspace, toeplitz_r2_per_window
+from .groups import as_keys
 from .masks import key_bins, mask_counts, pinned
 
-__all__ = ["BatchTransaction"]
+__all__ = ["BatchTransaction", "resampling_keys_of", "window_fingerprint_array"]
 
 
 class BatchTransaction:
@@ -89,6 +91,51 @@ class BatchTransaction:
         )
         return spec, masks
 
+    def stage(
+        self, layer: int, sums: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], width: int
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Keep one layer's batch-summed sums pending, from an engine's per-window ``sums`` of a batch
+        ``width`` positions wide (zero-padded to ``T``: entries beyond ``W`` are 0, so the padding embeds
+        them exactly) and its per-window Toeplitz R² (from ``masks``, :meth:`masks_for`).
+
+        Returns:
+            ``(per_window, r2, has_variance)``: the padded per-window row and lag sums, and each window's
+            Toeplitz R² and whether it has variance (``[B, H]``), for the interval groups.
+        """
+        causal, pad = self.config.causal, self.config.n_positions - width
+        per_window = {name: _widened(sums[name], pad) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq")}
+        per_window["lag_sum"] = _widened(sums["lag_sum"], pad, centred=not causal)
+        r2, has_variance = toeplitz_r2_per_window(per_window, masks["doc_lag_count"])
+        reduced = {name: value.sum(0) for name, value in per_window.items()}
+        reduced["floored"] = sums["floored"].sum(0)
+        reduced["doc_toeplitz_sum"] = r2.sum(0)
+        reduced["doc_toeplitz_count"] = has_variance.sum(0, dtype=torch.float64)
+        reduced["key_lag_sum"] = _widened(sums["key_lag_sum"], pad, centred=not causal)
+        if self.config.keep_pattern:
+            reduced["pattern_sum"] = _widened(sums["pattern_sum"], pad, dims=2)
+        # Checked for NaN and inf in end_batch, all layers at once: one device sync per batch, not per layer.
+        self.pending[layer] = reduced
+        return per_window, r2, has_variance
+
+    def stage_batch_sums(self, sums: dict[str, torch.Tensor], width: int, device: torch.device) -> dict[int, dict[str, torch.Tensor]]:
+        """Keep every layer's sums pending, from sums reduced elsewhere over the whole batch (see
+        :meth:`~equivariance_probe.statistics.AttentionStatistics.add_batch_sums` for their shapes); the
+        staged sums per layer, float64 on ``device``."""
+        config, pad = self.config, self.config.n_positions - width
+        zero_key_lag = torch.zeros((config.key_bins, config.n_positions), dtype=torch.float64)
+        for layer in range(config.n_layers):
+            reduced = {name: _widened(sums[name][layer], pad) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum")}
+            for name in ("floored", "doc_toeplitz_sum", "doc_toeplitz_count"):
+                reduced[name] = sums[name][layer]
+            if "pattern_sum" in sums:
+                reduced["pattern_sum"] = _widened(sums["pattern_sum"][layer], pad, dims=2)
+            # The reduction summed key_lag_sum over layers (the statistics only keep that sum):
+            # it goes with the last layer, zeros with the others.
+            last = layer == config.n_layers - 1
+            reduced["key_lag_sum"] = _widened(sums["key_lag_sum"], pad) if last else zero_key_lag
+            self.pending[layer] = {name: value.to(device=device, dtype=torch.float64) for name, value in reduced.items()}
+        return self.pending
+
     def missing_layers(self) -> list[int]:
         """Layers of the model whose sums have not been staged."""
         return sorted(set(range(self.config.n_layers)) - set(self.pending))
@@ -117,3 +164,38 @@ class BatchTransaction:
             }
         out[0]["windows_covering"] = self.masks_for(config.sliding_windows[0], device)["windows_covering"]
         return out
+
+
+def _widened(value: torch.Tensor, pad: int, *, dims: int = 1, centred: bool = False) -> torch.Tensor:
+    """``value`` zero-padded by ``pad`` after each of its last ``dims`` axes; ``centred``: signed lags of a
+    narrower batch, which sit at ``dt + W - 1``, moved to ``dt + T - 1`` (``pad`` zeros on both sides)."""
+    if pad == 0:
+        return value
+    return torch.nn.functional.pad(value, (pad, pad) if centred else (0, pad) * dims)
+
+
+def window_fingerprint_array(fingerprints: Any, batch: int) -> np.ndarray | None:
+    """A batch's window fingerprints as ``[batch]`` ``uint64`` (``None`` stays ``None``)."""
+    if fingerprints is None:
+        return None
+    fingerprints = np.asarray(fingerprints, dtype=np.uint64).reshape(-1)
+    if len(fingerprints) != batch:
+        raise InputError(
+            f"begin_batch got {len(fingerprints)} window fingerprints for a batch of {batch} windows; "
+            "pass one fingerprint per window (or fingerprints=None)"
+        )
+    return fingerprints
+
+
+def resampling_keys_of(batch: int, fingerprints: np.ndarray | None, keys: Any, n_windows: int) -> tuple[np.ndarray, str]:
+    """Each window's interval-group key and where it came from (see :data:`~.groups.KEY_KINDS`): the keys
+    given, else the fingerprints, else the windows' order in the stream (after ``n_windows`` added before)."""
+    if keys is not None:
+        keys = as_keys(keys)
+        if len(keys) != batch:
+            raise InputError(f"begin_batch got {len(keys)} resampling keys for a batch of {batch} windows; "
+                             "pass one key per window (or resampling_keys=None)")
+        return keys, "explicit"
+    if fingerprints is not None:
+        return fingerprints, "window_fingerprint"
+    return np.arange(n_windows, n_windows + batch, dtype=np.uint64), "ordinal"

@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import InputError
-from .masks import KEY_BINS, check_window_kind, n_lags
+from .masks import KEY_BINS, check_window_kind, n_lags, uniform_prior
 
-__all__ = ["MERGE_RULES", "STATISTICS", "StatisticsConfig", "Sum"]
+__all__ = ["MERGE_RULES", "STATISTICS", "StatisticsConfig", "Sum", "merge_arrays", "shapes_of"]
 
 
 class Sum(NamedTuple):
@@ -141,15 +141,19 @@ class StatisticsConfig:
         """The size of each letter of a :class:`Sum`'s shape."""
         return {"L": self.n_layers, "H": self.n_heads, "T": self.n_positions, "D": self.n_lags, "K": self.key_bins}
 
-    def shapes(self, table: dict[str, Sum] | None = None) -> dict[str, tuple[int, ...]]:
-        """Name and shape of every array these statistics keep (``table``: :data:`STATISTICS`)."""
-        sizes = self.sizes()
-        table = STATISTICS if table is None else table
-        return {
-            name: tuple(sizes[letter] for letter in entry.shape.split())
-            for name, entry in table.items()
-            if entry.kept_if is None or getattr(self, entry.kept_if)
-        }
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name and shape of every array these statistics keep (:data:`STATISTICS`)."""
+        return shapes_of(STATISTICS, self.sizes(), self)
+
+    def visible_keys(self) -> torch.Tensor:
+        """``|V(q)|`` per layer under the model's mask: ``[L, T]`` float64.
+
+        For a bidirectional encoder the visible keys are the window's, the same for every query:
+        ``T`` (a full window) everywhere, so that the query-position groups are the positions alone.
+        """
+        if not self.causal:
+            return torch.full((self.n_layers, self.n_positions), float(self.n_positions), dtype=torch.float64)
+        return torch.stack([1.0 / uniform_prior(self.n_positions, w) for w in self.sliding_windows])
 
     # -- files and merges ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -185,3 +189,13 @@ def merge_arrays(
     """Two runs' arrays combined by each array's merge rule (on ``mine``'s devices)."""
     table = STATISTICS if table is None else table
     return {name: MERGE_RULES[table[name].merge](value, theirs[name].to(value.device)) for name, value in mine.items()}
+
+
+def shapes_of(table: dict[str, Sum], sizes: dict[str, int], config: Any) -> dict[str, tuple[int, ...]]:
+    """Name and shape of every array of ``table`` that ``config`` keeps (its ``kept_if`` flag true), with the
+    letters of the shapes read in ``sizes``."""
+    return {
+        name: tuple(sizes[letter] for letter in entry.shape.split())
+        for name, entry in table.items()
+        if entry.kept_if is None or getattr(config, entry.kept_if)
+    }

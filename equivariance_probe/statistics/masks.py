@@ -276,6 +276,14 @@ def mask_counts(
     window = _effective_window(window, n)
     key_bin, n_key_bins = _check_key_bins(key_bin, n_key_bins, n, device)
     excluded = sorted({int(k) for k in excluded_keys if 0 <= int(k) < n})
+    return _causal_mask_counts(lengths, n, window, excluded, key_bin, n_key_bins)
+
+
+def _causal_mask_counts(
+    lengths: torch.Tensor, n: int, window: int | None, excluded: list[int], key_bin: torch.Tensor, n_key_bins: int
+) -> dict[str, torch.Tensor]:
+    """:func:`mask_counts` of a causal mask, from validated arguments (``excluded`` inside ``[0, T)``, sorted)."""
+    device = lengths.device
     f64 = torch.float64
     lag = torch.arange(n, device=device)
     in_window = torch.ones(n, dtype=torch.bool, device=device) if window is None else lag < window

@@ -66,7 +66,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -141,14 +141,14 @@ def full_float32_matmul(device: torch.device | str) -> Iterator[None]:
     block and restored afterwards (not thread-safe, like the settings themselves).
     """
     device = torch.device(device)
-    backend = torch.backends.cuda.matmul if device.type == "cuda" else getattr(
+    matmul = torch.backends.cuda.matmul if device.type == "cuda" else getattr(
         getattr(torch.backends, "mkldnn", None), "matmul", None
     )
-    previous_precision = getattr(backend, "fp32_precision", None) if backend is not None else None
+    previous_precision = getattr(matmul, "fp32_precision", None) if matmul is not None else None
     previous_tf32 = None
     try:
         if previous_precision is not None:
-            backend.fp32_precision = "ieee"
+            matmul.fp32_precision = "ieee"
         elif device.type == "cuda":
             previous_tf32 = torch.backends.cuda.matmul.allow_tf32
             torch.backends.cuda.matmul.allow_tf32 = False
@@ -158,7 +158,7 @@ def full_float32_matmul(device: torch.device | str) -> Iterator[None]:
         yield
     finally:
         if previous_precision is not None:
-            backend.fp32_precision = previous_precision
+            matmul.fp32_precision = previous_precision
         if previous_tf32 is not None:
             torch.backends.cuda.matmul.allow_tf32 = previous_tf32
 
@@ -321,6 +321,18 @@ def _grouped(query: torch.Tensor, key: torch.Tensor, kv_heads: int) -> tuple[tor
     return grouped, key.to(dtype), dtype
 
 
+def _scores_inputs(
+    query: torch.Tensor, key: torch.Tensor, spec: ReductionSpec
+) -> tuple[Layout, torch.Tensor, torch.Tensor, torch.dtype, float]:
+    """What the block loops over scores read: the laid-out spec, the grouped queries and the keys in the
+    work dtype, the work dtype and the score scale."""
+    batch, heads, kv_heads, n_positions, dim = check_qk(query, key)
+    laid_out = layout(spec, batch=batch, heads=heads, n_positions=n_positions, device=query.device,
+                      input_dtype=query.dtype)
+    grouped_query, work_key, dtype = _grouped(query, key, kv_heads)
+    return laid_out, grouped_query, work_key, dtype, float(dim**-0.5 if spec.scaling is None else spec.scaling)
+
+
 def attention_sums_from_qk(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -361,11 +373,7 @@ def attention_sums_from_qk(
         (see the module docstring).
     """
     spec = ReductionSpec.of(spec, **options)
-    batch, heads, kv_heads, n_positions, dim = check_qk(query, key)
-    laid_out = layout(spec, batch=batch, heads=heads, n_positions=n_positions, device=query.device,
-                      input_dtype=query.dtype)
-    grouped_query, work_key, dtype = _grouped(query, key, kv_heads)
-    scale = float(dim**-0.5 if spec.scaling is None else spec.scaling)
+    laid_out, grouped_query, work_key, dtype, scale = _scores_inputs(query, key, spec)
     log_eps = math.log(laid_out.log_floor)
     out = empty_sums(laid_out, spec.keep_pattern)
     workspace = BlockWorkspace() if workspace is None else workspace
@@ -441,11 +449,8 @@ def pattern_sum_from_qk(
     such as the Triton kernel).
     """
     spec = ReductionSpec.of(spec, **options)
-    batch, heads, kv_heads, n_positions, dim = check_qk(query, key)
-    laid_out = layout(spec, batch=batch, heads=heads, n_positions=n_positions, device=query.device,
-                      input_dtype=query.dtype)
-    grouped_query, work_key, dtype = _grouped(query, key, kv_heads)
-    scale = float(dim**-0.5 if spec.scaling is None else spec.scaling)
+    laid_out, grouped_query, work_key, dtype, scale = _scores_inputs(query, key, spec)
+    heads, n_positions = laid_out.heads, laid_out.n_positions
     out = torch.zeros((heads, n_positions, n_positions), dtype=torch.float64, device=query.device)
     with full_float32_matmul(query.device), torch.no_grad():
         for q0, q1, k0, k1 in _blocks(laid_out, spec.block_size, dtype):
