@@ -11,6 +11,7 @@ the last complete batch.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,10 @@ from .groups import as_keys
 from .masks import key_bins, mask_counts, pinned
 
 __all__ = ["BatchTransaction", "resampling_keys_of", "window_fingerprint_array"]
+
+#: Fields of the statistics' configuration that the reduction spec has too (``causal``, ``excluded_keys``,
+#: ``keep_pattern``, ...): how the statistics are measured is how each batch is reduced.
+_SHARED_FIELDS = tuple(sorted({item.name for item in fields(ReductionSpec)} & {item.name for item in fields(StatisticsConfig)}))
 
 
 class BatchTransaction:
@@ -84,11 +89,14 @@ class BatchTransaction:
         config = self.config
         window = config.sliding_windows[layer]
         masks = self.masks_for(window, device)
-        spec = ReductionSpec(
-            lengths=self.host_lengths, window=window, causal=config.causal, excluded_keys=config.excluded_keys,
-            log_floor=log_floor, key_bin=masks["key_bin"][:width], n_key_bins=config.key_bins,
-            keep_pattern=config.keep_pattern, scaling=scaling, softcap=softcap, block_size=block_size,
-        )
+        # A measurement option of the configuration reaches the engines under its own name: a field of
+        # both dataclasses (an exclusion rule, say) is copied here without being named.
+        measured = {name: getattr(config, name) for name in _SHARED_FIELDS}
+        spec = ReductionSpec(**{
+            **measured, "lengths": self.host_lengths, "window": window, "log_floor": log_floor,
+            "key_bin": masks["key_bin"][:width], "n_key_bins": config.key_bins, "scaling": scaling,
+            "softcap": softcap, "block_size": block_size,
+        })
         return spec, masks
 
     def stage(

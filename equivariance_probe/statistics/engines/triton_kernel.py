@@ -192,6 +192,24 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _masked_tile(
+        q, k_base, n0, offs, dims, rows, hi, window, stride_kt, scaling, softcap,
+        HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+    ):
+        """The key tile from ``n0``: ``(cols, s, allowed)``, its key positions, its scores
+        (:func:`_score_tile`) and the model's mask on it (causal, keys below ``hi``, the sliding window),
+        the same in both passes of the kernel."""
+        cols = n0 + offs
+        k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
+        key_ok = (cols[None, :] < hi) & (dims[:, None] < HEAD_DIM)
+        s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, DOT_DTYPE, HAS_SOFTCAP)
+        allowed = (cols[None, :] <= rows[:, None]) & (cols[None, :] < hi)
+        if HAS_WINDOW:
+            allowed = allowed & (rows[:, None] - cols[None, :] < window)
+        return cols, s, allowed
+
+    @triton.jit
     def _add_within_segment(total_a, segment_a, total_b, segment_b):
         """Combine of a segmented sum (for ``tl.associative_scan``): sums restart where the segment changes.
 
@@ -245,13 +263,8 @@ if triton is not None:
             m_i = tl.full([BLOCK], float("-inf"), DTYPE)
             l_i = tl.zeros([BLOCK], DTYPE)
             for n0 in range(lo, hi, BLOCK):
-                cols = n0 + offs
-                k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
-                key_ok = (cols[None, :] < hi) & (dims[:, None] < HEAD_DIM)
-                s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, DOT_DTYPE, HAS_SOFTCAP)
-                allowed = (cols[None, :] <= rows[:, None]) & (cols[None, :] < hi)
-                if HAS_WINDOW:
-                    allowed = allowed & (rows[:, None] - cols[None, :] < window)
+                cols, s, allowed = _masked_tile(q, k_base, n0, offs, dims, rows, hi, window, stride_kt, scaling,
+                                                softcap, HEAD_DIM, DTYPE, DOT_DTYPE, HAS_SOFTCAP, HAS_WINDOW)
                 s = tl.where(allowed, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -289,13 +302,8 @@ if triton is not None:
             carried_sum = tl.zeros([BLOCK], tl.float64)
             carried_lag = q0 - lo - offs
             for n0 in range(lo, hi, BLOCK):
-                cols = n0 + offs
-                k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
-                key_ok = (cols[None, :] < hi) & (dims[:, None] < HEAD_DIM)
-                s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, DOT_DTYPE, HAS_SOFTCAP)
-                allowed = (cols[None, :] <= rows[:, None]) & (cols[None, :] < hi)
-                if HAS_WINDOW:
-                    allowed = allowed & (rows[:, None] - cols[None, :] < window)
+                cols, s, allowed = _masked_tile(q, k_base, n0, offs, dims, rows, hi, window, stride_kt, scaling,
+                                                softcap, HEAD_DIM, DTYPE, DOT_DTYPE, HAS_SOFTCAP, HAS_WINDOW)
                 visible = allowed & real[:, None]
                 if HAS_EXCLUDED:
                     keep = tl.load(keep_ptr + cols, mask=cols < n_positions, other=0) != 0
@@ -381,4 +389,4 @@ if triton is not None:
             tl.store(floored_ptr + out, n_floored.to(tl.float64), mask=row_ok)
 
 else:  # no Triton here: the engine refuses to run, and attention_sums_triton says why
-    _tanh64 = _score_tile = _add_within_segment = _attention_sums_kernel = None
+    _tanh64 = _score_tile = _masked_tile = _add_within_segment = _attention_sums_kernel = None
