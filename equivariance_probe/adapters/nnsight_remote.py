@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from ..statistics.engines.in_trace import recompute_pattern, reduce_layer, visible_mask
+from ..statistics.engines.in_trace import recompute_pattern, reduce_pattern, visible_mask
 from ..statistics.masks import KEY_BINS
 
 __all__ = [
@@ -128,10 +128,7 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
         window = plan["windows"][layer]
         if window not in masks:
             masks[window] = visible_mask(n_positions, window, lengths_here, spec["excluded_keys"])
-        key_bin = torch.tensor(spec["key_bin"][:n_positions], dtype=torch.long, device=device)
-        reduced = reduce_layer(
-            pattern, masks[window], spec["log_floor"], key_bin, spec["n_key_bins"], keep_pattern=spec["keep_pattern"]
-        )
+        reduced = reduce_pattern(pattern, lengths_here, {**spec, "window": window}, masks[window])
         key_lag = reduced.pop("key_lag_sum")
         key_lag_total = key_lag if key_lag_total is None else key_lag_total + key_lag
         for name, value in reduced.items():
@@ -157,6 +154,7 @@ REMOTE_FUNCTIONS = (
     "equivariance_probe.statistics.engines.in_trace.recompute_pattern",
     "equivariance_probe.statistics.engines.in_trace.visible_mask",
     "equivariance_probe.statistics.engines.in_trace.reduce_layer",
+    "equivariance_probe.statistics.engines.in_trace.reduce_pattern",
     "equivariance_probe.statistics.engines.in_trace.entry_moments",
     "equivariance_probe.statistics.engines.in_trace.diagonal_sums",
     "equivariance_probe.statistics.engines.block_maths.row_moments",

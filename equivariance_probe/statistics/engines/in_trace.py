@@ -28,6 +28,7 @@ __all__ = [
     "entry_moments",
     "diagonal_sums",
     "reduce_layer",
+    "reduce_pattern",
     "attention_scores",
     "recompute_pattern",
 ]
@@ -166,6 +167,19 @@ def reduce_layer(
     out["doc_toeplitz_sum"] = r2.sum(0)
     out["doc_toeplitz_count"] = has_variance.sum(0, dtype=torch.float64)
     return out
+
+
+def reduce_pattern(pattern: torch.Tensor, lengths: torch.Tensor, spec: dict, visible=None) -> dict:
+    """The in-trace engine: one layer's sums of ``pattern: [batch, head, query, key]`` under a reduction spec
+    in plain form (:meth:`~equivariance_probe.statistics.engines.spec.ReductionSpec.plain`: ``window``,
+    ``excluded_keys``, ``log_floor``, ``key_bin``, ``n_key_bins``, ``keep_pattern``), as :func:`reduce_layer`
+    returns them; ``visible`` (:func:`visible_mask`) when the caller already has it for this window."""
+    # No typing names in here: annotations would make the payload import `typing`.
+    n_positions = pattern.shape[-1]
+    if visible is None:
+        visible = visible_mask(n_positions, spec["window"], lengths, spec["excluded_keys"])
+    key_bin = torch.tensor(spec["key_bin"][:n_positions], dtype=torch.long, device=pattern.device)
+    return reduce_layer(pattern, visible, spec["log_floor"], key_bin, spec["n_key_bins"], keep_pattern=spec["keep_pattern"])
 
 
 def attention_scores(
