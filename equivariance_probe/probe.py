@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .adapters import Adapter, get_adapter
+from .adapters.checks import FirstBatchChecks, run_first_batch_checks
 from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError, StopRequested, check_integer, is_integer
 from .records.provenance import library_versions, model_identity, model_revision, window_fingerprints
 from .result import ProbeResult
@@ -182,6 +183,9 @@ class EquivarianceProbe:
             )
         #: The statistics of the last run so far, kept even if the run stopped with an error.
         self.last_result: ProbeResult | None = None
+        #: The outcome of the first-batch checks of the recomputation and the engine (kept for later runs
+        #: of this probe, which check again only for another engine option), or ``None`` before them.
+        self.checks: FirstBatchChecks | None = None
 
     def __repr__(self) -> str:
         layout = self.adapter.layout
@@ -454,10 +458,11 @@ class EquivarianceProbe:
     def _engine(self, statistics: AttentionStatistics) -> dict[str, Any]:
         """How the sums were computed: the attention source, its first-batch check, the engine's check
         against a float64 reduction of the model's own weights, and how many layer-batches each path reduced (``torch``/``triton`` from queries and keys, ``weights``, ``remote``)."""
+        checks = self.checks or FirstBatchChecks()
         return {
             "source": self.adapter.resolved_source(),
-            "check": dict(getattr(self.adapter, "source_decision", {})),
-            "engine_check": dict(getattr(self.adapter, "engine_check", {})),
+            "check": dict(checks.source),
+            "engine_check": dict(checks.engine),
             "paths": dict(statistics.paths),
         }
 
@@ -473,6 +478,10 @@ class EquivarianceProbe:
         # Each window's fingerprint goes with its sums (kept only if the batch is added), so that
         # results that share a window refuse to merge, whichever path reduced the batch.
         statistics.begin_batch(lengths, fingerprints=window_fingerprints(rows), resampling_keys=keys)
+        if statistics.n_windows == 0 and self.adapter.first_batch_checks() and (
+            self.checks is None or not self.checks.covers(statistics.engine, self.adapter.resolved_source())
+        ):
+            self.checks = run_first_batch_checks(self.adapter, tokens, statistics)
         self.adapter.run_statistics(tokens, statistics)
         statistics.end_batch()
 

@@ -1,4 +1,4 @@
-"""The query-block engine (statistics.blocks) and the mask counts against brute-force float64 references.
+"""The query-block engine (statistics.engines.torch_blocks) and the mask counts against brute-force float64 references.
 
 Tolerances: float64 inputs agree with the float64 reference to 1e-12 relative. Float32
 and bf16 inputs are compared with the float64 softmax of the *same* (upcast) inputs at
@@ -15,8 +15,9 @@ import warnings
 import pytest
 import torch
 
-from equivariance_probe.statistics import blocks as engine
-from equivariance_probe.statistics.blocks import (
+from equivariance_probe.statistics.engines import torch_blocks as engine
+from equivariance_probe.statistics.engines.spec import ReductionSpec
+from equivariance_probe.statistics.engines.torch_blocks import (
     attention_sums_from_qk,
     attention_sums_from_weights,
     choose_block_size,
@@ -346,9 +347,8 @@ def test_a_workspace_is_sized_by_the_first_block_and_then_reused():
     assert {slot: buffer.data_ptr() for slot, buffer in workspace._buffers.items()} == buffers
     largest = 2 * 4 * 16 * 96  # [B, H, rows, keys] of the last block
     assert 0 < held <= largest * engine._BYTES_PER_ENTRY[torch.float32]
-    blocks = engine._blocks(engine._layout(batch=2, heads=4, n_positions=96, device=query.device, window=None, lengths=None,
-                                           excluded_keys=(), log_floor=None, key_bin=None, n_key_bins=None,
-                                           input_dtype=torch.float32), 16, torch.float32)
+    blocks = engine._blocks(engine.layout(ReductionSpec(), batch=2, heads=4, n_positions=96, device=query.device,
+                                          input_dtype=torch.float32), 16, torch.float32)
     assert blocks[0] == (80, 96, 0, 96) and sorted(b[0] for b in blocks) == list(range(0, 96, 16))
     workspace.clear()
     assert workspace.nbytes == 0

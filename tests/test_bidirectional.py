@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from equivariance_probe.statistics import AttentionStatistics
-from equivariance_probe.statistics.blocks import attention_sums_from_qk, attention_sums_from_weights, pattern_sum_from_qk
+from equivariance_probe.statistics.engines.torch_blocks import attention_sums_from_qk, attention_sums_from_weights, pattern_sum_from_qk
 from equivariance_probe.statistics.masks import key_bins, lag_values, mask_counts
 
 

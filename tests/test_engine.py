@@ -152,9 +152,9 @@ def _shift_lags(sums_of):
 
 
 def test_an_engine_whose_sums_are_wrong_is_stopped_by_name_and_nothing_is_added(monkeypatch):
-    import equivariance_probe.statistics.attention as attention
+    from equivariance_probe.statistics import engines
 
-    monkeypatch.setattr(attention, "attention_sums_from_qk", _shift_lags(attention.attention_sums_from_qk))
+    monkeypatch.setattr(engines, "attention_sums_from_qk", _shift_lags(engines.attention_sums_from_qk))
     probe = EquivarianceProbe(tiny_llama())
     with pytest.raises(EngineCheckError, match=r"torch engine's sums differ .* layer \d+'s lag_sum by .* relative "
                        r"\(tolerance 0.0001 for float32\).*pattern_source='weights'") as caught:
@@ -178,21 +178,21 @@ def test_a_failing_fused_engine_names_the_torch_path_as_the_fix():
     scores = (query @ key.repeat_interleave(2, dim=1).transpose(-1, -2)) * 8**-0.5
     weights = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
     check.add_layer(0, query, key, weights.flip(-1).tril())  # weights the engine cannot have computed
-    check.engine.paths = {"triton": 1}  # as on a GPU
+    check.checked.paths = {"triton": 1}  # as on a GPU
     with pytest.raises(EngineCheckError, match="triton engine's sums differ.*engine='torch'"):
         check.finish()
 
 
 def test_a_fused_kernel_that_cannot_run_is_named_once(monkeypatch):
-    from equivariance_probe.statistics import triton_kernels
+    from equivariance_probe.statistics import engines
 
-    monkeypatch.setattr(triton_kernels, "_warned_triton_unavailable", False)
-    monkeypatch.setattr(triton_kernels, "_TRITON_FAILURE", RuntimeError("PTX .version 9.9 does not support .target sm_120"))
+    monkeypatch.setattr(engines, "_warned_triton_unavailable", False)
+    monkeypatch.setattr(engines, "_TRITON_FAILURE", RuntimeError("PTX .version 9.9 does not support .target sm_120"))
     with pytest.warns(RuntimeWarning, match=r"fused Triton kernel cannot run here \(RuntimeError: PTX .version 9.9"):
-        triton_kernels.warn_triton_unavailable()
+        engines.warn_triton_unavailable()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        triton_kernels.warn_triton_unavailable()  # once per process
+        engines.warn_triton_unavailable()  # once per process
 
 
 def test_nan_attention_in_a_later_layer_is_non_finite_attention_not_an_engine_mismatch():

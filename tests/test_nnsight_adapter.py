@@ -34,7 +34,7 @@ from equivariance_probe.errors import (  # noqa: E402
     UnsupportedModelError,
 )
 from equivariance_probe.statistics import AttentionStatistics  # noqa: E402
-from equivariance_probe.statistics.kernels import default_log_floor  # noqa: E402
+from equivariance_probe.statistics.engines.in_trace import default_log_floor  # noqa: E402
 
 from synthetic import collect_patterns, tiny_gemma3, tiny_gpt2, tiny_llama  # noqa: E402
 

@@ -1,13 +1,13 @@
-"""The reduction that runs inside remote nnsight traces (statistics.kernels.reduce_layer, from a whole
-pattern) gives the sums of the local query-block engine (statistics.blocks), reduced over the batch."""
+"""The reduction that runs inside remote nnsight traces (statistics.engines.in_trace.reduce_layer, from a whole
+pattern) gives the sums of the local query-block engine (statistics.engines.torch_blocks), reduced over the batch."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from equivariance_probe.statistics.blocks import attention_sums_from_weights, toeplitz_r2_per_window
-from equivariance_probe.statistics.kernels import diagonal_sums, reduce_layer, visible_mask
+from equivariance_probe.statistics.engines.torch_blocks import attention_sums_from_weights, toeplitz_r2_per_window
+from equivariance_probe.statistics.engines.in_trace import diagonal_sums, reduce_layer, visible_mask
 from equivariance_probe.statistics.masks import key_bins, mask_counts
 
 

@@ -1,4 +1,4 @@
-"""The fused Triton kernel against the torch path, and the dispatcher.
+"""The fused Triton kernel against the torch path, and the engines' dispatcher.
 
 Without a CUDA device the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``,
 set by conftest.py before the kernel module is imported), on tiny shapes only: the
@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from equivariance_probe.errors import InputError  # noqa: E402
-from equivariance_probe.statistics import triton_kernels as fused  # noqa: E402
-from equivariance_probe.statistics.blocks import attention_sums_from_qk  # noqa: E402
+from equivariance_probe.statistics import engines  # noqa: E402
+from equivariance_probe.statistics.engines import triton as fused  # noqa: E402
+from equivariance_probe.statistics.engines.spec import ReductionSpec  # noqa: E402
+from equivariance_probe.statistics.engines.torch_blocks import attention_sums_from_qk  # noqa: E402
 from equivariance_probe.statistics.masks import visible_key_counts  # noqa: E402
 
 import attention_reference as reference  # noqa: E402
@@ -212,7 +214,7 @@ def test_dispatcher_picks_the_torch_path_without_cuda():
     query, key = make_qk(12, torch.float32, seed=3)
     if query.is_cuda:
         pytest.skip("this test is about the CPU path")
-    sums, path = fused.attention_sums(query, key, window=4)
+    sums, path = engines.reduce_scores(query, key, ReductionSpec(window=4))
     assert path == "torch"
     ref = attention_sums_from_qk(query, key, window=4)
     for name in ref:
@@ -223,11 +225,11 @@ def test_dispatcher_picks_the_torch_path_without_cuda():
 @runnable
 def test_dispatcher_runs_triton_when_asked():
     query, key = make_qk(16, torch.float32, seed=4)
-    sums, path = fused.attention_sums(query, key, backend="triton", block_size=16)
+    sums, path = engines.reduce_scores(query, key, ReductionSpec(block_size=16), engine="triton")
     assert path == "triton"
     assert_same_sums(sums, attention_sums_from_qk(query, key), torch.float32)
-    with pytest.raises(ValueError, match="backend"):
-        fused.attention_sums(query, key, backend="cuda")
+    with pytest.raises(ValueError, match="engine"):
+        engines.reduce_scores(query, key, ReductionSpec(), engine="cuda")
 
 
 def test_triton_wrapper_explains_what_is_missing(monkeypatch):
@@ -237,7 +239,7 @@ def test_triton_wrapper_explains_what_is_missing(monkeypatch):
     with pytest.raises(InputError, match="needs Triton"):
         fused.attention_sums_triton(query, key)
     if not query.is_cuda:
-        _, path = fused.attention_sums(query, key)
+        _, path = engines.reduce_scores(query, key, ReductionSpec())
         assert path == "torch"
 
 
@@ -297,7 +299,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from equivariance_probe.statistics import triton_kernels as fused
+from equivariance_probe.statistics.engines import triton as fused
 
 kernel = fused._attention_sums_kernel
 names = list(kernel.arg_names)

@@ -3,8 +3,27 @@
 An adapter is the only code that knows a framework (TransformerLens, Hugging Face,
 nnsight). It tells the probe the shape of the model's attention (layers, query heads,
 the real mask of every layer) and runs token windows through the model, handing each
-layer's post-softmax pattern to a callback *as soon as it exists*, so that the probe
+layer's attention to the statistics *as soon as it exists*, so that the probe
 reduces it to sums and never keeps it.
+
+The whole contract, all of it on :class:`Adapter` (the probe and the statistics use nothing else):
+
+* geometry and identity: :attr:`~Adapter.layout`, :attr:`~Adapter.vocab_size`,
+  :attr:`~Adapter.tokenizer`, :meth:`~Adapter.encode`, :attr:`~Adapter.device`,
+  :attr:`~Adapter.dtype`, :meth:`~Adapter.info`;
+* running a batch: :meth:`~Adapter.run_statistics` (inside the statistics' ``begin_batch`` /
+  ``end_batch``; the adapter calls ``statistics.update(layer, pattern)`` or
+  ``statistics.update_from_scores(layer, query, key, scaling=, softcap=)`` once per layer, or, when
+  the reduction runs elsewhere, ``statistics.reduction_plan`` and ``statistics.add_batch_sums``), built
+  on :meth:`~Adapter.run_patterns` (post-softmax patterns) and, where the framework lets the adapter
+  read queries and keys, :meth:`~Adapter.run_attention_calls` (one
+  :class:`~equivariance_probe.adapters.internals.AttentionCall` per layer);
+* where attention comes from: :attr:`~Adapter.pattern_source` (what was asked),
+  :meth:`~Adapter.resolved_source` (what runs), and the first batch's checks that decide it,
+  :meth:`~Adapter.first_batch_checks` and :meth:`~Adapter.use_source`, which the probe runs through
+  :func:`~equivariance_probe.adapters.checks.run_first_batch_checks` and records in
+  ``metadata["engine"]``;
+* errors: :meth:`~Adapter.check_layers_seen` and :meth:`~Adapter.capture_hint`.
 
 Shapes follow one order everywhere: ``pattern: [batch, head, query, key]``, rows sum to 1.
 """
@@ -77,6 +96,10 @@ class Adapter(ABC):
 
     #: Short name of the framework, recorded in results (e.g. ``"huggingface"``).
     framework: str = ""
+    #: Where attention comes from, as asked: ``"weights"`` (captured post-softmax patterns),
+    #: ``"recompute"`` (queries and keys, the weights recomputed by the statistics) or ``"auto"``
+    #: (recompute where the first batch's check finds it exact). Adapters that only capture weights keep ``"weights"``.
+    pattern_source: str = "weights"
 
     def __init__(self, model: Any, tokenizer: Any | None = None) -> None:
         self.model = model
@@ -149,10 +172,46 @@ class Adapter(ABC):
         """
         self.run_patterns(tokens, statistics.update)
 
+    def run_attention_calls(
+        self, tokens: torch.Tensor, on_call: Callable[[Any], None], *, eager: bool = False,
+        keep_weights: bool = False, lengths: torch.Tensor | None = None,
+    ) -> None:
+        """Run ``tokens: [batch, query]`` through the model with every attention call intercepted.
+
+        Calls ``on_call(call)`` once per layer with an
+        :class:`~equivariance_probe.adapters.internals.AttentionCall` (the layer's queries and keys as
+        its attention function receives them, its scaling and soft cap), keeping no gradients, and
+        raises :class:`~equivariance_probe.errors.AttentionCaptureError` unless every layer was seen.
+
+        Args:
+            eager: run eager attention (the model's own weights exist), else the model's own kernel.
+            keep_weights: hand over the weights eager attention computed (``call.weights``).
+            lengths: ``[batch]`` real tokens per window, which an encoder's attention mask needs.
+
+        The default raises :class:`~equivariance_probe.errors.AttentionCaptureError`: the adapter cannot read
+        queries and keys (its statistics come from captured weights).
+        """
+        raise AttentionCaptureError(
+            f"the {self.framework or type(self).__name__} adapter cannot read the queries and keys of attention "
+            "calls; its statistics come from captured weights"
+        )
+
     def resolved_source(self) -> str:
         """Where this adapter's attention comes from: ``"weights"`` (captured patterns, the default)
         or ``"recompute"`` (queries and keys, the weights recomputed by the statistics)."""
         return "weights"
+
+    def first_batch_checks(self) -> tuple[str, ...]:
+        """What the probe checks on a run's first batch, before reducing it
+        (:func:`~equivariance_probe.adapters.checks.run_first_batch_checks`): ``"source"`` (that recomputed
+        weights are the model's own, which decides :meth:`resolved_source`) and ``"engine"`` (that the
+        engine's sums equal a float64 reduction of the model's weights). Empty (the default) for an adapter
+        whose statistics come from captured weights: nothing is recomputed."""
+        return ()
+
+    def use_source(self, source: str) -> None:
+        """Take the source the first batch's ``"source"`` check decided (``"weights"`` or ``"recompute"``);
+        the default, for adapters with one source, ignores it."""
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with the tokenizer's own special tokens (e.g. BOS)."""

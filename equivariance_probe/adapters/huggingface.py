@@ -16,8 +16,9 @@ Where attention comes from (``pattern_source``):
   model is switched to eager for the run and back afterwards. For what the recomputation
   cannot model: ALiBi biases, learned sink logits, custom attention.
 * ``"auto"`` (default) — ``"recompute"``, checked on the first batch: the first window's first
-  :data:`CHECK_TOKENS` tokens run once more under eager attention, and the recomputed weights
-  must equal the model's own to :func:`recompute_tolerance`; where they do not (or where the
+  :data:`~equivariance_probe.adapters.checks.CHECK_TOKENS` tokens run once more under eager attention
+  (:mod:`~equivariance_probe.adapters.checks`), and the recomputed weights must equal the model's own to
+  :func:`~equivariance_probe.adapters.internals.recompute_tolerance`; where they do not (or where the
   model calls no registered attention function), the run falls back to ``"weights"`` with a
   warning. The result's metadata says which source ran.
 
@@ -29,67 +30,19 @@ projection to the vocabulary alone is about half of a Gemma 3 270M forward).
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, EquivarianceProbeError, check_choice
-from ..statistics.engine_check import EngineCheck
+from ..errors import AttentionCaptureError, check_choice
 from .base import Adapter, AttentionLayout, PatternCallback
 from .internals import AttentionCall, intercept_attention, position_embedding_modules
 from .modules import config_max_context, find_attention_modules, is_bidirectional, layer_windows, text_config
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
-
-#: Tokens of the first window that run under eager attention, on the first batch, to check that
-#: recomputing the weights from queries and keys gives the model's own, and that the engine's sums
-#: equal a float64 reduction of those weights: enough for several of the Triton kernel's 32-row
-#: tiles and key-bin edges inside a tile, few enough that eager attention costs little.
-CHECK_TOKENS = 256
-
-
-def recompute_tolerance(dtype: torch.dtype) -> float:
-    """Largest difference between the model's eager weights and ``softmax(mask(softcap(q·kᵀ·scaling)))``
-    computed the way eager attention computes it (scores in the model's dtype, a float32 softmax
-    rounded back), for a model whose attention is that and nothing else.
-
-    1e-4 for float32 and float64 models (measured: 0 to 1e-7), 1e-2 for bf16/fp16 (a few units in
-    the last place of the rounded weights). ALiBi biases or sink logits that the recomputation
-    leaves out change weights by far more.
-    """
-    return 1e-4 if dtype in (torch.float32, torch.float64) else 1e-2
-
-
-def eager_weights(call: AttentionCall, window: int | None, causal: bool = True) -> torch.Tensor:
-    """``softmax(mask(softcap(q·kᵀ·scaling)))`` as transformers' eager attention computes it: scores in
-    the model's dtype, a float32 softmax, the weights rounded back to the model's dtype. The mask is
-    causal (and the sliding window), or nothing for a bidirectional encoder's unpadded window.
-
-    The first-batch check compares the model's own weights with this, so that it tests what the
-    attention *is* (no biases, no sinks), not the precision of half-precision scores, which the
-    statistics recompute in float32 (:meth:`~equivariance_probe.statistics.AttentionStatistics.update_from_scores`).
-    """
-    query, key = call.query, call.key
-    if query.shape[1] != key.shape[1]:
-        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
-    scaling = call.scaling if call.scaling is not None else query.shape[-1] ** -0.5
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if call.softcap is not None:
-        scores = torch.tanh(scores / call.softcap) * call.softcap
-    if causal:
-        n_query, n_key = scores.shape[-2:]
-        position = torch.arange(n_query, device=scores.device).view(-1, 1)
-        other = torch.arange(n_key, device=scores.device).view(1, -1)
-        hidden = other > position
-        if window is not None:
-            hidden |= position - other >= window
-        scores = scores.masked_fill(hidden, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-
 
 def _positions_in_table(model: Any) -> int | None:
     """Positions a learned absolute position table can embed, where it holds offset rows: RoBERTa numbers
@@ -124,12 +77,8 @@ class HuggingFaceAdapter(Adapter):
         super().__init__(model, tokenizer)
         check_choice("pattern_source", pattern_source, PATTERN_SOURCES)
         self.pattern_source = pattern_source
-        #: The first batch's comparison of the engine's sums with a float64 reduction of the model's own
-        #: weights (:class:`~equivariance_probe.statistics.engine_check.EngineCheck`); empty until then,
-        #: and where the statistics come from the weights themselves.
-        self.engine_check: dict[str, Any] = {}
-        #: What ``"auto"`` turned out to mean for this model (decided on the first batch), and why.
-        self.source_decision: dict[str, Any] = {}
+        #: What ``"auto"`` turned out to mean for this model (decided on the first batch's checks), or ``None``.
+        self._checked_source: str | None = None
         self.attention_modules = find_attention_modules(model)
         config = text_config(model.config)
         n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
@@ -162,7 +111,7 @@ class HuggingFaceAdapter(Adapter):
     def info(self):  # type: ignore[override]
         info = super().info()
         info.extra["architecture"] = type(self.model).__name__
-        info.extra["attn_implementation"] = self._attn_implementation()
+        info.extra["attn_implementation"] = self.attn_implementation()
         info.extra["pattern_source"] = self.pattern_source
         return info
 
@@ -170,9 +119,9 @@ class HuggingFaceAdapter(Adapter):
         """``"recompute"`` or ``"weights"``: what ``pattern_source`` means for this model (so far)."""
         if self.pattern_source != "auto":
             return self.pattern_source
-        return self.source_decision.get("source", "recompute")
+        return self._checked_source or "recompute"
 
-    def _attn_implementation(self) -> str | None:
+    def attn_implementation(self) -> str | None:
         return getattr(self.model.config, "_attn_implementation", None)
 
     def capture_hint(self) -> str:
@@ -182,9 +131,9 @@ class HuggingFaceAdapter(Adapter):
         )
 
     @contextlib.contextmanager
-    def _eager_eval(self) -> Iterator[None]:
+    def eager_eval(self) -> Iterator[None]:
         """Eager attention and eval mode for the run; the user's settings come back after."""
-        original = self._attn_implementation()
+        original = self.attn_implementation()
         was_training = self.model.training
         switched = False
         try:
@@ -232,7 +181,7 @@ class HuggingFaceAdapter(Adapter):
                 if weights is None:
                     raise AttentionCaptureError(
                         f"layer {layer}'s attention module ({type(module).__name__}) returned no attention "
-                        f"weights under attn_implementation={self._attn_implementation()!r}. "
+                        f"weights under attn_implementation={self.attn_implementation()!r}. "
                         + self.capture_hint()
                     )
                 seen.append(layer)
@@ -243,7 +192,7 @@ class HuggingFaceAdapter(Adapter):
 
             return hook
 
-        with self._eager_eval(), torch.no_grad():
+        with self.eager_eval(), torch.no_grad():
             handles = [m.register_forward_hook(make_hook(i)) for i, m in enumerate(self.attention_modules)]
             try:
                 self._forward(tokens, lengths)
@@ -255,20 +204,16 @@ class HuggingFaceAdapter(Adapter):
         self.check_layers_seen(seen)
 
     # -- statistics from queries and keys ---------------------------------------------------------
+    def first_batch_checks(self) -> tuple[str, ...]:
+        """The source and the engine, unless the statistics come from the model's own weights."""
+        return () if self.pattern_source == "weights" else ("source", "engine")
+
+    def use_source(self, source: str) -> None:
+        self._checked_source = source
+
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Run a batch and add its attention to ``statistics``: recomputed from queries and keys while
         the model runs its own kernel, or from eager weights (see the module docstring)."""
-        # Once per adapter, and again for a run whose engine option differs from the one checked.
-        unchecked_engine = self.resolved_source() == "recompute" and self.engine_check.get("option") != statistics.engine
-        if statistics.n_windows == 0 and self.pattern_source != "weights" and (
-            "source" not in self.source_decision or unchecked_engine
-        ):
-            self.source_decision = self._check_recompute(tokens, statistics)
-            if self.source_decision["source"] == "weights":
-                warnings.warn(
-                    f"{type(self.model).__name__}: {self.source_decision['reason']}; its statistics come from eager "
-                    "attention weights instead (pattern_source='weights')", stacklevel=4,
-                )
         lengths = statistics.batch_lengths
         if self.resolved_source() == "weights":
             self.run_patterns(tokens, statistics.update, lengths)
@@ -288,13 +233,14 @@ class HuggingFaceAdapter(Adapter):
             if call.layer == last:
                 raise _LastPatternSeen  # nothing after the last layer's attention is read
 
-        self._run_intercepted(tokens, on_call, eager=False, lengths=lengths)
+        self.run_attention_calls(tokens, on_call, eager=False, lengths=lengths)
 
-    def _run_intercepted(
-        self, tokens: torch.Tensor, on_call: Any, *, eager: bool, keep_weights: bool = False,
+    def run_attention_calls(
+        self, tokens: torch.Tensor, on_call: Any, *, eager: bool = False, keep_weights: bool = False,
         lengths: torch.Tensor | None = None,
-    ) -> list[int]:
-        """Run ``tokens`` through the base model with every attention call intercepted; the layers seen."""
+    ) -> None:
+        """:meth:`Adapter.run_attention_calls`: the base model's forward with every attention call intercepted
+        (:func:`~equivariance_probe.adapters.internals.intercept_attention`)."""
         was_training = self.model.training
         seen: list[int] = []
         try:
@@ -309,64 +255,3 @@ class HuggingFaceAdapter(Adapter):
         finally:
             self.model.train(was_training)
         self.check_layers_seen(sorted(set(seen)))
-        return seen
-
-    def _check_recompute(self, tokens: torch.Tensor, statistics: Any) -> dict[str, Any]:
-        """On the first batch: do weights recomputed from queries and keys equal the model's own?
-
-        The first window's first :data:`CHECK_TOKENS` tokens run under eager attention, reading both
-        the weights the model computes and its queries and keys. Returns ``{"source", "reason",
-        "max_difference", "tolerance", "tokens"}``.
-        """
-        length = int(statistics.batch_lengths[0]) if statistics.batch_lengths is not None else tokens.shape[1]
-        sample = tokens[:1, : max(2, min(length, CHECK_TOKENS))]
-        windows = self.layout.sliding_windows
-        differences: list[float] = []
-        engine_check = EngineCheck(statistics, sample.shape[1], self.dtype)
-        engine_failure: list[EquivarianceProbeError] = []
-
-        def on_call(call: AttentionCall) -> None:
-            if call.weights is None:
-                raise AttentionCaptureError(f"layer {call.layer} returned no attention weights under eager attention")
-            recomputed = eager_weights(call, windows[call.layer], self.layout.causal)
-            differences.append(float((recomputed.float() - call.weights.float()).abs().max()))
-            if not engine_failure:
-                try:
-                    engine_check.add_layer(call.layer, call.query, call.key, call.weights,
-                                           scaling=call.scaling, softcap=call.softcap)
-                except EquivarianceProbeError as error:  # judged below, once the source is decided
-                    engine_failure.append(error)
-
-        tolerance = recompute_tolerance(self.dtype)
-        decision: dict[str, Any] = {"tokens": int(sample.shape[1]), "tolerance": tolerance}
-        try:
-            self._run_intercepted(sample, on_call, eager=True, keep_weights=True)
-        except AttentionCaptureError as error:
-            if self.pattern_source == "recompute":
-                raise
-            return {**decision, "source": "weights", "reason": f"its queries and keys cannot be read ({error})"}
-        except (ValueError, ImportError, NotImplementedError) as error:
-            # transformers refuses eager attention for this model: nothing to compare with, but the
-            # recomputation needs no eager kernel (and neither weights path could run).
-            return {**decision, "source": "recompute", "max_difference": None,
-                    "reason": f"not checked: the model cannot run eager attention ({error!s:.200})"}
-        # Python's max skips a NaN that is not first; a NaN anywhere means the weights are not finite.
-        largest = math.nan if any(map(math.isnan, differences)) else max(differences, default=0.0)
-        decision["max_difference"] = largest
-        if math.isnan(largest):
-            # Non-finite weights are the model's, whichever way they are read: the statistics refuse them.
-            return {**decision, "source": "recompute", "reason": "the model's attention weights are not finite"}
-        if largest <= tolerance:
-            # The weights are the recomputation's; now the engine that reduces them must match too.
-            if engine_failure:
-                raise engine_failure[0]
-            self.engine_check = engine_check.finish()
-            return {**decision, "source": "recompute", "reason": "recomputed weights equal the model's own"}
-        reason = (
-            f"weights recomputed from its queries and keys differ from its own eager weights by up to {largest:.3g} "
-            f"(tolerance {tolerance:g}): its attention is not softmax(mask(softcap(q·kᵀ·scaling))) alone "
-            "(ALiBi biases, sink logits, or a custom attention)"
-        )
-        if self.pattern_source == "recompute":
-            raise AttentionCaptureError(f"{reason}; use pattern_source='weights' or 'auto'")
-        return {**decision, "source": "weights", "reason": reason}

@@ -14,7 +14,7 @@ with ``(module, query, key, value, attention_mask, scaling=..., softcap=...)``.
 of a ``with`` block: it sees the queries and keys after rotary embeddings and q/k norms, can
 drop the mask, and then calls the module's own eager function, so the model computes exactly
 what it computes without it. The scores are recomputed with the same helper the nnsight adapter
-uses (:func:`~equivariance_probe.statistics.kernels.attention_scores`).
+uses (:func:`~equivariance_probe.statistics.engines.in_trace.attention_scores`).
 
 Ablations (each checked to take effect; see :func:`ablate`):
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, InputError
-from ..statistics.kernels import attention_scores
+from ..statistics.engines.in_trace import attention_scores
 
 __all__ = [
     "ABLATIONS",
@@ -286,3 +286,42 @@ def ablate(
     finally:
         for handle in handles:
             handle.remove()
+
+
+def recompute_tolerance(dtype: torch.dtype) -> float:
+    """Largest difference between the model's eager weights and ``softmax(mask(softcap(q·kᵀ·scaling)))``
+    computed the way eager attention computes it (scores in the model's dtype, a float32 softmax
+    rounded back), for a model whose attention is that and nothing else.
+
+    1e-4 for float32 and float64 models (measured: 0 to 1e-7), 1e-2 for bf16/fp16 (a few units in
+    the last place of the rounded weights). ALiBi biases or sink logits that the recomputation
+    leaves out change weights by far more.
+    """
+    return 1e-4 if dtype in (torch.float32, torch.float64) else 1e-2
+
+
+def eager_weights(call: AttentionCall, window: int | None, causal: bool = True) -> torch.Tensor:
+    """``softmax(mask(softcap(q·kᵀ·scaling)))`` as transformers' eager attention computes it: scores in
+    the model's dtype, a float32 softmax, the weights rounded back to the model's dtype. The mask is
+    causal (and the sliding window), or nothing for a bidirectional encoder's unpadded window.
+
+    The first-batch check compares the model's own weights with this, so that it tests what the
+    attention *is* (no biases, no sinks), not the precision of half-precision scores, which the
+    statistics recompute in float32 (:meth:`~equivariance_probe.statistics.AttentionStatistics.update_from_scores`).
+    """
+    query, key = call.query, call.key
+    if query.shape[1] != key.shape[1]:
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    scaling = call.scaling if call.scaling is not None else query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if call.softcap is not None:
+        scores = torch.tanh(scores / call.softcap) * call.softcap
+    if causal:
+        n_query, n_key = scores.shape[-2:]
+        position = torch.arange(n_query, device=scores.device).view(-1, 1)
+        other = torch.arange(n_key, device=scores.device).view(1, -1)
+        hidden = other > position
+        if window is not None:
+            hidden |= position - other >= window
+        scores = scores.masked_fill(hidden, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)

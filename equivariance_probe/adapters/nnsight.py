@@ -37,7 +37,7 @@ scores the server computed in bf16, so the two agree to bf16 rounding of the sco
 What travels to NDIF: the trace's code, the variables it reads, and the functions it
 calls, which are shipped by value: the in-trace functions of
 :mod:`~equivariance_probe.adapters.nnsight_remote` and
-:mod:`~equivariance_probe.statistics.kernels`, which use only ``torch`` and builtins
+:mod:`~equivariance_probe.statistics.engines.in_trace`, which use only ``torch`` and builtins
 (``tests/test_nnsight_adapter.py`` checks what the payload would import). Fits run locally.
 """
 
@@ -128,9 +128,6 @@ class NNsightAdapter(Adapter):
             raise InputError(f"remote must be True, False, 'local' or a host URL, not {remote!r}")
         self.remote = remote
         self.pattern_source = pattern_source
-        #: The first local batch's check of the engine against a float64 reduction of the model's own
-        #: weights (by the wrapped model's Hugging Face adapter), empty until then and on other paths.
-        self.engine_check: dict[str, Any] = {}
         inner = inner_module(model)
         try:
             from transformers import PreTrainedModel
@@ -200,7 +197,7 @@ class NNsightAdapter(Adapter):
             pattern_source=self.resolved_source(),
         )
         if not self.is_remote:
-            info.extra["attn_implementation"] = self._hf._attn_implementation()
+            info.extra["attn_implementation"] = self._hf.attn_implementation()
         return info
 
     def capture_hint(self) -> str:
@@ -215,7 +212,7 @@ class NNsightAdapter(Adapter):
             return self.pattern_source
         if self.remote:
             return "recompute"
-        return "weights" if self._hf._attn_implementation() == "eager" else "recompute"
+        return "weights" if self._hf.attn_implementation() == "eager" else "recompute"
 
     # -- remote readiness ----------------------------------------------------------------
     def _check_remote_ready(self) -> None:
@@ -277,10 +274,10 @@ class NNsightAdapter(Adapter):
         from cloudpickle import register_pickle_by_value, unregister_pickle_by_value
         from cloudpickle.cloudpickle import _PICKLE_BY_VALUE_MODULES
 
-        from ..statistics import blocks, kernels
+        from ..statistics.engines import block_maths, in_trace
         from . import nnsight_remote
 
-        shipped = (nnsight_remote, kernels, blocks)
+        shipped = (nnsight_remote, in_trace, block_maths)
         assert tuple(m.__name__ for m in shipped) == REMOTE_MODULES
         added = [m for m in shipped if m.__name__ not in _PICKLE_BY_VALUE_MODULES]
         for module in added:
@@ -298,7 +295,7 @@ class NNsightAdapter(Adapter):
             yield
             return
         if source == "weights":
-            with self._hf._eager_eval(), torch.no_grad():
+            with self._hf.eager_eval(), torch.no_grad():
                 yield
         else:
             was_training = self.hf_model.training
@@ -337,6 +334,18 @@ class NNsightAdapter(Adapter):
                 tracer.stop()
         self.check_layers_seen(seen)
 
+    def first_batch_checks(self) -> tuple[str, ...]:
+        """The engine, for a local run that recomputes (checked on the wrapped model, outside any trace);
+        nothing remotely, where the reduction runs on the server, or from captured weights."""
+        return ("engine",) if not self.remote and self.resolved_source() != "weights" else ()
+
+    def run_attention_calls(
+        self, tokens: torch.Tensor, on_call: Any, *, eager: bool = False, keep_weights: bool = False,
+        lengths: torch.Tensor | None = None,
+    ) -> None:
+        """:meth:`Adapter.run_attention_calls` on the wrapped transformers model, outside any trace."""
+        self._hf.run_attention_calls(tokens, on_call, eager=eager, keep_weights=keep_weights, lengths=lengths)
+
     def _run_scores(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Locally, hand each layer's queries and keys (read at its attention call inside the trace)
         to the statistics, which recompute the weights in query blocks: no pattern is formed."""
@@ -366,13 +375,9 @@ class NNsightAdapter(Adapter):
             if self.resolved_source() == "weights":
                 self.run_patterns(tokens, statistics.update)
             else:
-                if statistics.n_windows == 0 and self.engine_check.get("option") != statistics.engine:
-                    # Outside any trace, on the wrapped model: the engine against the model's own weights.
-                    self._hf._check_recompute(tokens, statistics)
-                    self.engine_check = dict(self._hf.engine_check)
                 self._run_scores(tokens, statistics)
             return
-        if getattr(statistics, "sample", None) is not None:
+        if statistics.sample is not None:
             # A sample needs individual entries, which stay on the server.
             warnings.warn(
                 "sample_size is ignored for remote nnsight runs: the entry sample is not filled (only sums come "

@@ -4,7 +4,7 @@ Place in the seams: *adapters*, beside :mod:`~equivariance_probe.adapters.nnsigh
 model's patterns cannot come home (a Llama-3.1-70B layer at context 1024 is 64·1024² bf16
 weights = 128 MiB per document, 10 GiB for its 80 layers), so the batch is reduced where the
 model runs by :func:`reduce_batch_in_trace`, with the statistics' own torch-only kernels
-(:mod:`~equivariance_probe.statistics.kernels`), and only float64 sums of
+(:mod:`~equivariance_probe.statistics.engines.in_trace`), and only float64 sums of
 :func:`reply_nbytes` bytes come back.
 
 The in-trace functions (:data:`REMOTE_FUNCTIONS`) are shipped by value with the request
@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from ..statistics.kernels import recompute_pattern, reduce_layer, visible_mask
+from ..statistics.engines.in_trace import recompute_pattern, reduce_pattern, visible_mask
 from ..statistics.masks import KEY_BINS
 
 __all__ = [
@@ -60,7 +60,7 @@ NO_WEIGHTS = "the attention module returned no attention weights"
 def outside_mass(pattern: torch.Tensor, window: int | None, lengths: torch.Tensor) -> torch.Tensor:
     """Largest attention mass a real query puts outside the reported mask: ``[]`` float64.
 
-    The in-trace twin of ``AttentionStatistics._check_mask``: if it is not ~0, the model's
+    The in-trace twin of :func:`~equivariance_probe.statistics.mask_check.outside_mass`: if it is not ~0, the model's
     real mask is not the one the adapter reported and every statistic would miss mass.
     """
     n_positions = pattern.shape[-1]
@@ -103,9 +103,9 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
         plan: plain values: ``source`` (``"weights"``/``"recompute"``), ``model_windows``
             (per layer, the model's sliding window or ``None``), and what
             :meth:`~equivariance_probe.statistics.AttentionStatistics.reduction_plan` gives:
-            ``windows`` (the statistics' windows: ``None`` where the window covers the
-            context), ``excluded_keys``, ``log_floor``, ``keep_pattern``, ``key_bin``,
-            ``n_key_bins``, ``check_mask``.
+            ``spec`` (the batch's reduction spec in plain form: ``excluded_keys``, ``log_floor``,
+            ``keep_pattern``, ``key_bin``, ``n_key_bins``, ...), ``windows`` (the statistics' windows:
+            ``None`` where the window covers the context) and ``check_mask``.
 
     Returns:
         float64 tensors for ``W`` = the batch's width and ``L`` layers:
@@ -119,6 +119,7 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
     key_lag_total = None
     outside: list[torch.Tensor] = []
     masks: dict[int | None, torch.Tensor] = {}
+    spec = plan["spec"]
     for layer, module in enumerate(attention):
         pattern = layer_pattern(module, plan["source"], plan["model_windows"][layer])
         device = pattern.device
@@ -126,11 +127,8 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
         lengths_here = lengths.to(device)
         window = plan["windows"][layer]
         if window not in masks:
-            masks[window] = visible_mask(n_positions, window, lengths_here, plan["excluded_keys"])
-        key_bin = torch.tensor(plan["key_bin"][:n_positions], dtype=torch.long, device=device)
-        reduced = reduce_layer(
-            pattern, masks[window], plan["log_floor"], key_bin, plan["n_key_bins"], keep_pattern=plan["keep_pattern"]
-        )
+            masks[window] = visible_mask(n_positions, window, lengths_here, spec["excluded_keys"])
+        reduced = reduce_pattern(pattern, lengths_here, {**spec, "window": window}, masks[window])
         key_lag = reduced.pop("key_lag_sum")
         key_lag_total = key_lag if key_lag_total is None else key_lag_total + key_lag
         for name, value in reduced.items():
@@ -152,21 +150,22 @@ REMOTE_FUNCTIONS = (
     "equivariance_probe.adapters.nnsight_remote.outside_mass",
     "equivariance_probe.adapters.nnsight_remote.layer_pattern",
     "equivariance_probe.adapters.nnsight_remote.reduce_batch_in_trace",
-    "equivariance_probe.statistics.kernels.attention_scores",
-    "equivariance_probe.statistics.kernels.recompute_pattern",
-    "equivariance_probe.statistics.kernels.visible_mask",
-    "equivariance_probe.statistics.kernels.reduce_layer",
-    "equivariance_probe.statistics.kernels.entry_moments",
-    "equivariance_probe.statistics.kernels.diagonal_sums",
-    "equivariance_probe.statistics.blocks.row_moments",
-    "equivariance_probe.statistics.blocks.toeplitz_r2_per_window",
+    "equivariance_probe.statistics.engines.in_trace.attention_scores",
+    "equivariance_probe.statistics.engines.in_trace.recompute_pattern",
+    "equivariance_probe.statistics.engines.in_trace.visible_mask",
+    "equivariance_probe.statistics.engines.in_trace.reduce_layer",
+    "equivariance_probe.statistics.engines.in_trace.reduce_pattern",
+    "equivariance_probe.statistics.engines.in_trace.entry_moments",
+    "equivariance_probe.statistics.engines.in_trace.diagonal_sums",
+    "equivariance_probe.statistics.engines.block_maths.row_moments",
+    "equivariance_probe.statistics.engines.block_maths.toeplitz_r2_per_window",
 )
 
 #: Modules whose functions are shipped by value with a remote request.
 REMOTE_MODULES = (
     "equivariance_probe.adapters.nnsight_remote",
-    "equivariance_probe.statistics.kernels",
-    "equivariance_probe.statistics.blocks",
+    "equivariance_probe.statistics.engines.in_trace",
+    "equivariance_probe.statistics.engines.block_maths",
 )
 
 

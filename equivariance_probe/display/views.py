@@ -45,7 +45,7 @@ from ..result import ProbeResult
 from ..sources.corpus import load_corpus
 from ..sources.models import load_model
 from ..sources.registry import name_of_converted_copy
-from ..statistics.kernels import default_log_floor, uniform_prior, visible_mask
+from ..statistics.engines.in_trace import default_log_floor, uniform_prior, visible_mask
 from .circuitsvis import CircuitsVisFigure, attention_heads_figure, circuitsvis_bundle, figure_div
 
 __all__ = [

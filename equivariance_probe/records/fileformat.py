@@ -45,6 +45,7 @@ import torch
 
 from ..errors import EquivarianceProbeError, FileWriteError, ResultFileError, is_integer
 from ..statistics import STATISTICS, AttentionStatistics, EntrySample
+from .layouts import current_layout
 
 __all__ = [
     "JSON_FORMAT_VERSION",
@@ -331,6 +332,7 @@ def read_json_result(data: dict[str, Any], source: str = "result") -> tuple[dict
         if sample is not None:
             columns = {c: decode_array(v).numpy() for c, v in sample["columns"].items()}
             sample = EntrySample.from_arrays(int(sample["size"]), columns)
+        config, arrays = current_layout(config, arrays)
         statistics = AttentionStatistics.from_arrays(
             config, arrays, n_windows=stats_data["n_windows"], n_tokens=stats_data["n_tokens"], sample=sample
         )

@@ -53,6 +53,7 @@ from ..errors import ResultFileError, is_integer
 from ..statistics import AttentionStatistics, EntrySample
 from ..statistics.sample import COLUMNS as SAMPLE_COLUMNS
 from .container import Container, file_kind, read_container, read_tensors, tensor_checksum, write_container
+from .layouts import current_layout
 from .fileformat import NEWEST_FORMAT_VERSION, RESULT_KIND, check_config, check_version, jsonable, read_json_result, require
 
 __all__ = [
@@ -183,8 +184,9 @@ class ResultFile:
             sample = EntrySample.from_arrays(sample_size, {c: tensors[SAMPLE_PREFIX + c] for c in SAMPLE_COLUMNS})
         arrays = {name: torch.from_numpy(tensors[name]) for name in AttentionStatistics.array_shapes(self.config)}
         groups = {name[len(GROUPS_PREFIX):]: value for name, value in tensors.items() if name.startswith(GROUPS_PREFIX)}
+        config, arrays = current_layout(self.config, arrays)
         return AttentionStatistics.from_arrays(
-            self.config, arrays, n_windows=self.n_windows, n_tokens=self.n_tokens,
+            config, arrays, n_windows=self.n_windows, n_tokens=self.n_tokens,
             window_fingerprints=tensors[FINGERPRINTS], sample=sample,
             groups=groups or None, groups_described=self._container.header["statistics"].get("groups"),
         )

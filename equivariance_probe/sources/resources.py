@@ -9,7 +9,7 @@ anything; the peak measurement is the per-model cost reported next to the number
 The estimate follows the engine (docs/guide/engine.md): the model runs its own attention kernel
 (sdpa by default, which never holds a ``[T, T]`` pattern per head), and the statistics recompute
 attention from its queries and keys in query blocks whose temporaries are bounded by
-:data:`~equivariance_probe.statistics.blocks.DEFAULT_BLOCK_MEMORY`. So memory grows with ``B·T``
+:data:`~equivariance_probe.statistics.engines.torch_blocks.DEFAULT_BLOCK_MEMORY`. So memory grows with ``B·T``
 (the forward's activations) and only by one byte per ``[query, key]`` pair of each window with
 ``B·T²`` (the boolean masks transformers builds for sdpa), not with ``B·H·T²`` weights.
 
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import InsufficientMemoryError
-from ..statistics.blocks import DEFAULT_BLOCK_MEMORY
+from ..statistics.engines.torch_blocks import DEFAULT_BLOCK_MEMORY
 
 __all__ = [
     "MemoryEstimate",
@@ -60,7 +60,7 @@ ACTIVATION_WIDTHS = {"hidden": 6.0, "intermediate": 4.0, "attention": 6.0}
 #: 0.22 GiB), the probe's own fixed cost beyond the query blocks (0.1-0.3 GiB measured), and heap
 #: the allocator may keep from an earlier model of a comparison.
 BASE_BYTES = 3 * 2**28
-#: Bytes per entry of a query block's temporaries (float32 work; ``statistics.blocks``), for the
+#: Bytes per entry of a query block's temporaries (float32 work; ``statistics.engines.torch_blocks``), for the
 #: one-row blocks of very wide batches where even one row exceeds the block budget.
 _BLOCK_ENTRY_BYTES = 96
 

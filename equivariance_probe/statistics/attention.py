@@ -11,101 +11,69 @@ Two ways in, the same sums out:
 
 * :meth:`AttentionStatistics.update_from_scores` — from a layer's queries and keys, as the
   model hands them to its attention kernel: the weights are recomputed in query blocks
-  (:mod:`~equivariance_probe.statistics.blocks`; one fused Triton kernel on CUDA,
-  :mod:`~equivariance_probe.statistics.triton_kernels`), never holding a ``[T, T]`` pattern
+  (:mod:`~equivariance_probe.statistics.engines.torch_blocks`; one fused Triton kernel on CUDA,
+  :mod:`~equivariance_probe.statistics.engines.triton`), never holding a ``[T, T]`` pattern
   per head, while the model runs its own kernel (sdpa, flash).
 * :meth:`AttentionStatistics.update` — from captured post-softmax weights
   ``pattern: [batch, head, query, key]``, for what the recomputation cannot model (ALiBi,
   learned sink logits, custom attention) and for frameworks that hand over patterns.
 
-State that grows with ``T²`` is kept only when asked (``keep_pattern``): the key-conditioned
-lag sums live in ``K`` key bins (:data:`~equivariance_probe.statistics.masks.KEY_BINS`), and
-the mask's part comes in closed form (:func:`~equivariance_probe.statistics.masks.mask_counts`).
-A layer's sums stay on the device its queries are on (a model spread over devices with
-``device_map``) until they are read, and are moved once, not per batch.
+State that grows with ``T²`` is kept only when asked (``keep_pattern``); the key-lag sums live in
+``K`` key bins, and the mask's part comes in closed form. A layer's sums stay on the device its
+queries are on (``device_map``) until they are read, and are moved once, not per batch.
 
-Coordinates: ``query`` ``q`` and ``key`` ``k`` are absolute positions in a window; ``lag`` is
-``dt = q - k``. Key-lag arrays are indexed ``[key bin κ, lag dt]``. A causal model has ``D = T``
-lags ``0 .. T-1``; a bidirectional encoder (``causal=False``: BERT, where every real token sees
-every real token of its window) has ``D = 2T - 1`` signed lags, lag ``dt`` at index ``dt + T - 1``.
+Coordinates: absolute positions ``q``, ``k`` in a window, lags ``dt = q - k`` (``D = T`` causal,
+``2T - 1`` signed bidirectional: :mod:`~equivariance_probe.statistics.masks`); key-lag arrays are
+``[key bin κ, lag dt]``. How they are measured: :mod:`~equivariance_probe.statistics.config`; one
+batch on its way in: :mod:`~equivariance_probe.statistics.batch`.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import AttentionCaptureError, IncompatibleResultsError, InputError, NonFiniteAttentionError, check_choice, option
-from .blocks import ENGINES, BlockWorkspace, attention_sums_from_qk, attention_sums_from_weights, toeplitz_r2_per_window
-from .groups import DEFAULT_INTERVAL_GROUPS, WindowGroups, as_keys
-from .kernels import visible_mask
-from .masks import KEY_BINS, default_log_floor, key_bins, mask_counts, n_lags, pinned, uniform_prior
+from ..errors import AttentionCaptureError, IncompatibleResultsError, check_choice, option
+from . import elsewhere
+from .batch import BatchTransaction, resampling_keys_of, window_fingerprint_array
+from .config import STATISTICS, StatisticsConfig, merge_arrays
+from .engines import ENGINES, reduce_scores, reduce_weights
+from .groups import DEFAULT_INTERVAL_GROUPS, WindowGroups
+from .mask_check import MASK_LEAK_TOLERANCE, outside_mass, refuse_mask, refuse_nonfinite
+from .masks import KEY_BINS, default_log_floor
 from .sample import EntrySample
 
 __all__ = ["AttentionStatistics", "STATISTICS", "MASK_LEAK_TOLERANCE", "ENGINES"]
-
-#: Largest attention mass per query tolerated outside the mask an adapter reported (first batch):
-#: more means the adapter does not know the model's real mask.
-MASK_LEAK_TOLERANCE = 1e-3
-
-#: Every statistic, its shape (in terms of L layers, H heads, T positions, D lags, K key bins) and meaning.
-STATISTICS: dict[str, tuple[str, str]] = {
-    "query_count": ("L T", "visible entries per query position, summed over windows (per head)"),
-    "raw_sum": ("L H T", "Σ_k a[q,k] over visible keys, summed over windows"),
-    "raw_sq": ("L H T", "Σ_k a[q,k]² over visible keys"),
-    "log_sum": ("L H T", "Σ_k log max(a, eps) over visible keys"),
-    "log_sq": ("L H T", "Σ_k (log max(a, eps))² over visible keys"),
-    "floored": ("L H", "visible entries with a < eps (floored on the log scale)"),
-    "lag_sum": ("L H D", "Σ a[t+dt, t] over windows and key positions t, by lag dt"),
-    "lag_count": ("L D", "entries behind lag_sum (per head)"),
-    "lag_prior_sum": ("L D", "Σ u(t+dt) over the same entries: the uniform prior's curve"),
-    "key_lag_sum": ("K D", "Σ over layers, heads, windows of a[t+dt, t] for keys t in bin κ, indexed [κ, dt]"),
-    "key_lag_count": ("K D", "entries behind key_lag_sum"),
-    "key_lag_prior_sum": ("K D", "Σ u(t+dt) over the same entries"),
-    "doc_toeplitz_sum": ("L H", "Σ over windows of the per-window Toeplitz R²"),
-    "doc_toeplitz_count": ("L H", "windows behind doc_toeplitz_sum (those with nonzero variance)"),
-    "windows_covering": ("T", "number of windows that have a query at position q"),
-    "pattern_sum": ("L H T T", "optional: Σ over windows of a[q, k], indexed [q, k]"),
-}
-
 
 class AttentionStatistics:
     """Streaming sufficient statistics of a model's attention over a corpus.
 
     Args:
-        n_layers: the model's attention layers.
-        n_heads: query heads per layer.
-        n_positions: ``T``, the longest window the statistics hold.
-        sliding_windows: per layer, ``None`` (full causal) or the sliding window width.
-        log_floor: ``eps`` of the log scale; ``None`` takes the smallest normal number of
-            the first attention's dtype.
-        excluded_keys: absolute key positions left out of every statistic.
-        keep_pattern: keep the window-summed pattern ``[layer, head, T, T]`` (needed for
-            the Toeplitz R² of the document-averaged pattern; 8·L·H·T² bytes).
-        key_bins: how many key-position bins the key-conditioned lag sums keep (one per key
-            up to this many positions).
-        causal: ``False`` for a bidirectional encoder: every real token of a window sees every
-            real token of it (no sliding windows), lags are signed (``D = 2T - 1``), and the
-            uniform prior ``1/|V|`` is the same for every query of a window.
+        n_layers, n_heads, n_positions, sliding_windows, log_floor, excluded_keys, keep_pattern, key_bins,
+            causal, interval_groups: how the statistics are measured, what must agree for a merge: the
+            fields of :class:`~equivariance_probe.statistics.config.StatisticsConfig` (``n_positions`` is
+            ``T``, the longest window held; ``log_floor=None`` takes the smallest normal number of the first
+            attention's dtype; ``causal=False`` for a bidirectional encoder, whose lags are signed,
+            ``D = 2T - 1``; ``interval_groups``, groups of windows for the delete-a-group jackknife,
+            :mod:`~equivariance_probe.statistics.groups`, held in :attr:`groups`).
         sample_size: also keep a uniform sample of this many entries
             (:class:`~equivariance_probe.statistics.sample.EntrySample`, for scatter plots); 0 for none.
         sample_seed: seed of that sample.
         device: where the float64 sums live while streaming (a layer computed on another
             device keeps its sums there until they are read).
-        engine: one of :data:`ENGINES`, for :meth:`update_from_scores`.
+        engine: one of :data:`ENGINES`, for :meth:`update_from_scores`
+            (:func:`~equivariance_probe.statistics.engines.reduce_scores` routes it).
         block_size: query rows per block of the torch engine (``None``: from a memory budget).
-        interval_groups: ``G``, groups of windows for intervals (the delete-a-group jackknife,
-            :mod:`~equivariance_probe.statistics.groups`; held in :attr:`groups`); 0 for none.
 
-    All arrays are float64 and listed in :data:`STATISTICS`. ``a + b`` and
-    :meth:`merge` add them; two statistics merge only if measured the same way, and only if
-    they share no window: :attr:`window_fingerprints` holds one 64-bit fingerprint of the token
-    ids of every window added with one (sorted, ``uint64``), so that the same document is never
-    counted twice by accident.
+    The arguments that must agree for a merge are held in :attr:`settings`, a
+    :class:`~equivariance_probe.statistics.config.StatisticsConfig`. All arrays are float64 and
+    listed in :data:`STATISTICS`. ``a + b`` and :meth:`merge` add them; two statistics merge only if
+    measured the same way, and only if they share no window: :attr:`window_fingerprints` holds one
+    64-bit fingerprint of the token ids of every window added with one (sorted, ``uint64``), so that
+    the same document is never counted twice by accident.
     """
 
     def __init__(
@@ -127,78 +95,67 @@ class AttentionStatistics:
         causal: bool = True,
         interval_groups: int = DEFAULT_INTERVAL_GROUPS,
     ) -> None:
+        settings = StatisticsConfig(
+            n_layers=n_layers, n_heads=n_heads, n_positions=n_positions, sliding_windows=tuple(sliding_windows),
+            log_floor=log_floor, excluded_keys=tuple(excluded_keys), keep_pattern=keep_pattern, key_bins=key_bins,
+            causal=causal, interval_groups=interval_groups,
+        )
+        self._setup(settings, device=device, engine=engine, block_size=block_size)
+        self.sample = EntrySample(sample_size, sample_seed) if sample_size else None
+
+    def _setup(self, settings: StatisticsConfig, *, device: torch.device | str, engine: str,
+               block_size: int | None) -> None:
         check_choice("engine", engine, ENGINES)
-        self.causal = bool(causal)
-        self.n_layers = int(n_layers)
-        self.n_heads = int(n_heads)
-        self.n_positions = int(n_positions)
-        self.sliding_windows = tuple(None if w is None or w >= n_positions else int(w) for w in sliding_windows)
-        if len(self.sliding_windows) != self.n_layers:
-            raise InputError(
-                f"{len(self.sliding_windows)} sliding windows given for {self.n_layers} layers; give one per layer"
-            )
-        if not self.causal and any(w is not None for w in self.sliding_windows):
-            raise InputError(
-                f"sliding_windows={list(sliding_windows)} with causal=False: the statistics know causal sliding "
-                "windows and full bidirectional attention, not bidirectional windows"
-            )
-        self.log_floor = None if log_floor is None else float(log_floor)
-        self.excluded_keys = tuple(sorted({int(k) for k in excluded_keys}))
-        self.keep_pattern = bool(keep_pattern)
-        self.key_bins = max(1, min(int(key_bins), self.n_positions))
+        #: How these statistics are measured: what must agree for a merge.
+        self.settings = settings
         self.engine = engine
         self.block_size = block_size
         self.device = torch.device(device)
         self.n_windows = 0
         self.n_tokens = 0
-        self._arrays: dict[str, torch.Tensor] = {}
-        for name, (shape, _) in STATISTICS.items():
-            if name == "pattern_sum" and not self.keep_pattern:
-                continue
-            self._arrays[name] = torch.zeros(self._shape(shape), dtype=torch.float64, device=self.device)
+        self._arrays = {name: torch.zeros(shape, dtype=torch.float64, device=self.device)
+                        for name, shape in settings.shapes().items()}
         #: Per layer, sums kept on the device the layer ran on (models spread over devices),
         #: added to the arrays when they are read (:attr:`arrays`).
         self._elsewhere: dict[int, dict[str, torch.Tensor]] = {}
-        # A batch is added only when every layer of it has been reduced, so an error
-        # half-way through a forward pass (NaN attention, an interrupt) leaves the sums
-        # exactly as they were after the last complete batch.
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}
-        self._batch_masks: dict[tuple[int | None, str], dict[str, torch.Tensor]] = {}
-        self._lengths: torch.Tensor | None = None
-        self._host_lengths: torch.Tensor | None = None
-        # The query blocks' temporaries, kept from layer to layer within a batch and let go at its end
-        # (see BlockWorkspace: on CPU, fresh allocations of that size page-fault).
-        self._workspace: BlockWorkspace | None = None
-        self.sample = EntrySample(sample_size, sample_seed) if sample_size else None
-        self._sample_before: dict[str, Any] | None = None
+        self._batch: BatchTransaction | None = None
+        self.sample: EntrySample | None = None
         #: Sorted ``uint64`` fingerprints of the windows added so far (those given one in :meth:`begin_batch`).
         self.window_fingerprints = np.zeros(0, dtype=np.uint64)
-        self._batch_fingerprints: np.ndarray | None = None
         #: Which engine computed the sums of :meth:`update_from_scores` (``"torch"``/``"triton"``), and
         #: how many layer-batches went through captured weights (:meth:`update`).
         self.paths: dict[str, int] = {}
         #: Per-group sums of the windows for intervals, or ``None`` (``interval_groups=0``).
-        self.groups = self._new_groups(interval_groups)
+        self.groups = None if settings.interval_groups == 0 else WindowGroups(
+            settings.interval_groups, n_layers=settings.n_layers, n_heads=settings.n_heads,
+            n_positions=settings.n_positions, n_lags=settings.n_lags, device=self.device)
 
-    def _new_groups(self, interval_groups: int) -> WindowGroups | None:
-        if interval_groups == 0:
-            return None
-        return WindowGroups(interval_groups, n_layers=self.n_layers, n_heads=self.n_heads, n_positions=self.n_positions,
-                            n_lags=self._arrays["lag_sum"].shape[-1], device=self.device)
+    # -- the configuration, field by field -----------------------------------------------
+    n_layers = property(lambda self: self.settings.n_layers, doc="The model's attention layers.")
+    n_heads = property(lambda self: self.settings.n_heads, doc="Query heads per layer.")
+    n_positions = property(lambda self: self.settings.n_positions, doc="``T``, the longest window held.")
+    sliding_windows = property(lambda self: self.settings.sliding_windows, doc="Per layer, the sliding window or ``None``.")
+    excluded_keys = property(lambda self: self.settings.excluded_keys, doc="Key positions left out of every sum.")
+    keep_pattern = property(lambda self: self.settings.keep_pattern, doc="Whether the summed pattern is kept.")
+    key_bins = property(lambda self: self.settings.key_bins, doc="``K``, key-position bins of the key-lag sums.")
+    causal = property(lambda self: self.settings.causal, doc="``False`` for a bidirectional encoder.")
+    n_lags = property(lambda self: self.settings.n_lags, doc="``D``: lags, ``T`` causal, ``2T - 1`` bidirectional.")
 
     @property
-    def n_lags(self) -> int:
-        """``D``: lags of the lag sums, ``T`` causal, ``2T - 1`` bidirectional."""
-        return n_lags(self.n_positions, self.causal)
+    def log_floor(self) -> float | None:
+        """``eps`` of the log scale (``None`` until the first attention's dtype sets it)."""
+        return self.settings.log_floor
 
-    def _shape(self, spec: str) -> tuple[int, ...]:
-        sizes = {"L": self.n_layers, "H": self.n_heads, "T": self.n_positions, "D": self.n_lags, "K": self.key_bins}
-        return tuple(sizes[s] for s in spec.split())
+    @log_floor.setter
+    def log_floor(self, value: float | None) -> None:
+        self.settings = self.settings.with_log_floor(value)
 
     @property
     def arrays(self) -> dict[str, torch.Tensor]:
         """Every sum of :data:`STATISTICS` (float64), on :attr:`device`, complete to the last added batch."""
-        self._gather()
+        for layer, sums in self._elsewhere.items():
+            self._add(layer, sums, self._arrays)  # the sums kept on other devices, once: then dropped
+        self._elsewhere = {}
         return self._arrays
 
     @arrays.setter
@@ -206,13 +163,12 @@ class AttentionStatistics:
         self._elsewhere = {}
         self._arrays = value
 
-    def _gather(self) -> None:
-        """Add the sums kept on other devices to the arrays (once: they are then dropped)."""
-        for layer, sums in self._elsewhere.items():
-            for name, value in sums.items():
-                target = self._arrays[name] if name in ("key_lag_sum",) else self._arrays[name][layer]
-                target += value.to(self.device)
-        self._elsewhere = {}
+    @staticmethod
+    def _add(layer: int, sums: dict[str, torch.Tensor], arrays: dict[str, torch.Tensor]) -> None:
+        """Add one layer's sums to ``arrays``: to the layer's row of a per-layer array, to the whole of another."""
+        for name, value in sums.items():
+            target = arrays[name][layer] if STATISTICS[name].per_layer else arrays[name]
+            target += value.to(target.device)
 
     # -- streaming ----------------------------------------------------------------
     def begin_batch(self, lengths: torch.Tensor, fingerprints: Any = None, *, resampling_keys: Any = None) -> None:
@@ -228,52 +184,13 @@ class AttentionStatistics:
                 (:func:`~equivariance_probe.statistics.groups.group_of`); ``None``: the fingerprints
                 (the window's order in the stream where there are none).
         """
-        if fingerprints is not None:
-            fingerprints = np.asarray(fingerprints, dtype=np.uint64).reshape(-1)
-            if len(fingerprints) != lengths.numel():
-                raise InputError(
-                    f"begin_batch got {len(fingerprints)} window fingerprints for a batch of {lengths.numel()} windows; "
-                    "pass one fingerprint per window (or fingerprints=None)"
-                )
-        keys, kind = self._resampling_keys(lengths.numel(), fingerprints, resampling_keys)
+        fingerprints = window_fingerprint_array(fingerprints, lengths.numel())
+        keys, kind = resampling_keys_of(lengths.numel(), fingerprints, resampling_keys, self.n_windows)
         self.abort_batch()
-        self._batch_fingerprints = fingerprints
-        # On the host for the block bounds and the mask's closed forms (no device-to-host copy
-        # per layer), and on the device for what runs there.
-        self._host_lengths = pinned(lengths.detach().to("cpu", torch.long))
-        self._lengths = self._host_lengths.to(self.device, non_blocking=True)
-        self._workspace = BlockWorkspace()
-        if self.sample is not None:
-            self._sample_before = self.sample.to_arrays()
+        sample_before = None if self.sample is None else self.sample.to_arrays()
+        self._batch = BatchTransaction(self.settings, lengths, self.device, fingerprints, sample_before)
         if self.groups is not None:
-            self.groups.begin(keys, kind, self._host_lengths)
-
-    def _resampling_keys(self, batch: int, fingerprints: np.ndarray | None, keys: Any) -> tuple[np.ndarray, str]:
-        """Each window's interval-group key and where it came from (see :data:`~.groups.KEY_KINDS`)."""
-        if keys is not None:
-            keys = as_keys(keys)
-            if len(keys) != batch:
-                raise InputError(f"begin_batch got {len(keys)} resampling keys for a batch of {batch} windows; "
-                                 "pass one key per window (or resampling_keys=None)")
-            return keys, "explicit"
-        if fingerprints is not None:
-            return fingerprints, "window_fingerprint"
-        return np.arange(self.n_windows, self.n_windows + batch, dtype=np.uint64), "ordinal"
-
-    def _masks_for(self, window: int | None, device: torch.device) -> dict[str, torch.Tensor]:
-        """The mask's sums of this batch for one sliding window (computed once per batch on the host, from
-        the window lengths, and copied to each device that needs them)."""
-        key = (window, str(device))
-        if key not in self._batch_masks:
-            host = (window, "cpu")
-            if host not in self._batch_masks:
-                bins, count = key_bins(self.n_positions, self.key_bins)
-                counts = mask_counts(self._host_lengths, self.n_positions, window=window,
-                                     excluded_keys=self.excluded_keys, key_bin=bins, n_key_bins=count, causal=self.causal)
-                self._batch_masks[host] = {name: pinned(value) for name, value in {**counts, "key_bin": bins}.items()}
-            self._batch_masks[key] = {name: value.to(device, non_blocking=True)
-                                      for name, value in self._batch_masks[host].items()}
-        return self._batch_masks[key]
+            self.groups.begin(keys, kind, self._batch.host_lengths)
 
     def update_from_scores(
         self,
@@ -299,7 +216,7 @@ class AttentionStatistics:
             scaling: the score scale (``head_dim**-0.5`` when ``None``).
             softcap: logit soft-capping ``c`` (``s -> c·tanh(s/c)``), or ``None``.
         """
-        self._require_batch("update_from_scores")
+        batch_state = self._require_batch("update_from_scores")
         batch, heads, width, _ = query.shape
         if heads != self.n_heads or width > self.n_positions or key.shape[-2] != width:
             raise AttentionCaptureError(
@@ -308,32 +225,15 @@ class AttentionStatistics:
             )
         if self.log_floor is None:
             self.log_floor = default_log_floor(query.dtype)
-        window = self.sliding_windows[layer]
-        masks = self._masks_for(window, query.device)
-        arguments = dict(
-            scaling=scaling, softcap=softcap, window=window, lengths=self._host_lengths, excluded_keys=self.excluded_keys,
-            log_floor=self.log_floor, key_bin=masks["key_bin"][:width], n_key_bins=self.key_bins,
-            keep_pattern=self.keep_pattern, block_size=self.block_size,
-        )
-        if not self.causal:
-            # The fused kernel knows causal masks only; bidirectional encoders go through the torch blocks.
-            if self.engine == "triton":
-                raise InputError("engine='triton' computes causal attention only; use engine='auto' or 'torch' for an encoder")
-            sums, path = attention_sums_from_qk(query, key, causal=False, workspace=self._workspace, **arguments), "torch"
-        elif query.is_cuda and self.engine != "torch":
-            from . import triton_kernels  # imported on CUDA only: Triton is heavy, and absent on CPU installs
-
-            sums, path = triton_kernels.attention_sums(query, key, backend=self.engine, **arguments)
-        elif self.engine == "triton":
-            raise InputError(f"engine='triton' needs CUDA tensors, got queries on {query.device}; use engine='auto'")
-        else:
-            sums, path = attention_sums_from_qk(query, key, workspace=self._workspace, **arguments), "torch"
+        spec, masks = batch_state.spec(layer, width, query.device, self.log_floor, self.block_size,
+                                       scaling=scaling, softcap=softcap)
+        sums, path = reduce_scores(query, key, spec, engine=self.engine, workspace=batch_state.workspace)
         self.paths[path] = self.paths.get(path, 0) + 1
         self._add_layer(layer, sums, masks, width)
         if self.sample is not None:
             self.sample.update_from_scores(
-                layer, query, key, self._host_lengths, scaling=scaling, softcap=softcap, window=window,
-                excluded_keys=self.excluded_keys, causal=self.causal,
+                layer, query, key, batch_state.host_lengths, scaling=scaling, softcap=softcap, window=spec.window,
+                excluded_keys=spec.excluded_keys, causal=spec.causal,
             )
 
     def update(self, layer: int, pattern: torch.Tensor) -> None:
@@ -343,7 +243,7 @@ class AttentionStatistics:
         treated as padded with invisible entries. On the first batch, attention outside the
         mask the adapter reported is refused (:data:`MASK_LEAK_TOLERANCE`).
         """
-        self._require_batch("update")
+        batch_state = self._require_batch("update")
         batch, heads, n_query, n_key = pattern.shape
         if heads != self.n_heads or n_query != n_key or n_query > self.n_positions:
             raise AttentionCaptureError(
@@ -353,160 +253,68 @@ class AttentionStatistics:
             )
         if self.log_floor is None:
             self.log_floor = default_log_floor(pattern.dtype if pattern.is_floating_point() else torch.float32)
-        window = self.sliding_windows[layer]
-        masks = self._masks_for(window, pattern.device)
+        spec, masks = batch_state.spec(layer, n_query, pattern.device, self.log_floor, self.block_size)
         if self.n_windows == 0:
-            self._check_mask(layer, pattern, self._lengths.to(pattern.device))
-        sums = attention_sums_from_weights(
-            pattern, window=window, lengths=self._host_lengths, excluded_keys=self.excluded_keys, log_floor=self.log_floor,
-            key_bin=masks["key_bin"][:n_query], n_key_bins=self.key_bins, keep_pattern=self.keep_pattern,
-            block_size=self.block_size, causal=self.causal, workspace=self._workspace,
-        )
+            leaked = outside_mass(pattern, batch_state.lengths.to(pattern.device), spec.window, spec.causal)
+            if leaked > MASK_LEAK_TOLERANCE:
+                refuse_mask(layer, leaked, spec.window, spec.causal)
+        sums = reduce_weights(pattern, spec, workspace=batch_state.workspace)
         self.paths["weights"] = self.paths.get("weights", 0) + 1
         self._add_layer(layer, sums, masks, n_query)
         if self.sample is not None:
-            self.sample.update(layer, pattern, self._host_lengths, window=window, excluded_keys=self.excluded_keys,
-                               causal=self.causal)
+            self.sample.update(layer, pattern, batch_state.host_lengths, window=spec.window,
+                               excluded_keys=spec.excluded_keys, causal=spec.causal)
 
     def _add_layer(self, layer: int, sums: dict[str, torch.Tensor], masks: dict[str, torch.Tensor], width: int) -> None:
         """Reduce a layer's per-window sums over the batch (and the per-window Toeplitz R²) and keep them pending."""
-        pad = self.n_positions - width
-
-        def padded(value: torch.Tensor, dims: int) -> torch.Tensor:
-            return value if pad == 0 else torch.nn.functional.pad(value, (0, pad) * dims)
-
-        def padded_lags(value: torch.Tensor) -> torch.Tensor:
-            # Signed lags of a narrower batch sit at dt + W - 1: centre them at dt + T - 1.
-            return padded(value, 1) if self.causal or pad == 0 else torch.nn.functional.pad(value, (pad, pad))
-
-        per_window = {name: padded(sums[name], 1) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq")}
-        per_window["lag_sum"] = padded_lags(sums["lag_sum"])
-        r2, has_variance = toeplitz_r2_per_window(per_window, masks["doc_lag_count"])
-        reduced = {name: value.sum(0) for name, value in per_window.items()}
-        reduced["floored"] = sums["floored"].sum(0)
-        reduced["doc_toeplitz_sum"] = r2.sum(0)
-        reduced["doc_toeplitz_count"] = has_variance.sum(0, dtype=torch.float64)
-        reduced["key_lag_sum"] = padded_lags(sums["key_lag_sum"])
-        if self.keep_pattern:
-            reduced["pattern_sum"] = padded(sums["pattern_sum"], 2)
-        # Checked for NaN and inf in end_batch, all layers at once: one device sync per batch, not per layer.
-        self._pending[layer] = reduced
+        per_window, r2, has_variance = self._batch.stage(layer, sums, masks, width)
         if self.groups is not None:
             self.groups.stage(layer, per_window, r2, has_variance.to(torch.float64))
 
-    def _require_batch(self, method: str) -> None:
-        if self._lengths is None:
+    def _require_batch(self, method: str) -> BatchTransaction:
+        if self._batch is None:
             raise AttentionCaptureError(
                 f"AttentionStatistics.{method} was called outside a batch; an adapter reduces attention only "
                 "between statistics.begin_batch(lengths) and statistics.end_batch()"
             )
-
-    @staticmethod
-    def _check_finite(layer: int, reduced: dict[str, torch.Tensor]) -> None:
-        if not bool(torch.isfinite(reduced["raw_sum"]).all() & torch.isfinite(reduced["log_sum"]).all()):
-            AttentionStatistics._refuse_nonfinite(layer)
-
-    @staticmethod
-    def _refuse_nonfinite(layer: int) -> None:
-        raise NonFiniteAttentionError(
-            f"layer {layer} produced NaN or infinite attention weights on visible entries; "
-            "check the model's weights for NaN/inf (e.g. a failed load or an fp16 overflow) "
-            "and run it in float32 or bfloat16. Statistics gathered before this batch are kept."
-        )
-
-    def _check_mask(self, layer: int, pattern: torch.Tensor, lengths: torch.Tensor) -> None:
-        """On the first batch: the model must put no attention outside the mask we read.
-
-        If it did, the adapter reported the wrong mask (e.g. a sliding window it did not
-        know of) and every statistic would silently miss attention mass.
-        """
-        width = pattern.shape[-1]
-        if self.causal:
-            model_mask = visible_mask(width, self.sliding_windows[layer], lengths)
-        else:
-            position = torch.arange(width, device=lengths.device)
-            real = position.view(1, -1) < lengths.view(-1, 1)  # [B, T]
-            model_mask = real.unsqueeze(-1) & real.unsqueeze(-2)
-        real_rows = model_mask.any(-1, keepdim=True).unsqueeze(1)
-        outside = torch.where(real_rows & ~model_mask.unsqueeze(1), pattern.abs(), torch.zeros((), dtype=pattern.dtype, device=pattern.device))
-        leaked = float(outside.sum(-1).max()) if outside.numel() else 0.0
-        if leaked > MASK_LEAK_TOLERANCE:
-            self._refuse_mask(layer, leaked)
-
-    def _refuse_mask(self, layer: int, leaked: float) -> None:
-        window = self.sliding_windows[layer]
-        mask = "bidirectional" if not self.causal else "full causal" if window is None else f"sliding window {window}"
-        raise AttentionCaptureError(
-            f"layer {layer} puts attention mass up to {leaked:.3g} per query on keys outside the mask the "
-            f"adapter reported ({mask}); the "
-            "statistics would miss it. The model's mask is not one this adapter understands: report the "
-            "architecture, or pass an adapter with the right sliding windows"
-        )
+        return self._batch
 
     def end_batch(self) -> None:
         """Add the batch: every layer must have been given to :meth:`update` or :meth:`update_from_scores`."""
-        missing = sorted(set(range(self.n_layers)) - set(self._pending))
+        batch = self._require_batch("end_batch")
+        missing = batch.missing_layers()
         if missing:
             self.abort_batch()
             raise AttentionCaptureError(
                 f"the batch ended without attention from layers {missing}, so it was not added; the adapter must "
                 "hand over every layer's attention once per batch"
             )
-        finite = [torch.isfinite(reduced["raw_sum"]).all() & torch.isfinite(reduced["log_sum"]).all()
-                  for reduced in self._pending.values()]
-        if not bool(torch.stack([flag.to(self.device) for flag in finite]).all()):
-            layer = next(layer for layer, flag in zip(self._pending, finite) if not bool(flag))
+        nonfinite = batch.first_nonfinite_layer(self.device)
+        if nonfinite is not None:
             self.abort_batch()
-            self._refuse_nonfinite(layer)
-        for layer, reduced in self._pending.items():
-            self._accumulate(layer, reduced)
+            refuse_nonfinite(nonfinite)
+        for layer, reduced in batch.pending.items():
+            if next(iter(reduced.values())).device == self.device:
+                self._add(layer, reduced, self._arrays)
+            else:  # kept on its own device until the arrays are read
+                kept = self._elsewhere.setdefault(layer, {})
+                for name, value in reduced.items():
+                    kept[name] = kept[name] + value if name in kept else value.clone()
         if self.groups is not None:
             self.groups.commit()
-        lengths = self._host_lengths
-        masks = {}
-        for layer, window in enumerate(self.sliding_windows):
-            if window not in masks:
-                masks[window] = self._masks_for(window, self.device)
-            mask = masks[window]
-            a = self._arrays
-            a["query_count"][layer] += mask["query_count"]
-            a["lag_count"][layer] += mask["lag_count"]
-            a["lag_prior_sum"][layer] += mask["lag_prior_sum"]
-            a["key_lag_count"] += self.n_heads * mask["key_lag_count"]
-            a["key_lag_prior_sum"] += self.n_heads * mask["key_lag_prior_sum"]
-        self._arrays["windows_covering"] += next(iter(masks.values()))["windows_covering"]
-        self.n_windows += int(lengths.numel())
-        self.n_tokens += int(lengths.sum())
-        self.window_fingerprints = _joined_fingerprints(self.window_fingerprints, self._batch_fingerprints)
-        self._sample_before = None
+        for layer, sums in batch.mask_sums(self.device).items():
+            self._add(layer, sums, self._arrays)
+        self.n_windows += int(batch.host_lengths.numel())
+        self.n_tokens += int(batch.host_lengths.sum())
+        self.window_fingerprints = _joined_fingerprints(self.window_fingerprints, batch.fingerprints)
+        batch.sample_before = None
         self.abort_batch()
-
-    def _accumulate(self, layer: int, reduced: dict[str, torch.Tensor]) -> None:
-        """Add a layer's batch sums to the arrays, or to its own device's sums when it ran elsewhere."""
-        device = next(iter(reduced.values())).device
-        if device == self.device:
-            for name, value in reduced.items():
-                target = self._arrays[name] if name == "key_lag_sum" else self._arrays[name][layer]
-                target += value
-            return
-        kept = self._elsewhere.setdefault(layer, {})
-        for name, value in reduced.items():
-            if name in kept:
-                kept[name] += value
-            else:
-                kept[name] = value.clone()
 
     def abort_batch(self) -> None:
         """Forget the current batch: the sums stay as after the last complete batch."""
-        if self.sample is not None and self._sample_before is not None:
-            self.sample.columns = self._sample_before
-        self._sample_before = None
-        self._batch_fingerprints = None
-        self._pending = {}
-        self._batch_masks = {}
-        self._lengths = None
-        self._host_lengths = None
-        self._workspace = None
+        batch, self._batch = self._batch, None
+        if batch is not None and self.sample is not None and batch.sample_before is not None:
+            self.sample.columns = batch.sample_before
         if self.groups is not None:
             self.groups.abort()
 
@@ -517,150 +325,45 @@ class AttentionStatistics:
         Adapters that reduce elsewhere (inside a remote nnsight trace) need it to build
         the same visible mask there.
         """
-        return self._lengths
+        return None if self._batch is None else self._batch.lengths
 
     def reduction_plan(self, width: int) -> dict[str, Any]:
-        """What a reduction run elsewhere needs to reduce this batch exactly as :meth:`update` would.
-
-        For adapters that cannot bring patterns home (a remote nnsight trace): they run
-        :func:`~equivariance_probe.statistics.kernels.reduce_layer` where the model runs and
-        hand the sums to :meth:`add_batch_sums`. Plain values only, so the plan travels with
-        the trace.
-
-        Args:
-            width: ``W``, the batch's width in tokens (its longest window).
-
-        Returns:
-            ``windows`` (per layer, the sliding window, ``None`` where it covers ``W``),
-            ``excluded_keys``, ``log_floor``, ``keep_pattern``, ``key_bin`` (the bin of each of
-            the ``W`` key positions), ``n_key_bins`` and ``check_mask`` (whether the reduction
-            must measure attention outside the mask: on the first batch).
-        """
-        self._require_batch("reduction_plan")
-        if not self.causal:
-            raise AttentionCaptureError(
-                "a bidirectional encoder's attention cannot be reduced inside a remote trace (the remote reduction "
-                "knows causal masks); run the encoder locally"
-            )
-        if self.log_floor is None:
-            raise AttentionCaptureError(
-                "the statistics need their log_floor before a reduction runs elsewhere; set it from the "
-                "model's dtype (statistics.log_floor = default_log_floor(dtype)) first"
-            )
-        bins, count = key_bins(self.n_positions, self.key_bins)
-        return {
-            "windows": [None if w is None or w >= width else int(w) for w in self.sliding_windows],
-            "excluded_keys": [int(k) for k in self.excluded_keys],
-            "log_floor": float(self.log_floor),
-            "keep_pattern": bool(self.keep_pattern),
-            "key_bin": [int(b) for b in bins[:width].tolist()],
-            "n_key_bins": count,
-            "check_mask": self.n_windows == 0,
-        }
+        """What a reduction run elsewhere (a remote trace) needs to reduce this batch exactly as :meth:`update`
+        would: :func:`~equivariance_probe.statistics.elsewhere.reduction_plan`."""
+        return elsewhere.reduction_plan(self, self._require_batch("reduction_plan"), width)
 
     def add_batch_sums(self, sums: dict[str, torch.Tensor], width: int) -> None:
-        """Add every layer's sums of the current batch, reduced elsewhere with :meth:`reduction_plan`.
-
-        Args:
-            sums: float64 tensors for ``W = width`` and ``L`` layers: ``raw_sum, raw_sq,
-                log_sum, log_sq, lag_sum: [L, head, W]``; ``floored, doc_toeplitz_sum,
-                doc_toeplitz_count: [L, head]``; ``key_lag_sum: [K, W]`` (summed over layers);
-                ``outside_mass: [L]`` (largest attention mass a real query put outside the
-                mask; 0 when not checked); and, with ``keep_pattern``, ``pattern_sum:
-                [L, head, W, W]`` (query-key layout).
-            width: ``W``.
-
-        The mask part is computed here, so the batch merges exactly like one given to
-        :meth:`update`: entries beyond ``W`` are 0, so zero-padding to ``T`` embeds them exactly.
-
-        Interval groups: the sums are totals over the batch, so they are a group's sums only when
-        every window of the batch is in one group (always with ``batch_size=1``); a batch of
-        windows of several groups drops the group sums of these statistics for good, with a warning
-        (the intervals then say why).
-        """
-        self._require_batch("add_batch_sums")
-        outside = sums["outside_mass"]
-        if outside.numel() and float(outside.max()) > MASK_LEAK_TOLERANCE:
-            layer = int(outside.argmax())
-            self._refuse_mask(layer, float(outside[layer]))
-        pad = self.n_positions - width
-
-        def padded(value: torch.Tensor, dims: int) -> torch.Tensor:
-            return value if pad == 0 else torch.nn.functional.pad(value, (0, pad) * dims)
-
-        zero_key_lag = torch.zeros((self.key_bins, self.n_positions), dtype=torch.float64)
-        self._remote_groups()
-        for layer in range(self.n_layers):
-            reduced = {name: padded(sums[name][layer], 1) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum")}
-            for name in ("floored", "doc_toeplitz_sum", "doc_toeplitz_count"):
-                reduced[name] = sums[name][layer]
-            if "pattern_sum" in sums:
-                reduced["pattern_sum"] = padded(sums["pattern_sum"][layer], 2)
-            # The reduction summed key_lag_sum over layers (the statistics only keep that sum):
-            # it goes with the last layer, zeros with the others.
-            last = layer == self.n_layers - 1
-            reduced["key_lag_sum"] = padded(sums["key_lag_sum"], 1) if last else zero_key_lag
-            reduced = {name: value.to(device=self.device, dtype=torch.float64) for name, value in reduced.items()}
-            self._check_finite(layer, reduced)
-            self._pending[layer] = reduced
-            if self.groups is not None:
-                self.groups.stage(layer, {name: value.unsqueeze(0) for name, value in reduced.items()},
-                                  reduced["doc_toeplitz_sum"].unsqueeze(0), reduced["doc_toeplitz_count"].unsqueeze(0))
-        self.paths["remote"] = self.paths.get("remote", 0) + self.n_layers
-
-    def _remote_groups(self) -> None:
-        """Drop the group sums when a batch reduced elsewhere (summed over its windows) spans several groups."""
-        if self.groups is None or self.groups.unavailable is not None or self.groups.single_group():
-            return
-        reason = ("a batch was reduced remotely, where its sums come back added over its windows, and its windows fall "
-                  "in more than one interval group; rerun remotely with batch_size=1 (each reply is then one window's) "
-                  "or locally for intervals")
-        self.groups.disable(reason)
-        warnings.warn(f"interval groups dropped: {reason}", stacklevel=3)
+        """Add every layer's sums of the current batch, reduced elsewhere with :meth:`reduction_plan`:
+        :func:`~equivariance_probe.statistics.elsewhere.add_batch_sums`."""
+        elsewhere.add_batch_sums(self, self._require_batch("add_batch_sums"), sums, width)
 
     # -- merging --------------------------------------------------------------------
     def config(self) -> dict[str, Any]:
-        """What must agree for two statistics to be merged."""
-        return {
-            "n_layers": self.n_layers,
-            "n_heads": self.n_heads,
-            "n_positions": self.n_positions,
-            "windows": list(self.sliding_windows),
-            "log_floor": self.log_floor,
-            "excluded_keys": list(self.excluded_keys),
-            "keep_pattern": self.keep_pattern,
-            "key_bins": self.key_bins,
-            "causal": self.causal,
-            "interval_groups": 0 if self.groups is None else self.groups.n_groups,
-        }
+        """What must agree for two statistics to be merged, as files store it (:meth:`StatisticsConfig.to_dict`)."""
+        return self.settings.to_dict()
+
+    @classmethod
+    def from_settings(
+        cls, settings: StatisticsConfig, *, device: torch.device | str = "cpu", engine: str = "auto",
+        block_size: int | None = None,
+    ) -> AttentionStatistics:
+        """Empty statistics measured as ``settings`` says (no entry sample).
+
+        On ``device="meta"`` nothing is allocated: the arrays have their names and shapes only.
+        """
+        statistics = cls.__new__(cls)
+        statistics._setup(settings, device=device, engine=engine, block_size=block_size)
+        return statistics
 
     @classmethod
     def from_config(cls, config: dict[str, Any], *, device: torch.device | str = "cpu") -> AttentionStatistics:
-        """Empty statistics measured as ``config`` (what :meth:`config` returns) describes.
-
-        On ``device="meta"`` nothing is allocated: the arrays have their names and shapes only
-        (what a file's schema check compares with).
-        """
-        return cls(
-            n_layers=config["n_layers"],
-            n_heads=config["n_heads"],
-            n_positions=config["n_positions"],
-            sliding_windows=config["windows"],
-            log_floor=config["log_floor"],
-            excluded_keys=config["excluded_keys"],
-            keep_pattern=config["keep_pattern"],
-            # Files written before the key-position bins kept one per key.
-            key_bins=config.get("key_bins", config["n_positions"]),
-            device=device,
-            # A config without these keys describes causal statistics without interval groups.
-            causal=config.get("causal", True),
-            interval_groups=config.get("interval_groups", 0),
-        )
+        """Empty statistics measured as ``config`` (what :meth:`config` returns) describes."""
+        return cls.from_settings(StatisticsConfig.from_dict(config), device=device)
 
     @classmethod
     def array_shapes(cls, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         """Name and shape of every array of statistics measured as ``config`` describes (nothing allocated)."""
-        return {name: tuple(value.shape) for name, value in cls.from_config(config, device="meta").arrays.items()}
+        return StatisticsConfig.from_dict(config).shapes()
 
     @classmethod
     def from_arrays(
@@ -677,27 +380,22 @@ class AttentionStatistics:
     ) -> AttentionStatistics:
         """Statistics holding saved sums (on the CPU), without allocating arrays of their own first.
 
-        Sums saved before the key-position bins (a config without ``key_bins``: one key-lag row
-        per key, and the summed pattern in key-lag layout ``[t, dt]``) are brought to today's
-        layout: key rows summed into :data:`~equivariance_probe.statistics.masks.KEY_BINS` bins
-        (exact: the bins are sums of keys), the pattern moved to query-key layout.
-
-        ``groups`` holds the interval groups' rows (:meth:`~.groups.WindowGroups.tensors`) and
-        ``groups_described`` the header's :meth:`~.groups.WindowGroups.describe`, for a config with
-        ``interval_groups``.
+        ``config`` and ``arrays`` are in today's layout (files of older layouts are brought to it
+        by :mod:`~equivariance_probe.records.layouts`). ``groups`` holds the interval groups' rows
+        (:meth:`~.groups.WindowGroups.tensors`) and ``groups_described`` the header's
+        :meth:`~.groups.WindowGroups.describe`, for a config with ``interval_groups``.
 
         Raises:
             IncompatibleResultsError: ``arrays`` are not the arrays of ``config`` (names or shapes).
         """
-        if "key_bins" not in config:
-            config, arrays = _from_key_lag_layout(config, arrays)
-        expected = cls.array_shapes(config)
+        settings = StatisticsConfig.from_dict(config)
+        expected = settings.shapes()
         shapes = {name: tuple(value.shape) for name, value in arrays.items()}
         if shapes != expected:
             raise IncompatibleResultsError(
                 f"the arrays {shapes} are not those of statistics measured as {config} ({expected})"
             )
-        statistics = cls.from_config(config, device="meta")
+        statistics = cls.from_settings(settings, device="meta")
         statistics.device = torch.device("cpu")
         statistics.arrays = {name: arrays[name].to(torch.float64) for name in expected}
         statistics.n_windows, statistics.n_tokens = int(n_windows), int(n_tokens)
@@ -710,10 +408,7 @@ class AttentionStatistics:
         return statistics
 
     def check_compatible(self, other: AttentionStatistics) -> None:
-        mine, theirs = self.config(), other.config()
-        if mine["log_floor"] is None or theirs["log_floor"] is None:
-            mine["log_floor"] = theirs["log_floor"] = None  # an empty side takes the other's floor
-        differences = [f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
+        differences = self.settings.differences(other.settings)
         if differences:
             raise IncompatibleResultsError(
                 "cannot merge statistics measured differently (" + "; ".join(differences) + "); "
@@ -742,10 +437,8 @@ class AttentionStatistics:
                     "Merge results of different documents; to count those windows twice on purpose, pass "
                     f"{option('allow_duplicate_windows', True)}"
                 )
-        merged = self.copy()
+        merged = self._like(self.device, merge_arrays(self.arrays, other.arrays))
         merged.log_floor = self.log_floor if self.log_floor is not None else other.log_floor
-        for name, value in other.arrays.items():
-            merged.arrays[name] = merged.arrays[name] + value.to(merged.device)
         if merged.groups is not None:
             merged.groups = merged.groups.merge(other.groups)
         merged.n_windows += other.n_windows
@@ -759,24 +452,19 @@ class AttentionStatistics:
     __add__ = merge
 
     def copy(self) -> AttentionStatistics:
-        new = AttentionStatistics(
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            n_positions=self.n_positions,
-            sliding_windows=self.sliding_windows,
-            log_floor=self.log_floor,
-            excluded_keys=self.excluded_keys,
-            keep_pattern=self.keep_pattern,
-            key_bins=self.key_bins,
-            device="meta",
-            engine=self.engine,
-            block_size=self.block_size,
-            causal=self.causal,
-            interval_groups=0,
-        )
-        new.groups = None if self.groups is None else self.groups.copy()
-        new.device = self.device
-        new.arrays = {name: value.clone() for name, value in self.arrays.items()}
+        return self._like(self.device, {name: value.clone() for name, value in self.arrays.items()})
+
+    def to(self, device: torch.device | str) -> AttentionStatistics:
+        """Move the sums (e.g. to the CPU at the end of a GPU run)."""
+        return self._like(torch.device(device), {name: value.to(device) for name, value in self.arrays.items()})
+
+    def _like(self, device: torch.device, arrays: dict[str, torch.Tensor]) -> AttentionStatistics:
+        """A copy of everything but the arrays, which are ``arrays``, on ``device`` (no batch in progress)."""
+        new = AttentionStatistics.from_settings(self.settings, device="meta", engine=self.engine,
+                                                block_size=self.block_size)
+        new.device = device
+        new.arrays = arrays
+        new.groups = None if self.groups is None else self.groups.copy(device)
         new.paths = dict(self.paths)
         new.n_windows, new.n_tokens = self.n_windows, self.n_tokens
         new.window_fingerprints = self.window_fingerprints.copy()
@@ -784,29 +472,14 @@ class AttentionStatistics:
             new.sample = EntrySample.from_arrays(self.sample.size, self.sample.to_arrays())
         return new
 
-    def to(self, device: torch.device | str) -> AttentionStatistics:
-        """Move the sums (e.g. to the CPU at the end of a GPU run)."""
-        moved = self.copy()
-        moved.device = torch.device(device)
-        moved.arrays = {name: value.to(device) for name, value in self.arrays.items()}
-        if self.groups is not None:
-            moved.groups = self.groups.copy(device)
-        return moved
-
     # -- views used by the metrics ------------------------------------------------
     def numpy(self) -> dict[str, Any]:
         """All arrays as float64 numpy arrays."""
         return {name: value.detach().cpu().numpy() for name, value in self.arrays.items()}
 
     def visible_keys(self) -> torch.Tensor:
-        """``|V(q)|`` per layer under the model's mask: ``[L, T]`` float64.
-
-        For a bidirectional encoder the visible keys are the window's, the same for every query:
-        ``T`` (a full window) everywhere, so that the query-position groups are the positions alone.
-        """
-        if not self.causal:
-            return torch.full((self.n_layers, self.n_positions), float(self.n_positions), dtype=torch.float64)
-        return torch.stack([1.0 / uniform_prior(self.n_positions, w) for w in self.sliding_windows])
+        """``|V(q)|`` per layer under the model's mask: ``[L, T]`` float64 (:meth:`StatisticsConfig.visible_keys`)."""
+        return self.settings.visible_keys()
 
     def nbytes(self) -> int:
         groups = 0 if self.groups is None else self.groups.nbytes()
@@ -825,23 +498,3 @@ def _joined_fingerprints(kept: np.ndarray, new: np.ndarray | None) -> np.ndarray
     if new is None or len(new) == 0:
         return kept
     return np.sort(np.concatenate([kept, np.asarray(new, dtype=np.uint64)]))
-
-
-def _from_key_lag_layout(config: dict[str, Any], arrays: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Saved sums of one key-lag row per key (and a ``[t, dt]`` pattern) in today's binned, query-key layout."""
-    n_positions = int(config["n_positions"])
-    bins, count = key_bins(n_positions, KEY_BINS)
-    converted = dict(arrays)
-    for name in ("key_lag_sum", "key_lag_count", "key_lag_prior_sum"):
-        if name in arrays and tuple(arrays[name].shape) == (n_positions, n_positions):
-            rows = arrays[name].to(torch.float64)
-            converted[name] = torch.zeros((count, n_positions), dtype=torch.float64).index_add_(0, bins, rows)
-    if "pattern_sum" in arrays and arrays["pattern_sum"].shape[-2:] == (n_positions, n_positions):
-        key_lag = arrays["pattern_sum"].to(torch.float64)
-        t = torch.arange(n_positions).view(-1, 1)
-        dt = torch.arange(n_positions).view(1, -1)
-        inside = (t + dt < n_positions).expand(n_positions, n_positions)
-        query_key = torch.zeros_like(key_lag)
-        query_key[..., (t + dt).expand_as(inside)[inside], t.expand_as(inside)[inside]] = key_lag[..., inside]
-        converted["pattern_sum"] = query_key
-    return {**config, "key_bins": count}, converted

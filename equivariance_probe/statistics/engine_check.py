@@ -30,13 +30,14 @@ layer's visible entries. :func:`engine_tolerance` states what is allowed for the
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..errors import EngineCheckError, option
 from .attention import AttentionStatistics
-from .kernels import attention_scores, visible_mask
+from .engines.in_trace import attention_scores, visible_mask
 from .masks import default_log_floor
 
 __all__ = ["CHECKED_SUMS", "EngineCheck", "engine_tolerance"]
@@ -71,17 +72,18 @@ class EngineCheck:
     """
 
     def __init__(self, statistics: AttentionStatistics, n_tokens: int, dtype: torch.dtype) -> None:
-        config = {**statistics.config(), "n_positions": int(n_tokens), "keep_pattern": False, "interval_groups": 0}
-        if config["log_floor"] is None:
-            config["log_floor"] = default_log_floor(dtype)
-        config["excluded_keys"] = [k for k in config["excluded_keys"] if k < n_tokens]
+        settings = statistics.settings
+        settings = replace(
+            settings, n_positions=int(n_tokens), keep_pattern=False, interval_groups=0,
+            log_floor=default_log_floor(dtype) if settings.log_floor is None else settings.log_floor,
+            excluded_keys=tuple(k for k in settings.excluded_keys if k < n_tokens),
+        )
         self.dtype = dtype
-        self.engine = AttentionStatistics.from_config(config, device=statistics.device)
-        self.engine.engine = statistics.engine
-        self.reference = AttentionStatistics.from_config(config, device="cpu")
-        self.reference.engine = "torch"
+        #: The slice reduced by the run's engine, and by the reference.
+        self.checked = AttentionStatistics.from_settings(settings, device=statistics.device, engine=statistics.engine)
+        self.reference = AttentionStatistics.from_settings(settings, device="cpu", engine="torch")
         lengths = torch.tensor([int(n_tokens)])
-        self.engine.begin_batch(lengths)
+        self.checked.begin_batch(lengths)
         self.reference.begin_batch(lengths)
         self.n_tokens = int(n_tokens)
         #: What the engine's sums are compared with (see the module docstring).
@@ -104,7 +106,7 @@ class EngineCheck:
         """One layer of the slice: ``query: [1, head, n, d]``, ``key: [1, kv_head, n, d]`` as the model hands
         them to its attention function, ``weights: [1, head, n, n]`` the model's own."""
         self.device = str(query.device)
-        self.engine.update_from_scores(layer, query, key, scaling=scaling, softcap=softcap)
+        self.checked.update_from_scores(layer, query, key, scaling=scaling, softcap=softcap)
         if self.dtype in (torch.float32, torch.float64):
             reference = weights.detach().to("cpu", torch.float64)
         else:
@@ -129,11 +131,11 @@ class EngineCheck:
         Returns ``{"engine" (the path that ran), "option" (the ``engine`` asked for), "device", "dtype", "tokens", "tolerance", "max_difference", "worst": {sum:
         difference}, "worst_layer", "worst_sum", "passed"}``.
         """
-        self.engine.end_batch()
+        self.checked.end_batch()
         self.reference.end_batch()
-        path = "+".join(sorted(self.engine.paths)) or "none"
+        path = "+".join(sorted(self.checked.paths)) or "none"
         tolerance = engine_tolerance(self.dtype)
-        engine_arrays = {name: value.to("cpu") for name, value in self.engine.arrays.items()}
+        engine_arrays = {name: value.to("cpu") for name, value in self.checked.arrays.items()}
         reference_arrays = self.reference.arrays
         visible = reference_arrays["query_count"].sum(dim=-1)  # [L]: visible entries per head
         worst: dict[str, float] = {}
@@ -155,7 +157,7 @@ class EngineCheck:
         largest, layer, name = worst_at
         comparison = {
             "engine": path,
-            "option": self.engine.engine,
+            "option": self.checked.engine,
             "device": self.device,
             "dtype": str(self.dtype).replace("torch.", ""),
             "tokens": self.n_tokens,

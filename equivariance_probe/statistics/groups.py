@@ -106,7 +106,9 @@ class WindowGroups:
 
     Args:
         n_groups: ``G`` (at least 2).
-        n_layers, n_heads, n_positions: ``L``, ``H``, ``T``.
+        n_layers: ``L``.
+        n_heads: ``H``.
+        n_positions: ``T``.
         n_lags: ``N``, lags of the total's ``lag_sum``.
         device: where the sums live while streaming.
 

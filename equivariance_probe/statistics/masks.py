@@ -25,6 +25,7 @@ from ..errors import InputError
 
 __all__ = [
     "KEY_BINS",
+    "check_window_kind",
     "default_log_floor",
     "uniform_prior",
     "windows_covering",
@@ -127,6 +128,16 @@ def _excluded_flags(
     if inside:
         flags[torch.tensor(inside, dtype=torch.long, device=device)] = True
     return flags
+
+
+def check_window_kind(window: int | None, causal: bool, given: str | None = None) -> None:
+    """Refuse a sliding window under a bidirectional mask: the statistics know causal sliding windows and
+    full bidirectional attention, not bidirectional windows (``window``: ``None`` where it covers the context)."""
+    if window is not None and not causal:
+        raise InputError(
+            f"{given or f'a sliding window of {window}'} with causal=False: a bidirectional mask with a sliding "
+            "window is not supported; the statistics know causal sliding windows and full bidirectional attention"
+        )
 
 
 def _effective_window(window: int | None, n_positions: int) -> int | None:
@@ -254,11 +265,7 @@ def mask_counts(
         the head-summed ``key_lag_sum`` of the attention sums matches ``H·key_lag_count``.
     """
     if not causal:
-        if window is not None and int(window) < int(n_positions):
-            raise InputError(
-                f"a bidirectional mask with a sliding window ({window}) is not supported; the statistics know "
-                "causal sliding windows and full bidirectional attention"
-            )
+        check_window_kind(_effective_window(window, n_positions), causal)
         return bidirectional_mask_counts(lengths, n_positions, excluded_keys=excluded_keys, key_bin=key_bin,
                                          n_key_bins=n_key_bins)
     device = lengths.device
@@ -269,6 +276,14 @@ def mask_counts(
     window = _effective_window(window, n)
     key_bin, n_key_bins = _check_key_bins(key_bin, n_key_bins, n, device)
     excluded = sorted({int(k) for k in excluded_keys if 0 <= int(k) < n})
+    return _causal_mask_counts(lengths, n, window, excluded, key_bin, n_key_bins)
+
+
+def _causal_mask_counts(
+    lengths: torch.Tensor, n: int, window: int | None, excluded: list[int], key_bin: torch.Tensor, n_key_bins: int
+) -> dict[str, torch.Tensor]:
+    """:func:`mask_counts` of a causal mask, from validated arguments (``excluded`` inside ``[0, T)``, sorted)."""
+    device = lengths.device
     f64 = torch.float64
     lag = torch.arange(n, device=device)
     in_window = torch.ones(n, dtype=torch.bool, device=device) if window is None else lag < window

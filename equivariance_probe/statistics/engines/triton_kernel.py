@@ -1,11 +1,9 @@
-"""A fused Triton kernel for the per-window attention sums, and the dispatcher.
+"""The fused Triton kernel of the per-window attention sums, and Triton's import.
 
-Place in the seams: *statistics*, the CUDA engine beside the torch one. It is imported only
-when a run is on CUDA (or by its tests), so importing the package never imports Triton.
-:func:`attention_sums_triton` computes the same dict as
-:func:`~equivariance_probe.statistics.blocks.attention_sums_from_qk` in one kernel launch on
-CUDA, never writing a score or a weight to memory. :func:`attention_sums` picks it on CUDA
-when Triton is importable and the torch path otherwise, and says which ran.
+Place in the seams: *statistics*, inside the Triton engine
+(:mod:`~equivariance_probe.statistics.engines.triton`, which launches it). Triton is optional:
+without it (or older than :data:`MIN_TRITON_VERSION`) this module still imports, with
+``triton = None`` and the reason in ``_TRITON_IMPORT_ERROR``.
 
 The kernel, one program per (window ``b``, query head ``h``, block of ``BLOCK`` query
 rows), in the manner of a flash-attention forward pass:
@@ -82,30 +80,17 @@ Precision:
 
 ``pattern_sum`` (``keep_pattern=True``) is not computed by the kernel: it is a
 ``[H, T, T]`` array that a fused kernel would have to write anyway; it comes from the
-torch helper :func:`~equivariance_probe.statistics.blocks.pattern_sum_from_qk`.
+torch helper :func:`~equivariance_probe.statistics.engines.torch_blocks.pattern_sum_from_qk`.
 """
+
 
 from __future__ import annotations
 
-import math
-import os
 import re
-import warnings
-from collections.abc import Sequence
 
-import torch
+from . import _interpreting  # noqa: F401 - one definition, read by the engine and the tests
 
-from ..errors import EquivarianceProbeError, InputError, check_choice
-from .blocks import (
-    ENGINES,
-    _check_qk,
-    _empty_sums,
-    _layout,
-    attention_sums_from_qk,
-    pattern_sum_from_qk,
-)
-
-__all__ = ["MIN_TRITON_VERSION", "attention_sums", "attention_sums_triton", "triton_available", "warn_triton_unavailable"]
+__all__ = ["MIN_TRITON_VERSION", "triton_available"]
 
 #: The oldest Triton the kernel runs on: ``tl.gather`` (the cyclic skew of the lag sums) and its
 #: support in the CPU interpreter first shipped in Triton 3.3.0. pyproject.toml pins the same
@@ -147,11 +132,6 @@ triton, tl, _TRITON_IMPORT_ERROR = _import_triton()
 def triton_available() -> bool:
     """Whether Triton is importable in this process."""
     return triton is not None
-
-
-def _interpreting() -> bool:
-    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 if triton is not None:
@@ -212,6 +192,24 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _masked_tile(
+        q, k_base, n0, offs, dims, rows, hi, window, stride_kt, scaling, softcap,
+        HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+        HAS_WINDOW: tl.constexpr,
+    ):
+        """The key tile from ``n0``: ``(cols, s, allowed)``, its key positions, its scores
+        (:func:`_score_tile`) and the model's mask on it (causal, keys below ``hi``, the sliding window),
+        the same in both passes of the kernel."""
+        cols = n0 + offs
+        k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
+        key_ok = (cols[None, :] < hi) & (dims[:, None] < HEAD_DIM)
+        s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, DOT_DTYPE, HAS_SOFTCAP)
+        allowed = (cols[None, :] <= rows[:, None]) & (cols[None, :] < hi)
+        if HAS_WINDOW:
+            allowed = allowed & (rows[:, None] - cols[None, :] < window)
+        return cols, s, allowed
+
+    @triton.jit
     def _add_within_segment(total_a, segment_a, total_b, segment_b):
         """Combine of a segmented sum (for ``tl.associative_scan``): sums restart where the segment changes.
 
@@ -265,13 +263,8 @@ if triton is not None:
             m_i = tl.full([BLOCK], float("-inf"), DTYPE)
             l_i = tl.zeros([BLOCK], DTYPE)
             for n0 in range(lo, hi, BLOCK):
-                cols = n0 + offs
-                k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
-                key_ok = (cols[None, :] < hi) & (dims[:, None] < HEAD_DIM)
-                s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, DOT_DTYPE, HAS_SOFTCAP)
-                allowed = (cols[None, :] <= rows[:, None]) & (cols[None, :] < hi)
-                if HAS_WINDOW:
-                    allowed = allowed & (rows[:, None] - cols[None, :] < window)
+                cols, s, allowed = _masked_tile(q, k_base, n0, offs, dims, rows, hi, window, stride_kt, scaling,
+                                                softcap, HEAD_DIM, DTYPE, DOT_DTYPE, HAS_SOFTCAP, HAS_WINDOW)
                 s = tl.where(allowed, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -309,13 +302,8 @@ if triton is not None:
             carried_sum = tl.zeros([BLOCK], tl.float64)
             carried_lag = q0 - lo - offs
             for n0 in range(lo, hi, BLOCK):
-                cols = n0 + offs
-                k_ptrs = k_base + cols[None, :] * stride_kt + dims[:, None]
-                key_ok = (cols[None, :] < hi) & (dims[:, None] < HEAD_DIM)
-                s = _score_tile(q, k_ptrs, key_ok, scaling, softcap, DTYPE, DOT_DTYPE, HAS_SOFTCAP)
-                allowed = (cols[None, :] <= rows[:, None]) & (cols[None, :] < hi)
-                if HAS_WINDOW:
-                    allowed = allowed & (rows[:, None] - cols[None, :] < window)
+                cols, s, allowed = _masked_tile(q, k_base, n0, offs, dims, rows, hi, window, stride_kt, scaling,
+                                                softcap, HEAD_DIM, DTYPE, DOT_DTYPE, HAS_SOFTCAP, HAS_WINDOW)
                 visible = allowed & real[:, None]
                 if HAS_EXCLUDED:
                     keep = tl.load(keep_ptr + cols, mask=cols < n_positions, other=0) != 0
@@ -400,239 +388,5 @@ if triton is not None:
             tl.store(log_sq_ptr + out, sq_y, mask=row_ok)
             tl.store(floored_ptr + out, n_floored.to(tl.float64), mask=row_ok)
 
-
-#: The float64 ``(scaling, softcap, log eps)`` tensors the kernel reads, by value and device.
-_PARAMETERS: dict[tuple[float, float, float, torch.device], torch.Tensor] = {}
-
-
-def _kernel_parameters(scaling: float, softcap: float | None, log_eps: float, device: torch.device) -> torch.Tensor:
-    """``[scaling, softcap (1 without one), log eps]`` float64 on ``device``, made once per distinct value.
-
-    They go through memory, not as scalar arguments, because Triton passes Python floats as
-    float32, which would round the scaling of float64 inputs. Every layer of a model shares
-    them, so one host-to-device copy serves the whole run instead of one per layer call.
-    """
-    values = (float(scaling), 1.0 if softcap is None else float(softcap), float(log_eps), torch.device(device))
-    if values not in _PARAMETERS:
-        _PARAMETERS[values] = torch.tensor(values[:3], dtype=torch.float64, device=device)
-    return _PARAMETERS[values]
-
-
-def _dot_dtype(dtype: torch.dtype, key_dtype: torch.dtype | None = None):
-    """The dtype in which query (``dtype``) and key tiles enter ``tl.dot`` (see the module docstring).
-
-    bf16 and fp16 stay in the model's dtype (tensor cores, float32 accumulation) when queries
-    and keys share it, float64 queries make it float64 (the work dtype, as on the torch path),
-    anything else is upcast to float32 (IEEE products), so keys of another dtype are never
-    rounded to a half-precision one. Triton's CPU interpreter multiplies bf16 tiles as their
-    raw 16-bit patterns (it stores bf16 as uint16 and ``np.matmul``s that; measured with
-    Triton 3.9), so there bf16 tiles are upcast to float32: the products are exact either way
-    and only the accumulation order differs.
-    """
-    if dtype == torch.float64:
-        return tl.float64
-    if key_dtype is not None and key_dtype != dtype:
-        return tl.float32
-    if dtype == torch.float16:
-        return tl.float16
-    if dtype == torch.bfloat16 and not _interpreting():
-        return tl.bfloat16
-    return tl.float32
-
-
-#: Default query rows (and keys) per tile, and warps per program for tiles of 32 rows or more.
-#: Compiled for sm_90 (H100) by Triton 3.9 without a GPU, ``ptxas`` allots 32-row tiles with 8
-#: warps no spill (at most 8 bytes of stack at head_dim 256) for every input dtype and head
-#: dimension up to 256, while 64-row tiles spill 0.2-2.8 KB per thread (4 or 8 warps). Not
-#: timed on a GPU: chosen from register use, not tuned for speed.
-DEFAULT_TILE = 32
-WARPS = 8
-
-
-def _tile_size(block_size: int | None) -> int:
-    """Query rows (and keys) per tile: ``DEFAULT_TILE`` or ``block_size`` rounded up to a power of two of at
-    least 16 (``tl.dot``'s minimum)."""
-    if block_size is None:
-        return DEFAULT_TILE
-    return max(16, triton.next_power_of_2(int(block_size)))
-
-
-def attention_sums_triton(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    *,
-    scaling: float | None = None,
-    softcap: float | None = None,
-    window: int | None = None,
-    lengths: torch.Tensor | None = None,
-    excluded_keys: Sequence[int] = (),
-    log_floor: float | None = None,
-    key_bin: torch.Tensor | None = None,
-    n_key_bins: int | None = None,
-    keep_pattern: bool = False,
-    block_size: int | None = None,
-    compile_blocks: bool = False,
-) -> dict[str, torch.Tensor]:
-    """:func:`~equivariance_probe.statistics.blocks.attention_sums_from_qk` as one fused Triton kernel (CUDA).
-
-    Same arguments and the same dict, except that ``block_size`` is the kernel's tile
-    (query rows per program and keys per tile; rounded up to a power of two of at least
-    16), ``compile_blocks`` is accepted for the common signature and ignored (the
-    kernel is fused already), and ``pattern_sum`` (``keep_pattern=True``) comes from
-    the torch helper :func:`~equivariance_probe.statistics.blocks.pattern_sum_from_qk`. Results agree with the torch path to
-    float32 rounding of the scores and weights (relative 2e-6 in the tests; bf16/fp16 scores
-    come from the tensor cores, see the module docstring); sums assembled from float64
-    atomic adds (``lag_sum``, ``key_lag_sum``) may differ between runs in the last float64
-    bits.
-
-    Raises:
-        InputError: Triton cannot be imported, or the tensors are not on a CUDA device (outside the Triton
-            interpreter, ``TRITON_INTERPRET=1``, which runs kernels on CPU tensors).
-    """
-    if triton is None:
-        raise InputError(
-            f"attention_sums_triton needs Triton, which cannot be imported here ({_TRITON_IMPORT_ERROR!r}); "
-            "use attention_sums_from_qk, or attention_sums, which picks the torch path without it"
-        )
-    if not query.is_cuda and not _interpreting():
-        raise InputError(
-            f"attention_sums_triton runs on CUDA tensors, got {query.device}; use attention_sums_from_qk "
-            "(or attention_sums), or set TRITON_INTERPRET=1 to run the kernel in Triton's CPU interpreter"
-        )
-    batch, heads, kv_heads, n_positions, dim = _check_qk(query, key)
-    layout = _layout(
-        batch=batch,
-        heads=heads,
-        n_positions=n_positions,
-        device=query.device,
-        window=window,
-        lengths=lengths,
-        excluded_keys=excluded_keys,
-        log_floor=log_floor,
-        key_bin=key_bin,
-        n_key_bins=n_key_bins,
-        input_dtype=query.dtype,
-    )
-    out = _empty_sums(layout, keep_pattern=False)
-    n_real = max(layout.host_lengths, default=0)
-    if n_real > 0:
-        use_fp64 = query.dtype == torch.float64
-        q = query if query.stride(-1) == 1 else query.contiguous()
-        k = key if key.stride(-1) == 1 else key.contiguous()
-        tile = _tile_size(block_size)
-        block_d = max(16, triton.next_power_of_2(dim))
-        scale = float(dim**-0.5 if scaling is None else scaling)
-        params = _kernel_parameters(scale, softcap, math.log(layout.log_floor), query.device)
-        floored_rows = torch.zeros((batch, heads, n_positions), dtype=torch.float64, device=query.device)
-        grid = (triton.cdiv(n_real, tile), batch * heads)
-        _attention_sums_kernel[grid](
-            q, k, layout.lengths, layout.key_keep.to(torch.int8), layout.key_bin, params,
-            out["raw_sum"], out["raw_sq"], out["log_sum"], out["log_sq"], floored_rows,
-            out["lag_sum"], out["key_lag_sum"],
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            heads, heads // kv_heads, n_positions, 0 if layout.window is None else layout.window,
-            HEAD_DIM=dim,
-            BLOCK_D=block_d,
-            BLOCK=tile,
-            DTYPE=tl.float64 if use_fp64 else tl.float32,
-            DOT_DTYPE=_dot_dtype(query.dtype, key.dtype),
-            HAS_WINDOW=layout.window is not None,
-            HAS_SOFTCAP=softcap is not None,
-            HAS_EXCLUDED=bool(layout.excluded),
-            num_warps=WARPS if tile >= 32 else 4,
-        )
-        out["floored"] = floored_rows.sum(-1)
-    if keep_pattern:
-        out["pattern_sum"] = pattern_sum_from_qk(
-            query, key, scaling=scaling, softcap=softcap, window=window, lengths=lengths, excluded_keys=excluded_keys
-        )
-    return out
-
-
-def attention_sums(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    *,
-    scaling: float | None = None,
-    softcap: float | None = None,
-    window: int | None = None,
-    lengths: torch.Tensor | None = None,
-    excluded_keys: Sequence[int] = (),
-    log_floor: float | None = None,
-    key_bin: torch.Tensor | None = None,
-    n_key_bins: int | None = None,
-    keep_pattern: bool = False,
-    block_size: int | None = None,
-    compile_blocks: bool = False,
-    backend: str = "auto",
-) -> tuple[dict[str, torch.Tensor], str]:
-    """One layer's attention sums by the fastest available path, and which path ran.
-
-    ``backend="auto"`` runs :func:`attention_sums_triton` for CUDA tensors when Triton
-    is importable, and :func:`~equivariance_probe.statistics.blocks.attention_sums_from_qk` (torch, in query
-    blocks) otherwise; ``"triton"`` and ``"torch"`` force one (``"triton"`` raises where
-    it cannot run). The arguments are those of
-    :func:`~equivariance_probe.statistics.blocks.attention_sums_from_qk` (``block_size`` is passed to the
-    path that runs, with that path's meaning).
-
-    Returns:
-        ``(sums, path)``: the dict of sums (the same keys and shapes on both paths) and
-        ``"triton"`` or ``"torch"``. The path is returned beside the dict, not inside
-        it, so that the dict holds tensors only and merges like any other.
-    """
-    global _TRITON_FAILURE
-    check_choice("backend", backend, ENGINES)
-    # "auto" takes the fused kernel on CUDA where Triton imports and has not failed in this process.
-    use_triton = backend == "triton" or (
-        backend == "auto" and query.is_cuda and triton is not None and _TRITON_FAILURE is None
-    )
-    arguments = dict(
-        scaling=scaling,
-        softcap=softcap,
-        window=window,
-        lengths=lengths,
-        excluded_keys=excluded_keys,
-        log_floor=log_floor,
-        key_bin=key_bin,
-        n_key_bins=n_key_bins,
-        keep_pattern=keep_pattern,
-        block_size=block_size,
-        compile_blocks=compile_blocks,
-    )
-    if use_triton:
-        try:
-            return attention_sums_triton(query, key, **arguments), "triton"
-        except EquivarianceProbeError:
-            raise
-        except Exception as error:  # noqa: BLE001 - a kernel that cannot compile or launch here: torch path
-            if backend == "triton":
-                raise
-            _TRITON_FAILURE = error
-    if backend == "auto" and query.is_cuda:
-        warn_triton_unavailable()
-    return attention_sums_from_qk(query, key, **arguments), "torch"
-
-
-#: Why the fused kernel failed to compile or launch in this process (``engine="auto"`` then stays on the
-#: torch path), or ``None``.
-_TRITON_FAILURE: Exception | None = None
-_warned_triton_unavailable = False
-
-
-def warn_triton_unavailable() -> None:
-    """Say once per process, naming the error, that CUDA tensors go through the torch path because the
-    fused kernel cannot run here (Triton absent, older than :data:`MIN_TRITON_VERSION`, broken, or the
-    kernel failed to compile or launch): the numbers are the same, only slower, but a user who
-    installed Triton should know."""
-    global _warned_triton_unavailable
-    if _warned_triton_unavailable:
-        return
-    _warned_triton_unavailable = True
-    why = _TRITON_FAILURE if _TRITON_FAILURE is not None else _TRITON_IMPORT_ERROR
-    warnings.warn(
-        f"the fused Triton kernel cannot run here ({type(why).__name__}: {why}); attention on CUDA is reduced by the "
-        "torch path in query blocks instead (the same sums, slower). Install a Triton that imports "
-        f"(pip install 'triton>={'.'.join(map(str, MIN_TRITON_VERSION))}') for the fused kernel",
-        RuntimeWarning,
-        stacklevel=2,
-    )
+else:  # no Triton here: the engine refuses to run, and attention_sums_triton says why
+    _tanh64 = _score_tile = _masked_tile = _add_within_segment = _attention_sums_kernel = None

@@ -1,12 +1,12 @@
-"""Torch-only kernels of the statistics that also run where the model runs: scores, masks, and
-the reduction of one layer's captured attention.
+"""The in-trace engine: torch-only reductions that run where the model runs (inside a remote nnsight
+trace): scores, masks, and the reduction of one layer's captured attention.
 
 Place in the seams: *statistics*. The functions here use torch, math and builtins alone, so
 that, shipped by value, they run inside a remote nnsight trace on a server where
 equivariance_probe is not installed (:mod:`~equivariance_probe.adapters.nnsight_remote`). A
 remote batch is reduced by :func:`reduce_layer` from the whole pattern of one layer at a time
 (the server has the memory); local runs use the query-block engine of
-:mod:`~equivariance_probe.statistics.blocks`, which returns the same sums.
+:mod:`~equivariance_probe.statistics.engines.torch_blocks`, which returns the same sums.
 
 Coordinates: ``query`` ``q`` and ``key`` ``k`` are absolute positions in a window; ``lag`` is
 ``dt = q - k``.
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .blocks import row_moments, toeplitz_r2_per_window
-from .masks import default_log_floor, uniform_prior
+from ..masks import default_log_floor, uniform_prior
+from .block_maths import row_moments, toeplitz_r2_per_window
 
 __all__ = [
     "default_log_floor",
@@ -28,6 +28,7 @@ __all__ = [
     "entry_moments",
     "diagonal_sums",
     "reduce_layer",
+    "reduce_pattern",
     "attention_scores",
     "recompute_pattern",
 ]
@@ -166,6 +167,19 @@ def reduce_layer(
     out["doc_toeplitz_sum"] = r2.sum(0)
     out["doc_toeplitz_count"] = has_variance.sum(0, dtype=torch.float64)
     return out
+
+
+def reduce_pattern(pattern: torch.Tensor, lengths: torch.Tensor, spec: dict, visible=None) -> dict:
+    """The in-trace engine: one layer's sums of ``pattern: [batch, head, query, key]`` under a reduction spec
+    in plain form (:meth:`~equivariance_probe.statistics.engines.spec.ReductionSpec.plain`: ``window``,
+    ``excluded_keys``, ``log_floor``, ``key_bin``, ``n_key_bins``, ``keep_pattern``), as :func:`reduce_layer`
+    returns them; ``visible`` (:func:`visible_mask`) when the caller already has it for this window."""
+    # No typing names in here: annotations would make the payload import `typing`.
+    n_positions = pattern.shape[-1]
+    if visible is None:
+        visible = visible_mask(n_positions, spec["window"], lengths, spec["excluded_keys"])
+    key_bin = torch.tensor(spec["key_bin"][:n_positions], dtype=torch.long, device=pattern.device)
+    return reduce_layer(pattern, visible, spec["log_floor"], key_bin, spec["n_key_bins"], keep_pattern=spec["keep_pattern"])
 
 
 def attention_scores(
