@@ -38,9 +38,18 @@ import torch
 
 from ..errors import AttentionCaptureError, EquivarianceProbeError, check_choice
 from ..statistics.engine_check import EngineCheck
-from .base import Adapter, AttentionLayout, PatternCallback
+from ..statistics.kernels import attention_scores
+from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
 from .internals import AttentionCall, intercept_attention, position_embedding_modules
-from .modules import config_max_context, find_attention_modules, is_bidirectional, layer_windows, text_config
+from .modules import (
+    config_max_context,
+    find_attention_modules,
+    is_bidirectional,
+    is_causal_lm,
+    layer_windows,
+    parent_layer,
+    text_config,
+)
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -370,3 +379,86 @@ class HuggingFaceAdapter(Adapter):
         if self.pattern_source == "recompute":
             raise AttentionCaptureError(f"{reason}; use pattern_source='weights' or 'auto'")
         return {**decision, "source": "weights", "reason": reason}
+
+    # -- the shift test: one segment block per window ----------------------------------------------
+    def run_segment(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        segment_length: int,
+        *,
+        on_attention: SegmentAttentionCallback,
+        on_residual: SegmentResidualCallback | None = None,
+        position_start: torch.Tensor | None = None,
+        predictions: bool = False,
+    ) -> torch.Tensor | None:
+        """:meth:`Adapter.run_segment`: queries and keys are read from transformers' attention function while the
+        model runs its own kernel (eager, sdpa or flash), and the segment block's scores and row normalisers are
+        computed from them (:func:`~equivariance_probe.statistics.kernels.attention_scores`), as the probe's
+        engine does for whole windows. Residual streams are the outputs of each layer's decoder block."""
+        m = int(segment_length)
+        lengths = lengths.to(torch.long).cpu()
+        starts = lengths - m
+        windows = self.layout.sliding_windows
+
+        def on_call(call: AttentionCall) -> None:
+            window = windows[call.layer]
+            blocks, normalisers = [], []
+            for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
+                scores = attention_scores(call.query[row : row + 1, :, start:length], call.key[row : row + 1, :, :length],
+                                          call.scaling, call.softcap)[0]  # [head, m, length]
+                position = torch.arange(start, length, device=scores.device).view(-1, 1)
+                key = torch.arange(length, device=scores.device).view(1, -1)
+                hidden = (key > position) if self.layout.causal else torch.zeros_like(key > position)
+                if window is not None:
+                    hidden = hidden | ((position - key).abs() >= window)
+                normalisers.append(torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1))
+                blocks.append(scores[..., start:length])
+            on_attention(call.layer, torch.stack(blocks), torch.stack(normalisers))
+
+        handles = []
+        if on_residual is not None:
+            def make_hook(layer: int):
+                def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+                    hidden_states = output[0] if isinstance(output, tuple) else output
+                    on_residual(layer, torch.stack([hidden_states[row, start:length].detach() for row, (start, length)
+                                                    in enumerate(zip(starts.tolist(), lengths.tolist()))]))
+                return hook
+
+            handles = [parent_layer(self.model, module).register_forward_hook(make_hook(layer))
+                       for layer, module in enumerate(self.attention_modules)]
+        device = self.device
+        width = tokens.shape[1]
+        position_ids = None
+        if position_start is not None:
+            position_ids = (position_start.view(-1, 1) + torch.arange(width).view(1, -1)).to(device)
+        mask = None
+        if not self.layout.causal:
+            mask = (torch.arange(width).view(1, -1) < lengths.view(-1, 1)).long().to(device)
+        keep = width - int(starts.min())
+        was_training = self.model.training
+        log_probs = None
+        try:
+            self.model.eval()
+            with torch.no_grad(), intercept_attention(self.model, on_call, eager=False, layers=self.attention_modules) as seen:
+                if predictions:
+                    if not (self.layout.causal and is_causal_lm(self.model)):
+                        raise AttentionCaptureError(
+                            f"{type(self.model).__name__} is not a causal language model, so it makes no next-token "
+                            "predictions; run the shift test with predictions=False")
+                    logits = self.model(input_ids=tokens.to(device), attention_mask=mask, position_ids=position_ids,
+                                        use_cache=False, logits_to_keep=keep).logits
+                    # logits[:, k] belongs to position width - keep + k; float32, or float64 for a float64 model.
+                    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+                    log_probs = torch.stack([
+                        torch.log_softmax(logits[row, start - (width - keep) : length - (width - keep)].to(dtype), -1)
+                        for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist()))])
+                else:
+                    self.model.base_model(input_ids=tokens.to(device), attention_mask=mask, position_ids=position_ids,
+                                          use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.model.train(was_training)
+        self.check_layers_seen(sorted(set(seen)))
+        return log_probs

@@ -12,7 +12,8 @@ layer, head and entry ``e`` it keeps ``S`` per-offset sums ``Σ_f Y[f, s, e]`` a
 cancels): ``Σ (Y − c)``, ``Σ (Y − c)²``, the current context's ``Σ_s (Y − c)`` and ``Σ_f (Σ_s (Y − c))²``.
 When the segment's grid is complete they give its exact :data:`~equivariance_probe.maths.shift.DECOMPOSITION_SUMS`,
 which are added to the sums of the segment's interval group (``[group, layer, head]``). Predictions keep,
-per offset, the latest context's next-token log-probabilities (``S·(m−1)·V`` float32).
+per offset, the latest context's next-token log-probabilities (``S·(m−1)·V`` float32, float64 for a
+float64 model).
 
 Every array is declared once, in :data:`SHIFT_ARRAYS`: its axes and its merge rule (``"sum"``: all of
 them), so merging, saving and loading read the table. Segments are fingerprinted
@@ -212,7 +213,9 @@ class SegmentGrid:
     def add_predictions(self, offset_index: int, log_probs: torch.Tensor, targets: torch.Tensor) -> None:
         """``log_probs: [m − 1, vocab]`` next-token log-probabilities at the segment's positions but the last,
         ``targets: [m − 1]`` the segment's own next tokens, for the current context at one offset."""
-        log_probs = log_probs.detach().to(torch.float32)
+        log_probs = log_probs.detach()
+        if log_probs.dtype != torch.float64:
+            log_probs = log_probs.to(torch.float32)
         nll = -log_probs.gather(-1, targets.to(log_probs.device).view(-1, 1)).to(torch.float64).sum()
         self.predictions["nll_sum"][offset_index] += float(nll)
         self.predictions["nll_count"][offset_index] += int(targets.numel())
