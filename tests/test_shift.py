@@ -191,3 +191,25 @@ def test_grid_windows_and_default_offsets(tiny_model_folder):
     assert grid.describe()["offset_means"].startswith("position and amount")
     offsets = default_offsets(32768, 1, 64, [512, None])
     assert max(offsets) == 1024 - 65 and 512 - 65 in offsets and 512 in offsets
+
+
+def test_command_line_writes_results_and_prints_a_table_or_json(tiny_model_folder, text_corpus, tmp_path, capsys):
+    import json
+
+    from equivariance_probe.cli import main
+
+    model = tiny_model_folder("gemma3", n_positions=128)
+    corpus = text_corpus(n_docs=6, words=60)
+    common = ["--model", model, "--corpus", corpus, "--n-segments", "3", "--n-contexts", "2", "--segment-length", "8",
+              "--offsets", "0,5,20", "--interval-groups", "3", "--no-progress"]
+    assert main(["shift", "-o", str(tmp_path / "a"), *common, "--baselines", "random_init"]) == 0
+    table = capsys.readouterr().out
+    assert "[trained]" in table and "[random_init]" in table and "position AND the amount of text" in table
+    trained = ShiftResult.load(tmp_path / "a" / "shift_trained.safetensors")
+    assert trained.n_segments == 3 and trained.config.n_contexts == 2 and trained.config.prefix_length == 1
+    assert main(["shift", "-o", str(tmp_path / "b"), *common, "--json", "--mode", "position_ids"]) == 0
+    numbers = json.loads(capsys.readouterr().out)
+    assert numbers["trained"]["mode"] == "position_ids"
+    assert numbers["trained"]["representations"]["centred_logits"]["offset_eta2"]["estimate"] <= 1e-8
+    assert main(["shift", "-o", str(tmp_path / "c"), *common, "--offsets", "7"]) == 2
+    assert "at least two distinct" in capsys.readouterr().err

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ContextLengthError, EmptyCorpusError, InputError, check_choice
+from ..errors import ContextLengthError, EmptyCorpusError, InputError, check_choice, option
 from .packing import special_prefix
 
 __all__ = ["SHIFT_MODES", "ShiftGrid", "shift_grid", "default_offsets", "split_documents", "DEFAULT_SHIFT"]
@@ -92,7 +92,7 @@ def default_offsets(max_context: int | None, prefix_length: int, segment_length:
     if largest < 1:
         raise ContextLengthError(
             f"a segment of {segment_length} tokens after a prefix of {prefix_length} leaves no room to move in a "
-            f"window of {limit} tokens; pass a shorter segment_length")
+            f"window of {limit} tokens; pass a shorter {option('segment_length')}")
     offsets = {round(k * largest / (n_offsets - 1)) for k in range(n_offsets)}
     for window in {w for w in sliding_windows if w is not None}:
         inside = window - segment_length - prefix_length
@@ -131,8 +131,8 @@ def split_documents(documents: Iterable[Any], tokenizer: Any, *, n_segments: int
     if len(segments) < n_segments or len(contexts) < n_contexts:
         raise EmptyCorpusError(
             f"the corpus gave {len(segments)} segments of {segment_length} tokens and {len(contexts)} contexts of "
-            f"{context_length} tokens, but {n_segments} and {n_contexts} were asked for; pass a larger corpus, fewer "
-            "segments or contexts, or smaller offsets")
+            f"{context_length} tokens, but {n_segments} and {n_contexts} were asked for; pass a larger {option('corpus')}, "
+            f"fewer {option('n_segments')} or {option('n_contexts')}, or smaller {option('offsets')}")
     return segments, contexts
 
 
@@ -160,18 +160,18 @@ def shift_grid(segments: Iterable[Any], contexts: Iterable[Any] | None, tokenize
     check_choice("mode", mode, SHIFT_MODES)
     if not isinstance(segment_length, int) or isinstance(segment_length, bool) or segment_length < 2:
         raise InputError(f"segment_length={segment_length!r} must be an integer of at least 2 (a segment's attention "
-                         "needs rows with two keys)")
+                         f"needs rows with two keys); pass {option('segment_length', 64)}")
     offsets = tuple(sorted({int(s) for s in offsets}))
     if len(offsets) < 2 or offsets[0] < 0:
         raise InputError(f"offsets={list(offsets)} must hold at least two distinct non-negative offsets: with one there "
-                         "is nothing to compare (e.g. offsets=[0, 256, 512])")
+                         f"is nothing to compare; pass more through {option('offsets')}, e.g. 0, 256 and 512")
     prefix = special_prefix(tokenizer) if tokenizer is not None else ()
     segment_ids = []
     for index, segment in enumerate(segments):
         ids = _ids(segment, tokenizer, "segments")
         if len(ids) < segment_length:
             raise InputError(f"segment {index} has {len(ids)} tokens, fewer than segment_length={segment_length}; "
-                             "pass longer segments or a smaller segment_length")
+                             f"pass longer segments or a smaller {option('segment_length')}")
         segment_ids.append(ids[:segment_length])
     if len(segment_ids) < 1:
         raise EmptyCorpusError("no segments were given; pass at least one text to move")
@@ -179,27 +179,27 @@ def shift_grid(segments: Iterable[Any], contexts: Iterable[Any] | None, tokenize
     if max_context is not None and longest > max_context:
         raise ContextLengthError(
             f"at the largest offset {offsets[-1]} a segment of {segment_length} tokens after a prefix of {len(prefix)} "
-            f"ends at position {longest - 1}, beyond this model's {max_context}-token window; pass offsets up to "
-            f"{max_context - len(prefix) - segment_length} or a shorter segment_length")
+            f"ends at position {longest - 1}, beyond this model's {max_context}-token window; pass {option('offsets')} up "
+            f"to {max_context - len(prefix) - segment_length} or a shorter {option('segment_length')}")
     if mode == "position_ids":
         if contexts is not None and len(list(contexts)):
             raise InputError("position_ids mode moves the segment's position ids and runs no context; pass contexts=None")
         return ShiftGrid(prefix, torch.tensor(segment_ids), torch.zeros((1, 0), dtype=torch.long), offsets, mode)
     if contexts is None:
         raise InputError("text mode needs contexts (texts that precede the segment); pass contexts=[...], or "
-                         "mode='position_ids'")
+                         f"{option('mode', 'position_ids')}")
     context_ids = []
     for index, context in enumerate(contexts):
         ids = _ids(context, tokenizer, "contexts")
         if len(ids) < offsets[-1]:
             raise ContextLengthError(
                 f"context {index} has {len(ids)} tokens, fewer than the largest offset {offsets[-1]}; pass contexts "
-                f"of at least {offsets[-1]} tokens or smaller offsets")
+                f"of at least {offsets[-1]} tokens or smaller {option('offsets')}")
         if any(ids[:segment_length] == seg or ids == seg[: len(ids)] for seg in segment_ids):
             raise InputError(f"context {index} starts with a segment's tokens: the same document would be used as "
                              "segment and context; draw segments and contexts from different documents")
         context_ids.append(ids[: offsets[-1]])
     if len(context_ids) < 2:
         raise InputError(f"text mode needs at least two contexts to separate what precedes the text from where it "
-                         f"sits, got {len(context_ids)}; pass more contexts, or mode='position_ids'")
+                         f"sits, got {len(context_ids)}; pass more contexts, or {option('mode', 'position_ids')}")
     return ShiftGrid(prefix, torch.tensor(segment_ids), torch.tensor(context_ids), offsets, mode)
