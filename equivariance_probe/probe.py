@@ -81,8 +81,8 @@ class EquivarianceProbe:
                 "cannot be run here; load its weights (from_pretrained, or load_model(name)), or run it remotely "
                 "with an nnsight model and remote=True"
             )
-        #: The statistics of the last run so far, kept even if the run stopped with an error.
-        self.last_result: ProbeResult | None = None
+        #: The statistics of the last run (``run`` or ``shift``) so far, kept even if the run stopped with an error.
+        self.last_result: ProbeResult | ShiftResult | None = None
 
     def __repr__(self) -> str:
         layout = self.adapter.layout
@@ -445,7 +445,7 @@ class EquivarianceProbe:
             mode: ``"text"`` or ``"position_ids"``.
             batch_size: windows per forward pass (windows of one context at several offsets; results do not
                 depend on it; the logits kept per pass span the batch's longest segment-to-end stretch).
-            predictions: measure next-token predictions (default: for a causal language model).
+            predictions: measure next-token predictions (default: for a causal language model with its head).
             interval_groups: groups of segments for the jackknife intervals (0: none).
             progress: show a progress bar over segments.
 
@@ -456,7 +456,7 @@ class EquivarianceProbe:
             the error's ``partial_result``, marked partial.
         """
         from .adapters.internals import rotary_modules
-        from .adapters.modules import hf_model_of
+        from .adapters.modules import hf_model_of, is_causal_lm
 
         layout = self.adapter.layout
         tokenizer = self.adapter.tokenizer
@@ -467,7 +467,9 @@ class EquivarianceProbe:
             offsets = default_offsets(layout.max_context, len(prefix), segment_length, layout.sliding_windows)
         grid = shift_grid(segments, contexts, tokenizer, offsets=list(offsets), segment_length=segment_length,
                           mode=mode, max_context=layout.max_context)
-        predictions = layout.causal if predictions is None else bool(predictions)
+        if predictions is None:  # a causal language model's head; a bare decoder (Gemma3TextModel) has none
+            predictions = layout.causal and (self.adapter.framework != "huggingface" or is_causal_lm(self.model))
+        predictions = bool(predictions)
         config = ShiftConfig(n_layers=layout.n_layers, n_heads=layout.n_heads, offsets=grid.offsets,
                              n_contexts=grid.n_contexts, segment_length=grid.segment_length,
                              prefix_length=len(grid.prefix), mode=mode, interval_groups=max(1, interval_groups),
@@ -481,7 +483,7 @@ class EquivarianceProbe:
                                 "visible key of the window")
         result = ShiftResult(statistics, metadata)
         metadata = result.metadata
-        self.last_result = result  # type: ignore[assignment]
+        self.last_result = result
         entries = [segment_entries(config, layer) for layer in range(layout.n_layers)]
         n_offsets = len(grid.offsets)
         bar = progress_bar(bool(progress), int(grid.segments.shape[0]), progress if isinstance(progress, str) else "segments")

@@ -213,3 +213,23 @@ def test_command_line_writes_results_and_prints_a_table_or_json(tiny_model_folde
     assert numbers["trained"]["representations"]["centred_logits"]["offset_eta2"]["estimate"] <= 1e-8
     assert main(["shift", "-o", str(tmp_path / "c"), *common, "--offsets", "7"]) == 2
     assert "at least two distinct" in capsys.readouterr().err
+
+
+def test_a_stopped_run_keeps_its_finished_segments_marked_partial():
+    segments, contexts = design()
+    probe = EquivarianceProbe(tiny_gpt2())
+    calls = []
+    original = probe.adapter.run_segment
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2 * 3 * 3:  # two segments' grids, then a failure
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    probe.adapter.run_segment = failing
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        probe.shift(segments, contexts, offsets=OFFSETS, segment_length=M, progress=False)
+    partial = stopped.value.partial_result
+    assert partial is probe.last_result and partial.n_segments == 2 and not partial.complete
+    assert "PARTIAL" in partial.table()

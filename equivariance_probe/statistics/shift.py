@@ -12,7 +12,7 @@ layer, head and entry ``e`` it keeps ``S`` per-offset sums ``Σ_f Y[f, s, e]`` a
 cancels): ``Σ (Y − c)``, ``Σ (Y − c)²``, the current context's ``Σ_s (Y − c)`` and ``Σ_f (Σ_s (Y − c))²``.
 When the segment's grid is complete they give its exact :data:`~equivariance_probe.maths.shift.DECOMPOSITION_SUMS`,
 which are added to the sums of the segment's interval group (``[group, layer, head]``). Predictions keep,
-per offset, the latest context's next-token log-probabilities (``S·(m−1)·V`` float32, float64 for a
+per offset, the latest context's next-token probabilities (``S·(m−1)·V`` float32, float64 for a
 float64 model).
 
 Every array is declared once, in :data:`SHIFT_ARRAYS`: its axes and its merge rule (``"sum"``: all of
@@ -42,6 +42,8 @@ __all__ = [
     "SegmentGrid",
     "segment_entries",
     "segment_representations",
+    "next_token_distribution",
+    "jensen_shannon_from",
     "jensen_shannon_torch",
 ]
 
@@ -153,13 +155,30 @@ def segment_representations(scores: torch.Tensor, log_normaliser: torch.Tensor, 
     return {"centred_logits": centred[:, mask], "conditional_weights": conditional[:, mask], "raw_weights": raw[:, mask]}
 
 
+def next_token_distribution(log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p, Σ p·log p)`` of ``log_probs: [..., vocab]``: the probabilities in their dtype (float32, or float64
+    for a float64 model) and the negative entropy per distribution, as float64.
+
+    Sums run in the probabilities' dtype (torch's pairwise summation): a float32 sum over a 262,144-token
+    vocabulary is off by about 1e-7 of the entropy (so JS is resolved to about 1e-6 nats), and summing in
+    float64 would cast every term first, which costs more than the rest of the divergence on a CPU."""
+    probabilities = log_probs.exp()
+    return probabilities, torch.special.xlogy(probabilities, probabilities).sum(-1).to(torch.float64)
+
+
+def jensen_shannon_from(p: tuple[torch.Tensor, torch.Tensor], q: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``JS(p, q) = ½·Σ p log p + ½·Σ q log q − Σ m log m``, ``m = (p + q)/2`` (the same as ``½·KL(p‖m) + ½·KL(q‖m)``),
+    from two :func:`next_token_distribution`: one logarithm per vocabulary entry and pair, since each distribution's
+    own ``Σ p log p`` is computed once. Float64 ``[...]`` in ``[0, log 2]``."""
+    middle = 0.5 * (p[0] + q[0])
+    value = 0.5 * (p[1] + q[1]) - torch.special.xlogy(middle, middle).sum(-1).to(torch.float64)
+    return value.clamp(0.0, float(np.log(2.0)))
+
+
 def jensen_shannon_torch(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """``JS(p, q)`` in nats over the last axis, float64 (:func:`~equivariance_probe.maths.shift.jensen_shannon`)."""
-    log_p, log_q = log_p.to(torch.float64), log_q.to(torch.float64)
-    log_m = torch.logaddexp(log_p, log_q) - np.log(2.0)
-    p, q = log_p.exp(), log_q.exp()
-    terms = torch.where(p > 0, p * (log_p - log_m), 0.0) + torch.where(q > 0, q * (log_q - log_m), 0.0)
-    return (0.5 * terms.sum(-1)).clamp(0.0, float(np.log(2.0)))
+    """``JS(p, q)`` in nats over the last axis (:func:`~equivariance_probe.maths.shift.jensen_shannon`), computed as
+    the streaming run computes it."""
+    return jensen_shannon_from(next_token_distribution(log_probs=log_p), next_token_distribution(log_q))
 
 
 @dataclass
@@ -186,8 +205,9 @@ class SegmentGrid:
         self.contexts_done = 0
         self._sums = {rep: _Shifted(*([None] * config.n_layers for _ in range(6))) for rep in REPRESENTATIONS}
         self._seen: set[tuple[str, int, int]] = set()
-        self.log_probs: list[torch.Tensor | None] = [None] * len(config.offsets)  # the latest context's, per offset
-        self._current: dict[int, torch.Tensor] = {}
+        #: Per offset, the latest context's next-token distributions (:func:`next_token_distribution`).
+        self.distributions: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(config.offsets)
+        self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.predictions = {name: np.zeros(self.config.shape(axes[1:])) for name, axes in PREDICTION_ARRAYS.items()}
 
     def add(self, representation: str, layer: int, offset_index: int, values: torch.Tensor) -> None:
@@ -219,16 +239,18 @@ class SegmentGrid:
         nll = -log_probs.gather(-1, targets.to(log_probs.device).view(-1, 1)).to(torch.float64).sum()
         self.predictions["nll_sum"][offset_index] += float(nll)
         self.predictions["nll_count"][offset_index] += int(targets.numel())
-        previous = self.log_probs[offset_index]
+        mine = next_token_distribution(log_probs)
+        del log_probs
+        previous = self.distributions[offset_index]
         if previous is not None:  # the previous context at this offset: a consecutive pair of contexts
-            self.predictions["js_context_sum"][offset_index] += float(jensen_shannon_torch(previous, log_probs).sum())
+            self.predictions["js_context_sum"][offset_index] += float(jensen_shannon_from(previous, mine).sum())
             self.predictions["js_context_count"][offset_index] += int(targets.numel())
         for other, theirs in self._current.items():
             low, high = min(other, offset_index), max(other, offset_index)
-            self.predictions["js_offset_sum"][low, high] += float(jensen_shannon_torch(theirs, log_probs).sum())
+            self.predictions["js_offset_sum"][low, high] += float(jensen_shannon_from(theirs, mine).sum())
             self.predictions["js_offset_count"][low, high] += int(targets.numel())
-        self._current[offset_index] = log_probs
-        self.log_probs[offset_index] = log_probs
+        self._current[offset_index] = mine
+        self.distributions[offset_index] = mine
 
     def end_context(self) -> None:
         """Close the current context: every (representation, layer, offset) must have been added."""
