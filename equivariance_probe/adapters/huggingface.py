@@ -396,25 +396,11 @@ class HuggingFaceAdapter(Adapter):
         model runs its own kernel (eager, sdpa or flash), and the segment block's scores and row normalisers are
         computed from them (:func:`~equivariance_probe.statistics.kernels.attention_scores`), as the probe's
         engine does for whole windows. Residual streams are the outputs of each layer's decoder block."""
-        m = int(segment_length)
         lengths = lengths.to(torch.long).cpu()
-        starts = lengths - m
-        windows = self.layout.sliding_windows
+        starts = lengths - int(segment_length)
 
         def on_call(call: AttentionCall) -> None:
-            window = windows[call.layer]
-            blocks, normalisers = [], []
-            for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
-                scores = attention_scores(call.query[row : row + 1, :, start:length], call.key[row : row + 1, :, :length],
-                                          call.scaling, call.softcap)[0]  # [head, m, length]
-                position = torch.arange(start, length, device=scores.device).view(-1, 1)
-                key = torch.arange(length, device=scores.device).view(1, -1)
-                hidden = (key > position) if self.layout.causal else torch.zeros_like(key > position)
-                if window is not None:
-                    hidden = hidden | ((position - key).abs() >= window)
-                normalisers.append(torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1))
-                blocks.append(scores[..., start:length])
-            on_attention(call.layer, torch.stack(blocks), torch.stack(normalisers))
+            on_attention(call.layer, *self._segment_block(call, starts, lengths))
 
         handles = []
         if on_residual is not None:
@@ -462,3 +448,63 @@ class HuggingFaceAdapter(Adapter):
             self.model.train(was_training)
         self.check_layers_seen(sorted(set(seen)))
         return log_probs
+
+    def _segment_block(self, call: AttentionCall, starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores [batch, head, m, m], log_normaliser [batch, head, m])`` of the segment block of each window
+        (the segment is positions ``starts[b] .. lengths[b] − 1``), from the call's queries and keys."""
+        window = self.layout.sliding_windows[call.layer]
+        blocks, normalisers = [], []
+        for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
+            scores = attention_scores(call.query[row : row + 1, :, start:length], call.key[row : row + 1, :, :length],
+                                      call.scaling, call.softcap)[0]  # [head, m, length]
+            position = torch.arange(start, length, device=scores.device).view(-1, 1)
+            key = torch.arange(length, device=scores.device).view(1, -1)
+            hidden = (key > position) if self.layout.causal else torch.zeros_like(key > position)
+            if window is not None:
+                hidden = hidden | ((position - key).abs() >= window)
+            normalisers.append(torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1))
+            blocks.append(scores[..., start:length])
+        return torch.stack(blocks), torch.stack(normalisers)
+
+    def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
+        """Run one window ``tokens: [1, T]`` (its segment the last ``segment_length`` tokens) under eager attention
+        and compare the segment block's weights recomputed from queries and keys with the model's own.
+
+        Returns:
+            ``{"max_difference", "tolerance", "tokens", "passed"}``; ``passed`` is ``None`` where the model cannot
+            run eager attention (nothing to compare with).
+
+        Raises:
+            AttentionCaptureError: the weights differ by more than :func:`recompute_tolerance`: the model's attention
+                is not ``softmax(mask(softcap(q·kᵀ·scaling)))`` alone (ALiBi biases, sink logits), so the shift test's
+                scores would be wrong.
+        """
+        lengths = torch.tensor([tokens.shape[1]])
+        starts = lengths - int(segment_length)
+        differences: list[float] = []
+
+        def on_call(call: AttentionCall) -> None:
+            scores, normaliser = self._segment_block(call, starts, lengths)
+            recomputed = torch.exp(scores - normaliser.unsqueeze(-1))[0]
+            own = call.weights[0, :, int(starts[0]):, int(starts[0]):].to(recomputed.dtype)
+            offset = torch.arange(own.shape[-1]).view(-1, 1) - torch.arange(own.shape[-1]).view(1, -1)
+            visible = (offset >= 0) if self.layout.causal else torch.ones_like(offset, dtype=torch.bool)
+            window = self.layout.sliding_windows[call.layer]
+            if window is not None:
+                visible &= offset.abs() < window
+            # Entries the layout hides must be 0 in the model's own weights too: a wrong mask shows here.
+            differences.append(float((recomputed.masked_fill(~visible.to(own.device), 0.0) - own).abs().max()))
+
+        tolerance = recompute_tolerance(self.dtype)
+        check: dict[str, Any] = {"tokens": int(tokens.shape[1]), "tolerance": tolerance}
+        try:
+            self._run_intercepted(tokens, on_call, eager=True, keep_weights=True)
+        except (ValueError, ImportError, NotImplementedError) as error:
+            return {**check, "max_difference": None, "passed": None, "reason": f"not checked: {error!s:.200}"}
+        largest = max(differences, default=0.0)
+        if not largest <= tolerance:
+            raise AttentionCaptureError(
+                f"the segment block's weights recomputed from queries and keys differ from the model's own eager weights "
+                f"by up to {largest:.3g} (tolerance {tolerance:g}): its attention is not softmax(mask(softcap(q·kᵀ·"
+                "scaling))) alone (ALiBi biases, sink logits, or a custom attention), which the shift test cannot read")
+        return {**check, "max_difference": largest, "passed": True}
