@@ -331,7 +331,10 @@ class ShiftStatistics:
 
     def add_segment(self, fingerprint: int, group: int, grid: SegmentGrid) -> None:
         """Fold a finished segment into interval group ``group`` (``0 <= group < G``)."""
-        sums = grid.sums()  # raises for an incomplete grid, before anything is added
+        self.add_segment_sums(fingerprint, group, grid.sums())  # sums() refuses an incomplete grid first
+
+    def add_segment_sums(self, fingerprint: int, group: int, sums: dict[str, np.ndarray]) -> None:
+        """Add one segment's :meth:`SegmentGrid.sums` (computed here, or where the model runs and shipped back)."""
         if np.isin(np.uint64(fingerprint), self.segment_fingerprints):
             raise IncompatibleResultsError(f"segment fingerprint {fingerprint:#x} is counted already")
         for name, value in sums.items():
