@@ -232,6 +232,42 @@ class ShiftResult:
 
         return self._number(value, interval)
 
+    def paired_difference(self, baseline: ShiftResult, representation: str = "centred_logits", term: str = "offset",
+                          by: str | None = None, level: float = 0.95) -> Any:
+        """``η²_self − η²_baseline`` with its interval from paired jackknife replicates: both results must hold the
+        same segments (the same fingerprints, so the same groups), e.g. a model and its random initialisation or
+        its bfloat16 copy on one grid.
+
+        Raises:
+            IncompatibleResultsError: other segments, or another design.
+        """
+        from .errors import IncompatibleResultsError
+
+        mine, theirs = np.sort(self.statistics.segment_fingerprints), np.sort(baseline.statistics.segment_fingerprints)
+        if not np.array_equal(mine, theirs) or self.config != baseline.config:
+            raise IncompatibleResultsError(
+                "a paired difference needs both results on the same segments, contexts, offsets and interval groups; "
+                "run the baseline on the same grid")
+        pairs = (self.share(representation, term, by), baseline.share(representation, term, by))
+        ids, a = self.statistics.replicates()
+        _, b = baseline.statistics.replicates()
+        if len(ids) < 2:
+            raise IntervalUnavailableError("the segments fall into fewer than 2 interval groups: run more segments")
+        groups = self.layer_groups()
+
+        def value(arrays: dict[str, np.ndarray]) -> Any:
+            sums = decomposition.aggregate(self._sums(arrays, representation), by, groups)
+            if by == "layer_group":
+                return {group: decomposition.shares(part)[term] for group, part in sums.items()}
+            return decomposition.shares(sums)[term]
+
+        replicates_a, replicates_b = value(a), value(b)
+        if by == "layer_group":
+            return {group: jackknife_interval(pairs[0][group] - pairs[1][group],
+                                              replicates_a[group] - replicates_b[group], level=level)
+                    for group in groups}
+        return jackknife_interval(np.subtract(*pairs), replicates_a - replicates_b, level=level)
+
     # -- merging --------------------------------------------------------------------------------------
     def merge(self, other: ShiftResult) -> ShiftResult:
         """Both results' segments together (exact: the sums add); refused for a segment in both, or results

@@ -151,6 +151,12 @@ def test_save_load_merge_equals_the_whole(tmp_path):
     assert "ShiftResult" in repr(loaded) and "<pre>" in loaded._repr_html_()
     with pytest.raises(IncompatibleResultsError, match="count twice"):
         loaded.merge(run(model, segments[:1], contexts))
+    baseline = run(tiny_gemma3(seed=1), segments, contexts)
+    difference = whole.paired_difference(baseline, "centred_logits", "offset")
+    assert difference.estimate == pytest.approx(whole.share() - baseline.share())
+    assert difference.low <= difference.estimate <= difference.high
+    with pytest.raises(IncompatibleResultsError, match="same segments"):
+        whole.paired_difference(merged.merge(run(model, design(seed=9)[0], contexts)))
     with pytest.raises(IncompatibleResultsError, match="contexts"):
         whole.merge(run(model, design(seed=5)[0], design(seed=6)[1]))
 
