@@ -20,6 +20,9 @@ Measure:
 * :class:`Interval`, :func:`paired_difference` — confidence intervals over windows (delete-a-group
   jackknife: ``interval=0.95`` on the result's methods) and paired differences of two results.
 * :class:`AttentionStatistics` — the streaming float64 sums behind every number.
+* :meth:`EquivarianceProbe.shift` → :class:`ShiftResult` — the shift test: the same text moved through
+  the window (:class:`ShiftGrid`, :class:`ShiftStatistics`): offset, context and pair shares of its
+  attention and residual stream, and how its predictions change.
 * :func:`get_adapter`, :class:`Adapter`, :class:`AttentionLayout`, :data:`SUPPORTED_MODELS` —
   the framework seam.
 
@@ -85,6 +88,9 @@ from .records.provenance import window_fingerprint
 from .records.sharding import Shard
 from .maths.intervals import Interval
 from .result import PersistenceCurves, ProbeResult, paired_difference
+from .shift_result import ShiftResult
+from .sources.shift_grid import ShiftGrid
+from .statistics.shift import ShiftStatistics
 from .runs.compare import Comparison, compare_models
 from .runs.positional import PositionalStudy, run_positional
 from .runs.scan import ContextScan, scan_context_lengths
@@ -108,6 +114,9 @@ __all__ = [
     "Interval",
     "paired_difference",
     "AttentionStatistics",
+    "ShiftResult",
+    "ShiftGrid",
+    "ShiftStatistics",
     "Adapter",
     "AttentionLayout",
     "get_adapter",

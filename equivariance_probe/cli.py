@@ -84,6 +84,11 @@ FLAGS = {
     "interval_groups": "--interval-groups",
     "backend": "--framework",
     "framework": "--framework",
+    "offsets": "--offsets",
+    "segment_length": "--segment-length",
+    "n_segments": "--n-segments",
+    "n_contexts": "--n-contexts",
+    "mode": "--mode",
 }
 
 
@@ -418,6 +423,16 @@ def build_parser() -> argparse.ArgumentParser:
     positional.add_argument("--kernels", type=_positive, default=5, help="S, kernels of the TISA fit")
     positional.add_argument("--baseline", dest="baselines", type=_names, action=_Deprecated,
                             help="deprecated spelling of --baselines (removed in the next release)")
+    _add_shift_command(command("shift", "move the same texts through the window: what their attention, residual stream "
+                                        "and predictions owe to the offset, to what precedes them and to the tokens themselves",
+                               "Trained weights vs baselines on one grid of segments, contexts and offsets. Not taken: "
+                               "--framework (the shift test reads queries and keys through the Hugging Face adapter), "
+                               "--context-length and --n-docs (each window is the special prefix, an offset's worth of "
+                               "context and a segment: --offsets, --segment-length, --n-segments, --n-contexts), --pack, "
+                               "--exclude-keys, --keep-pattern, --sample-size and --analyses (they shape the study's "
+                               "windows and sums, not the shift grid's), --memory-limit-gib (the grid's memory is "
+                               "one segment's, measured in the guide) and --resume, --shard, --checkpoint-every "
+                               "(run's only)."), model_options)
     return parser
 
 
@@ -787,6 +802,77 @@ def _positional(args: argparse.Namespace) -> int:
     )
     study = positional["study"]
     _print(args, study.table(), study.summary(), positional["wrote"])
+    return 0
+
+
+# -- the shift test: the same text moved through the window ---------------------------------------------
+def _add_shift_command(shift: argparse.ArgumentParser, model_options: tuple[str, ...]) -> None:
+    from .sources.shift_grid import DEFAULT_SHIFT, SHIFT_MODES
+
+    shift.set_defaults(handler=_shift)
+    add_shared_options(shift, "out", *model_options, "corpus", "text_field", "batch_size", "baselines", "seed",
+                       "interval_groups", "no_progress", "json", differ={
+                           "baselines": ({"default": []}, "default none: each baseline is a second run of the whole "
+                                                          "grid; random_init for the model's own initialisation"),
+                           "batch_size": ({"default": 1}, "default 1: a segment's windows differ in length by "
+                                                          "their offsets, and padding them costs more than it saves "
+                                                          "on a CPU"),
+                       })
+    shift.add_argument("--n-segments", type=_positive, default=DEFAULT_SHIFT["n_segments"],
+                       help="texts to move, one per document (default %(default)s)")
+    shift.add_argument("--n-contexts", type=_positive, default=DEFAULT_SHIFT["n_contexts"],
+                       help="preceding texts, from other documents (default %(default)s)")
+    shift.add_argument("--segment-length", type=_positive, default=DEFAULT_SHIFT["segment_length"],
+                       help="tokens per segment (default %(default)s)")
+    shift.add_argument("--offsets", type=_int_list, default=None,
+                       help="comma-separated offsets (default: 6 from 0 to a 1024-token window, both sides of a sliding "
+                            "window)")
+    shift.add_argument("--mode", choices=SHIFT_MODES, default="text",
+                       help="text (default): context tokens precede the segment; position_ids: the segment alone with its "
+                            "position ids moved")
+
+
+def _shift(args: argparse.Namespace) -> int:
+    """``equivariance-probe shift``: the shift test on the trained model and each baseline; one
+    ``shift_<variant>.safetensors`` per variant and a table (``--json``: the summaries)."""
+    import torch
+
+    from .probe import EquivarianceProbe
+    from .sources.baselines import random_init_like, zero_like
+    from .sources.corpus import load_corpus
+    from .sources.devices import resolve_device
+    from .sources.models import load_model
+    from .sources.packing import special_prefix
+    from .sources.shift_grid import default_offsets, split_documents
+
+    out = Path(args.out)
+    _check_writable(out)
+    unknown = [name for name in args.baselines if name not in ("random_init", "zero")]
+    if unknown:
+        raise InputError(f"unknown baselines {unknown}; choose from random_init, zero, or none")
+    model, tokenizer = load_model(args.model, cache_dir=args.cache_dir, dtype=getattr(torch, args.dtype or "float32"),
+                                  attn_implementation=args.attn_implementation, device=resolve_device(args.device))
+    probe = EquivarianceProbe(model, tokenizer=tokenizer)
+    offsets = args.offsets or default_offsets(probe.adapter.layout.max_context, len(special_prefix(tokenizer)),
+                                              args.segment_length, probe.adapter.layout.sliding_windows)
+    documents = _documents(args)
+    documents = load_corpus(documents) if documents is None or isinstance(documents, (str, Path)) else documents
+    segments, contexts = split_documents(
+        documents, tokenizer, n_segments=args.n_segments, n_contexts=1 if args.mode == "position_ids" else args.n_contexts,
+        segment_length=args.segment_length, context_length=max(offsets))
+    options = dict(offsets=offsets, segment_length=args.segment_length, mode=args.mode, batch_size=args.batch_size,
+                   interval_groups=args.interval_groups)
+    variants = {"trained": model}
+    variants.update({name: random_init_like(model, seed=args.seed) if name == "random_init" else zero_like(model)
+                     for name in args.baselines})
+    results, wrote = {}, []
+    for name, variant in variants.items():
+        results[name] = EquivarianceProbe(variant, tokenizer=tokenizer).shift(
+            segments, None if args.mode == "position_ids" else contexts,
+            progress=False if args.no_progress else f"{name}: segments", **options)
+        wrote.append(results[name].save(out / f"shift_{name}.safetensors"))
+    table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in results.items())
+    _print(args, table, {name: result.summary() for name, result in results.items()}, wrote)
     return 0
 
 

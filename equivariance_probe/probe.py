@@ -35,13 +35,23 @@ import torch
 from .adapters import Adapter, get_adapter
 from .adapters.checks import FirstBatchChecks, run_first_batch_checks
 from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError, StopRequested, check_integer, is_integer
-from .records.provenance import library_versions, model_identity, model_revision, window_fingerprints
+from .records.provenance import (
+    corpus_fingerprint,
+    library_versions,
+    model_identity,
+    model_revision,
+    window_fingerprint,
+    window_fingerprints,
+)
 from .result import ProbeResult
+from .shift_result import ShiftResult, shift_check
 from .sources.devices import resolve_device
-from .sources.packing import PackedWindows, windows_record
+from .sources.packing import PackedWindows, special_prefix, windows_record
+from .sources.shift_grid import default_offsets, shift_grid
 from .sources.padding import check_not_left_padded, rows_from_encoding
 from .statistics import AttentionStatistics
-from .statistics.groups import DEFAULT_INTERVAL_GROUPS, as_keys
+from .statistics.groups import DEFAULT_INTERVAL_GROUPS, as_keys, group_of
+from .statistics.shift import ShiftConfig, ShiftStatistics, segment_entries, segment_representations
 from .statistics.masks import KEY_BINS
 
 __all__ = ["EquivarianceProbe", "MeasurementOptions", "DEFAULT_CONTEXT_LENGTH", "progress_bar", "counted", "STOP_REQUESTED"]
@@ -181,8 +191,8 @@ class EquivarianceProbe:
                 "cannot be run here; load its weights (from_pretrained, or load_model(name)), or run it remotely "
                 "with an nnsight model and remote=True"
             )
-        #: The statistics of the last run so far, kept even if the run stopped with an error.
-        self.last_result: ProbeResult | None = None
+        #: The statistics of the last run (``run`` or ``shift``) so far, kept even if the run stopped with an error.
+        self.last_result: ProbeResult | ShiftResult | None = None
         #: The outcome of the first-batch checks of the recomputation and the engine (kept for later runs
         #: of this probe, which check again only for another engine option), or ``None`` before them.
         self.checks: FirstBatchChecks | None = None
@@ -484,6 +494,138 @@ class EquivarianceProbe:
             self.checks = run_first_batch_checks(self.adapter, tokens, statistics)
         self.adapter.run_statistics(tokens, statistics)
         statistics.end_batch()
+
+    # -- the shift test ----------------------------------------------------------------------------
+    def shift(
+        self,
+        segments: Iterable[Any],
+        contexts: Iterable[Any] | None = None,
+        *,
+        offsets: Iterable[int] | None = None,
+        segment_length: int = 64,
+        mode: str = "text",
+        batch_size: int = 1,
+        predictions: bool | None = None,
+        interval_groups: int = DEFAULT_INTERVAL_GROUPS,
+        progress: bool | str = True,
+    ) -> ShiftResult:
+        """Move the same texts through the window and measure what changes (the shift test).
+
+        Each segment (its first ``segment_length`` tokens, no special tokens) is placed after the first ``s``
+        tokens of each context, for every offset ``s``, behind the tokenizer's special prefix
+        (:class:`~equivariance_probe.sources.shift_grid.ShiftGrid`). Its attention among its own tokens (centred
+        logits, weights conditional on the segment's keys, raw weights), its residual stream after every block
+        and its next-token predictions are decomposed into what depends on the pair of tokens, the offset, the
+        context and the rest (:mod:`~equivariance_probe.maths.shift`). In ``"text"`` mode the offset is the
+        segment's position *and* the amount of text before it. ``mode="position_ids"`` runs the prefix and the
+        segment alone with position ids starting at ``s`` (no contexts): only the position code moves.
+
+        Memory does not grow with segments or contexts: a segment's grid is summed context by context, and
+        finished segments add into interval groups of segments (fingerprinted: a merge refuses a segment twice).
+
+        Args:
+            segments: texts (strings) or token-id lists to move.
+            contexts: texts or token-id lists that precede them, each at least ``max(offsets)`` tokens, none
+                equal to a segment (``None`` in ``"position_ids"`` mode).
+            offsets: the offsets ``s`` (default: six from 0 to the longest window of at most 1024 tokens, and
+                both sides of a sliding window: :func:`~equivariance_probe.sources.shift_grid.default_offsets`).
+            segment_length: ``m`` tokens per segment.
+            mode: ``"text"`` or ``"position_ids"``.
+            batch_size: windows per forward pass (windows of one context at several offsets; results do not
+                depend on it; the logits kept per pass span the batch's longest segment-to-end stretch).
+            predictions: measure next-token predictions (default: for a causal language model with its head).
+            interval_groups: groups of segments for the jackknife intervals (0: none).
+            progress: show a progress bar over segments.
+
+        Returns:
+            A :class:`~equivariance_probe.ShiftResult`. Its ``metadata["check"]`` holds the built-in check: for
+            a model with rotary positions, layer 0's offset η² of the centred logits, which is at rounding level
+            in exact arithmetic. If the run stops, the segments finished so far are in ``probe.last_result`` and
+            the error's ``partial_result``, marked partial.
+        """
+        from .adapters.internals import rotary_modules
+        from .adapters.modules import hf_model_of, is_causal_lm
+
+        layout = self.adapter.layout
+        tokenizer = self.adapter.tokenizer
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise InputError(f"batch_size must be a positive integer, not {batch_size!r}")
+        if offsets is None:
+            prefix = special_prefix(tokenizer) if tokenizer is not None else ()
+            offsets = default_offsets(layout.max_context, len(prefix), segment_length, layout.sliding_windows)
+        grid = shift_grid(segments, contexts, tokenizer, offsets=list(offsets), segment_length=segment_length,
+                          mode=mode, max_context=layout.max_context)
+        if predictions is None:  # a causal language model's head; a bare decoder (Gemma3TextModel) has none
+            predictions = layout.causal and (self.adapter.framework != "huggingface" or is_causal_lm(self.model))
+        predictions = bool(predictions)
+        config = ShiftConfig(n_layers=layout.n_layers, n_heads=layout.n_heads, offsets=grid.offsets,
+                             n_contexts=grid.n_contexts, segment_length=grid.segment_length,
+                             prefix_length=len(grid.prefix), mode=mode, interval_groups=max(1, interval_groups),
+                             causal=layout.causal, sliding_windows=tuple(layout.sliding_windows), predictions=predictions)
+        statistics = ShiftStatistics(config)
+        metadata = self._metadata(grid.longest_window(), batch_size, grid.segment_length)
+        metadata.update(shift=grid.describe(), complete=False,
+                        contexts_sha256=corpus_fingerprint(grid.contexts).get("sha256"),
+                        capture="segment-block scores recomputed from the queries and keys the model's attention "
+                                "function receives (the model runs its own kernel); row normalisers over every "
+                                "visible key of the window")
+        result = ShiftResult(statistics, metadata)
+        metadata = result.metadata
+        self.last_result = result
+        if hasattr(self.adapter, "check_segment_recompute"):  # the recomputed block against the model's own weights
+            window, _ = grid.window(0, 0, grid.offsets[-1])
+            metadata["recompute_check"] = self.adapter.check_segment_recompute(torch.tensor([window]), grid.segment_length)
+        entries = [segment_entries(config, layer) for layer in range(layout.n_layers)]
+        n_offsets = len(grid.offsets)
+        bar = progress_bar(bool(progress), int(grid.segments.shape[0]), progress if isinstance(progress, str) else "segments")
+        try:
+            for g in range(int(grid.segments.shape[0])):
+                fingerprint = window_fingerprint(grid.segments[g])
+                state = statistics.new_segment(fingerprint)
+                targets = grid.segments[g, 1:]
+                for f in range(grid.n_contexts):
+                    for first in range(0, n_offsets, batch_size):
+                        indices = list(range(first, min(first + batch_size, n_offsets)))
+                        self._run_shift_batch(grid, g, f, indices, state, entries, targets if predictions else None)
+                    state.end_context()
+                statistics.add_segment(fingerprint, int(group_of([fingerprint], config.interval_groups)[0]), state)
+                bar.update(1)
+        except BaseException as error:
+            with contextlib.suppress(AttributeError, TypeError):
+                error.partial_result = result  # type: ignore[attr-defined]
+            raise
+        finally:
+            bar.close()
+        metadata["complete"] = True
+        has_rotary = bool(rotary_modules(hf_model_of(self.model))) if self.adapter.framework == "huggingface" else False
+        metadata["check"] = shift_check(result, has_rotary=has_rotary, dtype=str(self.adapter.dtype).replace("torch.", ""))
+        return result
+
+    def _run_shift_batch(self, grid: Any, segment: int, context: int, indices: list[int], state: Any,
+                         entries: list[torch.Tensor], targets: torch.Tensor | None) -> None:
+        """Run windows ``(segment, context, offsets[i])`` for ``i`` in ``indices`` and add them to ``state``."""
+        rows, starts = zip(*(grid.window(segment, context, grid.offsets[i]) for i in indices))
+        lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
+        tokens = torch.zeros((len(rows), int(lengths.max())), dtype=torch.long)
+        for b, row in enumerate(rows):
+            tokens[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+
+        def on_attention(layer: int, scores: torch.Tensor, log_normaliser: torch.Tensor) -> None:
+            for b, index in enumerate(indices):
+                for name, values in segment_representations(scores[b], log_normaliser[b], entries[layer]).items():
+                    state.add(name, layer, index, values)
+
+        def on_residual(layer: int, hidden: torch.Tensor) -> None:
+            for b, index in enumerate(indices):
+                state.add("residual", layer, index, hidden[b].reshape(1, -1))
+
+        position_start = torch.tensor(starts, dtype=torch.long) if grid.mode == "position_ids" else None
+        log_probs = self.adapter.run_segment(tokens, lengths, grid.segment_length, on_attention=on_attention,
+                                             on_residual=on_residual, position_start=position_start,
+                                             predictions=targets is not None)
+        if targets is not None:
+            for b, index in enumerate(indices):
+                state.add_predictions(index, log_probs[b, :-1], targets)
 
     def _metadata(self, context_length: int, batch_size: int, min_tokens: int) -> dict[str, Any]:
         info = self.adapter.info()

@@ -228,7 +228,7 @@ def test_a_command_that_runs_a_model_takes_every_shared_option_or_says_why_not()
 
     commands = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
     flags = [flags[-1] for flags, _ in shared_options().values()]
-    for name in ("run", "compare", "scan", "positional"):
+    for name in ("run", "compare", "scan", "positional", "shift"):
         command = commands.choices[name]
         taken = {flag for action in command._actions for flag in action.option_strings}
         for flag in flags:

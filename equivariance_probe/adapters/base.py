@@ -38,11 +38,17 @@ from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, InputError
+from ..errors import AttentionCaptureError, InputError, UnsupportedModelError
 
 #: Callback an adapter calls once per layer and batch: ``on_pattern(layer, pattern)``
 #: with ``pattern: [batch, head, query, key]``.
 PatternCallback = Callable[[int, torch.Tensor], None]
+#: Callback of :meth:`Adapter.run_segment`, once per layer and batch: ``on_attention(layer, scores,
+#: log_normaliser)`` with the segment block's pre-softmax ``scores: [batch, head, m, m]`` and
+#: ``log_normaliser: [batch, head, m]``, each row's log-sum-exp over every key it sees in its window.
+SegmentAttentionCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+#: ``on_residual(layer, x)`` with the residual stream after block ``layer`` at the segment, ``x: [batch, m, d]``.
+SegmentResidualCallback = Callable[[int, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -194,6 +200,41 @@ class Adapter(ABC):
         raise AttentionCaptureError(
             f"the {self.framework or type(self).__name__} adapter cannot read the queries and keys of attention "
             "calls; its statistics come from captured weights"
+        )
+
+    def run_segment(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        segment_length: int,
+        *,
+        on_attention: SegmentAttentionCallback,
+        on_residual: SegmentResidualCallback | None = None,
+        position_start: torch.Tensor | None = None,
+        predictions: bool = False,
+    ) -> torch.Tensor | None:
+        """Run right-padded windows whose last ``segment_length`` real tokens are a segment (the shift test).
+
+        Args:
+            tokens: ``[batch, T]`` token ids; window ``b`` has ``lengths[b]`` real tokens, and the segment
+                is its positions ``lengths[b] − m .. lengths[b] − 1``.
+            lengths: ``[batch]`` real tokens per window.
+            segment_length: ``m``.
+            on_attention: called once per layer with the segment block's scores and row normalisers
+                (:data:`SegmentAttentionCallback`), computed from queries and keys in float32 (float64 for
+                a float64 model), so that no weight underflows.
+            on_residual: called once per layer with the residual stream after the block at the segment.
+            position_start: ``[batch]`` the first position id of each window (``None``: 0): the
+                ``"position_ids"`` mode of the shift test.
+            predictions: also return the next-token log-probabilities at the segment.
+
+        Returns:
+            ``[batch, m, vocab]`` float32 (float64 for a float64 model) log-probabilities of the next token at each segment position, or
+            ``None`` without ``predictions``.
+        """
+        raise UnsupportedModelError(
+            f"the shift test reads queries and keys through the Hugging Face adapter; this {self.framework} model is "
+            "not supported yet: pass the Hugging Face model inside it (load_model(name))"
         )
 
     def resolved_source(self) -> str:

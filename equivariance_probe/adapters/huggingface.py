@@ -37,9 +37,18 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, check_choice
-from .base import Adapter, AttentionLayout, PatternCallback
+from ..statistics.engines.in_trace import attention_scores
+from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
 from .internals import AttentionCall, intercept_attention, position_embedding_modules
-from .modules import config_max_context, find_attention_modules, is_bidirectional, layer_windows, text_config
+from .modules import (
+    config_max_context,
+    find_attention_modules,
+    is_bidirectional,
+    is_causal_lm,
+    layer_windows,
+    parent_layer,
+    text_config,
+)
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -255,3 +264,133 @@ class HuggingFaceAdapter(Adapter):
         finally:
             self.model.train(was_training)
         self.check_layers_seen(sorted(set(seen)))
+
+
+    # -- the shift test: one segment block per window ----------------------------------------------
+    def run_segment(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        segment_length: int,
+        *,
+        on_attention: SegmentAttentionCallback,
+        on_residual: SegmentResidualCallback | None = None,
+        position_start: torch.Tensor | None = None,
+        predictions: bool = False,
+    ) -> torch.Tensor | None:
+        """:meth:`Adapter.run_segment`: queries and keys are read from transformers' attention function while the
+        model runs its own kernel (eager, sdpa or flash), and the segment block's scores and row normalisers are
+        computed from them (:func:`~equivariance_probe.statistics.engines.in_trace.attention_scores`), as the probe's
+        engine does for whole windows. Residual streams are the outputs of each layer's decoder block."""
+        lengths = lengths.to(torch.long).cpu()
+        starts = lengths - int(segment_length)
+
+        def on_call(call: AttentionCall) -> None:
+            on_attention(call.layer, *self._segment_block(call, starts, lengths))
+
+        handles = []
+        if on_residual is not None:
+            def make_hook(layer: int):
+                def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+                    hidden_states = output[0] if isinstance(output, tuple) else output
+                    on_residual(layer, torch.stack([hidden_states[row, start:length].detach() for row, (start, length)
+                                                    in enumerate(zip(starts.tolist(), lengths.tolist()))]))
+                return hook
+
+            handles = [parent_layer(self.model, module).register_forward_hook(make_hook(layer))
+                       for layer, module in enumerate(self.attention_modules)]
+        device = self.device
+        width = tokens.shape[1]
+        position_ids = None
+        if position_start is not None:
+            position_ids = (position_start.view(-1, 1) + torch.arange(width).view(1, -1)).to(device)
+        mask = None
+        if not self.layout.causal:
+            mask = (torch.arange(width).view(1, -1) < lengths.view(-1, 1)).long().to(device)
+        keep = width - int(starts.min())
+        was_training = self.model.training
+        log_probs = None
+        try:
+            self.model.eval()
+            with torch.no_grad(), intercept_attention(self.model, on_call, eager=False, layers=self.attention_modules) as seen:
+                if predictions:
+                    if not (self.layout.causal and is_causal_lm(self.model)):
+                        raise AttentionCaptureError(
+                            f"{type(self.model).__name__} is not a causal language model, so it makes no next-token "
+                            "predictions; run the shift test with predictions=False")
+                    logits = self.model(input_ids=tokens.to(device), attention_mask=mask, position_ids=position_ids,
+                                        use_cache=False, logits_to_keep=keep).logits
+                    # logits[:, k] belongs to position width - keep + k; float32, or float64 for a float64 model.
+                    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+                    log_probs = torch.stack([
+                        torch.log_softmax(logits[row, start - (width - keep) : length - (width - keep)].to(dtype), -1)
+                        for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist()))])
+                else:
+                    self.model.base_model(input_ids=tokens.to(device), attention_mask=mask, position_ids=position_ids,
+                                          use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.model.train(was_training)
+        self.check_layers_seen(sorted(set(seen)))
+        return log_probs
+
+    def _segment_block(self, call: AttentionCall, starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(scores [batch, head, m, m], log_normaliser [batch, head, m])`` of the segment block of each window
+        (the segment is positions ``starts[b] .. lengths[b] − 1``), from the call's queries and keys."""
+        window = self.layout.sliding_windows[call.layer]
+        blocks, normalisers = [], []
+        for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
+            scores = attention_scores(call.query[row : row + 1, :, start:length], call.key[row : row + 1, :, :length],
+                                      call.scaling, call.softcap)[0]  # [head, m, length]
+            position = torch.arange(start, length, device=scores.device).view(-1, 1)
+            key = torch.arange(length, device=scores.device).view(1, -1)
+            hidden = (key > position) if self.layout.causal else torch.zeros_like(key > position)
+            if window is not None:
+                hidden = hidden | ((position - key).abs() >= window)
+            normalisers.append(torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1))
+            blocks.append(scores[..., start:length])
+        return torch.stack(blocks), torch.stack(normalisers)
+
+    def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
+        """Run one window ``tokens: [1, T]`` (its segment the last ``segment_length`` tokens) under eager attention
+        and compare the segment block's weights recomputed from queries and keys with the model's own.
+
+        Returns:
+            ``{"max_difference", "tolerance", "tokens", "passed"}``; ``passed`` is ``None`` where the model cannot
+            run eager attention (nothing to compare with).
+
+        Raises:
+            AttentionCaptureError: the weights differ by more than :func:`recompute_tolerance`: the model's attention
+                is not ``softmax(mask(softcap(q·kᵀ·scaling)))`` alone (ALiBi biases, sink logits), so the shift test's
+                scores would be wrong.
+        """
+        lengths = torch.tensor([tokens.shape[1]])
+        starts = lengths - int(segment_length)
+        differences: list[float] = []
+
+        def on_call(call: AttentionCall) -> None:
+            scores, normaliser = self._segment_block(call, starts, lengths)
+            recomputed = torch.exp(scores - normaliser.unsqueeze(-1))[0]
+            own = call.weights[0, :, int(starts[0]):, int(starts[0]):].to(recomputed.dtype)
+            offset = torch.arange(own.shape[-1]).view(-1, 1) - torch.arange(own.shape[-1]).view(1, -1)
+            visible = (offset >= 0) if self.layout.causal else torch.ones_like(offset, dtype=torch.bool)
+            window = self.layout.sliding_windows[call.layer]
+            if window is not None:
+                visible &= offset.abs() < window
+            # Entries the layout hides must be 0 in the model's own weights too: a wrong mask shows here.
+            differences.append(float((recomputed.masked_fill(~visible.to(own.device), 0.0) - own).abs().max()))
+
+        tolerance = recompute_tolerance(self.dtype)
+        check: dict[str, Any] = {"tokens": int(tokens.shape[1]), "tolerance": tolerance}
+        try:
+            self.run_attention_calls(tokens, on_call, eager=True, keep_weights=True)
+        except (ValueError, ImportError, NotImplementedError) as error:
+            return {**check, "max_difference": None, "passed": None, "reason": f"not checked: {error!s:.200}"}
+        largest = max(differences, default=0.0)
+        if not largest <= tolerance:
+            raise AttentionCaptureError(
+                f"the segment block's weights recomputed from queries and keys differ from the model's own eager weights "
+                f"by up to {largest:.3g} (tolerance {tolerance:g}): its attention is not softmax(mask(softcap(q·kᵀ·"
+                "scaling))) alone (ALiBi biases, sink logits, or a custom attention), which the shift test cannot read")
+        return {**check, "max_difference": largest, "passed": True}

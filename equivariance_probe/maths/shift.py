@@ -1,0 +1,164 @@
+"""The shift test's two-way decomposition and divergences: pure functions of float64 sums.
+
+Place in the seams: *maths*, numpy only. The sums come from
+:class:`~equivariance_probe.statistics.shift.ShiftStatistics`; :class:`~equivariance_probe.ShiftResult`
+turns them into shares with intervals.
+
+The design (docs/methods.md#shift-design): segment ``g`` (a text of ``m`` tokens) is placed after the
+first ``s`` tokens of context ``f``, for every ``f`` of ``F`` contexts and ``s`` of ``S`` offsets (a balanced
+grid). For one layer and head, ``Y[g, f, s, e]`` is a representation at entry ``e`` of the segment
+(a pair of segment tokens ``(i, j)`` for attention, ``(i, d)`` for the residual stream). With
+``Ȳ_ge`` the entry's mean over the grid, ``Ȳ_ges·`` its mean over contexts at offset ``s``, ``Ȳ_ge·f``
+its mean over offsets in context ``f`` and ``Ȳ`` the mean of everything:
+
+* ``SS_all     = Σ (Y − Ȳ)²``
+* ``SS_pair    = Σ_{g,e} F·S·(Ȳ_ge − Ȳ)²``              (what depends only on the entry: equivariant)
+* ``SS_offset  = Σ_{g,e} F·Σ_s (Ȳ_ges· − Ȳ_ge)²``
+* ``SS_context = Σ_{g,e} S·Σ_f (Ȳ_ge·f − Ȳ_ge)²``
+* ``SS_residual = SS_all − SS_pair − SS_offset − SS_context = Σ (Y − Ȳ_ges· − Ȳ_ge·f + Ȳ_ge)²``
+
+Streaming form. Per segment the sums :data:`DECOMPOSITION_SUMS` are formed with the entry means of that
+segment (exactly: the segment's grid is complete before they are taken), so they add over segments:
+``count = Σ F·S`` (values), ``total = Σ Y``, ``cell_square = Σ_{g,e} F·S·Ȳ_ge²``,
+``within = Σ (Y − Ȳ_ge)²``, ``offset`` and ``context`` as above. Then
+``SS_pair = cell_square − total²/count`` and ``SS_all = within + SS_pair``. The one cancellation is in
+``SS_pair``, across entries, whose spread is the content structure itself (large); centred logits have
+``Ȳ = 0`` in exact arithmetic, so there is none.
+
+Shares: ``η²_X = SS_X / SS_all``. An aggregate (a layer, a layer group, the model) sums the SS of its heads
+first: a ratio of sums, never a mean of ratios. Where ``SS_all`` is zero (every value equal: all-zero
+weights) or below float64 cancellation of the values' second moment, the shares are undefined: NaN here,
+``None`` with a reason in the result's tables. The size of the offset effect, in the representation's own
+unit (nats for logits), is its root mean square ``√(SS_offset / count)`` over ``(g, e, s)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import InputError, check_choice
+
+__all__ = [
+    "DECOMPOSITION_SUMS",
+    "TERMS",
+    "SHARES",
+    "decomposition_sums",
+    "decomposition",
+    "shares",
+    "offset_rms",
+    "aggregate",
+    "jensen_shannon",
+    "UNDEFINED_TOLERANCE",
+]
+
+#: The additive sums behind the decomposition (each ``[..., layer, head]``), in the order they are stored.
+DECOMPOSITION_SUMS = ("count", "total", "cell_square", "within", "offset", "context")
+#: The terms of the decomposition.
+TERMS = ("all", "pair", "offset", "context", "residual")
+#: The shares ``η²`` a result reports (each ``SS_X / SS_all``).
+SHARES = ("offset", "context", "pair", "residual")
+#: ``SS_all`` at or below this fraction of ``Σ Y²`` is float64 cancellation, not spread: the shares are undefined.
+UNDEFINED_TOLERANCE = 1e-13
+
+
+def decomposition_sums(values: np.ndarray) -> dict[str, np.ndarray]:
+    """The additive sums of one or more segments' complete grids, by brute force.
+
+    Args:
+        values: ``[G, F, S, ..., E]`` the representation of ``G`` segments on the ``F × S`` grid, any
+            axes (layer, head) between the grid and the entries ``E``.
+
+    Returns:
+        :data:`DECOMPOSITION_SUMS`, each ``[...]`` (summed over segments and entries).
+    """
+    y = np.asarray(values, dtype=np.float64)
+    if y.ndim < 4:
+        raise InputError(f"values must be [segment, context, offset, ..., entry], got shape {y.shape}")
+    n_contexts, n_offsets = y.shape[1], y.shape[2]
+    cell = y.mean(axis=(1, 2))                       # [G, ..., E]
+    by_offset = y.mean(axis=1)                       # [G, S, ..., E]
+    by_context = y.mean(axis=2)                      # [G, F, ..., E]
+    weight = n_contexts * n_offsets
+    sum_entries = lambda x, lead: x.sum(axis=tuple(range(lead))).sum(-1)  # noqa: E731
+    return {
+        "count": np.full(cell.shape[1:-1], float(weight * y.shape[0] * y.shape[-1])),
+        "total": sum_entries(y, 3),
+        "cell_square": weight * sum_entries(cell * cell, 1),
+        "within": sum_entries((y - cell[:, None, None]) ** 2, 3),
+        "offset": n_contexts * sum_entries((by_offset - cell[:, None]) ** 2, 2),
+        "context": n_offsets * sum_entries((by_context - cell[:, None]) ** 2, 2),
+    }
+
+
+def decomposition(sums: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``{"all", "pair", "offset", "context", "residual"}`` sums of squares from :data:`DECOMPOSITION_SUMS`
+    (any shape, elementwise); ``SS_all = SS_pair + SS_offset + SS_context + SS_residual`` exactly."""
+    count = np.asarray(sums["count"], dtype=np.float64)
+    total = np.asarray(sums["total"], dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        pair = np.where(count > 0, sums["cell_square"] - total * total / np.where(count > 0, count, 1.0), 0.0)
+    pair = np.maximum(pair, 0.0)
+    everything = np.asarray(sums["within"], dtype=np.float64) + pair
+    offset = np.asarray(sums["offset"], dtype=np.float64)
+    context = np.asarray(sums["context"], dtype=np.float64)
+    return {"all": everything, "pair": pair, "offset": offset, "context": context,
+            "residual": everything - pair - offset - context}
+
+
+def _defined(sums: Mapping[str, np.ndarray], everything: np.ndarray) -> np.ndarray:
+    """Where the shares are defined: ``SS_all`` above float64 cancellation of ``Σ Y² = cell_square + within``."""
+    scale = np.asarray(sums["cell_square"], dtype=np.float64) + np.asarray(sums["within"], dtype=np.float64)
+    return everything > UNDEFINED_TOLERANCE * scale
+
+
+def shares(sums: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``η²`` of each term of :data:`SHARES` (elementwise over the sums' shape), NaN where undefined."""
+    terms = decomposition(sums)
+    defined = _defined(sums, terms["all"])
+    denominator = np.where(defined, terms["all"], 1.0)
+    return {name: np.where(defined, terms[name] / denominator, np.nan) for name in SHARES}
+
+
+def offset_rms(sums: Mapping[str, np.ndarray]) -> np.ndarray:
+    """``√(SS_offset / count)``: the root mean square of the offset effect ``Ȳ_ges· − Ȳ_ge`` over
+    ``(g, e, s)``, in the representation's own unit; NaN where nothing was counted."""
+    count = np.asarray(sums["count"], dtype=np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, np.sqrt(np.asarray(sums["offset"]) / np.where(count > 0, count, 1.0)), np.nan)
+
+
+def aggregate(sums: Mapping[str, np.ndarray], by: str | None,
+              layer_groups: Mapping[str, Sequence[int]] | None = None) -> dict[str, np.ndarray] | dict[str, dict[str, np.ndarray]]:
+    """Sums ``[..., layer, head]`` summed to ``by``: ``"head"`` (as given), ``"layer"`` (``[..., layer]``),
+    ``None`` (``[...]``, the model) or ``"layer_group"`` (``{group: sums [...]}``)."""
+    check_choice("by", by, ("head", "layer", None, "layer_group"))
+    if by == "head":
+        return {name: np.asarray(value) for name, value in sums.items()}
+    if by == "layer":
+        return {name: np.asarray(value).sum(-1) for name, value in sums.items()}
+    if by is None:
+        return {name: np.asarray(value).sum((-2, -1)) for name, value in sums.items()}
+    if not layer_groups:
+        raise InputError("by='layer_group' needs the model's layer groups")
+    return {group: {name: np.asarray(value)[..., list(layers), :].sum((-2, -1)) for name, value in sums.items()}
+            for group, layers in layer_groups.items()}
+
+
+def jensen_shannon(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
+    """``JS(p, q) = ½·KL(p ‖ m) + ½·KL(q ‖ m)``, ``m = (p + q)/2``, in nats, over the last axis.
+
+    Args:
+        log_p, log_q: ``[..., vocab]`` log-probabilities (normalised; ``-inf`` for zero mass).
+
+    Returns:
+        ``[...]``, in ``[0, log 2]``; 0 for equal distributions.
+    """
+    log_p = np.asarray(log_p, dtype=np.float64)
+    log_q = np.asarray(log_q, dtype=np.float64)
+    log_m = np.logaddexp(log_p, log_q) - np.log(2.0)
+    p, q = np.exp(log_p), np.exp(log_q)
+    with np.errstate(invalid="ignore"):
+        terms = np.where(p > 0, p * (log_p - log_m), 0.0) + np.where(q > 0, q * (log_q - log_m), 0.0)
+    return np.clip(0.5 * terms.sum(-1), 0.0, np.log(2.0))

@@ -1,0 +1,480 @@
+"""ShiftResult: what changes when the same text sits elsewhere in the window, with intervals over segments.
+
+Place in the seams: beside :mod:`~equivariance_probe.result` (the probe's other result), above the
+statistics (:class:`~equivariance_probe.statistics.shift.ShiftStatistics`, the sums), the maths
+(:mod:`~equivariance_probe.maths.shift`, the decomposition) and the records (one safetensors file).
+
+Numbers (docs/methods.md#shift-test; ``representation`` one of
+:data:`~equivariance_probe.statistics.shift.REPRESENTATIONS`):
+
+* :meth:`ShiftResult.share` — ``η²`` of the offset, the context, the pair (the equivariant part) or the
+  residual, by head, layer, layer group (sliding/global) or for the model: ratios of summed sums of squares.
+* :meth:`ShiftResult.offset_rms` — the root mean square of the offset effect, in the representation's unit.
+* :meth:`ShiftResult.loss_by_offset` and :meth:`ShiftResult.divergence` — the segment's next-token loss per
+  offset, the mean Jensen–Shannon divergence between offsets in one context and between consecutive contexts
+  at one offset, and their ratio.
+
+Every number takes ``interval=0.95``: the delete-a-group jackknife over groups of segments (segments fall
+into groups by their fingerprint, as windows do in :class:`~equivariance_probe.ProbeResult`).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import IntervalUnavailableError, ResultFileError, UndefinedStatisticError, check_choice
+from .maths import shift as decomposition
+from .maths.intervals import Interval, format_interval, jackknife_interval
+from .records.container import read_container, read_tensors, tensor_checksum, write_container
+from .records.fileformat import jsonable
+from .statistics.masks import layer_groups
+from .statistics.shift import REPRESENTATIONS, SHIFT_ARRAYS, ShiftStatistics
+
+__all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE"]
+
+#: The ``kind`` of a shift result file's header.
+SHIFT_KIND = "equivariance_probe.ShiftResult"
+SHIFT_FORMAT_VERSION = 1
+#: ``by`` choices of the shares.
+SHARE_BY = (None, "layer", "head", "layer_group")
+#: Units of :meth:`ShiftResult.offset_rms`.
+UNITS = {"centred_logits": "nats", "conditional_weights": "weight", "raw_weights": "weight",
+         "residual": "residual-stream units"}
+OFFSET_MEANING = {
+    "text": "the offset is the segment's position AND the amount of text before it (a causal model's text cannot "
+            "move without more or less text preceding it)",
+    "position_ids": "the offset moves only the position ids of the prefix and segment; the tokens are the same",
+}
+
+
+class ShiftResult:
+    """The shift test's sums and the numbers they give; merges over disjoint segments.
+
+    Args:
+        statistics: the :class:`~equivariance_probe.statistics.shift.ShiftStatistics`.
+        metadata: model, design, check, versions.
+
+    Example:
+        >>> result = probe.shift(segments, contexts, offsets=[0, 256, 512])  # doctest: +SKIP
+        >>> result.share("centred_logits", "offset", by="layer", interval=0.95)  # doctest: +SKIP
+    """
+
+    def __init__(self, statistics: ShiftStatistics, metadata: dict[str, Any] | None = None) -> None:
+        self.statistics = statistics
+        self.metadata = dict(metadata or {})
+
+    # -- the design ---------------------------------------------------------------------------------
+    @property
+    def config(self) -> Any:
+        return self.statistics.config
+
+    @property
+    def n_segments(self) -> int:
+        return self.statistics.n_segments
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        return self.config.offsets
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.metadata.get("complete", True))
+
+    @property
+    def model_name(self) -> str:
+        return str(self.metadata.get("model", {}).get("name", "?"))
+
+    def layer_groups(self) -> dict[str, tuple[int, ...]]:
+        """``{"all": ...}``, plus ``"sliding"`` and ``"global"`` for a model with both kinds of layer."""
+        windows = self.config.sliding_windows or (None,) * self.config.n_layers
+        return layer_groups(windows)
+
+    # -- numbers ------------------------------------------------------------------------------------
+    def _sums(self, arrays: dict[str, np.ndarray], representation: str) -> dict[str, np.ndarray]:
+        check_choice("representation", representation, REPRESENTATIONS)
+        return {name: arrays[f"{representation}/{name}"] for name in decomposition.DECOMPOSITION_SUMS}
+
+    def _check_term(self, term: str) -> None:
+        check_choice("term", term, decomposition.SHARES)
+        if term == "context" and self.mode == "position_ids":
+            raise UndefinedStatisticError(
+                "position_ids mode runs one context (the prefix), so there is no context share; run mode='text' "
+                "with contexts for it")
+
+    def _number(self, function: Callable[[dict[str, np.ndarray]], Any], interval: float | None,
+                upper: float | None = None) -> Any:
+        """``function(totals)``, or its jackknife interval over groups of segments."""
+        self._require_data()
+        estimate = function(self.statistics.totals())
+        if interval is None:
+            return estimate
+        ids, replicates = self.statistics.replicates()
+        if len(ids) < 2:
+            raise IntervalUnavailableError(
+                f"the {self.n_segments} segments fall into {len(ids)} interval group(s); a jackknife interval needs "
+                "segments in at least 2 groups: run more segments (or interval_groups > 1)")
+        values = function(replicates)
+        if isinstance(estimate, dict):
+            return {key: jackknife_interval(estimate[key], values[key], level=interval, upper=upper) for key in estimate}
+        return jackknife_interval(estimate, values, level=interval, upper=upper)
+
+    def _require_data(self) -> None:
+        if self.n_segments == 0:
+            raise UndefinedStatisticError("this shift result holds no segment yet; run probe.shift(...) first")
+
+    def decomposition(self, representation: str = "centred_logits", by: str | None = None) -> Any:
+        """``{"all", "pair", "offset", "context", "residual"}`` sums of squares, summed to ``by``."""
+        check_choice("by", by, SHARE_BY)
+        sums = decomposition.aggregate(self._sums(self.statistics.totals(), representation), by or None,
+                                       self.layer_groups())
+        if by == "layer_group":
+            return {group: decomposition.decomposition(value) for group, value in sums.items()}
+        return decomposition.decomposition(sums)
+
+    def share(self, representation: str = "centred_logits", term: str = "offset", by: str | None = None,
+              interval: float | None = None) -> Any:
+        """``η² = SS_term / SS_all`` of a representation.
+
+        Args:
+            representation: ``"centred_logits"``, ``"conditional_weights"``, ``"raw_weights"`` or ``"residual"``.
+            term: ``"offset"``, ``"context"``, ``"pair"`` (the equivariant part) or ``"residual"``.
+            by: ``None`` (the model), ``"layer"`` (``[L]``), ``"head"`` (``[L, H]``; ``[L, 1]`` for the residual
+                stream) or ``"layer_group"`` (``{group: value}``). Aggregates sum the SS first.
+            interval: a confidence level (0.95) for an :class:`~equivariance_probe.Interval` over segments.
+
+        Returns:
+            A float or array, NaN where every value was equal (all-zero weights: undefined, see :attr:`undefined`).
+        """
+        self._check_term(term)
+        check_choice("by", by, SHARE_BY)
+        groups = self.layer_groups()
+
+        def value(arrays: dict[str, np.ndarray]) -> Any:
+            sums = decomposition.aggregate(self._sums(arrays, representation), by, groups)
+            if by == "layer_group":
+                return {group: decomposition.shares(part)[term] for group, part in sums.items()}
+            result = decomposition.shares(sums)[term]
+            return float(result) if np.ndim(result) == 0 else result
+
+        return self._number(value, interval, upper=1.0)
+
+    def offset_rms(self, representation: str = "centred_logits", by: str | None = None,
+                   interval: float | None = None) -> Any:
+        """``√(SS_offset / count)``: how far the offset moves the representation, in its own unit
+        (:data:`UNITS`: nats for centred logits)."""
+        check_choice("by", by, SHARE_BY)
+        groups = self.layer_groups()
+
+        def value(arrays: dict[str, np.ndarray]) -> Any:
+            sums = decomposition.aggregate(self._sums(arrays, representation), by, groups)
+            if by == "layer_group":
+                return {group: decomposition.offset_rms(part) for group, part in sums.items()}
+            result = decomposition.offset_rms(sums)
+            return float(result) if np.ndim(result) == 0 else result
+
+        return self._number(value, interval)
+
+    @property
+    def undefined(self) -> dict[str, str]:
+        """Representations whose shares are undefined for the model, and why."""
+        out = {}
+        for representation in REPRESENTATIONS:
+            if self.n_segments and math.isnan(self.share(representation, "pair")):
+                out[representation] = ("every value is the same at every entry, offset and context (e.g. all-zero "
+                                       "weights), so there is no variance to share out")
+        return out
+
+    def _require_predictions(self) -> None:
+        if not self.config.predictions:
+            raise UndefinedStatisticError("this run measured no next-token predictions (an encoder, or "
+                                          "predictions=False); run a causal language model with predictions=True")
+
+    def loss_by_offset(self, interval: float | None = None) -> Any:
+        """``[S]`` the mean negative log-likelihood (nats) of the segment's own next tokens at each offset, over
+        segments, contexts and the segment's positions but the last."""
+        self._require_predictions()
+        return self._number(lambda a: a["nll_sum"] / np.maximum(a["nll_count"], 1), interval)
+
+    def divergence(self, kind: str = "offset", interval: float | None = None) -> Any:
+        """The mean Jensen–Shannon divergence (nats) of the segment's next-token distributions: ``"offset"``,
+        between two offsets in the same context (every pair of offsets), ``"context"``, between two contexts at
+        the same offset (consecutive contexts in the given order: an unbiased estimate of the mean over all
+        pairs of exchangeable contexts, with memory for one context), or ``"ratio"``, offset over context: how
+        many times as much moving the text changes its predictions as changing what precedes it."""
+        check_choice("kind", kind, ("offset", "context", "ratio"))
+        self._require_predictions()
+        if kind != "offset" and self.mode == "position_ids":
+            raise UndefinedStatisticError("position_ids mode runs one context: no context divergence")
+
+        def mean(arrays: dict[str, np.ndarray], name: str, axes: tuple[int, ...]) -> Any:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                return arrays[f"{name}_sum"].sum(axes) / arrays[f"{name}_count"].sum(axes)
+
+        def value(arrays: dict[str, np.ndarray]) -> Any:
+            offset = mean(arrays, "js_offset", (-2, -1))
+            if kind == "offset":
+                return offset
+            context = mean(arrays, "js_context", (-1,))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                return context if kind == "context" else offset / context
+
+        return self._number(value, interval)
+
+    def paired_difference(self, baseline: ShiftResult, representation: str = "centred_logits", term: str = "offset",
+                          by: str | None = None, level: float = 0.95) -> Any:
+        """``η²_self − η²_baseline`` with its interval from paired jackknife replicates: both results must hold the
+        same segments (the same fingerprints, so the same groups), e.g. a model and its random initialisation or
+        its bfloat16 copy on one grid.
+
+        Raises:
+            IncompatibleResultsError: other segments, or another design.
+        """
+        from .errors import IncompatibleResultsError
+
+        mine, theirs = np.sort(self.statistics.segment_fingerprints), np.sort(baseline.statistics.segment_fingerprints)
+        if not np.array_equal(mine, theirs) or self.config != baseline.config:
+            raise IncompatibleResultsError(
+                "a paired difference needs both results on the same segments, contexts, offsets and interval groups; "
+                "run the baseline on the same grid")
+        pairs = (self.share(representation, term, by), baseline.share(representation, term, by))
+        ids, a = self.statistics.replicates()
+        _, b = baseline.statistics.replicates()
+        if len(ids) < 2:
+            raise IntervalUnavailableError("the segments fall into fewer than 2 interval groups: run more segments")
+        groups = self.layer_groups()
+
+        def value(arrays: dict[str, np.ndarray]) -> Any:
+            sums = decomposition.aggregate(self._sums(arrays, representation), by, groups)
+            if by == "layer_group":
+                return {group: decomposition.shares(part)[term] for group, part in sums.items()}
+            return decomposition.shares(sums)[term]
+
+        replicates_a, replicates_b = value(a), value(b)
+        if by == "layer_group":
+            return {group: jackknife_interval(pairs[0][group] - pairs[1][group],
+                                              replicates_a[group] - replicates_b[group], level=level)
+                    for group in groups}
+        return jackknife_interval(np.subtract(*pairs), replicates_a - replicates_b, level=level)
+
+    # -- merging --------------------------------------------------------------------------------------
+    def merge(self, other: ShiftResult) -> ShiftResult:
+        """Both results' segments together (exact: the sums add); refused for a segment in both, or results
+        measured differently (another model, offsets, contexts or segment length)."""
+        from .errors import IncompatibleResultsError
+
+        mine, theirs = self.metadata.get("model", {}), other.metadata.get("model", {})
+        if mine.get("weights_sha256") != theirs.get("weights_sha256"):
+            raise IncompatibleResultsError("cannot merge shift results of different model weights; merge one model's parts")
+        if self.metadata.get("contexts_sha256") != other.metadata.get("contexts_sha256"):
+            raise IncompatibleResultsError("cannot merge shift results over different contexts: the grid would not be "
+                                           "balanced; run every part with the same contexts")
+        metadata = {**self.metadata, "complete": self.complete and other.complete,
+                    "run_ids": list(self.metadata.get("run_ids", [self.metadata.get("run_id")]))
+                    + list(other.metadata.get("run_ids", [other.metadata.get("run_id")]))}
+        merged = ShiftResult(self.statistics.merge(other.statistics), metadata)
+        if isinstance(self.metadata.get("check"), dict):
+            merged.metadata["check"] = shift_check(merged, has_rotary=bool(self.metadata["check"].get("rotary")),
+                                                   dtype=str(self.metadata.get("model", {}).get("dtype", "")))
+        return merged
+
+    __add__ = merge
+
+    # -- display ----------------------------------------------------------------------------------------
+    def summary(self, level: float = 0.95) -> dict[str, Any]:
+        """Headline numbers as plain JSON values: per representation the model's shares, the offset RMS and the
+        shares by layer group (with intervals where there are at least two groups of segments), the predictions,
+        the built-in check, and what the offset means. Undefined values are ``None``."""
+        if self.n_segments == 0:
+            return {"n_segments": 0}
+
+        def number(function: Callable[[], Any]) -> Any:
+            try:
+                found = function()
+            except UndefinedStatisticError:
+                return None
+            return _plain(found)
+
+        def with_interval(function: Callable[..., Any]) -> Any:
+            try:
+                return _plain(function(interval=level))
+            except IntervalUnavailableError:
+                return number(function)
+            except UndefinedStatisticError:
+                return None
+
+        terms = [t for t in ("offset", "context", "pair") if not (t == "context" and self.mode == "position_ids")]
+        representations = {}
+        for rep in REPRESENTATIONS:
+            representations[rep] = {
+                **{f"{term}_eta2": with_interval(lambda interval=None, t=term: self.share(rep, t, interval=interval))
+                   for term in terms},
+                "offset_rms": with_interval(lambda interval=None: self.offset_rms(rep, interval=interval)),
+                "unit": UNITS[rep],
+                "offset_eta2_by_layer": number(lambda: self.share(rep, "offset", by="layer")),
+                "offset_eta2_by_layer_group": number(lambda: self.share(rep, "offset", by="layer_group")),
+            }
+        out = {
+            "model": self.model_name, "mode": self.mode, "offset_means": OFFSET_MEANING[self.mode],
+            "n_segments": self.n_segments, "n_contexts": self.config.n_contexts, "offsets": list(self.offsets),
+            "segment_length": self.config.segment_length, "representations": representations,
+            "undefined": self.undefined, "check": self.metadata.get("check"), "complete": self.complete,
+        }
+        if self.config.predictions:
+            out["predictions"] = {
+                "loss_by_offset": with_interval(self.loss_by_offset),
+                "js_offset": with_interval(lambda interval=None: self.divergence("offset", interval)),
+                "js_context": with_interval(lambda interval=None: self.divergence("context", interval)),
+                "js_ratio": with_interval(lambda interval=None: self.divergence("ratio", interval)),
+            }
+        return out
+
+    def table(self, level: float = 0.95) -> str:
+        """A plain-text table of :meth:`summary`."""
+        summary = self.summary(level)
+        if summary["n_segments"] == 0:
+            return "ShiftResult: no segments"
+        lines = [f"Shift test ({summary['mode']} mode) on {summary['model']}: {summary['n_segments']} segments of "
+                 f"{summary['segment_length']} tokens, {summary['n_contexts']} context(s), offsets {summary['offsets']}",
+                 f"  {summary['offset_means']}"]
+        terms = [key for key in summary["representations"]["centred_logits"] if key.endswith("_eta2")]
+        header = f"  {'representation':<20}" + "".join(f"{t.replace('_eta2', ' η²'):>32}" for t in terms) + f"{'offset RMS':>32}"
+        lines.append(header)
+        for rep, numbers in summary["representations"].items():
+            cells = "".join(f"{_cell(numbers[t]):>32}" for t in terms + ["offset_rms"])
+            lines.append(f"  {rep:<20}{cells}  {numbers['unit']}")
+        for rep, numbers in summary["representations"].items():
+            groups = numbers["offset_eta2_by_layer_group"] or {}
+            if len(groups) > 1:
+                lines.append(f"  {rep} offset η² by layer group: "
+                             + ", ".join(f"{g} {_cell(v)}" for g, v in groups.items()))
+        if summary["undefined"]:
+            lines.append("  undefined: " + "; ".join(f"{rep} ({why})" for rep, why in summary["undefined"].items()))
+        predictions = summary.get("predictions")
+        if predictions:
+            loss = predictions["loss_by_offset"]
+            estimates = loss["estimate"] if isinstance(loss, dict) else loss
+            lines.append("  next-token loss by offset (nats): "
+                         + ", ".join(f"{s}: {v:.3f}" for s, v in zip(summary["offsets"], estimates)))
+            lines.append(f"  Jensen–Shannon between offsets {_cell(predictions['js_offset'])}, between contexts "
+                         f"{_cell(predictions['js_context'])}, ratio {_cell(predictions['js_ratio'])}")
+        check = summary.get("check") or {}
+        if check:
+            verdict = {True: "passed", False: "NOT passed", None: "not judged"}[check.get("passed")]
+            lines.append(f"  check: {check.get('description', '')}: {_cell(check.get('value'))} ({verdict}; "
+                         f"{check.get('expected')}; tolerance {check.get('tolerance')})")
+        if not summary["complete"]:
+            lines.append("  PARTIAL: the run stopped before every segment was measured")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        if self.n_segments == 0:
+            return f"ShiftResult(model={self.model_name!r}, empty)"
+        eta = self.share("centred_logits", "offset")
+        pair = self.share("centred_logits", "pair")
+        residual = self.share("residual", "offset")
+        return (f"ShiftResult(model={self.model_name!r}, {self.mode} mode, {self.n_segments} segments × "
+                f"{self.config.n_contexts} contexts × {len(self.offsets)} offsets; centred logits: offset η²="
+                f"{_cell(eta)}, pair η²={_cell(pair)}; residual offset η²={_cell(residual)})")
+
+    def _repr_html_(self) -> str:
+        text = html.escape(self.table())
+        return f"<div><b>ShiftResult</b><pre>{text}</pre></div>"
+
+    # -- files ------------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the sums (safetensors tensors, bitwise) and metadata and :meth:`summary` (JSON header), atomically."""
+        tensors = {name: np.ascontiguousarray(value) for name, value in self.statistics.arrays.items()}
+        tensors["segment_fingerprints"] = self.statistics.segment_fingerprints
+        header = {"kind": SHIFT_KIND, "format_version": SHIFT_FORMAT_VERSION, "checksum": tensor_checksum(tensors),
+                  "config": self.config.to_dict(), "metadata": self.metadata, "summary": self.summary()}
+        return write_container(path, tensors, json.loads(json.dumps(jsonable(header))))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> ShiftResult:
+        """Read a file written by :meth:`save`.
+
+        Raises:
+            ResultFileError: truncated, edited, or not a shift result.
+        """
+        container = read_container(path, SHIFT_KIND)
+        header = container.header
+        if header.get("format_version") != SHIFT_FORMAT_VERSION:
+            raise ResultFileError(f"{path}: shift result format {header.get('format_version')!r}; this version reads "
+                                  f"{SHIFT_FORMAT_VERSION}")
+        tensors = read_tensors(path)
+        if tensor_checksum(tensors) != header.get("checksum"):
+            raise ResultFileError(f"{path}: the checksum does not match the arrays (changed or corrupted after saving)")
+        try:
+            statistics = ShiftStatistics.from_dict({
+                "config": header["config"], "segment_fingerprints": tensors["segment_fingerprints"],
+                "arrays": {name: tensors[name] for name in SHIFT_ARRAYS}})
+        except (KeyError, TypeError) as error:
+            raise ResultFileError(f"{path} is missing or has a malformed field: {error!r}") from None
+        return cls(statistics, header.get("metadata", {}))
+
+
+#: Largest layer-0 offset η² of the centred logits that counts as rounding, by the model's dtype: the logits are
+#: computed from queries and keys in float32 (float64 for a float64 model); half precision rounds the keys.
+SHIFT_CHECK_TOLERANCE = {"float64": 1e-12, "float32": 1e-8, "bfloat16": 1e-3, "float16": 1e-3}
+
+
+def shift_check(result: ShiftResult, *, has_rotary: bool, dtype: str) -> dict[str, Any]:
+    """The built-in check of a shift run: with rotary positions, layer 0's scores depend on ``i − j`` alone, so its
+    offset η² of the centred logits is at rounding level (any mode). Recorded for every model; judged for rotary ones."""
+    value = result.share("centred_logits", "offset", by="layer")[0]
+    value = None if not math.isfinite(float(value)) else float(value)
+    check: dict[str, Any] = {"description": "layer-0 offset η² of the centred logits", "value": value,
+                             "rotary": has_rotary}
+    if has_rotary and value is None:
+        check.update(tolerance=None, passed=None, expected="undefined: layer 0's centred logits do not vary (e.g. "
+                     "all-zero weights)")
+    elif has_rotary:
+        tolerance = SHIFT_CHECK_TOLERANCE.get(dtype, 1e-3)
+        check.update(tolerance=tolerance, passed=value <= tolerance,
+                     expected="rounding level: rotary positions make layer 0's scores depend on i − j alone")
+    else:
+        check.update(tolerance=None, passed=None, expected="no expectation: the model has no rotary positions")
+    return check
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Interval):
+        value = value.to_dict()
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = float(value)
+    if isinstance(value, np.ndarray):
+        return [None if not np.isfinite(v) else float(v) for v in value.ravel()] if value.ndim == 1 else \
+            [_plain(row) for row in value]
+    if isinstance(value, (float, np.floating)):
+        return None if not math.isfinite(float(value)) else float(value)
+    return value
+
+
+def _cell(value: Any) -> str:
+    """A number, ``number [low, high]``, or ``undefined``."""
+    if isinstance(value, Interval):
+        value = value.to_dict()
+    if isinstance(value, dict) and "estimate" in value:
+        if value["estimate"] is None:
+            return "undefined"
+        return format_interval(value["estimate"], value["low"], value["high"])
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "undefined"
+    return f"{float(value):.4f}" if abs(float(value)) >= 1e-3 or value == 0 else f"{float(value):.2e}"
+

@@ -1,0 +1,205 @@
+"""The shift test's design: segments, contexts and offsets, and the windows they make.
+
+Place in the seams: *sources*, like :mod:`~equivariance_probe.sources.packing` (whose
+:func:`~equivariance_probe.sources.packing.special_prefix` reads the tokenizer's special prefix).
+
+Window ``(g, f, s)`` = the tokenizer's special prefix (``[BOS]`` for Gemma and Llama, nothing for GPT-2)
++ the first ``s`` tokens of context ``f`` + segment ``g``: segment token ``i`` sits at position
+``len(prefix) + s + i``, and the segment ends the window. Segments are ``m`` tokens of a document
+tokenised without special tokens; contexts are other documents, at least as long as the largest offset.
+In ``"position_ids"`` mode the window is the prefix and the segment alone, run with position ids
+``s, s + 1, ...``: the position code moves and nothing else does (one "context").
+
+In ``"text"`` mode a causal model's text cannot move without changing how much text precedes it: the
+offset is position *and* amount of preceding text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ContextLengthError, EmptyCorpusError, InputError, check_choice, option
+from .packing import special_prefix
+
+__all__ = ["SHIFT_MODES", "ShiftGrid", "shift_grid", "default_offsets", "split_documents", "DEFAULT_SHIFT"]
+
+SHIFT_MODES = ("text", "position_ids")
+#: Defaults of the study: 8 segments of 64 tokens, 4 contexts, 6 offsets, windows of at most 1024 tokens.
+DEFAULT_SHIFT = {"n_segments": 8, "n_contexts": 4, "segment_length": 64, "n_offsets": 6, "longest_window": 1024}
+
+
+@dataclass(frozen=True)
+class ShiftGrid:
+    """Segments, contexts and offsets of one shift run.
+
+    Attributes:
+        prefix: the tokenizer's special prefix.
+        segments: ``[G, m]`` token ids.
+        contexts: ``[F, max(offsets)]`` token ids (``[1, 0]`` in ``"position_ids"`` mode).
+        offsets: sorted distinct offsets ``s``.
+        mode: ``"text"`` or ``"position_ids"``.
+    """
+
+    prefix: tuple[int, ...]
+    segments: torch.Tensor
+    contexts: torch.Tensor
+    offsets: tuple[int, ...]
+    mode: str = "text"
+
+    @property
+    def segment_length(self) -> int:
+        return int(self.segments.shape[1])
+
+    @property
+    def n_contexts(self) -> int:
+        return int(self.contexts.shape[0])
+
+    def window(self, segment: int, context: int, offset: int) -> tuple[list[int], int]:
+        """``(token ids, first position id)`` of window ``(g, f, s)``."""
+        if self.mode == "position_ids":
+            return list(self.prefix) + self.segments[segment].tolist(), offset
+        return list(self.prefix) + self.contexts[context, :offset].tolist() + self.segments[segment].tolist(), 0
+
+    def longest_window(self) -> int:
+        """Tokens of the longest window (positions, in ``"position_ids"`` mode)."""
+        return len(self.prefix) + max(self.offsets) + self.segment_length
+
+    def forward_passes(self) -> int:
+        """Windows the grid runs: ``G · F · S``."""
+        return int(self.segments.shape[0]) * self.n_contexts * len(self.offsets)
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": self.mode, "prefix": list(self.prefix), "n_segments": int(self.segments.shape[0]),
+                "n_contexts": self.n_contexts, "segment_length": self.segment_length, "offsets": list(self.offsets),
+                "windows": self.forward_passes(),
+                "offset_means": "position and amount of preceding text" if self.mode == "text"
+                else "position ids only (the text and what precedes it are fixed)"}
+
+
+def default_offsets(max_context: int | None, prefix_length: int, segment_length: int,
+                    sliding_windows: Sequence[int | None] = (), n_offsets: int = DEFAULT_SHIFT["n_offsets"],
+                    longest_window: int = DEFAULT_SHIFT["longest_window"]) -> tuple[int, ...]:
+    """``n_offsets`` evenly spaced offsets from 0 to the largest a window of ``min(max_context, longest_window)``
+    tokens allows; for a model with sliding windows of width ``w`` that fits, also ``w − m − len(prefix)`` (the
+    largest offset at which every segment token still sees the prefix in a sliding layer) and ``w`` (the
+    smallest at which none does), so the offsets fall on both sides of the window."""
+    limit = min(max_context or longest_window, longest_window)
+    largest = limit - prefix_length - segment_length
+    if largest < 1:
+        raise ContextLengthError(
+            f"a segment of {segment_length} tokens after a prefix of {prefix_length} leaves no room to move in a "
+            f"window of {limit} tokens; pass a shorter {option('segment_length')}")
+    offsets = {round(k * largest / (n_offsets - 1)) for k in range(n_offsets)}
+    for window in {w for w in sliding_windows if w is not None}:
+        inside = window - segment_length - prefix_length
+        if 0 <= inside and window <= largest:
+            offsets |= {inside, window}
+    return tuple(sorted(offsets))
+
+
+def _ids(item: Any, tokenizer: Any, what: str) -> list[int]:
+    if isinstance(item, str):
+        if tokenizer is None:
+            raise InputError(f"{what} are strings but the model has no tokenizer; pass token ids (lists of ints)")
+        return list(tokenizer(item, add_special_tokens=False)["input_ids"])
+    if isinstance(item, torch.Tensor):
+        return [int(t) for t in item.reshape(-1).tolist()]
+    if isinstance(item, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+        return list(item)
+    raise InputError(f"each of the {what} must be a string or a list/1-D tensor of token ids, got {type(item).__name__}")
+
+
+def split_documents(documents: Iterable[Any], tokenizer: Any, *, n_segments: int, n_contexts: int,
+                    segment_length: int, context_length: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Segments and contexts from one corpus, no document used as both: documents with at least
+    ``context_length`` tokens (no special tokens) become contexts until there are ``n_contexts``, the others
+    with at least ``segment_length`` become segments (their first ``segment_length`` tokens)."""
+    segments: list[list[int]] = []
+    contexts: list[list[int]] = []
+    for document in documents:
+        ids = _ids(document, tokenizer, "documents")
+        if len(contexts) < n_contexts and len(ids) >= context_length:
+            contexts.append(ids[:context_length])
+        elif len(segments) < n_segments and len(ids) >= segment_length:
+            segments.append(ids[:segment_length])
+        if len(segments) >= n_segments and len(contexts) >= n_contexts:
+            break
+    if len(segments) < n_segments or len(contexts) < n_contexts:
+        raise EmptyCorpusError(
+            f"the corpus gave {len(segments)} segments of {segment_length} tokens and {len(contexts)} contexts of "
+            f"{context_length} tokens, but {n_segments} and {n_contexts} were asked for; pass a larger {option('corpus')}, "
+            f"fewer {option('n_segments')} or {option('n_contexts')}, or smaller {option('offsets')}")
+    return segments, contexts
+
+
+def shift_grid(segments: Iterable[Any], contexts: Iterable[Any] | None, tokenizer: Any, *, offsets: Sequence[int],
+               segment_length: int, mode: str = "text", max_context: int | None = None) -> ShiftGrid:
+    """Check and tokenise a shift design.
+
+    Args:
+        segments: strings (tokenised without special tokens) or token-id lists; each gives its first
+            ``segment_length`` tokens.
+        contexts: likewise, each at least ``max(offsets)`` tokens (``None`` in ``"position_ids"`` mode).
+        tokenizer: the model's tokenizer (its special prefix starts every window), or ``None`` for token ids
+            and no prefix.
+        offsets: at least two distinct non-negative offsets.
+        segment_length: ``m``, at least 2.
+        mode: ``"text"`` or ``"position_ids"``.
+        max_context: the model's longest window, if it has one.
+
+    Raises:
+        InputError: a single offset, fewer than two contexts in ``"text"`` mode, a segment equal to a
+            context, a segment shorter than ``segment_length``.
+        ContextLengthError: a window longer than the model allows at the largest offset, a context shorter
+            than the largest offset.
+    """
+    check_choice("mode", mode, SHIFT_MODES)
+    if not isinstance(segment_length, int) or isinstance(segment_length, bool) or segment_length < 2:
+        raise InputError(f"segment_length={segment_length!r} must be an integer of at least 2 (a segment's attention "
+                         f"needs rows with two keys); pass {option('segment_length', 64)}")
+    offsets = tuple(sorted({int(s) for s in offsets}))
+    if len(offsets) < 2 or offsets[0] < 0:
+        raise InputError(f"offsets={list(offsets)} must hold at least two distinct non-negative offsets: with one there "
+                         f"is nothing to compare; pass more through {option('offsets')}, e.g. 0, 256 and 512")
+    prefix = special_prefix(tokenizer) if tokenizer is not None else ()
+    segment_ids = []
+    for index, segment in enumerate(segments):
+        ids = _ids(segment, tokenizer, "segments")
+        if len(ids) < segment_length:
+            raise InputError(f"segment {index} has {len(ids)} tokens, fewer than segment_length={segment_length}; "
+                             f"pass longer segments or a smaller {option('segment_length')}")
+        segment_ids.append(ids[:segment_length])
+    if len(segment_ids) < 1:
+        raise EmptyCorpusError("no segments were given; pass at least one text to move")
+    longest = len(prefix) + offsets[-1] + segment_length
+    if max_context is not None and longest > max_context:
+        raise ContextLengthError(
+            f"at the largest offset {offsets[-1]} a segment of {segment_length} tokens after a prefix of {len(prefix)} "
+            f"ends at position {longest - 1}, beyond this model's {max_context}-token window; pass {option('offsets')} up "
+            f"to {max_context - len(prefix) - segment_length} or a shorter {option('segment_length')}")
+    if mode == "position_ids":
+        if contexts is not None and len(list(contexts)):
+            raise InputError("position_ids mode moves the segment's position ids and runs no context; pass contexts=None")
+        return ShiftGrid(prefix, torch.tensor(segment_ids), torch.zeros((1, 0), dtype=torch.long), offsets, mode)
+    if contexts is None:
+        raise InputError("text mode needs contexts (texts that precede the segment); pass contexts=[...], or "
+                         f"{option('mode', 'position_ids')}")
+    context_ids = []
+    for index, context in enumerate(contexts):
+        ids = _ids(context, tokenizer, "contexts")
+        if len(ids) < offsets[-1]:
+            raise ContextLengthError(
+                f"context {index} has {len(ids)} tokens, fewer than the largest offset {offsets[-1]}; pass contexts "
+                f"of at least {offsets[-1]} tokens or smaller {option('offsets')}")
+        if any(ids[:segment_length] == seg or ids == seg[: len(ids)] for seg in segment_ids):
+            raise InputError(f"context {index} starts with a segment's tokens: the same document would be used as "
+                             "segment and context; draw segments and contexts from different documents")
+        context_ids.append(ids[: offsets[-1]])
+    if len(context_ids) < 2:
+        raise InputError(f"text mode needs at least two contexts to separate what precedes the text from where it "
+                         f"sits, got {len(context_ids)}; pass more contexts, or {option('mode', 'position_ids')}")
+    return ShiftGrid(prefix, torch.tensor(segment_ids), torch.tensor(context_ids), offsets, mode)
