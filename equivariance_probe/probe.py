@@ -572,9 +572,10 @@ class EquivarianceProbe:
         result = ShiftResult(statistics, metadata)
         metadata = result.metadata
         self.last_result = result
-        if hasattr(self.adapter, "check_segment_recompute"):  # the recomputed block against the model's own weights
-            window, _ = grid.window(0, 0, grid.offsets[-1])
-            metadata["recompute_check"] = self.adapter.check_segment_recompute(torch.tensor([window]), grid.segment_length)
+        window, _ = grid.window(0, 0, grid.offsets[-1])  # the recomputed block against the model's own weights
+        check = self.adapter.check_segment_recompute(torch.tensor([window]), grid.segment_length)
+        if check is not None:
+            metadata["recompute_check"] = check
         entries = [segment_entries(config, layer) for layer in range(layout.n_layers)]
         n_offsets = len(grid.offsets)
         bar = progress_bar(bool(progress), int(grid.segments.shape[0]), progress if isinstance(progress, str) else "segments")

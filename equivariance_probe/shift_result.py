@@ -413,7 +413,7 @@ class ShiftResult:
         if header.get("format_version") != SHIFT_FORMAT_VERSION:
             raise ResultFileError(f"{path}: shift result format {header.get('format_version')!r}; this version reads "
                                   f"{SHIFT_FORMAT_VERSION}")
-        tensors = read_tensors(path)
+        tensors = read_tensors(container)
         if tensor_checksum(tensors) != header.get("checksum"):
             raise ResultFileError(f"{path}: the checksum does not match the arrays (changed or corrupted after saving)")
         try:

@@ -237,6 +237,17 @@ class Adapter(ABC):
             "not supported yet: pass the Hugging Face model inside it (load_model(name))"
         )
 
+    def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
+        """Before a shift run: do the segment block's weights that :meth:`run_segment` recomputes from queries
+        and keys equal the model's own, on one window ``tokens: [1, T]`` (its segment the last
+        ``segment_length`` tokens)?
+
+        Returns ``{"max_difference", "tolerance", "tokens", "passed"}``, or ``None`` (the default) for an
+        adapter that has nothing to compare; raises
+        :class:`~equivariance_probe.errors.AttentionCaptureError` where they differ.
+        """
+        return None
+
     def resolved_source(self) -> str:
         """Where this adapter's attention comes from: ``"weights"`` (captured patterns, the default)
         or ``"recompute"`` (queries and keys, the weights recomputed by the statistics)."""

@@ -39,7 +39,7 @@ import torch
 from ..errors import AttentionCaptureError, check_choice
 from ..statistics.engines.in_trace import attention_scores
 from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
-from .internals import AttentionCall, intercept_attention, position_embedding_modules
+from .internals import AttentionCall, intercept_attention, position_embedding_modules, recompute_tolerance
 from .modules import (
     config_max_context,
     find_attention_modules,

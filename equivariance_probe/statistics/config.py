@@ -17,6 +17,8 @@ the file schema are all loops over this table.
 
 from __future__ import annotations
 
+import operator
+
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, NamedTuple
@@ -47,7 +49,7 @@ class Sum(NamedTuple):
 
 #: How two runs' arrays of a sum combine. Sums and counts add (float64 addition is exact for counts
 #: and rounds once per merge for sums), whatever the batch sizes, processes or machines.
-MERGE_RULES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"add": torch.add}
+MERGE_RULES: dict[str, Callable[[Any, Any], Any]] = {"add": operator.add}
 
 #: Every statistic, its shape (in terms of L layers, H heads, T positions, D lags, K key bins) and meaning.
 STATISTICS: dict[str, Sum] = {
@@ -184,12 +186,16 @@ class StatisticsConfig:
         return [f"{k}: {mine[k]!r} vs {theirs[k]!r}" for k in mine if mine[k] != theirs[k]]
 
 
-def merge_arrays(
-    mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], table: dict[str, Sum] | None = None
-) -> dict[str, torch.Tensor]:
-    """Two runs' arrays combined by each array's merge rule (on ``mine``'s devices)."""
+def merge_arrays(mine: dict[str, Any], theirs: dict[str, Any], table: dict[str, Sum] | None = None) -> dict[str, Any]:
+    """Two runs' arrays combined by each array's merge rule (torch tensors on ``mine``'s devices; numpy
+    arrays as they are)."""
     table = STATISTICS if table is None else table
-    return {name: MERGE_RULES[table[name].merge](value, theirs[name].to(value.device)) for name, value in mine.items()}
+    return {name: MERGE_RULES[table[name].merge](value, _beside(theirs[name], value)) for name, value in mine.items()}
+
+
+def _beside(other: Any, value: Any) -> Any:
+    """``other`` on ``value``'s device when both are torch tensors."""
+    return other.to(value.device) if isinstance(value, torch.Tensor) else other
 
 
 def shapes_of(table: dict[str, Sum], sizes: dict[str, int], config: Any) -> dict[str, tuple[int, ...]]:

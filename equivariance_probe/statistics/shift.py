@@ -15,8 +15,11 @@ which are added to the sums of the segment's interval group (``[group, layer, he
 per offset, the latest context's next-token probabilities (``S·(m−1)·V`` float32, float64 for a
 float64 model).
 
-Every array is declared once, in :data:`SHIFT_ARRAYS`: its axes and its merge rule (``"sum"``: all of
-them), so merging, saving and loading read the table. Segments are fingerprinted
+Every array is declared once, in :data:`SHIFT_ARRAYS`, as the attention statistics declare theirs
+(:class:`~equivariance_probe.statistics.config.Sum`: its shape in letters of :meth:`ShiftConfig.sizes`,
+its meaning and its merge rule, ``"add"`` for all of them), so allocating, merging, saving and loading
+are loops over the table (:func:`~equivariance_probe.statistics.config.shapes_of`,
+:func:`~equivariance_probe.statistics.config.merge_arrays`). Segments are fingerprinted
 (:func:`~equivariance_probe.records.provenance.window_fingerprint` of their token ids, computed by the
 caller) and a merge refuses a segment counted twice.
 """
@@ -30,6 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import IncompatibleResultsError, InputError
+from .config import Sum, merge_arrays, shapes_of
 
 __all__ = [
     "REPRESENTATIONS",
@@ -54,19 +58,30 @@ REPRESENTATIONS = ATTENTION_REPRESENTATIONS + ("residual",)
 DECOMPOSITION_SUMS = ("count", "total", "cell_square", "within", "offset", "context")
 #: The predictions' sums: NLL of the segment's own next token by offset, Jensen–Shannon divergences between
 #: offsets in one context (every pair ``s < s'``) and between consecutive contexts at one offset.
-PREDICTION_ARRAYS: dict[str, tuple[str, ...]] = {
-    "nll_sum": ("group", "offset"),
-    "nll_count": ("group", "offset"),
-    "js_offset_sum": ("group", "offset", "offset"),
-    "js_offset_count": ("group", "offset", "offset"),
-    "js_context_sum": ("group", "offset"),
-    "js_context_count": ("group", "offset"),
+#: Shapes in letters of :meth:`ShiftConfig.sizes`: ``G`` interval groups, ``L`` layers, ``H`` query heads,
+#: ``O`` offsets, ``1`` the residual stream's one "head".
+PREDICTION_ARRAYS: dict[str, Sum] = {
+    "nll_sum": Sum("G O", "Σ −log p(the segment's own next token), by offset"),
+    "nll_count": Sum("G O", "positions behind nll_sum"),
+    "js_offset_sum": Sum("G O O", "Σ JS(p_s, p_s') over contexts and positions, for offsets s < s' [s, s']"),
+    "js_offset_count": Sum("G O O", "pairs behind js_offset_sum"),
+    "js_context_sum": Sum("G O", "Σ JS between consecutive contexts at one offset, over positions"),
+    "js_context_count": Sum("G O", "pairs behind js_context_sum"),
 }
-#: Every array of the state: name → (axes, merge rule). ``"head"`` is 1 for the residual stream.
-SHIFT_ARRAYS: dict[str, tuple[tuple[str, ...], str]] = {
-    **{f"{rep}/{name}": (("group", "layer", "head"), "sum") for rep in REPRESENTATIONS for name in DECOMPOSITION_SUMS},
-    **{name: (axes, "sum") for name, axes in PREDICTION_ARRAYS.items()},
-    "segments": (("group",), "sum"),
+_DECOMPOSITION_MEANINGS = {
+    "count": "entries (i, j) or (i, d) of every cell of the grid",
+    "total": "Σ (Y − c)², c the entry's first value (Welford's shift)",
+    "cell_square": "Σ over entries of F·S·(mean of the entry over the grid)², shifted",
+    "within": "Σ over entries of Σ (Y − entry mean)²",
+    "offset": "SS_offset: Σ over entries of F·Σ_s (offset mean − entry mean)²",
+    "context": "SS_context: Σ over entries of S·Σ_f (context mean − entry mean)²",
+}
+#: Every array of the state, declared once (see :mod:`equivariance_probe.statistics`).
+SHIFT_ARRAYS: dict[str, Sum] = {
+    **{f"{rep}/{name}": Sum("G L 1" if rep == "residual" else "G L H", _DECOMPOSITION_MEANINGS[name])
+       for rep in REPRESENTATIONS for name in DECOMPOSITION_SUMS},
+    **PREDICTION_ARRAYS,
+    "segments": Sum("G", "segments counted in each interval group"),
 }
 
 
@@ -75,7 +90,8 @@ class ShiftConfig:
     """What the sums were measured on; two states merge only with equal configs.
 
     Attributes:
-        n_layers, n_heads: the model's layers and query heads.
+        n_layers: the model's layers.
+        n_heads: its query heads per layer.
         offsets: ``O``, the offsets ``s`` in the window's text (tokens of context before the segment).
         n_contexts: ``F`` (1 in ``"position_ids"`` mode).
         segment_length: ``m``.
@@ -100,10 +116,14 @@ class ShiftConfig:
     sliding_windows: tuple[int | None, ...] = ()
     predictions: bool = True
 
-    def shape(self, axes: tuple[str, ...], representation: str | None = None) -> tuple[int, ...]:
-        sizes = {"group": self.interval_groups, "layer": self.n_layers, "offset": len(self.offsets),
-                 "head": 1 if representation == "residual" else self.n_heads}
-        return tuple(sizes[axis] for axis in axes)
+    def sizes(self) -> dict[str, int]:
+        """The letters of :data:`SHIFT_ARRAYS`' shapes."""
+        return {"G": self.interval_groups, "L": self.n_layers, "H": self.n_heads, "O": len(self.offsets), "1": 1}
+
+    def differences(self, other: ShiftConfig) -> list[str]:
+        """``"field: mine vs theirs"`` for every field that differs (what a refused merge names)."""
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [f"{key}: {mine[key]!r} vs {theirs[key]!r}" for key in mine if mine[key] != theirs[key]]
 
     def to_dict(self) -> dict[str, Any]:
         return {"n_layers": self.n_layers, "n_heads": self.n_heads, "offsets": list(self.offsets),
@@ -208,7 +228,9 @@ class SegmentGrid:
         #: Per offset, the latest context's next-token distributions (:func:`next_token_distribution`).
         self.distributions: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(config.offsets)
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.predictions = {name: np.zeros(self.config.shape(axes[1:])) for name, axes in PREDICTION_ARRAYS.items()}
+        # One segment's predictions: the shapes without the group letter.
+        self.predictions = {name: np.zeros(shape[1:])
+                            for name, shape in shapes_of(PREDICTION_ARRAYS, config.sizes(), config).items()}
 
     def add(self, representation: str, layer: int, offset_index: int, values: torch.Tensor) -> None:
         """``values: [head, E]`` (``[1, E]`` for the residual stream) of the current context at one offset."""
@@ -310,12 +332,9 @@ class ShiftStatistics:
 
     def __init__(self, config: ShiftConfig) -> None:
         self.config = config
-        self.arrays = {name: np.zeros(self._shape(name)) for name in SHIFT_ARRAYS}
+        self.shapes = shapes_of(SHIFT_ARRAYS, config.sizes(), config)
+        self.arrays = {name: np.zeros(shape) for name, shape in self.shapes.items()}
         self.segment_fingerprints = np.zeros(0, dtype=np.uint64)
-
-    def _shape(self, name: str) -> tuple[int, ...]:
-        axes, _ = SHIFT_ARRAYS[name]
-        return self.config.shape(axes, name.split("/")[0] if "/" in name else None)
 
     @property
     def n_segments(self) -> int:
@@ -356,9 +375,9 @@ class ShiftStatistics:
     def merge(self, other: ShiftStatistics) -> ShiftStatistics:
         """The sums of both runs; refused for other configurations or a segment in both."""
         if self.config != other.config:
-            differs = [key for key, value in self.config.to_dict().items() if other.config.to_dict()[key] != value]
             raise IncompatibleResultsError(
-                f"cannot merge shift statistics measured differently (they differ in {differs}); run every part with "
+                f"cannot merge shift statistics measured differently ({'; '.join(self.config.differences(other.config))}); "
+                "run every part with "
                 "the same model, offsets, contexts, segment length and interval groups")
         shared = np.intersect1d(self.segment_fingerprints, other.segment_fingerprints)
         if shared.size:
@@ -366,10 +385,7 @@ class ShiftStatistics:
                 f"{shared.size} segment(s) appear in both results (first fingerprint {int(shared[0]):#x}): they would "
                 "count twice; merge results over disjoint segments")
         merged = ShiftStatistics(self.config)
-        for name, (_, rule) in SHIFT_ARRAYS.items():
-            if rule != "sum":  # the table's only rule; a new one must be written here
-                raise NotImplementedError(rule)
-            merged.arrays[name] = self.arrays[name] + other.arrays[name]
+        merged.arrays = merge_arrays(self.arrays, other.arrays, SHIFT_ARRAYS)
         merged.segment_fingerprints = np.concatenate([self.segment_fingerprints, other.segment_fingerprints])
         return merged
 
@@ -385,8 +401,8 @@ class ShiftStatistics:
         statistics = cls(ShiftConfig.from_dict(data["config"]))
         for name in SHIFT_ARRAYS:
             array = np.asarray(data["arrays"][name], dtype=np.float64)
-            if array.shape != statistics._shape(name):
-                raise IncompatibleResultsError(f"shift array {name!r} has shape {array.shape}, expected {statistics._shape(name)}")
+            if array.shape != statistics.shapes[name]:
+                raise IncompatibleResultsError(f"shift array {name!r} has shape {array.shape}, expected {statistics.shapes[name]}")
             statistics.arrays[name] = array
         statistics.segment_fingerprints = np.asarray(data["segment_fingerprints"], dtype=np.uint64)
         return statistics
