@@ -52,13 +52,20 @@ class AttentionStatistics:
     """Streaming sufficient statistics of a model's attention over a corpus.
 
     Args:
-        n_layers, n_heads, n_positions, sliding_windows, log_floor, excluded_keys, keep_pattern, key_bins,
-            causal, interval_groups: how the statistics are measured, what must agree for a merge: the
-            fields of :class:`~equivariance_probe.statistics.config.StatisticsConfig` (``n_positions`` is
-            ``T``, the longest window held; ``log_floor=None`` takes the smallest normal number of the first
-            attention's dtype; ``causal=False`` for a bidirectional encoder, whose lags are signed,
-            ``D = 2T - 1``; ``interval_groups``, groups of windows for the delete-a-group jackknife,
-            :mod:`~equivariance_probe.statistics.groups`, held in :attr:`groups`).
+        n_layers: the model's attention layers ``L``.
+        n_heads: query heads per layer ``H``.
+        n_positions: ``T``, the longest window held.
+        sliding_windows: per layer, ``None`` (full causal) or the sliding window width.
+        log_floor: ``eps`` of the log scale; ``None`` takes the smallest normal number of the first
+            attention's dtype.
+        excluded_keys: key positions left out of every statistic (e.g. ``(0,)``, a BOS sink).
+        keep_pattern: also keep the summed ``[L, H, T, T]`` pattern.
+        key_bins: ``K``, bins of key positions of the key-conditioned persistence curves.
+        causal: ``False`` for a bidirectional encoder, whose lags are signed, ``D = 2T - 1``.
+        interval_groups: groups of windows for the delete-a-group jackknife
+            (:mod:`~equivariance_probe.statistics.groups`, held in :attr:`groups`).
+            These ten are the fields of :class:`~equivariance_probe.statistics.config.StatisticsConfig`:
+            how the statistics are measured, what must agree for a merge.
         sample_size: also keep a uniform sample of this many entries
             (:class:`~equivariance_probe.statistics.sample.EntrySample`, for scatter plots); 0 for none.
         sample_seed: seed of that sample.
