@@ -23,7 +23,8 @@ import numpy as np
 
 from ..errors import EquivarianceProbeError
 
-__all__ = ["CircuitsVisFigure", "circuitsvis_bundle", "circuitsvis_bundle_script", "attention_heads_figure", "figure_div"]
+__all__ = ["CircuitsVisFigure", "circuitsvis_bundle", "circuitsvis_bundle_script", "attention_heads_figure", "figure_div",
+           "views_body_html", "views_html", "save_views_page"]
 
 
 # -- offline CircuitsVis ------------------------------------------------------------------------
@@ -88,3 +89,28 @@ def attention_heads_figure(values: np.ndarray, tokens: list[str], names: list[st
 def figure_div(caption: str, figure: CircuitsVisFigure) -> str:
     """A figure's heading and the empty ``<div>`` its render call draws into."""
     return f"<h4>{html.escape(caption)}</h4><div id=\"{figure.element_id}\" class=\"circuitsvis-view\"></div>"
+
+
+def views_body_html(caption_html: str, figures: list[tuple[str, CircuitsVisFigure]], css_class: str) -> str:
+    """Captioned figures without the bundle: the page must already have run :func:`circuitsvis_bundle_script`
+    (as the report does, once). ``caption_html`` is trusted HTML."""
+    parts = [caption_html] + [figure_div(caption, figure) + f"<script>{figure.call}</script>" for caption, figure in figures]
+    return f'<div class="{css_class}">{"".join(parts)}</div>'
+
+
+def views_html(caption_html: str, figures: list[tuple[str, CircuitsVisFigure]], css_class: str) -> str:
+    """Captioned figures as one HTML fragment carrying the CircuitsVis bundle once (offline)."""
+    divs = "".join(figure_div(caption, figure) for caption, figure in figures)
+    # One module script, as CircuitsVis' own inline HTML: the bundle's CircuitsVis stays in the
+    # module's scope, so several views in one notebook do not clash.
+    calls = "\n".join(figure.call for _, figure in figures)
+    return (f'<div class="{css_class}">{caption_html}{divs}'
+            f'<script crossorigin type="module">{circuitsvis_bundle()}\n{calls}</script></div>')
+
+
+def save_views_page(path: str | Path, title: str, fragment: str) -> Path:
+    """Write a standalone, offline HTML page holding ``fragment`` (from :func:`views_html`)."""
+    path = Path(path)
+    path.write_text(f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title></head>'
+                    f"<body>{fragment}</body></html>", encoding="utf-8")
+    return path

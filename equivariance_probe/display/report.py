@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..result import ProbeResult
     from .views import HeadViews
 
-__all__ = ["render_report", "report_sections", "ReportSection", "figures_html", "html_page"]
+__all__ = ["render_report", "report_sections", "ReportSection", "figures_html", "html_page", "sections_page"]
 
 
 @dataclass(frozen=True)
@@ -203,8 +203,12 @@ def render_report(
             raise NotRunError("this result holds no windows yet: run EquivarianceProbe(model).run(docs) before reporting it")
     sections = report_sections(result, baselines=baselines, views=views) + list(extra_sections)
     model = result.model_name
-    bundle = ""
-    if any(section.uses_circuitsvis for section in sections):
-        bundle = circuitsvis_bundle_script()
+    return sections_page(f"equivariance_probe report: {model}", f"Equivariance probe: {model}", sections)
+
+
+def sections_page(title: str, heading: str, sections: Sequence[ReportSection]) -> str:
+    """Sections as one self-contained page under ``heading``, with CircuitsVis' bundle once in its head
+    when any section draws with it."""
+    bundle = circuitsvis_bundle_script() if any(section.uses_circuitsvis for section in sections) else ""
     body = "".join(f"<section><h2>{html.escape(s.title)}</h2>{s.html}</section>" for s in sections)
-    return html_page(f"equivariance_probe report: {model}", f"<h1>Equivariance probe: {html.escape(model)}</h1>\n{body}", bundle)
+    return html_page(title, f"<h1>{html.escape(heading)}</h1>\n{body}", bundle)
