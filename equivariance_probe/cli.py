@@ -626,6 +626,11 @@ def _add_shift_command(commands: Any, parents: list[argparse.ArgumentParser]) ->
     shift.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU), cpu, cuda or cuda:N")
     shift.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
                        help="the model's dtype (default float32; bfloat16 against float32 measures rounding)")
+    shift.add_argument("--no-figures", action="store_true",
+                       help="write results and the table only: no figures, no shift_report.html")
+    shift.add_argument("--heads", default=None,
+                       help="the head of the report's CircuitsVis view, e.g. 'L4H3' (default: the head whose centred "
+                            "logits the offset moves most)")
 
 
 def _shift(args: argparse.Namespace) -> int:
@@ -667,9 +672,28 @@ def _shift(args: argparse.Namespace) -> int:
             segments, None if args.mode == "position_ids" else contexts,
             progress=False if args.no_progress else f"{name}: segments", **options)
         wrote.append(results[name].save(out / f"shift_{name}.safetensors"))
+    if not args.no_figures:
+        wrote += _shift_display(out, probe, results, segments, None if args.mode == "position_ids" else contexts,
+                                args.heads)
     table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in results.items())
     _print(args, table, {name: result.summary() for name, result in results.items()}, wrote)
     return 0
+
+
+def _shift_display(out: Path, probe: Any, results: dict[str, Any], segments: list[Any], contexts: list[Any] | None,
+                   head: str | None) -> list[Path]:
+    """The shift run's figures (``shift_*.png``, the trained model beside its baselines) and
+    ``shift_report.html`` with the CircuitsVis view of one head at the smallest and largest offsets."""
+    from .display.figures import save_figures
+    from .display.shift import render_shift_report, shift_figures, shift_view
+
+    trained = results["trained"]
+    baselines = {name: result for name, result in results.items() if name != "trained"}
+    wrote = save_figures(shift_figures(trained, baselines), out)
+    view = shift_view(probe, segments, contexts, result=trained, head=head)
+    report = out / "shift_report.html"
+    report.write_text(render_shift_report(trained, baselines, view=view), encoding="utf-8")
+    return wrote + [report]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

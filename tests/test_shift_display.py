@@ -162,3 +162,21 @@ def test_report_section_holds_every_figure_and_the_view_in_a_rendered_report(shi
         assert "Jensen–Shannon divergence between offsets" in page and "<h3>random_init</h3>" in page
         assert page.count('src="data:image/png;base64,') >= 4
     assert bundle not in render_shift_report(variants["trained"])  # no view: no bundle
+
+
+def test_command_line_writes_the_figures_and_the_report_with_its_view(tiny_model_folder, text_corpus, tmp_path, capsys):
+    from equivariance_probe.cli import main
+
+    common = ["--model", tiny_model_folder("gemma3", n_positions=128), "--corpus", text_corpus(n_docs=6, words=60),
+              "--n-segments", "3", "--n-contexts", "2", "--segment-length", "8", "--offsets", "0,5,20",
+              "--interval-groups", "3", "--no-progress"]
+    assert main(["shift", "-o", str(tmp_path / "a"), *common, "--baselines", "random_init", "--heads", "L1H0"]) == 0
+    wrote = capsys.readouterr().out
+    for name in ("shift_layers.png", "shift_heads.png", "shift_loss.png", "shift_divergence.png", "shift_report.html"):
+        assert (tmp_path / "a" / name).is_file() and name in wrote
+    page = (tmp_path / "a" / "shift_report.html").read_text(encoding="utf-8")
+    bundle = circuitsvis_bundle()
+    assert page.count(bundle) == 1 and not EXTERNAL_URL.search(page.replace(bundle, ""))
+    assert "<h3>random_init</h3>" in page and "L1H0 at offset 0" in page and "L1H0 at offset 20" in page
+    assert main(["shift", "-o", str(tmp_path / "b"), *common, "--no-figures"]) == 0
+    assert sorted(path.name for path in (tmp_path / "b").iterdir()) == ["shift_trained.safetensors"]
