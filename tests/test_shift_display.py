@@ -161,6 +161,8 @@ def test_report_section_holds_every_figure_and_the_view_in_a_rendered_report(shi
         assert "Offset η² by layer" in page and "Per-head offset η²" in page and "Next-token loss" in page
         assert "Jensen–Shannon divergence between offsets" in page and "<h3>random_init</h3>" in page
         assert page.count('src="data:image/png;base64,') >= 4
+        difference = variants["trained"].paired_difference(variants["random_init"], "centred_logits", "offset")
+        assert "<th>trained − random_init</th>" in page and f"<td>{difference}</td>" in page
     assert bundle not in render_shift_report(variants["trained"])  # no view: no bundle
 
 

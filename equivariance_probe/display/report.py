@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..result import ProbeResult
     from .views import HeadViews
 
-__all__ = ["render_report", "report_sections", "ReportSection", "figures_html", "html_page", "sections_page"]
+__all__ = ["render_report", "report_sections", "ReportSection", "figures_html", "html_page", "sections_page", "table_html"]
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def summary_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | 
     variants = variant_columns(result, baselines)
     summaries = {name: variant.summary() for name, variant in variants.items()}
     first = summaries[next(iter(summaries))]
-    table = _table_html(list(summaries), summary_rows(summaries, extended=True), "summary")
+    table = table_html(list(summaries), summary_rows(summaries, extended=True), "summary")
     compared = differences = ""
     if len(variants) > 1:
         compared = (" Baselines (METHODS.md section 5): <code>random_init</code> is the same architecture at its own "
@@ -111,10 +111,10 @@ def _differences_html(variants: Mapping[str, ProbeResult]) -> str:
     remarks = "".join(f"<p>{html.escape(note)}</p>" for note in notes)
     return (f"<h3>Differences over the same windows</h3><p>Each difference with its 95 % interval from paired jackknife "
             f"replicates (the same windows in the same groups, so what they share cancels).</p>"
-            f"{_table_html(columns, rows, 'differences')}{remarks}")
+            f"{table_html(columns, rows, 'differences')}{remarks}")
 
 
-def _table_html(columns: Sequence[str], rows: Sequence[tuple[str, str, Sequence[str]]], css_class: str) -> str:
+def table_html(columns: Sequence[str], rows: Sequence[tuple[str, str, Sequence[str]]], css_class: str) -> str:
     """A table of ``(group, what, cells)`` rows under one heading per column (text escaped)."""
     header = "<tr><th></th><th></th>" + "".join(f"<th>{html.escape(name)}</th>" for name in columns) + "</tr>"
     body = "".join(

@@ -30,15 +30,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..errors import InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError
+from ..errors import (IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError,
+                      UndefinedStatisticError)
 from ..maths.intervals import Interval
 from ..probe import EquivarianceProbe
 from ..shift_result import ShiftResult
 from ..sources.shift_grid import shift_grid
-from ..statistics.shift import ShiftConfig, segment_entries, segment_representations
+from ..statistics.shift import REPRESENTATIONS, ShiftConfig, segment_entries, segment_representations
 from .circuitsvis import CircuitsVisFigure, attention_heads_figure, save_views_page, views_body_html, views_html
 from .figures import _axes_title, figure_title, pyplot
-from .report import ReportSection, figures_html, sections_page
+from .report import ReportSection, figures_html, sections_page, table_html
 from .views import _token_strings, parse_heads
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -137,7 +138,8 @@ def shift_heads_figure(result: ShiftResult, representation: str = "centred_logit
         ax.set_ylabel("layer")
         ax.set_xticks(range(n_heads))
         ax.set_yticks(range(n_layers))
-        _axes_title(ax, f"{term} η²" + (" (equivariant part)" if term == "pair" else ""), fontsize=9)
+        _axes_title(ax, "pair η² (equivariant part)" if term == "pair" else "offset η² (colours up to its largest)",
+                    fontsize=9)
         fig.colorbar(image, ax=ax)
     figure_title(fig, f"Per-head shares of the {_REPRESENTATION_NAMES[representation]}: {result.model_name}")
     fig.tight_layout()
@@ -406,11 +408,34 @@ def shift_report_section(result: ShiftResult, baselines: Mapping[str, ShiftResul
     body = (f"<p>The same texts placed after other contexts at offsets {list(result.offsets)}; "
             f"{html.escape(_offset_meaning(result))}. Each representation's variation is split exactly into what "
             "depends on the pair of tokens (equivariant), the offset, the context and the rest.</p>"
-            + tables + figures_html(figures))
+            + tables + _differences_html(result, baselines or {}, name) + figures_html(figures))
     if view is not None:
         body += "<h3>One head's segment block at two offsets (CircuitsVis)</h3>" + view.body_html()
     return ReportSection("The shift test: the same text moved through the window", body,
                          uses_circuitsvis=view is not None)
+
+
+def _differences_html(result: ShiftResult, baselines: Mapping[str, ShiftResult], name: str) -> str:
+    """The model's offset and pair η² minus each baseline's over the same segments, with 95 % intervals from
+    paired jackknife replicates (:meth:`~equivariance_probe.ShiftResult.paired_difference`)."""
+    if not baselines:
+        return ""
+    rows, notes = [], []
+    for representation in REPRESENTATIONS:
+        for term in ("offset", "pair"):
+            cells = []
+            for baseline_name, baseline in baselines.items():
+                try:
+                    cells.append(str(result.paired_difference(baseline, representation, term, level=INTERVAL_LEVEL)))
+                except (IncompatibleResultsError, IntervalUnavailableError) as error:
+                    cells.append("—")
+                    notes.append(f"{baseline_name}: {error}")
+            rows.append((_REPRESENTATION_NAMES[representation], f"{term} η²", cells))
+    columns = [f"{name} − {baseline_name}" for baseline_name in baselines]
+    remarks = "".join(f"<p>{html.escape(note)}</p>" for note in dict.fromkeys(notes))
+    return ("<h3>Differences over the same segments</h3><p>Each difference with its 95 % interval from paired "
+            "jackknife replicates (the same segments in the same groups, so what they share cancels).</p>"
+            + table_html(columns, rows, "shift-differences") + remarks)
 
 
 def render_shift_report(result: ShiftResult, baselines: Mapping[str, ShiftResult] | None = None, *,
