@@ -115,8 +115,17 @@ def shift_layers_figure(results: ShiftResult | Mapping[str, ShiftResult],
         _axes_title(ax, f"{_REPRESENTATION_NAMES[representation]}: {term} η² by layer")
         ax.legend(fontsize=8)
     first = next(iter(variants.values()))
-    figure_title(fig, f"Shift test, {first.model_name}: share of each layer's variation owed to the {term} "
-                      f"({_interval_note(variants)}); {_offset_meaning(first)}")
+    return _titled(fig, None, f"Shift test, {first.model_name}: share of each layer's variation owed to the {term}",
+                   variants, f"; {_offset_meaning(first)}")
+
+
+def _titled(fig: Any, ax: Any, text: str, variants: Mapping[str, ShiftResult], after: str = "") -> Any:
+    """``fig`` with ``text`` and whether its bars are intervals as its title (``ax``'s when given), laid out."""
+    title = f"{text} ({_interval_note(variants)}){after}"
+    if ax is None:
+        figure_title(fig, title)
+    else:
+        _axes_title(ax, title)
     fig.tight_layout()
     return fig
 
@@ -158,10 +167,7 @@ def shift_loss_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figur
     ax.set_xlabel("offset s (tokens before the segment)")
     ax.set_ylabel("next-token loss (nats)")
     ax.legend(fontsize=8)
-    first = next(iter(variants.values()))
-    _axes_title(ax, f"Loss on the segment by offset, {first.model_name} ({_interval_note(variants)})")
-    fig.tight_layout()
-    return fig
+    return _titled(fig, ax, f"Loss on the segment by offset, {next(iter(variants.values())).model_name}", variants)
 
 
 def shift_divergence_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figure:
@@ -187,11 +193,8 @@ def shift_divergence_figure(results: ShiftResult | Mapping[str, ShiftResult]) ->
     ax.set_xticks(range(len(variants)), labels, fontsize=8)
     ax.set_ylabel("mean Jensen–Shannon divergence (nats)")
     ax.legend(fontsize=8)
-    first = next(iter(variants.values()))
-    _axes_title(ax, f"Moving the text against changing what precedes it, {first.model_name} "
-                    f"({_interval_note(variants)})")
-    fig.tight_layout()
-    return fig
+    return _titled(fig, ax, f"Moving the text against changing what precedes it, "
+                            f"{next(iter(variants.values())).model_name}", variants)
 
 
 def _format(number: Any) -> str:
