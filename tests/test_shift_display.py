@@ -53,15 +53,18 @@ def test_layers_figure_shows_each_variant_s_offset_share_by_layer_with_its_inter
     panels = fig.axes[:2]
     for ax, representation in zip(panels, ("centred_logits", "residual")):
         assert ax.get_xlabel() == "layer" and ax.get_ylabel() == "offset η²"
-        assert [text.get_text() for text in ax.get_legend().get_texts()] == list(variants)
+        assert [text.get_text() for text in ax.get_legend().get_texts()] == ["global layer", *variants]
         for container, result in zip(ax.containers, variants.values()):
             interval = result.share(representation, "offset", by="layer", interval=0.95)
             np.testing.assert_allclose(container.lines[0].get_ydata(), interval.estimate, rtol=1e-12)
             low, high = _error_bar_ends(container)
             np.testing.assert_allclose(low, interval.low, rtol=1e-9, atol=1e-15)
             np.testing.assert_allclose(high, interval.high, rtol=1e-9, atol=1e-15)
-    # Layer 0 of a rotary model in float64 does not move with the offset; training changed the later layers.
+    # Layer 0 of a rotary model in float64 does not move with the offset (the run's built-in check).
     assert panels[0].containers[0].lines[0].get_ydata()[0] <= 1e-12
+    # The global layers among the sliding ones are shaded.
+    shaded = [patch for patch in panels[0].patches if patch.get_label() == "global layer"]
+    assert len(shaded) == 1 and variants["trained"].layer_groups()["global"] == (2,)
 
 
 def test_heads_figure_maps_the_offset_and_pair_shares_of_every_head(shift_run):

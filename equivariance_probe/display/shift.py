@@ -104,11 +104,17 @@ def shift_layers_figure(results: ShiftResult | Mapping[str, ShiftResult],
     variants = _variants(results)
     fig, axes = plt.subplots(1, len(representations), figsize=(5.5 * len(representations), 4.2), squeeze=False)
     for ax, representation in zip(axes[0], representations):
-        for name, result in variants.items():
+        for number, (name, result) in enumerate(variants.items()):
             estimate, error = _with_interval(_number(result.share, representation, term, by="layer"))
-            layers = np.arange(len(estimate))
+            # Each variant a little aside, so that overlapping intervals stay apart.
+            layers = np.arange(len(estimate)) + 0.08 * (number - (len(variants) - 1) / 2)
             ax.errorbar(layers, estimate, yerr=error, marker="o", ms=4, capsize=3, label=name)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        # Global (full-attention) layers among sliding-window ones, as Gemma 3 interleaves them: shaded, since
+        # there the prefix stays in view at every offset.
+        groups = next(iter(variants.values())).layer_groups()
+        for number, layer in enumerate(groups.get("global", ()) if "sliding" in groups else ()):
+            ax.axvspan(layer - 0.4, layer + 0.4, color="0.9", zorder=0, label="global layer" if number == 0 else None)
         ax.set_xlabel("layer")
         ax.set_ylabel(f"{term} η²")
         ax.set_ylim(bottom=0)
