@@ -140,9 +140,10 @@ def test_view_html_is_offline_and_carries_the_bundle_once(shift_run, tmp_path):
     page = view.save(tmp_path / "view.html").read_text(encoding="utf-8")
     bundle = circuitsvis_bundle()
     assert page.count(bundle) == 1
-    assert page.count("CircuitsVis.render(") - bundle.count("CircuitsVis.render(") == 2
+    assert page.count("CircuitsVis.render(") - bundle.count("CircuitsVis.render(") == 5  # 2 + 3 side by side
     assert not EXTERNAL_URL.search(page.replace(bundle, ""))
     assert "L1H2 at offset 0" in page and "L1H2 at offset 30" in page and "L1H2 change from offset 0 to 30" in page
+    assert page.count('<div style="display:flex') == 2
     assert bundle not in view.body_html()
 
 
@@ -185,3 +186,17 @@ def test_command_line_writes_the_figures_and_the_report_with_its_view(tiny_model
     assert "<h3>random_init</h3>" in page and "L1H0 at offset 0" in page and "L1H0 at offset 20" in page
     assert main(["shift", "-o", str(tmp_path / "b"), *common, "--no-figures"]) == 0
     assert sorted(path.name for path in (tmp_path / "b").iterdir()) == ["shift_trained.safetensors"]
+
+
+@pytest.mark.browser
+def test_view_draws_offline_in_headless_chromium(shift_run, tmp_path):
+    test_report_browser = pytest.importorskip("test_report_browser")
+    if test_report_browser.CHROMIUM is None:
+        pytest.skip("Chromium is not installed (apt-get install chromium; scripts/install.sh does it)")
+    model, segments, contexts, variants = shift_run
+    path = tmp_path / "shift_report.html"
+    path.write_text(render_shift_report(variants["trained"], view=shift_view(model, segments, contexts,
+                                                                              result=variants["trained"])))
+    dom = test_report_browser.chromium(path, tmp_path / "profile", "--dump-dom").stdout
+    # Five heat maps drawn (two offsets' weights; two offsets' centred logits and their change), one canvas each.
+    assert len(re.findall(r"<canvas", dom)) == 5

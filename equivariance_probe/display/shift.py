@@ -37,7 +37,8 @@ from ..probe import EquivarianceProbe
 from ..shift_result import ShiftResult
 from ..sources.shift_grid import shift_grid
 from ..statistics.shift import REPRESENTATIONS, ShiftConfig, segment_entries, segment_representations
-from .circuitsvis import CircuitsVisFigure, attention_heads_figure, save_views_page, views_body_html, views_html
+from .circuitsvis import (CircuitsVisFigure, attention_pattern_figure, figure_row, save_views_page, views_body_html,
+                          views_html)
 from .figures import _axes_title, figure_title, pyplot
 from .report import ReportSection, figures_html, sections_page, table_html
 from .views import _token_strings, parse_heads
@@ -257,29 +258,41 @@ class ShiftView:
         """``[m, m]`` the centred logits at ``s₂`` minus at ``s₁`` (nats): what moving the text did to this head."""
         return self.centred[1] - self.centred[0]
 
+    @property
+    def logit_limit(self) -> float:
+        """The colour range ``±limit`` of the centred logits and their change: the largest magnitude shown."""
+        return max(float(np.abs(self.centred).max()), float(np.abs(self.change).max())) or 1.0
+
     def _round(self, values: np.ndarray) -> np.ndarray:
         values = np.asarray(values, dtype=np.float64)
         return values if self.decimals is None else np.round(values, self.decimals) + 0.0  # + 0.0: no "-0.0"
 
-    def _figures(self) -> list[tuple[str, CircuitsVisFigure]]:
+    def _rows(self) -> list[list[tuple[str, CircuitsVisFigure]]]:
+        """Two rows of side-by-side heat maps: the conditional weights at both offsets; the centred logits at both
+        offsets and their change."""
         first, second = self.offsets
-        weights = attention_heads_figure(
-            self._round(self.conditional), self.tokens,
-            [f"{self.label} at offset {first}", f"{self.label} at offset {second}"],
-            max_value=1.0, min_value=0.0, mask_upper_tri=self.causal)
-        logits = np.concatenate([self.centred, self.change[None]])
-        limit = float(np.abs(logits).max()) or 1.0
-        centred = attention_heads_figure(
-            self._round(logits), self.tokens,
-            [f"{self.label} centred logits, offset {first}", f"{self.label} centred logits, offset {second}",
-             f"{self.label} change from offset {first} to {second}"],
-            max_value=limit, min_value=-limit, positive_color="red", negative_color="blue", mask_upper_tri=self.causal)
-        return [
-            (f"Attention among the segment's tokens, conditional on its keys (a_ij / Σ_j' a_ij'), at offsets {first} "
-             f"and {second}", weights),
-            (f"Centred logits (nats; red above the row's mean, blue below; colours saturate at ±{limit:.3g}) at both "
-             "offsets, and their change: what the offset η² of this head measures", centred),
-        ]
+        weights = [(f"{self.label} at offset {offset}: a_ij / Σ_j' a_ij'",
+                    attention_pattern_figure(self._round(values), self.tokens, max_value=1.0, min_value=0.0,
+                                             mask_upper_tri=self.causal))
+                   for offset, values in zip(self.offsets, self.conditional)]
+        logits = {f"{self.label} centred logits at offset {first}": self.centred[0],
+                  f"{self.label} centred logits at offset {second}": self.centred[1],
+                  f"{self.label} change from offset {first} to {second}": self.change}
+        limit = self.logit_limit
+        centred = [(caption, attention_pattern_figure(self._round(values), self.tokens, max_value=limit,
+                                                      min_value=-limit, positive_color="red", negative_color="blue",
+                                                      mask_upper_tri=self.causal))
+                   for caption, values in logits.items()]
+        return [weights, centred]
+
+    def _layout(self) -> tuple[list[tuple[str, CircuitsVisFigure]], str]:
+        rows = self._rows()
+        limit = self.logit_limit
+        layout = (f"<h4>Attention among the segment's tokens, conditional on its keys, at offsets {self.offsets[0]} "
+                  f"and {self.offsets[1]}</h4>" + figure_row(rows[0])
+                  + f"<h4>Centred logits (nats; red above the row's mean, blue below; colours saturate at ±{limit:.3g}) "
+                  "at both offsets, and their change: what this head's offset η² measures</h4>" + figure_row(rows[1]))
+        return [figure for row in rows for figure in row], layout
 
     def _caption(self) -> str:
         rounding = "not rounded" if self.decimals is None else f"rounded to {self.decimals} decimals"
@@ -289,11 +302,13 @@ class ShiftView:
 
     def body_html(self) -> str:
         """The view without the CircuitsVis bundle (a page that already ran it, as the report)."""
-        return views_body_html(self._caption(), self._figures(), "shift-view")
+        figures, layout = self._layout()
+        return views_body_html(self._caption(), figures, "shift-view", layout)
 
     def to_html(self) -> str:
         """The view as one offline HTML fragment carrying the CircuitsVis bundle once."""
-        return views_html(self._caption(), self._figures(), "shift-view")
+        figures, layout = self._layout()
+        return views_html(self._caption(), figures, "shift-view", layout)
 
     def _repr_html_(self) -> str:
         return self.to_html()
