@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from synthetic import tiny_gemma3
+from synthetic import tiny_bert, tiny_gemma3
 from test_shift import M, design, run
 
 from equivariance_probe import EquivarianceProbe, random_init_like
@@ -200,3 +200,14 @@ def test_view_draws_offline_in_headless_chromium(shift_run, tmp_path):
     dom = test_report_browser.chromium(path, tmp_path / "profile", "--dump-dom").stdout
     # Five heat maps drawn (two offsets' weights; two offsets' centred logits and their change), one canvas each.
     assert len(re.findall(r"<canvas", dom)) == 5
+
+
+def test_an_encoder_s_view_shows_the_whole_block_and_its_figures_omit_predictions():
+    segments, contexts = design()
+    model = tiny_bert()
+    result = run(model, segments, contexts)
+    assert set(shift_figures(result)) == {"shift_layers", "shift_heads"}  # an encoder makes no next-token predictions
+    view = shift_view(model, segments, contexts, result=result)
+    assert not view.causal and view.entries.all()  # every segment key is visible to every segment query
+    np.testing.assert_allclose(view.conditional.sum(-1), 1.0, rtol=1e-6)
+    assert '"maskUpperTri": false' in view.to_html()
