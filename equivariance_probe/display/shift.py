@@ -54,6 +54,7 @@ __all__ = [
     "shift_figures",
     "ShiftView",
     "shift_view",
+    "most_moved_head",
     "shift_report_section",
     "render_shift_report",
     "INTERVAL_LEVEL",
@@ -411,7 +412,8 @@ def shift_view(model: Any, segments: Sequence[Any], contexts: Sequence[Any] | No
     where = "position ids moved" if mode == "position_ids" else f"after context {context}"
     return ShiftView(tokens=_token_strings(adapter, grid.segments[0].tolist()), head=(layer, index), offsets=offsets,
                      conditional=conditional, centred=centred, entries=entries.numpy(), causal=layout.causal,
-                     title=f"Model {adapter.model_name()}, segment {segment} ({where}).", decimals=decimals)
+                     title=f"Model {result.model_name if result is not None else adapter.model_name()}, segment "
+                           f"{segment} ({where}).", decimals=decimals)
 
 
 # -- the report ---------------------------------------------------------------------------------------------
