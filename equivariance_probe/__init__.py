@@ -22,7 +22,9 @@ Measure:
 * :class:`AttentionStatistics` — the streaming float64 sums behind every number.
 * :meth:`EquivarianceProbe.shift` → :class:`ShiftResult` — the shift test: the same text moved through
   the window (:class:`ShiftGrid`, :class:`ShiftStatistics`): offset, context and pair shares of its
-  attention and residual stream, and how its predictions change.
+  attention and residual stream, and how its predictions change; on screen: :func:`shift_figures`,
+  :func:`shift_view` / :class:`ShiftView` (one head at two offsets, offline CircuitsVis),
+  :func:`shift_report_section`, :func:`render_shift_report`.
 * :func:`get_adapter`, :class:`Adapter`, :class:`AttentionLayout`, :data:`SUPPORTED_MODELS` —
   the framework seam.
 
@@ -53,6 +55,7 @@ from .analyses.heads import HeadRanking, rank_heads
 from .analyses.order import VarianceShrinkage, permutation_sensitivity, position_correlation, representation_sums
 from .analyses.positional import gram_toeplitz, positional_logits, score_profile
 from .display.report import RenderedReport, ReportSection, render_report
+from .display.shift import ShiftView, render_shift_report, shift_figures, shift_report_section, shift_view
 from .display.views import HeadViews, head_views
 from .errors import (
     AttentionCaptureError,
@@ -150,6 +153,11 @@ __all__ = [
     "render_report",
     "RenderedReport",
     "ReportSection",
+    "shift_view",
+    "ShiftView",
+    "shift_figures",
+    "shift_report_section",
+    "render_shift_report",
     # further analyses
     "toeplitz_r2",
     "gram_toeplitz",

@@ -75,6 +75,7 @@ FLAGS = {
     "analyses": "--analyses",
     "memory_limit": "--memory-limit-gib",
     "heads": "--heads",
+    "head": "--view-head",
     "attn_implementation": "--attn-implementation",
     "document": "--document",
     "allow_duplicate_windows": "--allow-duplicate-windows",
@@ -231,6 +232,8 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
             f"positional analyses, comma-separated from {','.join(ANALYSES)}, or 'all' (default)")}),
         "no_progress": (("--no-progress",), {"action": "store_true", "help": "no progress bars"}),
         "json": (("--json",), {"action": "store_true", "help": "print the numbers as JSON instead of a table"}),
+        "no_figures": (("--no-figures",), {"action": "store_true", "help": (
+            "write the results and their summary or table only: no figures, no report (e.g. for shards)")}),
     }
 
 
@@ -303,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--shard", default=None, metavar="I/N",
                      help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
                           "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.safetensors")
-    run.add_argument("--no-figures", action="store_true", help="write results and summary only (e.g. for shards)")
+    add_shared_options(run, "no_figures")
 
     merge = command("merge", "merge result files of shards into one",
                     "Reads and writes result files only: no model, corpus or progress bar.")
@@ -361,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "No checkpoints or shards (each model's study is short: use 'run' per model for long ones), no "
                       "--sample-size (the comparison draws no scatter plot), no --analyses (run 'positional' per "
                       "model), and the Hugging Face framework only, no --framework (every framework gives the same "
-                      "numbers).")
+                      "numbers); its table and figure are what it writes, so no --no-figures.")
     compare.set_defaults(handler=_compare)
     compare.add_argument("--models", type=_names, default=list(DEFAULT_COMPARE_MODELS),
                          help=f"comma-separated packaged model names or local model folders (default: {','.join(DEFAULT_COMPARE_MODELS)})")
@@ -381,7 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "and --context-length). Result files are written per length and variant as they are measured, "
                    "and reused when the scan runs again into the same --out (so it needs no --resume); no shards, "
                    "no --sample-size (no scatter plot), no --analyses (run 'positional'), and the Hugging Face "
-                   "framework only, no --framework (every framework gives the same numbers).")
+                   "framework only, no --framework (every framework gives the same numbers); its table and figure "
+                   "are what it writes, so no --no-figures.")
     scan.set_defaults(handler=_scan)
     scan.add_argument("--context-lengths", type=_int_list, default=list(DEFAULT_CONTEXT_LENGTHS),
                       help=f"comma-separated window lengths (default: {','.join(map(str, DEFAULT_CONTEXT_LENGTHS))})")
@@ -404,7 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "--framework) in a few short windows, one per document (no --pack), on the CPU in float32 as "
                          "loaded (no --device, --dtype or --memory-limit-gib); no checkpoints or shards, no "
                          "--interval-groups or --sample-size (their numbers have no intervals and no scatter plot), "
-                         "and no --keep-pattern (the attention Toeplitz R² keeps the pattern always).")
+                         "and no --keep-pattern (the attention Toeplitz R² keeps the pattern always); its figures are "
+                         "what it writes, so no --no-figures.")
     positional.set_defaults(handler=_positional)
     small = "the analyses' windows are few and short, since some keep every hidden state"
     add_shared_options(positional, "out", "model", "cache_dir", "attn_implementation", "corpus", "text_field", "n_docs",
@@ -830,6 +835,10 @@ def _add_shift_command(shift: argparse.ArgumentParser, model_options: tuple[str,
     shift.add_argument("--mode", choices=SHIFT_MODES, default="text",
                        help="text (default): context tokens precede the segment; position_ids: the segment alone with its "
                             "position ids moved")
+    add_shared_options(shift, "no_figures")
+    shift.add_argument("--view-head", default=None,
+                       help="the head of the report's CircuitsVis view, e.g. 'L4H3' (default: the head whose centred "
+                            "logits the offset moves most)")
 
 
 def _shift(args: argparse.Namespace) -> int:
@@ -871,9 +880,26 @@ def _shift(args: argparse.Namespace) -> int:
             segments, None if args.mode == "position_ids" else contexts,
             progress=False if args.no_progress else f"{name}: segments", **options)
         wrote.append(results[name].save(out / f"shift_{name}.safetensors"))
+    if not args.no_figures:
+        wrote += _shift_display(out, probe, results, segments, None if args.mode == "position_ids" else contexts,
+                                args.view_head)
     table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in results.items())
     _print(args, table, {name: result.summary() for name, result in results.items()}, wrote)
     return 0
+
+
+def _shift_display(out: Path, probe: Any, results: dict[str, Any], segments: list[Any], contexts: list[Any] | None,
+                   head: str | None) -> list[Path]:
+    """The shift run's figures (``shift_*.png``, the trained model beside its baselines) and
+    ``shift_report.html`` with the CircuitsVis view of one head at the smallest and largest offsets."""
+    from .display.figures import save_figures
+    from .display.shift import render_shift_report, shift_figures, shift_view
+
+    trained = results["trained"]
+    baselines = {name: result for name, result in results.items() if name != "trained"}
+    wrote = save_figures(shift_figures(trained, baselines), out)
+    view = shift_view(probe, segments, contexts, result=trained, head=head)
+    return wrote + [render_shift_report(trained, baselines, view=view).save(out / "shift_report.html")]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

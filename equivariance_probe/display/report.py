@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..result import ProbeResult
     from .views import HeadViews
 
-__all__ = ["render_report", "report_sections", "ReportSection", "RenderedReport", "figures_html", "html_page"]
+__all__ = ["render_report", "report_sections", "ReportSection", "RenderedReport", "figures_html", "html_page",
+           "sections_page", "table_html"]
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def summary_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | 
     variants = variant_columns(result, baselines)
     summaries = {name: variant.summary() for name, variant in variants.items()}
     first = summaries[next(iter(summaries))]
-    table = _table_html(list(summaries), summary_rows(summaries, extended=True), "summary")
+    table = table_html(list(summaries), summary_rows(summaries, extended=True), "summary")
     compared = differences = ""
     if len(variants) > 1:
         compared = (" Baselines (docs/methods.md#baselines): <code>random_init</code> is the same architecture at its own "
@@ -161,10 +162,10 @@ def _differences_html(variants: Mapping[str, ProbeResult]) -> str:
     remarks = "".join(f"<p>{html.escape(note)}</p>" for note in notes)
     return (f"<h3>Differences over the same windows</h3><p>Each difference with its 95 % interval from paired jackknife "
             f"replicates (the same windows in the same groups, so what they share cancels).</p>"
-            f"{_table_html(columns, rows, 'differences')}{remarks}")
+            f"{table_html(columns, rows, 'differences')}{remarks}")
 
 
-def _table_html(columns: Sequence[str], rows: Sequence[tuple[str, str, Sequence[str]]], css_class: str) -> str:
+def table_html(columns: Sequence[str], rows: Sequence[tuple[str, str, Sequence[str]]], css_class: str) -> str:
     """A table of ``(group, what, cells)`` rows under one heading per column (text escaped)."""
     header = "<tr><th></th><th></th>" + "".join(f"<th>{html.escape(name)}</th>" for name in columns) + "</tr>"
     body = "".join(
@@ -256,8 +257,12 @@ def render_report(
             raise NotRunError("this result holds no windows yet: run EquivarianceProbe(model).run(docs) before reporting it")
     sections = report_sections(result, baselines=baselines, views=views) + list(extra_sections)
     model = result.model_name
-    bundle = ""
-    if any(section.uses_circuitsvis for section in sections):
-        bundle = circuitsvis_bundle_script()
+    return sections_page(f"equivariance_probe report: {model}", f"Equivariance probe: {model}", sections)
+
+
+def sections_page(title: str, heading: str, sections: Sequence[ReportSection]) -> RenderedReport:
+    """Sections as one self-contained page under ``heading``, with CircuitsVis' bundle once in its head
+    when any section draws with it."""
+    bundle = circuitsvis_bundle_script() if any(section.uses_circuitsvis for section in sections) else ""
     body = "".join(f"<section><h2>{html.escape(s.title)}</h2>{s.html}</section>" for s in sections)
-    return RenderedReport(f"equivariance_probe report: {model}", f"<h1>Equivariance probe: {html.escape(model)}</h1>\n{body}", bundle)
+    return RenderedReport(title, f"<h1>{html.escape(heading)}</h1>\n{body}", bundle)

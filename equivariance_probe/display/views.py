@@ -46,7 +46,7 @@ from ..sources.corpus import load_corpus
 from ..sources.models import load_model
 from ..sources.registry import name_of_converted_copy
 from ..statistics.engines.in_trace import default_log_floor, uniform_prior, visible_mask
-from .circuitsvis import CircuitsVisFigure, attention_heads_figure, circuitsvis_bundle, figure_div
+from .circuitsvis import CircuitsVisFigure, attention_heads_figure, save_views_page, views_body_html, views_html
 
 __all__ = [
     "HeadViews",
@@ -233,37 +233,21 @@ class HeadViews:
 
         ``decimals`` overrides :attr:`decimals` (``None``: not rounded)."""
         decimals = self.decimals if decimals is ... else decimals
-        parts = [self._caption(decimals)]
-        for caption, figure in self._figures(decimals):
-            parts.append(figure_div(caption, figure) + f"<script>{figure.call}</script>")
-        return f'<div class="head-views">{"".join(parts)}</div>'
+        return views_body_html(self._caption(decimals), self._figures(decimals), "head-views")
 
     def to_html(self, decimals: Any = ...) -> str:
         """The views as one HTML fragment carrying the CircuitsVis bundle once (offline).
 
         ``decimals`` overrides :attr:`decimals` (``None``: not rounded)."""
         decimals = self.decimals if decimals is ... else decimals
-        figures = self._figures(decimals)
-        divs = "".join(figure_div(caption, figure) for caption, figure in figures)
-        # One module script, as CircuitsVis' own inline HTML: the bundle's CircuitsVis stays in the
-        # module's scope, so several views in one notebook do not clash.
-        calls = "\n".join(figure.call for _, figure in figures)
-        return (
-            f'<div class="head-views">{self._caption(decimals)}{divs}'
-            f'<script crossorigin type="module">{circuitsvis_bundle()}\n{calls}</script></div>'
-        )
+        return views_html(self._caption(decimals), self._figures(decimals), "head-views")
 
     def _repr_html_(self) -> str:
         return self.to_html()
 
     def save(self, path: str | Path, decimals: Any = ...) -> Path:
         """Write a standalone, offline HTML page with the views."""
-        path = Path(path)
-        return write_text_atomically(
-            path,
-            f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>head views</title></head>'
-            f"<body>{self.to_html(decimals)}</body></html>",
-        )
+        return save_views_page(path, "head views", self.to_html(decimals))
 
     def __repr__(self) -> str:
         return (

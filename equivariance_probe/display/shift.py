@@ -1,0 +1,478 @@
+"""The shift test on screen: figures of a :class:`~equivariance_probe.ShiftResult`, one head's segment block at
+two offsets as an offline CircuitsVis view, and the report section that holds them.
+
+Place in the seams: *display*, drawing only. Every number comes from the result's methods
+(:meth:`~equivariance_probe.ShiftResult.share`, :meth:`~equivariance_probe.ShiftResult.loss_by_offset`,
+:meth:`~equivariance_probe.ShiftResult.divergence`) with its jackknife interval over segments where the result
+has at least two groups of segments; the view's attention comes from a forward pass of the model through the
+adapter's segment capture (:meth:`~equivariance_probe.adapters.base.Adapter.run_segment`), the same capture the
+shift run decomposes. matplotlib and circuitsvis are imported when something is drawn.
+
+* :func:`shift_layers_figure` — offset η² by layer (centred logits and residual stream), the trained model
+  against its baselines (its random initialisation), with 95 % intervals.
+* :func:`shift_heads_figure` — per-head offset η² and pair η² (the equivariant part) of the centred logits.
+* :func:`shift_loss_figure` — the segment's next-token loss by offset, with intervals.
+* :func:`shift_divergence_figure` — Jensen–Shannon divergence between offsets against between contexts, and
+  their ratio.
+* :func:`shift_view` → :class:`ShiftView` — one head's segment block at two offsets, side by side.
+* :func:`shift_report_section`, :func:`render_shift_report` — all of it in the HTML report.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..errors import (IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError,
+                      UndefinedStatisticError)
+from ..maths.intervals import Interval
+from ..probe import EquivarianceProbe
+from ..shift_result import ShiftResult
+from ..sources.shift_grid import shift_grid
+from ..statistics.shift import REPRESENTATIONS, ShiftConfig, segment_entries, segment_representations
+from .circuitsvis import (CircuitsVisFigure, attention_pattern_figure, figure_row, save_views_page, views_body_html,
+                          views_html)
+from .figures import _axes_title, figure_title, pyplot
+from .report import RenderedReport, ReportSection, figures_html, sections_page, table_html
+from .views import _token_strings, parse_heads
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.figure import Figure
+
+__all__ = [
+    "shift_layers_figure",
+    "shift_heads_figure",
+    "shift_loss_figure",
+    "shift_divergence_figure",
+    "shift_figures",
+    "ShiftView",
+    "shift_view",
+    "most_moved_head",
+    "shift_report_section",
+    "render_shift_report",
+    "INTERVAL_LEVEL",
+]
+
+#: The confidence level of every interval drawn.
+INTERVAL_LEVEL = 0.95
+_REPRESENTATION_NAMES = {"centred_logits": "centred logits", "conditional_weights": "conditional weights",
+                         "raw_weights": "raw weights", "residual": "residual stream"}
+
+
+def _variants(results: ShiftResult | Mapping[str, ShiftResult]) -> dict[str, ShiftResult]:
+    """``{name: result}``: a single result is named by its model."""
+    return dict(results) if isinstance(results, Mapping) else {results.model_name: results}
+
+
+def _with_interval(number: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(estimate, [2, ...] distances to the interval's ends)`` for matplotlib's ``yerr`` (``None``: no interval)."""
+    if not isinstance(number, Interval):
+        return np.asarray(number, dtype=np.float64), None
+    estimate = np.asarray(number.estimate, dtype=np.float64)
+    low, high = np.asarray(number.low, dtype=np.float64), np.asarray(number.high, dtype=np.float64)
+    return estimate, np.stack([np.maximum(estimate - low, 0.0), np.maximum(high - estimate, 0.0)])
+
+
+def _number(method: Any, *args: Any, **kwargs: Any) -> Any:
+    """``method(..., interval=0.95)``, or the estimate alone where the segments fall into fewer than two groups."""
+    try:
+        return method(*args, interval=INTERVAL_LEVEL, **kwargs)
+    except IntervalUnavailableError:
+        return method(*args, **kwargs)
+
+
+def _interval_note(results: Mapping[str, ShiftResult]) -> str:
+    groups = {name: result.statistics.replicates()[0] for name, result in results.items()}
+    if all(len(ids) >= 2 for ids in groups.values()):
+        return f"bars: {INTERVAL_LEVEL:.0%} intervals over segments (jackknife)"
+    return "no intervals: fewer than 2 groups of segments"
+
+
+# -- figures ------------------------------------------------------------------------------------------------
+def shift_layers_figure(results: ShiftResult | Mapping[str, ShiftResult],
+                        representations: Sequence[str] = ("centred_logits", "residual"), term: str = "offset") -> Figure:
+    """``η²`` of ``term`` by layer, one panel per representation and one line per variant (a trained model and its
+    random initialisation), with 95 % intervals over segments."""
+    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    variants = _variants(results)
+    fig, axes = plt.subplots(1, len(representations), figsize=(5.5 * len(representations), 4.2), squeeze=False)
+    for ax, representation in zip(axes[0], representations):
+        for number, (name, result) in enumerate(variants.items()):
+            estimate, error = _with_interval(_number(result.share, representation, term, by="layer"))
+            # Each variant a little aside, so that overlapping intervals stay apart.
+            layers = np.arange(len(estimate)) + 0.08 * (number - (len(variants) - 1) / 2)
+            ax.errorbar(layers, estimate, yerr=error, marker="o", ms=4, capsize=3, label=name)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        # Global (full-attention) layers among sliding-window ones, as Gemma 3 interleaves them: shaded, since
+        # there the prefix stays in view at every offset.
+        groups = next(iter(variants.values())).layer_groups()
+        for number, layer in enumerate(groups.get("global", ()) if "sliding" in groups else ()):
+            ax.axvspan(layer - 0.4, layer + 0.4, color="0.9", zorder=0, label="global layer" if number == 0 else None)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(f"{term} η²")
+        ax.set_ylim(bottom=0)
+        _axes_title(ax, f"{_REPRESENTATION_NAMES[representation]}: {term} η² by layer")
+        ax.legend(fontsize=8)
+    first = next(iter(variants.values()))
+    return _titled(fig, None, f"Shift test, {first.model_name}: share of each layer's variation owed to the {term}",
+                   variants, f"; {_offset_meaning(first)}")
+
+
+def _titled(fig: Any, ax: Any, text: str, variants: Mapping[str, ShiftResult], after: str = "") -> Any:
+    """``fig`` with ``text`` and whether its bars are intervals as its title (``ax``'s when given), laid out."""
+    title = f"{text} ({_interval_note(variants)}){after}"
+    if ax is None:
+        figure_title(fig, title)
+    else:
+        _axes_title(ax, title)
+    fig.tight_layout()
+    return fig
+
+
+def _offset_meaning(result: ShiftResult) -> str:
+    return ("offset = position and amount of preceding text" if result.mode == "text"
+            else "offset = position ids only")
+
+
+def shift_heads_figure(result: ShiftResult, representation: str = "centred_logits") -> Figure:
+    """Per-head ``[layer, head]`` heat maps of the offset η² and the pair η² (the equivariant part)."""
+    plt = pyplot()
+    panels = {term: result.share(representation, term, by="head") for term in ("offset", "pair")}
+    n_layers, n_heads = panels["offset"].shape
+    fig, axes = plt.subplots(1, 2, figsize=(3 + 4.4 * max(n_heads, 4) / 4, 1.8 + 0.3 * n_layers), squeeze=False)
+    for ax, (term, values) in zip(axes[0], panels.items()):
+        image = ax.imshow(values, vmin=0, vmax=1 if term == "pair" else None, cmap="magma", aspect="auto")
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_xticks(range(n_heads))
+        ax.set_yticks(range(n_layers))
+        _axes_title(ax, "pair η² (equivariant part)" if term == "pair" else "offset η² (colours up to its largest)",
+                    fontsize=9)
+        fig.colorbar(image, ax=ax)
+    figure_title(fig, f"Per-head shares of the {_REPRESENTATION_NAMES[representation]}: {result.model_name}")
+    fig.tight_layout()
+    return fig
+
+
+def shift_loss_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figure:
+    """The mean next-token loss (nats) of the segment's own tokens at each offset, one line per variant, with
+    95 % intervals over segments."""
+    plt = pyplot()
+    variants = _variants(results)
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for name, result in variants.items():
+        estimate, error = _with_interval(_number(result.loss_by_offset))
+        ax.errorbar(result.offsets, estimate, yerr=error, marker="o", ms=4, capsize=3, label=name)
+    ax.set_xlabel("offset s (tokens before the segment)")
+    ax.set_ylabel("next-token loss (nats)")
+    ax.legend(fontsize=8)
+    return _titled(fig, ax, f"Loss on the segment by offset, {next(iter(variants.values())).model_name}", variants)
+
+
+def shift_divergence_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figure:
+    """Per variant, the mean Jensen–Shannon divergence of the segment's predictions between two offsets (same
+    context) beside that between two contexts (same offset), with 95 % intervals; their ratio under each variant's name."""
+    plt = pyplot()
+    variants = _variants(results)
+    fig, ax = plt.subplots(figsize=(2.5 + 2.2 * len(variants), 4.2))
+    width, labels = 0.38, []
+    for index, (name, result) in enumerate(variants.items()):
+        for shift, kind, color in ((-width / 2, "offset", "tab:blue"), (width / 2, "context", "tab:orange")):
+            try:
+                estimate, error = _with_interval(_number(result.divergence, kind))
+            except UndefinedStatisticError:  # position_ids mode: one context, no context divergence
+                continue
+            ax.bar(index + shift, float(estimate), width, yerr=None if error is None else error.reshape(2, 1),
+                   capsize=3, color=color, label=f"between {kind}s" if index == 0 else None)
+        labels.append(name)
+        try:
+            labels[-1] += f"\nratio {_format(_number(result.divergence, 'ratio'))}"
+        except UndefinedStatisticError:
+            pass
+    ax.set_xticks(range(len(variants)), labels, fontsize=8)
+    ax.set_ylabel("mean Jensen–Shannon divergence (nats)")
+    ax.legend(fontsize=8)
+    return _titled(fig, ax, f"Moving the text against changing what precedes it, "
+                            f"{next(iter(variants.values())).model_name}", variants)
+
+
+def _format(number: Any) -> str:
+    if isinstance(number, Interval):
+        return str(number)
+    return "undefined" if not math.isfinite(float(number)) else f"{float(number):.3g}"
+
+
+def shift_figures(result: ShiftResult, baselines: Mapping[str, ShiftResult] | None = None,
+                  name: str = "trained") -> dict[str, Figure]:
+    """Every figure of a shift run: ``{"shift_layers", "shift_heads", "shift_loss", "shift_divergence"}`` (the last
+    two only where the run measured predictions), with the baselines beside ``result`` (called ``name``)."""
+    variants = {name: result, **dict(baselines or {})}
+    figures = {"shift_layers": shift_layers_figure(variants), "shift_heads": shift_heads_figure(result)}
+    if result.config.predictions:
+        figures["shift_loss"] = shift_loss_figure(variants)
+        figures["shift_divergence"] = shift_divergence_figure(variants)
+    return figures
+
+
+# -- one head at two offsets (CircuitsVis) ------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShiftView:
+    """One head's attention among a segment's own tokens at two offsets.
+
+    Attributes:
+        tokens: ``[m]`` the segment's token strings.
+        head: ``(layer, head)``.
+        offsets: the two offsets ``(s₁, s₂)``.
+        conditional: ``[2, m, m]`` weights conditional on the segment's keys ``a_ij / Σ_j' a_ij'`` at each offset.
+        centred: ``[2, m, m]`` centred logits ``score_ij − mean_j' score_ij'`` at each offset.
+        entries: ``[m, m]`` the counted entries (visible keys, rows with at least two); 0 elsewhere.
+        causal: whether queries see only earlier keys.
+        title: a caption (model, segment, context, mode).
+        decimals: values are rounded to this many decimals when rendered (``None``: not rounded).
+    """
+
+    tokens: list[str]
+    head: tuple[int, int]
+    offsets: tuple[int, int]
+    conditional: np.ndarray
+    centred: np.ndarray
+    entries: np.ndarray
+    causal: bool = True
+    title: str = ""
+    decimals: int | None = 3
+
+    @property
+    def label(self) -> str:
+        return f"L{self.head[0]}H{self.head[1]}"
+
+    @property
+    def change(self) -> np.ndarray:
+        """``[m, m]`` the centred logits at ``s₂`` minus at ``s₁`` (nats): what moving the text did to this head."""
+        return self.centred[1] - self.centred[0]
+
+    @property
+    def logit_limit(self) -> float:
+        """The colour range ``±limit`` of the centred logits and their change: the largest magnitude shown."""
+        return max(float(np.abs(self.centred).max()), float(np.abs(self.change).max())) or 1.0
+
+    def _round(self, values: np.ndarray) -> np.ndarray:
+        values = np.asarray(values, dtype=np.float64)
+        return values if self.decimals is None else np.round(values, self.decimals) + 0.0  # + 0.0: no "-0.0"
+
+    def _rows(self) -> list[list[tuple[str, CircuitsVisFigure]]]:
+        """Two rows of side-by-side heat maps: the conditional weights at both offsets; the centred logits at both
+        offsets and their change."""
+        first, second = self.offsets
+        weights = [(f"{self.label} at offset {offset}: a_ij / Σ_j' a_ij'",
+                    attention_pattern_figure(self._round(values), self.tokens, max_value=1.0, min_value=0.0,
+                                             mask_upper_tri=self.causal))
+                   for offset, values in zip(self.offsets, self.conditional)]
+        logits = {f"{self.label} centred logits at offset {first}": self.centred[0],
+                  f"{self.label} centred logits at offset {second}": self.centred[1],
+                  f"{self.label} change from offset {first} to {second}": self.change}
+        limit = self.logit_limit
+        centred = [(caption, attention_pattern_figure(self._round(values), self.tokens, max_value=limit,
+                                                      min_value=-limit, positive_color="red", negative_color="blue",
+                                                      mask_upper_tri=self.causal))
+                   for caption, values in logits.items()]
+        return [weights, centred]
+
+    def _layout(self) -> tuple[list[tuple[str, CircuitsVisFigure]], str]:
+        rows = self._rows()
+        limit = self.logit_limit
+        layout = (f"<h4>Attention among the segment's tokens, conditional on its keys, at offsets {self.offsets[0]} "
+                  f"and {self.offsets[1]}</h4>" + figure_row(rows[0])
+                  + f"<h4>Centred logits (nats; red above the row's mean, blue below; colours saturate at ±{limit:.3g}) "
+                  "at both offsets, and their change: what this head's offset η² measures</h4>" + figure_row(rows[1]))
+        return [figure for row in rows for figure in row], layout
+
+    def _caption(self) -> str:
+        rounding = "not rounded" if self.decimals is None else f"rounded to {self.decimals} decimals"
+        return (f"<p>{html.escape(self.title)} Head {self.label}; the segment's {len(self.tokens)} tokens as queries "
+                f"and keys; entries outside the counted block (hidden keys, rows with one key) are 0; values "
+                f"{rounding}.</p>")
+
+    def body_html(self) -> str:
+        """The view without the CircuitsVis bundle (a page that already ran it, as the report)."""
+        figures, layout = self._layout()
+        return views_body_html(self._caption(), figures, "shift-view", layout)
+
+    def to_html(self) -> str:
+        """The view as one offline HTML fragment carrying the CircuitsVis bundle once."""
+        figures, layout = self._layout()
+        return views_html(self._caption(), figures, "shift-view", layout)
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def save(self, path: str | Path) -> Path:
+        """Write a standalone, offline HTML page with the view."""
+        return save_views_page(path, "shift view", self.to_html())
+
+    def __repr__(self) -> str:
+        return f"ShiftView({self.label}; offsets {self.offsets[0]} and {self.offsets[1]}; {len(self.tokens)} tokens)"
+
+
+def most_moved_head(result: ShiftResult) -> tuple[int, int]:
+    """The head whose centred logits owe the largest share to the offset (undefined shares skipped)."""
+    shares = np.nan_to_num(result.share("centred_logits", "offset", by="head"), nan=-1.0)
+    layer, head = np.unravel_index(int(np.argmax(shares)), shares.shape)
+    return int(layer), int(head)
+
+
+def shift_view(model: Any, segments: Sequence[Any], contexts: Sequence[Any] | None = None, *,
+               head: tuple[int, int] | str | None = None, offsets: Sequence[int] | None = None,
+               result: ShiftResult | None = None, segment: int = 0, context: int = 0,
+               segment_length: int | None = None, mode: str | None = None, decimals: int | None = 3,
+               tokenizer: Any | None = None) -> ShiftView:
+    """One head's segment block at two offsets, from two forward passes of the model.
+
+    The windows are the shift test's (:class:`~equivariance_probe.ShiftGrid`): the tokenizer's special prefix,
+    the first ``s`` tokens of context ``context`` and segment ``segment`` (``mode="position_ids"``: the prefix and
+    segment with position ids from ``s``). The block is captured as the shift run captures it
+    (:meth:`~equivariance_probe.adapters.base.Adapter.run_segment`: scores from the queries and keys the model's
+    own kernel receives) and turned into the run's representations
+    (:func:`~equivariance_probe.statistics.shift.segment_representations`).
+
+    Args:
+        model: an :class:`~equivariance_probe.EquivarianceProbe`, or any model it accepts.
+        segments: as given to :meth:`~equivariance_probe.EquivarianceProbe.shift`.
+        contexts: as given to :meth:`~equivariance_probe.EquivarianceProbe.shift`.
+        head: ``(layer, head)`` or ``"L3H1"`` (default: ``result``'s head with the largest offset η² of the
+            centred logits).
+        offsets: two offsets (default: ``result``'s smallest and largest).
+        result: the shift run on these texts: the default head, offsets, segment length and mode.
+        segment: which segment.
+        context: which context precedes it.
+        segment_length: default ``result``'s (else 64).
+        mode: default ``result``'s (else ``"text"``).
+        decimals: round rendered values (``None``: full precision).
+        tokenizer: for a plain Hugging Face model, its tokenizer.
+
+    Example:
+        >>> view = shift_view(probe, segments, contexts, result=result)  # doctest: +SKIP
+        >>> view.save("shift_view.html")  # doctest: +SKIP
+    """
+    probe = model if isinstance(model, EquivarianceProbe) else EquivarianceProbe(model, tokenizer=tokenizer)
+    adapter = probe.adapter
+    layout = adapter.layout
+    if isinstance(head, str):
+        parsed = parse_heads(head)
+        if len(parsed) != 1:
+            raise InputError(f"head={head!r} names {len(parsed)} heads; the view shows one, e.g. 'L3H1'")
+        head = parsed[0]
+    if head is None:
+        if result is None:
+            raise InputError("no head to view: pass head=(layer, head), or result= to view the head the offset moves most")
+        head = most_moved_head(result)
+    layer, index = int(head[0]), int(head[1])
+    if not (0 <= layer < layout.n_layers and 0 <= index < layout.n_heads):
+        raise InputError(f"head L{layer}H{index} does not exist: this model has layers 0..{layout.n_layers - 1} and heads "
+                         f"0..{layout.n_heads - 1}; pass a head within those ranges")
+    if offsets is None:
+        if result is None:
+            raise InputError("no offsets to view: pass offsets=(s1, s2), or result= to view its smallest and largest")
+        offsets = (result.offsets[0], result.offsets[-1])
+    offsets = tuple(int(s) for s in offsets)
+    if len(offsets) != 2 or offsets[0] == offsets[1]:
+        raise InputError(f"offsets={list(offsets)} must be two different offsets, e.g. (0, 512)")
+    segment_length = segment_length or (result.config.segment_length if result is not None else 64)
+    mode = mode or (result.mode if result is not None else "text")
+    segments, contexts = list(segments), None if contexts is None else list(contexts)
+    for what, items, chosen in (("segment", segments, segment), ("context", contexts or [None], context)):
+        if not 0 <= chosen < len(items):
+            raise InputError(f"{what}={chosen} is not one of the {len(items)} {what}s given; pass an index below {len(items)}")
+    grid = shift_grid([segments[segment]], contexts, adapter.tokenizer, offsets=offsets, segment_length=segment_length,
+                      mode=mode, max_context=layout.max_context)
+    config = ShiftConfig(n_layers=layout.n_layers, n_heads=layout.n_heads, offsets=grid.offsets,
+                         n_contexts=grid.n_contexts, segment_length=segment_length, mode=mode, causal=layout.causal,
+                         sliding_windows=tuple(layout.sliding_windows))
+    entries = segment_entries(config, layer)
+    conditional, centred = np.zeros((2, segment_length, segment_length)), np.zeros((2, segment_length, segment_length))
+    for row, offset in enumerate(offsets):
+        tokens, start = grid.window(0, context, offset)
+        captured: dict[str, torch.Tensor] = {}
+
+        def on_attention(at: int, scores: torch.Tensor, log_normaliser: torch.Tensor) -> None:
+            if at == layer:
+                captured.update(segment_representations(scores[0, index:index + 1], log_normaliser[0, index:index + 1],
+                                                        entries))
+
+        adapter.run_segment(torch.tensor([tokens]), torch.tensor([len(tokens)]), segment_length,
+                            on_attention=on_attention,
+                            position_start=torch.tensor([start]) if mode == "position_ids" else None)
+        conditional[row][entries.numpy()] = captured["conditional_weights"][0].cpu().numpy()
+        centred[row][entries.numpy()] = captured["centred_logits"][0].cpu().numpy()
+    where = "position ids moved" if mode == "position_ids" else f"after context {context}"
+    return ShiftView(tokens=_token_strings(adapter, grid.segments[0].tolist()), head=(layer, index), offsets=offsets,
+                     conditional=conditional, centred=centred, entries=entries.numpy(), causal=layout.causal,
+                     title=f"Model {result.model_name if result is not None else adapter.model_name()}, segment "
+                           f"{segment} ({where}).", decimals=decimals)
+
+
+# -- the report ---------------------------------------------------------------------------------------------
+def shift_report_section(result: ShiftResult, baselines: Mapping[str, ShiftResult] | None = None, *,
+                         view: ShiftView | None = None, name: str = "trained") -> ReportSection:
+    """The shift test in the HTML report: each variant's table, the figures (:func:`shift_figures`) and, when
+    given, the CircuitsVis view (drawn from the bundle the report carries once)."""
+    variants = {name: result, **dict(baselines or {})}
+    tables = "".join(f"<h3>{html.escape(variant)}</h3><pre>{html.escape(value.table())}</pre>"
+                     for variant, value in variants.items())
+    captions = {
+        "shift_layers": "Offset η² by layer, centred logits and residual stream, each variant (95 % intervals over segments)",
+        "shift_heads": f"Per-head offset η² and pair η² (the equivariant part) of the centred logits, {name}",
+        "shift_loss": "Next-token loss on the segment by offset (95 % intervals over segments)",
+        "shift_divergence": "Jensen–Shannon divergence between offsets against between contexts, and their ratio",
+    }
+    figures = {captions[key]: figure for key, figure in shift_figures(result, baselines, name).items()}
+    body = (f"<p>The same texts placed after other contexts at offsets {list(result.offsets)}; "
+            f"{html.escape(_offset_meaning(result))}. Each representation's variation is split exactly into what "
+            "depends on the pair of tokens (equivariant), the offset, the context and the rest.</p>"
+            + tables + _differences_html(result, baselines or {}, name) + figures_html(figures))
+    if view is not None:
+        body += "<h3>One head's segment block at two offsets (CircuitsVis)</h3>" + view.body_html()
+    return ReportSection("The shift test: the same text moved through the window", body,
+                         uses_circuitsvis=view is not None)
+
+
+def _differences_html(result: ShiftResult, baselines: Mapping[str, ShiftResult], name: str) -> str:
+    """The model's offset and pair η² minus each baseline's over the same segments, with 95 % intervals from
+    paired jackknife replicates (:meth:`~equivariance_probe.ShiftResult.paired_difference`)."""
+    if not baselines:
+        return ""
+    rows, notes = [], []
+    for representation in REPRESENTATIONS:
+        for term in ("offset", "pair"):
+            cells = []
+            for baseline_name, baseline in baselines.items():
+                try:
+                    cells.append(str(result.paired_difference(baseline, representation, term, level=INTERVAL_LEVEL)))
+                except (IncompatibleResultsError, IntervalUnavailableError) as error:
+                    cells.append("—")
+                    notes.append(f"{baseline_name}: {error}")
+            rows.append((_REPRESENTATION_NAMES[representation], f"{term} η²", cells))
+    columns = [f"{name} − {baseline_name}" for baseline_name in baselines]
+    remarks = "".join(f"<p>{html.escape(note)}</p>" for note in dict.fromkeys(notes))
+    return ("<h3>Differences over the same segments</h3><p>Each difference with its 95 % interval from paired "
+            "jackknife replicates (the same segments in the same groups, so what they share cancels).</p>"
+            + table_html(columns, rows, "shift-differences") + remarks)
+
+
+def render_shift_report(result: ShiftResult, baselines: Mapping[str, ShiftResult] | None = None, *,
+                        view: ShiftView | None = None, name: str = "trained") -> RenderedReport:
+    """A self-contained offline HTML page holding :func:`shift_report_section` (CircuitsVis' bundle once): a
+    :class:`~equivariance_probe.display.report.RenderedReport` that a notebook draws and ``save(path)`` writes."""
+    if result.n_segments == 0:
+        raise NotRunError("this shift result holds no segment yet: run probe.shift(segments, contexts) before reporting it")
+    section = shift_report_section(result, baselines, view=view, name=name)
+    return sections_page(f"equivariance_probe shift test: {result.model_name}",
+                         f"Equivariance probe, shift test: {result.model_name}", [section])
