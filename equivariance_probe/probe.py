@@ -337,39 +337,16 @@ class EquivarianceProbe:
         if isinstance(docs, PackedWindows):
             docs = docs.tokens
         context_length = self._context_length(docs, options.context_length)
-        layout = self.adapter.layout
         exclude_keys = tuple(int(k) for k in options.exclude_keys)
         self._check_run_options(context_length, exclude_keys, min_tokens, max_windows, options.key_bins, options.device)
-        statistics = AttentionStatistics(
-            n_layers=layout.n_layers,
-            n_heads=layout.n_heads,
-            n_positions=context_length,  # the statistics' word for the window length
-            sliding_windows=layout.sliding_windows,
-            log_floor=options.log_floor,
-            excluded_keys=exclude_keys,
-            keep_pattern=options.keep_pattern,
-            sample_size=options.sample_size,
-            sample_seed=options.sample_seed,
-            device=options.device if options.device is not None else self.adapter.device,
-            key_bins=options.key_bins,
-            engine=options.engine,
-            causal=layout.causal,
-            interval_groups=options.interval_groups,
-        )
-        keys = None if resampling_keys is None else as_keys(resampling_keys)
-        if keys is not None and isinstance(docs, torch.Tensor):
-            rows = 1 if docs.dim() == 1 else int(docs.shape[0])
-            if len(keys) != rows:
-                raise InputError(f"resampling_keys has {len(keys)} keys for a tensor of {rows} windows; give one key per row")
+        statistics = self._statistics(options, context_length, exclude_keys)
+        keys = _resampling_keys(resampling_keys, docs)
         metadata = self._metadata(context_length, batch_size, min_tokens)
         metadata["windows"] = windows
         result = ProbeResult(statistics, metadata)
         self.last_result = result
-        total = len(docs) if hasattr(docs, "__len__") and not isinstance(docs, (torch.Tensor, Mapping)) else None
-        if isinstance(docs, torch.Tensor):
-            total = 1 if docs.dim() == 1 else int(docs.shape[0])
         unit = counted(docs)
-        bar = progress_bar(bool(progress), total, progress if isinstance(progress, str) else unit, unit)
+        bar = progress_bar(bool(progress), _count(docs), progress if isinstance(progress, str) else unit, unit)
         skipped = 0
         try:
             batch: list[list[int]] = []
@@ -421,6 +398,26 @@ class EquivarianceProbe:
         if statistics.device.type != "cpu":
             result.statistics = statistics.to("cpu")
         return result
+
+    def _statistics(self, options: MeasurementOptions, context_length: int, exclude_keys: tuple[int, ...]) -> AttentionStatistics:
+        """Empty statistics for windows of ``context_length`` tokens of this model, measured as ``options`` say."""
+        layout = self.adapter.layout
+        return AttentionStatistics(
+            n_layers=layout.n_layers,
+            n_heads=layout.n_heads,
+            n_positions=context_length,  # the statistics' word for the window length
+            sliding_windows=layout.sliding_windows,
+            log_floor=options.log_floor,
+            excluded_keys=exclude_keys,
+            keep_pattern=options.keep_pattern,
+            sample_size=options.sample_size,
+            sample_seed=options.sample_seed,
+            device=options.device if options.device is not None else self.adapter.device,
+            key_bins=options.key_bins,
+            engine=options.engine,
+            causal=layout.causal,
+            interval_groups=options.interval_groups,
+        )
 
     def _check_run_options(
         self,
@@ -717,6 +714,24 @@ def _bar_class() -> Any:
     from tqdm.std import tqdm as plain_bar
 
     return plain_bar
+
+
+def _resampling_keys(resampling_keys: Any, docs: Any) -> Any:
+    """The caller's resampling keys as :func:`~equivariance_probe.statistics.groups.as_keys` reads them (``None``:
+    windows are grouped by their token ids), refused where a token tensor has another number of rows."""
+    keys = None if resampling_keys is None else as_keys(resampling_keys)
+    if keys is not None and isinstance(docs, torch.Tensor):
+        rows = 1 if docs.dim() == 1 else int(docs.shape[0])
+        if len(keys) != rows:
+            raise InputError(f"resampling_keys has {len(keys)} keys for a tensor of {rows} windows; give one key per row")
+    return keys
+
+
+def _count(docs: Any) -> int | None:
+    """How many windows or documents ``docs`` holds, where that is known before reading them (the progress bar's total)."""
+    if isinstance(docs, torch.Tensor):
+        return 1 if docs.dim() == 1 else int(docs.shape[0])
+    return len(docs) if hasattr(docs, "__len__") and not isinstance(docs, Mapping) else None
 
 
 def progress_bar(enabled: bool, total: int | None, description: str = "documents", unit: str = "documents") -> Any:

@@ -51,21 +51,11 @@ __all__ = ["AttentionStatistics", "STATISTICS", "MASK_LEAK_TOLERANCE", "ENGINES"
 class AttentionStatistics:
     """Streaming sufficient statistics of a model's attention over a corpus.
 
+    The keywords ``n_layers`` … ``interval_groups`` are the fields of
+    :class:`~equivariance_probe.statistics.config.StatisticsConfig`, documented there: how the statistics
+    are measured, what must agree for a merge (``n_positions`` is ``T``, the longest window held).
+
     Args:
-        n_layers: the model's attention layers ``L``.
-        n_heads: query heads per layer ``H``.
-        n_positions: ``T``, the longest window held.
-        sliding_windows: per layer, ``None`` (full causal) or the sliding window width.
-        log_floor: ``eps`` of the log scale; ``None`` takes the smallest normal number of the first
-            attention's dtype.
-        excluded_keys: key positions left out of every statistic (e.g. ``(0,)``, a BOS sink).
-        keep_pattern: also keep the summed ``[L, H, T, T]`` pattern.
-        key_bins: ``K``, bins of key positions of the key-conditioned persistence curves.
-        causal: ``False`` for a bidirectional encoder, whose lags are signed, ``D = 2T - 1``.
-        interval_groups: groups of windows for the delete-a-group jackknife
-            (:mod:`~equivariance_probe.statistics.groups`, held in :attr:`groups`).
-            These ten are the fields of :class:`~equivariance_probe.statistics.config.StatisticsConfig`:
-            how the statistics are measured, what must agree for a merge.
         sample_size: also keep a uniform sample of this many entries
             (:class:`~equivariance_probe.statistics.sample.EntrySample`, for scatter plots); 0 for none.
         sample_seed: seed of that sample.
