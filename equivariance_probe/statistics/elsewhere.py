@@ -11,7 +11,7 @@ layer where the model runs with the in-trace engine
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -19,13 +19,28 @@ from ..errors import AttentionCaptureError
 from .mask_check import MASK_LEAK_TOLERANCE, refuse_mask, refuse_nonfinite
 
 if TYPE_CHECKING:
-    from .attention import AttentionStatistics
     from .batch import BatchTransaction
+    from .groups import WindowGroups
+
+
+class StreamingStatistics(Protocol):
+    """What this module reads and writes of :class:`~equivariance_probe.statistics.AttentionStatistics`,
+    declared here so that the streaming object imports this module and not the other way round."""
+
+    causal: bool
+    log_floor: float | None
+    block_size: int | None
+    sliding_windows: tuple[int | None, ...]
+    n_windows: int
+    n_layers: int
+    device: torch.device
+    groups: WindowGroups | None
+    paths: dict[str, int]
 
 __all__ = ["add_batch_sums", "reduction_plan"]
 
 
-def reduction_plan(statistics: AttentionStatistics, batch: BatchTransaction, width: int) -> dict[str, Any]:
+def reduction_plan(statistics: StreamingStatistics, batch: BatchTransaction, width: int) -> dict[str, Any]:
     """What a reduction run elsewhere needs to reduce this batch exactly as :meth:`~equivariance_probe.statistics.AttentionStatistics.update` would.
 
     For adapters that cannot bring patterns home (a remote nnsight trace): they run
@@ -60,7 +75,7 @@ def reduction_plan(statistics: AttentionStatistics, batch: BatchTransaction, wid
     }
 
 def add_batch_sums(
-statistics: AttentionStatistics, batch: BatchTransaction, sums: dict[str, torch.Tensor], width: int
+statistics: StreamingStatistics, batch: BatchTransaction, sums: dict[str, torch.Tensor], width: int
 ) -> None:
     """Add every layer's sums of the current batch, reduced elsewhere with :func:`reduction_plan`.
 
@@ -94,7 +109,7 @@ statistics: AttentionStatistics, batch: BatchTransaction, sums: dict[str, torch.
                               reduced["doc_toeplitz_sum"].unsqueeze(0), reduced["doc_toeplitz_count"].unsqueeze(0))
     statistics.paths["remote"] = statistics.paths.get("remote", 0) + statistics.n_layers
 
-def _drop_groups_of_mixed_batches(statistics: AttentionStatistics) -> None:
+def _drop_groups_of_mixed_batches(statistics: StreamingStatistics) -> None:
     """Drop the group sums when a batch reduced elsewhere (summed over its windows) spans several groups."""
     if statistics.groups is None or statistics.groups.unavailable is not None or statistics.groups.single_group():
         return
