@@ -190,7 +190,7 @@ def test_version_3_files_without_group_sums_still_load(result, tmp_path):
     header = json.loads(json.dumps(opened.header))
     del header["statistics"]["config"]["interval_groups"]
     del header["summary"]["intervals"], header["summary"]["head_stability"]
-    tensors = container.read_tensors(path, opened.tensors)
+    tensors = container.read_tensors(opened, opened.tensors)
     container.write_container(tmp_path / "old.safetensors", tensors, {k: v for k, v in header.items() if k != "header_checksum"})
     old = ProbeResult.load(tmp_path / "old.safetensors")
     assert old.query_position_r2() == plain.query_position_r2()
