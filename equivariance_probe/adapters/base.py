@@ -106,6 +106,8 @@ class Adapter(ABC):
     #: ``"recompute"`` (queries and keys, the weights recomputed by the statistics) or ``"auto"``
     #: (recompute where the first batch's check finds it exact). Adapters that only capture weights keep ``"weights"``.
     pattern_source: str = "weights"
+    #: Where :meth:`run_segment` reads the segment block, recorded in a shift result's ``metadata["capture"]``.
+    segment_capture: str = ""
 
     def __init__(self, model: Any, tokenizer: Any | None = None) -> None:
         self.model = model
