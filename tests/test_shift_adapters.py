@@ -1,24 +1,28 @@
-"""The shift test through nnsight (local): the same numbers as the plain
-Hugging Face model it wraps, in text mode and in position-ids mode, on tiny float64 models built from configs.
+"""The shift test through nnsight (local) and a TransformerLens TransformerBridge: the same numbers as the plain
+Hugging Face model each wraps, in text mode and in position-ids mode, on tiny float64 models built from configs.
 
 Tolerance: the models run in float64, so every array of the result (attention sums, residual stream sums,
 prediction sums, counts) agrees to ``rtol=1e-9, atol=1e-12``. The absolute part covers sums that are zero in
 exact arithmetic (centred logits sum to 0 over each row) and come out at float64 rounding (1e-16) with a
-different sign from each framework.
+different sign from each framework. The bridge softmaxes in float32 for every dtype, as transformers' eager
+attention does, so it is compared with the Hugging Face model under eager attention.
 """
 
 from __future__ import annotations
+
+import copy
 
 import numpy as np
 import pytest
 import torch
 
-from synthetic import tiny_gemma3, tiny_gpt2, tiny_llama
+from synthetic import save_tiny_model_with_tokenizer, tiny_gemma3, tiny_gpt2, tiny_llama
 
 from equivariance_probe import EquivarianceProbe
-from equivariance_probe.errors import RemoteExecutionError
+from equivariance_probe.errors import RemoteExecutionError, UnsupportedModelError
 
 pytest.importorskip("nnsight")
+pytest.importorskip("transformer_lens")
 
 M = 10
 OFFSETS = [0, 7, 30]
@@ -90,3 +94,71 @@ def test_remote_nnsight_shift_is_refused_with_the_fix():
     with pytest.raises(RemoteExecutionError, match="remote=False") as caught:
         shift(EquivarianceProbe(adapter), "text")
     assert caught.value.partial_result.metadata["complete"] is False
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gpt2"])
+def bridged(request, tmp_path_factory):
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = save_tiny_model_with_tokenizer(tmp_path_factory.mktemp(request.param), kind=request.param)
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float64).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # boot_transformers modifies the model it is given in place: give it its own copy.
+    bridge = TransformerBridge.boot_transformers(path, hf_model=copy.deepcopy(hf), tokenizer=tokenizer,
+                                                 dtype=torch.float64)
+    return request.param, hf, bridge, tokenizer
+
+
+@pytest.mark.parametrize("mode", ["text", "position_ids"])
+def test_transformer_bridge_shift_equals_hugging_face(bridged, mode):
+    kind, hf, bridge, tokenizer = bridged
+    expected = shift(EquivarianceProbe(hf, tokenizer=tokenizer), mode)
+    got = shift(EquivarianceProbe(bridge), mode)
+    assert_same_result(got, expected)
+    assert got.metadata["model"]["framework"] == "transformer_lens"
+    assert "hook_attn_scores" in got.metadata["capture"]
+    # the bridge's scores against its own pattern: its float32 softmax rounds a float64 model's weights
+    assert got.metadata["recompute_check"]["passed"] is True
+    assert got.metadata["recompute_check"]["max_difference"] < 1e-6
+    if kind == "gemma3":
+        assert got.metadata["check"]["rotary"] is True and got.metadata["check"]["passed"] is True
+    elif mode == "position_ids":  # learned positions: the ids reached the model's table through the bridge
+        assert got.share("residual", "offset") > 1e-3
+
+
+def test_bridge_segment_capture_equals_the_bridge_s_own_pattern_and_logits(bridged):
+    """run_segment straight: its blocks are the bridge's hook_pattern, its log-probabilities its full logits'."""
+    _, _, bridge, _ = bridged
+    probe = EquivarianceProbe(bridge)
+    tokens = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49], [6, 10, 14, 18, 22, 26, 30, 34, 38, 0, 0, 0]])
+    lengths = torch.tensor([12, 9])
+    weights: dict[int, torch.Tensor] = {}
+    log_probs = probe.adapter.run_segment(tokens, lengths, 4, predictions=True,
+                                          on_attention=lambda layer, s, z: weights.setdefault(layer, torch.exp(s - z[..., None])))
+    _, cache = bridge.run_with_cache(tokens)
+    logits = bridge(tokens)
+    windows = probe.adapter.layout.sliding_windows
+    offsets = torch.arange(4).view(-1, 1) - torch.arange(4).view(1, -1)
+    for layer, block in weights.items():
+        visible = (offsets >= 0) & (offsets < (windows[layer] or 4))
+        for b, length in enumerate(lengths.tolist()):
+            own = cache[f"blocks.{layer}.attn.hook_pattern"][b, :, length - 4 : length, length - 4 : length]
+            torch.testing.assert_close(block[b] * visible, own * visible, rtol=1e-6, atol=1e-7)  # its float32 softmax
+    for b, length in enumerate(lengths.tolist()):
+        torch.testing.assert_close(log_probs[b], torch.log_softmax(logits[b, length - 4 : length], -1),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_an_adapter_without_segment_capture_names_the_frameworks_that_run_it():
+    from equivariance_probe.adapters.base import Adapter
+
+    class Other(Adapter):
+        framework = "other"
+
+        def run_patterns(self, tokens, on_pattern):  # pragma: no cover - never reached
+            raise AssertionError
+
+    with pytest.raises(UnsupportedModelError, match="backend='nnsight'"):
+        Other(torch.nn.Linear(1, 1)).run_segment(torch.zeros((1, 3), dtype=torch.long), torch.tensor([3]), 2,
+                                                 on_attention=lambda *args: None)

@@ -235,8 +235,9 @@ class Adapter(ABC):
             ``None`` without ``predictions``.
         """
         raise UnsupportedModelError(
-            f"the shift test reads queries and keys through the Hugging Face adapter; this {self.framework} model is "
-            "not supported yet: pass the Hugging Face model inside it (load_model(name))"
+            f"the shift test runs on Hugging Face models, nnsight models run locally and TransformerLens 4.x "
+            f"TransformerBridges; this {self.framework or type(self).__name__} model is none of them: load it as one "
+            "(load_model(name), load_model(name, backend='nnsight') or backend='transformer_lens')"
         )
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
