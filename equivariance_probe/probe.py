@@ -567,6 +567,8 @@ class EquivarianceProbe:
         result = ShiftResult(statistics, metadata)
         metadata = result.metadata
         self.last_result = result
+        # Every adapter that runs the shift test holds a Hugging Face model (raw weights) inside.
+        has_rotary = bool(rotary_modules(hf_model_of(self.adapter.model)))
         window, _ = grid.window(0, 0, grid.offsets[-1])  # the recomputed block against the model's own weights
         check = self.adapter.check_segment_recompute(torch.tensor([window]), grid.segment_length)
         if check is not None:
@@ -593,8 +595,6 @@ class EquivarianceProbe:
         finally:
             bar.close()
         metadata["complete"] = True
-        # Every adapter that runs the shift test holds a Hugging Face model (raw weights) inside.
-        has_rotary = bool(rotary_modules(hf_model_of(self.adapter.model)))
         metadata["check"] = shift_check(result, has_rotary=has_rotary, dtype=str(self.adapter.dtype).replace("torch.", ""))
         return result
 

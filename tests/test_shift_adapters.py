@@ -91,9 +91,10 @@ def test_remote_nnsight_shift_is_refused_with_the_fix():
 
     adapter = NNsightAdapter(TransformersModel(tiny_gemma3().to(torch.float64), tokenizer=tiny_tokenizer()),
                              remote="local")
-    with pytest.raises(RemoteExecutionError, match="remote=False") as caught:
-        shift(EquivarianceProbe(adapter), "text")
-    assert caught.value.partial_result.metadata["complete"] is False
+    probe = EquivarianceProbe(adapter)
+    with pytest.raises(RemoteExecutionError, match="remote=False"):
+        shift(probe, "text")  # before any window runs: the check of the recomputation comes first
+    assert probe.last_result.metadata["complete"] is False and probe.last_result.statistics.n_segments == 0
 
 
 @pytest.fixture(scope="module", params=["gemma3", "gpt2"])

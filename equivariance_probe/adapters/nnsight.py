@@ -395,11 +395,7 @@ class NNsightAdapter(Adapter):
                 are per window).
             AttentionCaptureError: ``predictions`` on a model without a language-model head.
         """
-        if self.remote:
-            raise RemoteExecutionError(
-                "the shift test runs nnsight models locally only: its segment blocks and residual streams come back "
-                "per window, which a remote trace does not return. Pass remote=False (a model whose weights are "
-                "here), or run the Hugging Face model directly")
+        self._check_segments_local()
         if predictions and not is_causal_lm(self.hf_model):
             raise AttentionCaptureError(
                 f"{type(self.hf_model).__name__} is not a causal language model, so it makes no next-token "
@@ -437,8 +433,22 @@ class NNsightAdapter(Adapter):
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
         """:meth:`Adapter.check_segment_recompute` on the wrapped transformers model, outside any trace (as
         :meth:`run_attention_calls`): the queries and keys the trace reads are the ones its attention call
-        receives, so the check of the model's attention is the Hugging Face adapter's."""
+        receives, so the check of the model's attention is the Hugging Face adapter's.
+
+        Raises:
+            RemoteExecutionError: a remote model (before any work: its weights are not here).
+        """
+        self._check_segments_local()
         return self._hf.check_segment_recompute(tokens, segment_length)
+
+    def _check_segments_local(self) -> None:
+        """The shift test runs locally only: its segment blocks and residual streams come back per window,
+        where a remote trace returns sums."""
+        if self.remote:
+            raise RemoteExecutionError(
+                "the shift test runs nnsight models locally only: its segment blocks and residual streams come back "
+                "per window, which a remote trace does not return. Pass remote=False (a model whose weights are "
+                "here), or run the Hugging Face model directly")
 
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Run a batch and add it to ``statistics`` (between ``begin_batch``/``end_batch``).
