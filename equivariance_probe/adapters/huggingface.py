@@ -43,12 +43,11 @@ from .modules import (
     config_max_context,
     find_attention_modules,
     is_bidirectional,
-    is_causal_lm,
     layer_windows,
     parent_layer,
     text_config,
 )
-from .segments import kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
+from .segments import check_predicts, block_difference, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -314,10 +313,7 @@ class HuggingFaceAdapter(Adapter):
             self.model.eval()
             with torch.no_grad(), intercept_attention(self.model, on_call, eager=False, layers=self.attention_modules) as seen:
                 if predictions:
-                    if not (self.layout.causal and is_causal_lm(self.model)):
-                        raise AttentionCaptureError(
-                            f"{type(self.model).__name__} is not a causal language model, so it makes no next-token "
-                            "predictions; run the shift test with predictions=False")
+                    check_predicts(self.model, self.layout.causal)
                     logits = self.model(input_ids=tokens.to(device), attention_mask=mask, position_ids=position_ids,
                                         use_cache=False, logits_to_keep=kept_positions(spans, width)).logits
                     log_probs = segment_log_probs(logits, spans, width)
@@ -353,13 +349,7 @@ class HuggingFaceAdapter(Adapter):
                                                           self.layout.causal)
             recomputed = torch.exp(scores - normaliser.unsqueeze(-1))[0]
             own = call.weights[0, :, start:, start:].to(recomputed.dtype)
-            offset = torch.arange(own.shape[-1]).view(-1, 1) - torch.arange(own.shape[-1]).view(1, -1)
-            visible = (offset >= 0) if self.layout.causal else torch.ones_like(offset, dtype=torch.bool)
-            window = self.layout.sliding_windows[call.layer]
-            if window is not None:
-                visible &= offset.abs() < window
-            # Entries the layout hides must be 0 in the model's own weights too: a wrong mask shows here.
-            differences.append(float((recomputed.masked_fill(~visible.to(own.device), 0.0) - own).abs().max()))
+            differences.append(block_difference(recomputed, own, self.layout.sliding_windows[call.layer], self.layout.causal))
 
         tolerance = recompute_tolerance(self.dtype)
         check: dict[str, Any] = {"tokens": int(tokens.shape[1]), "tolerance": tolerance}

@@ -68,8 +68,8 @@ from ..statistics.masks import default_log_floor
 from .base import Adapter, AttentionLayout, ModelInfo, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
 from .huggingface import PATTERN_SOURCES, HuggingFaceAdapter
 from .internals import AttentionCall
-from .modules import inner_module, is_causal_lm, parent_layer
-from .segments import kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
+from .modules import inner_module, parent_layer
+from .segments import check_predicts, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
 from .nnsight_remote import (
     ATTENTION_CALL,
     NO_WEIGHTS,
@@ -396,10 +396,8 @@ class NNsightAdapter(Adapter):
             AttentionCaptureError: ``predictions`` on a model without a language-model head.
         """
         self._check_segments_local()
-        if predictions and not is_causal_lm(self.hf_model):
-            raise AttentionCaptureError(
-                f"{type(self.hf_model).__name__} is not a causal language model, so it makes no next-token "
-                "predictions; run the shift test with predictions=False")
+        if predictions:
+            check_predicts(self.hf_model)
         spans = segment_spans(lengths, segment_length)
         width = int(tokens.shape[1])
         device = self.device

@@ -24,13 +24,24 @@ from collections.abc import Sequence
 import torch
 
 from ..statistics.engines.in_trace import attention_scores
+from ..errors import AttentionCaptureError
 from .internals import AttentionCall
+from .modules import is_causal_lm
 
-__all__ = ["segment_spans", "shifted_position_ids", "segment_block", "segment_blocks", "segment_blocks_from_call", "segment_rows",
+__all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "segment_block", "segment_blocks", "segment_blocks_from_call", "segment_rows",
            "kept_positions", "segment_log_probs"]
 
 #: ``(start, length)`` of each window's segment: positions ``start .. length − 1``.
 Spans = Sequence[tuple[int, int]]
+
+
+def check_predicts(model: torch.nn.Module, causal: bool = True) -> None:
+    """Raise :class:`~equivariance_probe.errors.AttentionCaptureError` unless ``model`` (a ``transformers`` model)
+    is a causal language model with its head, which the shift test's ``predictions`` need."""
+    if not (causal and is_causal_lm(model)):
+        raise AttentionCaptureError(
+            f"{type(model).__name__} is not a causal language model, so it makes no next-token predictions; run the "
+            "shift test with predictions=False")
 
 
 def segment_spans(lengths: torch.Tensor, segment_length: int) -> list[tuple[int, int]]:
@@ -60,6 +71,17 @@ def segment_block(scores: torch.Tensor, start: int, window: int | None, causal: 
     if window is not None:
         hidden = hidden | ((position - key).abs() >= window)
     return scores[..., start:length], torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1)
+
+
+def block_difference(weights: torch.Tensor, own: torch.Tensor, window: int | None, causal: bool) -> float:
+    """Largest ``|weights − own|`` over a segment block ``[head, m, m]``: ``weights`` derived from the captured
+    scores (``exp(score − log_normaliser)``), ``own`` the model's. Entries the layer's mask hides count as 0 in
+    ``weights``, so a mask other than the one the layout reports shows as a difference."""
+    offset = torch.arange(own.shape[-1]).view(-1, 1) - torch.arange(own.shape[-1]).view(1, -1)
+    visible = (offset >= 0) if causal else torch.ones_like(offset, dtype=torch.bool)
+    if window is not None:
+        visible &= offset.abs() < window
+    return float((weights.masked_fill(~visible.to(weights.device), 0.0) - own.to(weights.dtype)).abs().max())
 
 
 def segment_blocks(rows: Sequence[torch.Tensor], spans: Spans, window: int | None, causal: bool

@@ -22,8 +22,8 @@ import torch
 from ..errors import AttentionCaptureError
 from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
 from .internals import recompute_tolerance
-from .modules import is_causal_lm, layer_windows
-from .segments import kept_positions, segment_block, segment_blocks, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
+from .modules import layer_windows
+from .segments import check_predicts, block_difference, kept_positions, segment_block, segment_blocks, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
 
 PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
 #: The bridge's pre-softmax scores, ``[batch, head, query, key]``, after soft-capping and its mask (hidden
@@ -146,11 +146,8 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         Raises:
             AttentionCaptureError: ``predictions`` on a bridge around a model without a language-model head.
         """
-        original = self.model.original_model
-        if predictions and not is_causal_lm(original):
-            raise AttentionCaptureError(
-                f"{type(original).__name__} is not a causal language model, so it makes no next-token predictions; "
-                "run the shift test with predictions=False")
+        if predictions:
+            check_predicts(self.model.original_model)
         spans = segment_spans(lengths, segment_length)
         width = int(tokens.shape[1])
         windows = self._layout.sliding_windows
@@ -213,11 +210,8 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
             blocks[layer] = torch.exp(block - normaliser.unsqueeze(-1))
 
         def on_pattern(pattern: torch.Tensor, hook: Any) -> None:
-            recomputed = blocks.pop(int(hook.name.split(".")[1]))
-            offset = torch.arange(recomputed.shape[-1]).view(-1, 1) - torch.arange(recomputed.shape[-1]).view(1, -1)
-            visible = (offset >= 0).to(recomputed.device)
-            own = pattern[0, :, start:, start:].to(recomputed.dtype)
-            differences.append(float((recomputed.masked_fill(~visible, 0.0) - own.masked_fill(~visible, 0.0)).abs().max()))
+            layer = int(hook.name.split(".")[1])
+            differences.append(block_difference(blocks.pop(layer), pattern[0, :, start:, start:], windows[layer], causal=True))
 
         hooks = [(SCORES_HOOK.format(layer=i), on_scores) for i in range(self._layout.n_layers)]
         hooks += [(PATTERN_HOOK.format(layer=i), on_pattern) for i in range(self._layout.n_layers)]
