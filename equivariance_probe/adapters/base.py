@@ -23,6 +23,10 @@ The whole contract, all of it on :class:`Adapter` (the probe and the statistics 
   :meth:`~Adapter.first_batch_checks` and :meth:`~Adapter.use_source`, which the probe runs through
   :func:`~equivariance_probe.adapters.checks.run_first_batch_checks` and records in
   ``metadata["engine"]``;
+* the shift test: :meth:`~Adapter.run_segment` (one window's segment block, residual stream and
+  predictions, cut alike by every framework with :mod:`~equivariance_probe.adapters.segments`),
+  :meth:`~Adapter.check_segment_recompute` (the block's weights against the model's own) and
+  :attr:`~Adapter.segment_capture` (where the block is read, recorded in the result);
 * errors: :meth:`~Adapter.check_layers_seen` and :meth:`~Adapter.capture_hint`.
 
 Shapes follow one order everywhere: ``pattern: [batch, head, query, key]``, rows sum to 1.
