@@ -187,3 +187,17 @@ def test_transformer_bridge_shift_equals_hugging_face_in_float32(tmp_path):
         allowed = 1e-5 * np.abs(np.asarray(value)) + (1e-6 * np.asarray(arrays[name.replace("_sum", "_count")])
                                                       if name.startswith("js_") and name.endswith("_sum") else 1e-9)
         assert (difference <= allowed).all(), (name, float(difference.max()))
+
+
+def test_the_shift_view_through_a_bridge_equals_the_hugging_face_view(bridged):
+    """The CircuitsVis view captures its two blocks through run_segment too: one head's block at two offsets."""
+    from equivariance_probe.display.shift import shift_view
+
+    _, hf, bridge, tokenizer = bridged
+    segments, contexts = design()
+    options = dict(head=(1, 0), offsets=(0, 30), segment_length=M)
+    expected = shift_view(hf, segments, contexts, tokenizer=tokenizer, **options)
+    got = shift_view(bridge, segments, contexts, **options)
+    np.testing.assert_allclose(got.conditional, expected.conditional, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got.centred, expected.centred, rtol=RTOL, atol=ATOL)
+    assert np.abs(expected.centred[0] - expected.centred[1]).max() > 1e-6  # layer 1 sees the context: it moves
