@@ -431,7 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_shift_command(command("shift", "move the same texts through the window: what their attention, residual stream "
                                         "and predictions owe to the offset, to what precedes them and to the tokens themselves",
                                "Trained weights vs baselines on one grid of segments, contexts and offsets. Not taken: "
-                               "--framework (the shift test reads queries and keys through the Hugging Face adapter), "
+                               "--framework (the command runs the Hugging Face model; probe.shift also runs it through nnsight "
+                               "or a TransformerBridge, with the same numbers), "
                                "--context-length and --n-docs (each window is the special prefix, an offset's worth of "
                                "context and a segment: --offsets, --segment-length, --n-segments, --n-contexts), --pack, "
                                "--exclude-keys, --keep-pattern, --sample-size and --analyses (they shape the study's "

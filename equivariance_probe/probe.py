@@ -563,12 +563,12 @@ class EquivarianceProbe:
         metadata = self._metadata(grid.longest_window(), batch_size, grid.segment_length)
         metadata.update(shift=grid.describe(), complete=False,
                         contexts_sha256=corpus_fingerprint(grid.contexts).get("sha256"),
-                        capture="segment-block scores recomputed from the queries and keys the model's attention "
-                                "function receives (the model runs its own kernel); row normalisers over every "
-                                "visible key of the window")
+                        capture=self.adapter.segment_capture)
         result = ShiftResult(statistics, metadata)
         metadata = result.metadata
         self.last_result = result
+        # Every adapter that runs the shift test holds a Hugging Face model (raw weights) inside.
+        has_rotary = bool(rotary_modules(hf_model_of(self.adapter.model)))
         window, _ = grid.window(0, 0, grid.offsets[-1])  # the recomputed block against the model's own weights
         check = self.adapter.check_segment_recompute(torch.tensor([window]), grid.segment_length)
         if check is not None:
@@ -595,7 +595,6 @@ class EquivarianceProbe:
         finally:
             bar.close()
         metadata["complete"] = True
-        has_rotary = bool(rotary_modules(hf_model_of(self.model))) if self.adapter.framework == "huggingface" else False
         metadata["check"] = shift_check(result, has_rotary=has_rotary, dtype=str(self.adapter.dtype).replace("torch.", ""))
         return result
 

@@ -23,6 +23,10 @@ The whole contract, all of it on :class:`Adapter` (the probe and the statistics 
   :meth:`~Adapter.first_batch_checks` and :meth:`~Adapter.use_source`, which the probe runs through
   :func:`~equivariance_probe.adapters.checks.run_first_batch_checks` and records in
   ``metadata["engine"]``;
+* the shift test: :meth:`~Adapter.run_segment` (one window's segment block, residual stream and
+  predictions, cut alike by every framework with :mod:`~equivariance_probe.adapters.segments`),
+  :meth:`~Adapter.check_segment_recompute` (the block's weights against the model's own) and
+  :attr:`~Adapter.segment_capture` (where the block is read, recorded in the result);
 * errors: :meth:`~Adapter.check_layers_seen` and :meth:`~Adapter.capture_hint`.
 
 Shapes follow one order everywhere: ``pattern: [batch, head, query, key]``, rows sum to 1.
@@ -106,6 +110,8 @@ class Adapter(ABC):
     #: ``"recompute"`` (queries and keys, the weights recomputed by the statistics) or ``"auto"``
     #: (recompute where the first batch's check finds it exact). Adapters that only capture weights keep ``"weights"``.
     pattern_source: str = "weights"
+    #: Where :meth:`run_segment` reads the segment block, recorded in a shift result's ``metadata["capture"]``.
+    segment_capture: str = ""
 
     def __init__(self, model: Any, tokenizer: Any | None = None) -> None:
         self.model = model
@@ -233,8 +239,9 @@ class Adapter(ABC):
             ``None`` without ``predictions``.
         """
         raise UnsupportedModelError(
-            f"the shift test reads queries and keys through the Hugging Face adapter; this {self.framework} model is "
-            "not supported yet: pass the Hugging Face model inside it (load_model(name))"
+            f"the shift test runs on Hugging Face models, nnsight models run locally and TransformerLens 4.x "
+            f"TransformerBridges; this {self.framework or type(self).__name__} model is none of them: load it as one "
+            "(load_model(name), load_model(name, backend='nnsight') or backend='transformer_lens')"
         )
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:

@@ -37,18 +37,17 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, check_choice
-from ..statistics.engines.in_trace import attention_scores
 from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
 from .internals import AttentionCall, intercept_attention, position_embedding_modules, recompute_tolerance
 from .modules import (
     config_max_context,
     find_attention_modules,
     is_bidirectional,
-    is_causal_lm,
     layer_windows,
     parent_layer,
     text_config,
 )
+from .segments import check_predicts, block_difference, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -267,6 +266,9 @@ class HuggingFaceAdapter(Adapter):
 
 
     # -- the shift test: one segment block per window ----------------------------------------------
+    segment_capture = ("segment-block scores recomputed from the queries and keys the model's attention function "
+                       "receives (the model runs its own kernel); row normalisers over every visible key of the window")
+
     def run_segment(
         self,
         tokens: torch.Tensor,
@@ -280,21 +282,19 @@ class HuggingFaceAdapter(Adapter):
     ) -> torch.Tensor | None:
         """:meth:`Adapter.run_segment`: queries and keys are read from transformers' attention function while the
         model runs its own kernel (eager, sdpa or flash), and the segment block's scores and row normalisers are
-        computed from them (:func:`~equivariance_probe.statistics.engines.in_trace.attention_scores`), as the probe's
+        computed from them (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`), as the probe's
         engine does for whole windows. Residual streams are the outputs of each layer's decoder block."""
-        lengths = lengths.to(torch.long).cpu()
-        starts = lengths - int(segment_length)
+        spans = segment_spans(lengths, segment_length)
+        windows = self.layout.sliding_windows
 
         def on_call(call: AttentionCall) -> None:
-            on_attention(call.layer, *self._segment_block(call, starts, lengths))
+            on_attention(call.layer, *segment_blocks_from_call(call, spans, windows[call.layer], self.layout.causal))
 
         handles = []
         if on_residual is not None:
             def make_hook(layer: int):
                 def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-                    hidden_states = output[0] if isinstance(output, tuple) else output
-                    on_residual(layer, torch.stack([hidden_states[row, start:length].detach() for row, (start, length)
-                                                    in enumerate(zip(starts.tolist(), lengths.tolist()))]))
+                    on_residual(layer, segment_rows(output[0] if isinstance(output, tuple) else output, spans))
                 return hook
 
             handles = [parent_layer(self.model, module).register_forward_hook(make_hook(layer))
@@ -303,28 +303,20 @@ class HuggingFaceAdapter(Adapter):
         width = tokens.shape[1]
         position_ids = None
         if position_start is not None:
-            position_ids = (position_start.view(-1, 1) + torch.arange(width).view(1, -1)).to(device)
+            position_ids = shifted_position_ids(position_start, width).to(device)
         mask = None
         if not self.layout.causal:
-            mask = (torch.arange(width).view(1, -1) < lengths.view(-1, 1)).long().to(device)
-        keep = width - int(starts.min())
+            mask = (torch.arange(width).view(1, -1) < lengths.cpu().view(-1, 1)).long().to(device)
         was_training = self.model.training
         log_probs = None
         try:
             self.model.eval()
             with torch.no_grad(), intercept_attention(self.model, on_call, eager=False, layers=self.attention_modules) as seen:
                 if predictions:
-                    if not (self.layout.causal and is_causal_lm(self.model)):
-                        raise AttentionCaptureError(
-                            f"{type(self.model).__name__} is not a causal language model, so it makes no next-token "
-                            "predictions; run the shift test with predictions=False")
+                    check_predicts(self.model, self.layout.causal)
                     logits = self.model(input_ids=tokens.to(device), attention_mask=mask, position_ids=position_ids,
-                                        use_cache=False, logits_to_keep=keep).logits
-                    # logits[:, k] belongs to position width - keep + k; float32, or float64 for a float64 model.
-                    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-                    log_probs = torch.stack([
-                        torch.log_softmax(logits[row, start - (width - keep) : length - (width - keep)].to(dtype), -1)
-                        for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist()))])
+                                        use_cache=False, logits_to_keep=kept_positions(spans, width)).logits
+                    log_probs = segment_log_probs(logits, spans, width)
                 else:
                     self.model.base_model(input_ids=tokens.to(device), attention_mask=mask, position_ids=position_ids,
                                           use_cache=False)
@@ -334,23 +326,6 @@ class HuggingFaceAdapter(Adapter):
             self.model.train(was_training)
         self.check_layers_seen(sorted(set(seen)))
         return log_probs
-
-    def _segment_block(self, call: AttentionCall, starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scores [batch, head, m, m], log_normaliser [batch, head, m])`` of the segment block of each window
-        (the segment is positions ``starts[b] .. lengths[b] − 1``), from the call's queries and keys."""
-        window = self.layout.sliding_windows[call.layer]
-        blocks, normalisers = [], []
-        for row, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
-            scores = attention_scores(call.query[row : row + 1, :, start:length], call.key[row : row + 1, :, :length],
-                                      call.scaling, call.softcap)[0]  # [head, m, length]
-            position = torch.arange(start, length, device=scores.device).view(-1, 1)
-            key = torch.arange(length, device=scores.device).view(1, -1)
-            hidden = (key > position) if self.layout.causal else torch.zeros_like(key > position)
-            if window is not None:
-                hidden = hidden | ((position - key).abs() >= window)
-            normalisers.append(torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1))
-            blocks.append(scores[..., start:length])
-        return torch.stack(blocks), torch.stack(normalisers)
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
         """Run one window ``tokens: [1, T]`` (its segment the last ``segment_length`` tokens) under eager attention
@@ -365,21 +340,16 @@ class HuggingFaceAdapter(Adapter):
                 is not ``softmax(mask(softcap(q·kᵀ·scaling)))`` alone (ALiBi biases, sink logits), so the shift test's
                 scores would be wrong.
         """
-        lengths = torch.tensor([tokens.shape[1]])
-        starts = lengths - int(segment_length)
+        spans = segment_spans(torch.tensor([tokens.shape[1]]), segment_length)
+        start = spans[0][0]
         differences: list[float] = []
 
         def on_call(call: AttentionCall) -> None:
-            scores, normaliser = self._segment_block(call, starts, lengths)
+            scores, normaliser = segment_blocks_from_call(call, spans, self.layout.sliding_windows[call.layer],
+                                                          self.layout.causal)
             recomputed = torch.exp(scores - normaliser.unsqueeze(-1))[0]
-            own = call.weights[0, :, int(starts[0]):, int(starts[0]):].to(recomputed.dtype)
-            offset = torch.arange(own.shape[-1]).view(-1, 1) - torch.arange(own.shape[-1]).view(1, -1)
-            visible = (offset >= 0) if self.layout.causal else torch.ones_like(offset, dtype=torch.bool)
-            window = self.layout.sliding_windows[call.layer]
-            if window is not None:
-                visible &= offset.abs() < window
-            # Entries the layout hides must be 0 in the model's own weights too: a wrong mask shows here.
-            differences.append(float((recomputed.masked_fill(~visible.to(own.device), 0.0) - own).abs().max()))
+            own = call.weights[0, :, start:, start:].to(recomputed.dtype)
+            differences.append(block_difference(recomputed, own, self.layout.sliding_windows[call.layer], self.layout.causal))
 
         tolerance = recompute_tolerance(self.dtype)
         check: dict[str, Any] = {"tokens": int(tokens.shape[1]), "tolerance": tolerance}

@@ -65,9 +65,11 @@ from ..errors import (
     check_choice,
 )
 from ..statistics.masks import default_log_floor
-from .base import Adapter, AttentionLayout, ModelInfo, PatternCallback
+from .base import Adapter, AttentionLayout, ModelInfo, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
 from .huggingface import PATTERN_SOURCES, HuggingFaceAdapter
-from .modules import inner_module
+from .internals import AttentionCall
+from .modules import inner_module, parent_layer
+from .segments import check_predicts, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
 from .nnsight_remote import (
     ATTENTION_CALL,
     NO_WEIGHTS,
@@ -152,6 +154,8 @@ class NNsightAdapter(Adapter):
             )
         paths = {id(module): name for name, module in inner.named_modules()}
         self.attention_paths = [paths[id(module)] for module in self._hf.attention_modules]
+        # The decoder layer around each attention module: its output is the residual stream after the block.
+        self.layer_paths = [paths[id(parent_layer(inner, module))] for module in self._hf.attention_modules]
         if self.is_remote:
             self._check_remote_ready()
 
@@ -354,14 +358,95 @@ class NNsightAdapter(Adapter):
         with self._local_run("recompute"), self._translate_errors("recompute"):
             with self.model.trace(tokens.to(self.device), use_cache=False) as tracer:
                 for layer, module in enumerate(attention):
-                    args, kwargs = getattr(module.source, ATTENTION_CALL).inputs
-                    statistics.update_from_scores(
-                        layer, args[1].detach(), args[2].detach(), scaling=kwargs.get("scaling"),
-                        softcap=kwargs.get("softcap"),
-                    )
+                    call = attention_call(layer, module)
+                    statistics.update_from_scores(layer, call.query, call.key, scaling=call.scaling, softcap=call.softcap)
                     seen.append(layer)
                 tracer.stop()
         self.check_layers_seen(seen)
+
+    # -- the shift test ------------------------------------------------------------------
+    segment_capture = ("segment-block scores recomputed from the queries and keys each attention call receives, read "
+                       "inside a local nnsight trace (the model runs its own kernel); row normalisers over every "
+                       "visible key of the window")
+
+    def run_segment(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        segment_length: int,
+        *,
+        on_attention: SegmentAttentionCallback,
+        on_residual: SegmentResidualCallback | None = None,
+        position_start: torch.Tensor | None = None,
+        predictions: bool = False,
+    ) -> torch.Tensor | None:
+        """:meth:`Adapter.run_segment` inside a local nnsight trace of the model.
+
+        The numbers are nnsight's: the trace runs the model with its own attention kernel, and each layer's queries
+        and keys are read at its attention call (``self_attn.source.attention_interface_1``) exactly where the
+        probe's ``"recompute"`` source reads them; the segment block is cut from them as the Hugging Face adapter
+        cuts it (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`). The residual stream is
+        each decoder layer envoy's output; the predictions are the trace's own logits, for the last
+        :func:`~equivariance_probe.adapters.segments.kept_positions` positions (``logits_to_keep``). Position ids
+        (``position_start``) go to the model as the trace's ``position_ids``.
+
+        Raises:
+            RemoteExecutionError: a remote model (only sums can come back from NDIF; the shift test's blocks
+                are per window).
+            AttentionCaptureError: ``predictions`` on a model without a language-model head.
+        """
+        self._check_segments_local()
+        if predictions:
+            check_predicts(self.hf_model)
+        spans = segment_spans(lengths, segment_length)
+        width = int(tokens.shape[1])
+        device = self.device
+        options: dict[str, Any] = {"use_cache": False}
+        if position_start is not None:
+            options["position_ids"] = shifted_position_ids(position_start, width).to(device)
+        if predictions:
+            options["logits_to_keep"] = kept_positions(spans, width)
+        attention = self._attention_envoys()
+        layers = [self.model.get(path) for path in self.layer_paths]
+        windows = self.layout.sliding_windows
+        seen: list[int] = []
+        # Filled in the trace: nnsight hands back only objects that outlive it (a name bound inside is not).
+        kept: dict[str, torch.Tensor] = {}
+        with self._local_run("recompute"), self._translate_errors("recompute"):
+            with self.model.trace(tokens.to(device), **options) as tracer:
+                for layer, module in enumerate(attention):
+                    on_attention(layer, *segment_blocks_from_call(attention_call(layer, module), spans, windows[layer],
+                                                                  causal=True))
+                    if on_residual is not None:
+                        output = layers[layer].output
+                        on_residual(layer, segment_rows(output[0] if isinstance(output, tuple) else output, spans))
+                    seen.append(layer)
+                if predictions:
+                    kept["log_probs"] = segment_log_probs(self.model.output.logits.detach(), spans, width)
+                else:
+                    tracer.stop()  # nothing after the last block is read
+        self.check_layers_seen(seen)
+        return kept.get("log_probs")
+
+    def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
+        """:meth:`Adapter.check_segment_recompute` on the wrapped transformers model, outside any trace (as
+        :meth:`run_attention_calls`): the queries and keys the trace reads are the ones its attention call
+        receives, so the check of the model's attention is the Hugging Face adapter's.
+
+        Raises:
+            RemoteExecutionError: a remote model (before any work: its weights are not here).
+        """
+        self._check_segments_local()
+        return self._hf.check_segment_recompute(tokens, segment_length)
+
+    def _check_segments_local(self) -> None:
+        """The shift test runs locally only: its segment blocks and residual streams come back per window,
+        where a remote trace returns sums."""
+        if self.remote:
+            raise RemoteExecutionError(
+                "the shift test runs nnsight models locally only: its segment blocks and residual streams come back "
+                "per window, which a remote trace does not return. Pass remote=False (a model whose weights are "
+                "here), or run the Hugging Face model directly")
 
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Run a batch and add it to ``statistics`` (between ``begin_batch``/``end_batch``).
@@ -461,3 +546,11 @@ class NNsightAdapter(Adapter):
                 ) from error
             raise
 
+
+
+def attention_call(layer: int, module: Any) -> AttentionCall:
+    """Inside a local trace, what attention module ``module`` (an envoy) hands its attention function: the
+    queries and keys (detached), its scaling and soft cap."""
+    args, kwargs = getattr(module.source, ATTENTION_CALL).inputs
+    return AttentionCall(layer=layer, query=args[1].detach(), key=args[2].detach(), attention_mask=None,
+                         scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"))

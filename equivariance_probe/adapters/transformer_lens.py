@@ -20,10 +20,17 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError
-from .base import Adapter, AttentionLayout, PatternCallback
+from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
+from .internals import recompute_tolerance
 from .modules import layer_windows
+from .segments import check_predicts, block_difference, kept_positions, segment_block, segment_blocks, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
 
 PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
+#: The bridge's pre-softmax scores, ``[batch, head, query, key]``, after soft-capping and its mask (hidden
+#: entries hold ``−inf`` or the dtype's minimum): the tensor its softmax turns into ``hook_pattern``.
+SCORES_HOOK = "blocks.{layer}.attn.hook_attn_scores"
+#: The residual stream after block ``layer``, ``[batch, position, d_model]``.
+RESIDUAL_HOOK = "blocks.{layer}.hook_resid_post"
 
 
 class _LastPatternSeen(Exception):
@@ -108,6 +115,116 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         if original is not None and getattr(original, "config", None) is not None:
             return layer_windows(original.config, n_layers)
         return _config_windows(self.model.cfg, n_layers)
+
+    # -- the shift test ----------------------------------------------------------------------
+    segment_capture = ("segment-block scores from the bridge's hook_attn_scores (the pre-softmax scores its own "
+                       "attention computes); row normalisers over every visible key of the window")
+
+    def run_segment(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        segment_length: int,
+        *,
+        on_attention: SegmentAttentionCallback,
+        on_residual: SegmentResidualCallback | None = None,
+        position_start: torch.Tensor | None = None,
+        predictions: bool = False,
+    ) -> torch.Tensor | None:
+        """:meth:`Adapter.run_segment` through the bridge's own hooks, in one ``run_with_hooks`` pass.
+
+        The numbers are the bridge's: its attention components compute the scores themselves (they do not call
+        transformers' attention function), and ``hook_attn_scores`` hands over the very scores their softmax
+        turns into ``hook_pattern``, the pattern the main probe reads. The segment block and its row normalisers
+        are cut from them as every adapter cuts them (:func:`~equivariance_probe.adapters.segments.segment_block`),
+        in float32 (float64 for a float64 model); in half precision the scores carry the model dtype's rounding,
+        where the Hugging Face adapter recomputes them in float32 from half-precision queries and keys. The
+        residual stream is ``hook_resid_post``; the predictions are the bridge's logits for the last
+        :func:`~equivariance_probe.adapters.segments.kept_positions` positions (``logits_to_keep`` and
+        ``position_ids`` go through the bridge to the Hugging Face model it runs).
+
+        Raises:
+            AttentionCaptureError: ``predictions`` on a bridge around a model without a language-model head.
+        """
+        if predictions:
+            check_predicts(self.model.original_model)
+        spans = segment_spans(lengths, segment_length)
+        width = int(tokens.shape[1])
+        windows = self._layout.sliding_windows
+        last = self._layout.n_layers - 1
+        seen: list[int] = []
+
+        def on_scores(scores: torch.Tensor, hook: Any) -> None:
+            layer = int(hook.name.split(".")[1])
+            dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+            rows = [scores[b, :, start:length, :length].detach().to(dtype) for b, (start, length) in enumerate(spans)]
+            on_attention(layer, *segment_blocks(rows, spans, windows[layer], causal=True))
+            seen.append(layer)
+
+        def on_block(hidden: torch.Tensor, hook: Any) -> None:
+            layer = int(hook.name.split(".")[1])
+            if on_residual is not None:
+                on_residual(layer, segment_rows(hidden, spans))
+            if layer == last and not predictions:
+                raise _LastPatternSeen  # nothing after the last block is read
+
+        hooks = [(SCORES_HOOK.format(layer=i), on_scores) for i in range(self._layout.n_layers)]
+        hooks += [(RESIDUAL_HOOK.format(layer=i), on_block) for i in range(self._layout.n_layers)]
+        options: dict[str, Any] = {"use_cache": False}
+        if position_start is not None:
+            options["position_ids"] = shifted_position_ids(position_start, width).to(self.device)
+        if predictions:
+            options["logits_to_keep"] = kept_positions(spans, width)
+        log_probs = None
+        with self._eval(), torch.no_grad():
+            try:
+                logits = self.model.run_with_hooks(tokens.to(self.device), return_type="logits" if predictions else None,
+                                                   fwd_hooks=hooks, **options)
+                if predictions:
+                    log_probs = segment_log_probs(logits, spans, width)
+            except _LastPatternSeen:
+                pass
+        self.check_layers_seen(seen)
+        return log_probs
+
+    def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
+        """:meth:`Adapter.check_segment_recompute`: on one window ``tokens: [1, T]``, the weights
+        ``exp(score − log_normaliser)`` of the segment block cut from ``hook_attn_scores`` against the bridge's own
+        ``hook_pattern``. They differ where the softmax sees more than the scores (attention sinks, which the
+        bridge appends after ``hook_attn_scores``), which the shift test cannot read.
+
+        Raises:
+            AttentionCaptureError: they differ by more than
+                :func:`~equivariance_probe.adapters.internals.recompute_tolerance`.
+        """
+        spans = segment_spans(torch.tensor([tokens.shape[1]]), segment_length)
+        start = spans[0][0]
+        windows = self._layout.sliding_windows
+        blocks: dict[int, torch.Tensor] = {}
+        differences: list[float] = []
+
+        def on_scores(scores: torch.Tensor, hook: Any) -> None:
+            dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+            layer = int(hook.name.split(".")[1])
+            block, normaliser = segment_block(scores[0, :, start:].detach().to(dtype), start, windows[layer], causal=True)
+            blocks[layer] = torch.exp(block - normaliser.unsqueeze(-1))
+
+        def on_pattern(pattern: torch.Tensor, hook: Any) -> None:
+            layer = int(hook.name.split(".")[1])
+            differences.append(block_difference(blocks.pop(layer), pattern[0, :, start:, start:], windows[layer], causal=True))
+
+        hooks = [(SCORES_HOOK.format(layer=i), on_scores) for i in range(self._layout.n_layers)]
+        hooks += [(PATTERN_HOOK.format(layer=i), on_pattern) for i in range(self._layout.n_layers)]
+        with self._eval(), torch.no_grad():
+            self.model.run_with_hooks(tokens.to(self.device), return_type=None, fwd_hooks=hooks)
+        tolerance = recompute_tolerance(self.dtype)
+        largest = max(differences, default=0.0)
+        if not largest <= tolerance:
+            raise AttentionCaptureError(
+                f"the segment block's weights from the bridge's hook_attn_scores differ from its hook_pattern by up to "
+                f"{largest:.3g} (tolerance {tolerance:g}): its softmax sees more than the scores (attention sinks), "
+                "which the shift test cannot read")
+        return {"tokens": int(tokens.shape[1]), "tolerance": tolerance, "max_difference": largest, "passed": True}
 
     def info(self):  # type: ignore[override]
         info = super().info()

@@ -1,0 +1,123 @@
+"""The shift test's segment capture, cut the same way by every adapter that runs it.
+
+Place in the seams: *adapters*. :meth:`~equivariance_probe.adapters.base.Adapter.run_segment` runs right-padded
+windows whose last ``m`` real tokens are a segment. Each adapter reads what its framework exposes (queries and keys
+at transformers' attention call, directly or inside an nnsight trace; a TransformerBridge's pre-softmax
+``hook_attn_scores``), and the functions here cut the segment's part out of it, so that every framework hands
+the statistics the same tensors:
+
+* the segment block of one layer's attention, ``scores: [batch, head, m, m]``, and each segment row's
+  ``log_normaliser: [batch, head, m]``, the log-sum-exp over every key the row sees in its window (prefix,
+  context and segment), taken under the layer's real mask (causal or not, sliding window);
+* the residual stream at the segment, ``[batch, m, d]``;
+* the next-token log-probabilities at the segment, ``[batch, m, vocab]``, from logits that cover only the last
+  :func:`kept_positions` positions of the batch (transformers' ``logits_to_keep``), so the projection to the
+  vocabulary runs on the stretch from the earliest segment to the end, not on the whole window.
+
+A window ``b`` is described by its span ``(start, length)``: the segment is positions ``start .. length − 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..statistics.engines.in_trace import attention_scores
+from ..errors import AttentionCaptureError
+from .internals import AttentionCall
+from .modules import is_causal_lm
+
+__all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "segment_block", "segment_blocks", "segment_blocks_from_call", "segment_rows",
+           "kept_positions", "segment_log_probs"]
+
+#: ``(start, length)`` of each window's segment: positions ``start .. length − 1``.
+Spans = Sequence[tuple[int, int]]
+
+
+def check_predicts(model: torch.nn.Module, causal: bool = True) -> None:
+    """Raise :class:`~equivariance_probe.errors.AttentionCaptureError` unless ``model`` (a ``transformers`` model)
+    is a causal language model with its head, which the shift test's ``predictions`` need."""
+    if not (causal and is_causal_lm(model)):
+        raise AttentionCaptureError(
+            f"{type(model).__name__} is not a causal language model, so it makes no next-token predictions; run the "
+            "shift test with predictions=False")
+
+
+def segment_spans(lengths: torch.Tensor, segment_length: int) -> list[tuple[int, int]]:
+    """``[(lengths[b] − m, lengths[b])]`` for right-padded windows of ``lengths: [batch]`` real tokens."""
+    return [(int(length) - int(segment_length), int(length)) for length in lengths.tolist()]
+
+
+def shifted_position_ids(position_start: torch.Tensor, width: int) -> torch.Tensor:
+    """``[batch, width]`` position ids ``position_start[b] + 0 .. width − 1``: the shift test's ``"position_ids"``
+    mode, where window ``b``'s first token sits at position ``position_start[b]``."""
+    return position_start.view(-1, 1).to(torch.long) + torch.arange(width).view(1, -1)
+
+
+def segment_block(scores: torch.Tensor, start: int, window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One window's segment block from ``scores: [head, m, length]``, its segment rows' pre-softmax scores against
+    every key of the window (entries the mask hides may hold anything, ``−inf`` included).
+
+    Returns:
+        ``(block [head, m, m], log_normaliser [head, m])``: the scores among the segment's own tokens and
+        ``log Σ_k exp(score_ik)`` over the keys ``k`` that row ``i`` (position ``start + i``) sees: ``k ≤ start + i``
+        for a causal model, every key for an encoder, and ``|start + i − k| < window`` under a sliding window.
+    """
+    length = scores.shape[-1]
+    position = torch.arange(start, length, device=scores.device).view(-1, 1)
+    key = torch.arange(length, device=scores.device).view(1, -1)
+    hidden = (key > position) if causal else torch.zeros_like(key > position)
+    if window is not None:
+        hidden = hidden | ((position - key).abs() >= window)
+    return scores[..., start:length], torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1)
+
+
+def block_difference(weights: torch.Tensor, own: torch.Tensor, window: int | None, causal: bool) -> float:
+    """Largest ``|weights − own|`` over a segment block ``[head, m, m]``: ``weights`` derived from the captured
+    scores (``exp(score − log_normaliser)``), ``own`` the model's. Entries the layer's mask hides count as 0 in
+    ``weights``, so a mask other than the one the layout reports shows as a difference."""
+    offset = torch.arange(own.shape[-1]).view(-1, 1) - torch.arange(own.shape[-1]).view(1, -1)
+    visible = (offset >= 0) if causal else torch.ones_like(offset, dtype=torch.bool)
+    if window is not None:
+        visible &= offset.abs() < window
+    return float((weights.masked_fill(~visible.to(weights.device), 0.0) - own.to(weights.dtype)).abs().max())
+
+
+def segment_blocks(rows: Sequence[torch.Tensor], spans: Spans, window: int | None, causal: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`segment_block` of each window, stacked: ``rows[b]: [head, m, length_b]`` (``spans[b]``), returns
+    ``(scores [batch, head, m, m], log_normaliser [batch, head, m])``."""
+    blocks, normalisers = zip(*(segment_block(scores, start, window, causal) for scores, (start, _) in zip(rows, spans)))
+    return torch.stack(blocks), torch.stack(normalisers)
+
+
+def segment_blocks_from_call(call: AttentionCall, spans: Spans, window: int | None, causal: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`segment_blocks` from one attention call's queries and keys: the scores are
+    ``softcap(q·kᵀ·scaling)`` in float32 (float64 for a float64 model,
+    :func:`~equivariance_probe.statistics.engines.in_trace.attention_scores`), computed for the segment's
+    queries only."""
+    rows = [attention_scores(call.query[b : b + 1, :, start:length], call.key[b : b + 1, :, :length],
+                             call.scaling, call.softcap)[0] for b, (start, length) in enumerate(spans)]
+    return segment_blocks(rows, spans, window, causal)
+
+
+def segment_rows(hidden: torch.Tensor, spans: Spans) -> torch.Tensor:
+    """``[batch, m, d]``: each window's segment positions of ``hidden: [batch, T, d]``, detached."""
+    return torch.stack([hidden[b, start:length].detach() for b, (start, length) in enumerate(spans)])
+
+
+def kept_positions(spans: Spans, width: int) -> int:
+    """How many last positions of a batch of ``width`` tokens hold every window's segment: the
+    ``logits_to_keep`` that spares the projection to the vocabulary the rest."""
+    return width - min(start for start, _ in spans)
+
+
+def segment_log_probs(logits: torch.Tensor, spans: Spans, width: int) -> torch.Tensor:
+    """``[batch, m, vocab]`` next-token log-probabilities at each window's segment, in float32 (float64 for a
+    float64 model), from ``logits: [batch, keep, vocab]`` for the batch's last ``keep`` positions of ``width``."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    first = width - logits.shape[1]
+    return torch.stack([torch.log_softmax(logits[b, start - first : length - first].to(dtype), -1)
+                        for b, (start, length) in enumerate(spans)])

@@ -1,0 +1,203 @@
+"""The shift test through nnsight (local) and a TransformerLens TransformerBridge: the same numbers as the plain
+Hugging Face model each wraps, in text mode and in position-ids mode, on tiny float64 models built from configs.
+
+Tolerance: the models run in float64, so every array of the result (attention sums, residual stream sums,
+prediction sums, counts) agrees to ``rtol=1e-9, atol=1e-12``. The absolute part covers sums that are zero in
+exact arithmetic (centred logits sum to 0 over each row) and come out at float64 rounding (1e-16) with a
+different sign from each framework. The bridge softmaxes in float32 for every dtype, as transformers' eager
+attention does, so it is compared with the Hugging Face model under eager attention. One float32 bridge run
+shows what float32 rounding leaves: ``rtol=1e-5``, and Jensen–Shannon sums within 1e-6 nats a position.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from synthetic import save_tiny_model_with_tokenizer, tiny_gemma3, tiny_gpt2, tiny_llama
+
+from equivariance_probe import EquivarianceProbe
+from equivariance_probe.errors import RemoteExecutionError, UnsupportedModelError
+
+pytest.importorskip("nnsight")
+pytest.importorskip("transformer_lens")
+
+M = 10
+OFFSETS = [0, 7, 30]
+RTOL, ATOL = 1e-9, 1e-12
+BUILDERS = {"gemma3-sliding-gqa": tiny_gemma3, "llama-gqa": tiny_llama, "gpt2": tiny_gpt2}
+
+
+def design(vocab_top: int = 80, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    segments = [torch.randint(3, vocab_top, (M,), generator=generator).tolist() for _ in range(3)]
+    contexts = [torch.randint(3, vocab_top, (30,), generator=generator).tolist() for _ in range(2)]
+    return segments, contexts
+
+
+def shift(probe: EquivarianceProbe, mode: str):
+    segments, contexts = design()
+    # batch_size=2: right-padded batches of windows of different lengths, with logits kept for the longest stretch
+    return probe.shift(segments, contexts if mode == "text" else None, mode=mode, offsets=OFFSETS, segment_length=M,
+                       batch_size=2, progress=False, interval_groups=3)
+
+
+def assert_same_result(got, expected):
+    assert set(got.statistics.arrays) == set(expected.statistics.arrays)
+    assert any("nll_sum" in name for name in expected.statistics.arrays)  # the predictions are compared too
+    for name, value in expected.statistics.arrays.items():
+        np.testing.assert_allclose(np.asarray(got.statistics.arrays[name]), np.asarray(value), rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
+    for representation in ("centred_logits", "residual"):
+        np.testing.assert_allclose(got.share(representation, "offset", by="layer"),
+                                   expected.share(representation, "offset", by="layer"), rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got.loss_by_offset(), expected.loss_by_offset(), rtol=1e-9)
+
+
+def tiny_tokenizer():
+    from test_nnsight_adapter import tiny_tokenizer as build
+
+    return build()
+
+
+@pytest.mark.parametrize("mode", ["text", "position_ids"])
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_nnsight_shift_equals_hugging_face(name, mode):
+    from nnsight.modeling.transformers import TransformersModel
+
+    model = BUILDERS[name]().to(torch.float64)
+    model.set_attn_implementation("sdpa")
+    tokenizer = tiny_tokenizer()
+    expected = shift(EquivarianceProbe(model, tokenizer=tokenizer), mode)
+    wrapped = TransformersModel(model, tokenizer=tokenizer)
+    model.train()
+    got = shift(EquivarianceProbe(wrapped), mode)
+    assert model.training and model.config._attn_implementation == "sdpa"  # left as it was found
+    assert_same_result(got, expected)
+    assert got.metadata["model"]["framework"] == "nnsight"
+    assert "nnsight trace" in got.metadata["capture"]
+    assert got.metadata["recompute_check"]["passed"] is True
+    assert got.metadata["check"]["rotary"] == (name != "gpt2") == expected.metadata["check"]["rotary"]
+    if mode == "position_ids" and name == "gpt2":  # learned positions: the ids reached the model's table
+        assert got.share("residual", "offset") > 1e-3
+
+
+def test_remote_nnsight_shift_is_refused_with_the_fix():
+    from nnsight.modeling.transformers import TransformersModel
+
+    from equivariance_probe.adapters.nnsight import NNsightAdapter
+
+    adapter = NNsightAdapter(TransformersModel(tiny_gemma3().to(torch.float64), tokenizer=tiny_tokenizer()),
+                             remote="local")
+    probe = EquivarianceProbe(adapter)
+    with pytest.raises(RemoteExecutionError, match="remote=False"):
+        shift(probe, "text")  # before any window runs: the check of the recomputation comes first
+    assert probe.last_result.metadata["complete"] is False and probe.last_result.statistics.n_segments == 0
+
+
+@pytest.fixture(scope="module", params=["gemma3", "gpt2"])
+def bridged(request, tmp_path_factory):
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = save_tiny_model_with_tokenizer(tmp_path_factory.mktemp(request.param), kind=request.param)
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float64).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # boot_transformers modifies the model it is given in place: give it its own copy.
+    bridge = TransformerBridge.boot_transformers(path, hf_model=copy.deepcopy(hf), tokenizer=tokenizer,
+                                                 dtype=torch.float64)
+    return request.param, hf, bridge, tokenizer
+
+
+@pytest.mark.parametrize("mode", ["text", "position_ids"])
+def test_transformer_bridge_shift_equals_hugging_face(bridged, mode):
+    kind, hf, bridge, tokenizer = bridged
+    expected = shift(EquivarianceProbe(hf, tokenizer=tokenizer), mode)
+    got = shift(EquivarianceProbe(bridge), mode)
+    assert_same_result(got, expected)
+    assert got.metadata["model"]["framework"] == "transformer_lens"
+    assert "hook_attn_scores" in got.metadata["capture"]
+    # the bridge's scores against its own pattern: its float32 softmax rounds a float64 model's weights
+    assert got.metadata["recompute_check"]["passed"] is True
+    assert got.metadata["recompute_check"]["max_difference"] < 1e-6
+    if kind == "gemma3":
+        assert got.metadata["check"]["rotary"] is True and got.metadata["check"]["passed"] is True
+    elif mode == "position_ids":  # learned positions: the ids reached the model's table through the bridge
+        assert got.share("residual", "offset") > 1e-3
+
+
+def test_bridge_segment_capture_equals_the_bridge_s_own_pattern_and_logits(bridged):
+    """run_segment straight: its blocks are the bridge's hook_pattern, its log-probabilities its full logits'."""
+    _, _, bridge, _ = bridged
+    probe = EquivarianceProbe(bridge)
+    tokens = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49], [6, 10, 14, 18, 22, 26, 30, 34, 38, 0, 0, 0]])
+    lengths = torch.tensor([12, 9])
+    weights: dict[int, torch.Tensor] = {}
+    log_probs = probe.adapter.run_segment(tokens, lengths, 4, predictions=True,
+                                          on_attention=lambda layer, s, z: weights.setdefault(layer, torch.exp(s - z[..., None])))
+    _, cache = bridge.run_with_cache(tokens)
+    logits = bridge(tokens)
+    windows = probe.adapter.layout.sliding_windows
+    offsets = torch.arange(4).view(-1, 1) - torch.arange(4).view(1, -1)
+    for layer, block in weights.items():
+        visible = (offsets >= 0) & (offsets < (windows[layer] or 4))
+        for b, length in enumerate(lengths.tolist()):
+            own = cache[f"blocks.{layer}.attn.hook_pattern"][b, :, length - 4 : length, length - 4 : length]
+            torch.testing.assert_close(block[b] * visible, own * visible, rtol=1e-6, atol=1e-7)  # its float32 softmax
+    for b, length in enumerate(lengths.tolist()):
+        torch.testing.assert_close(log_probs[b], torch.log_softmax(logits[b, length - 4 : length], -1),
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_an_adapter_without_segment_capture_names_the_frameworks_that_run_it():
+    from equivariance_probe.adapters.base import Adapter
+
+    class Other(Adapter):
+        framework = "other"
+
+        def run_patterns(self, tokens, on_pattern):  # pragma: no cover - never reached
+            raise AssertionError
+
+    with pytest.raises(UnsupportedModelError, match="backend='nnsight'"):
+        Other(torch.nn.Linear(1, 1)).run_segment(torch.zeros((1, 3), dtype=torch.long), torch.tensor([3]), 2,
+                                                 on_attention=lambda *args: None)
+
+
+def test_transformer_bridge_shift_equals_hugging_face_in_float32(tmp_path):
+    """In float32 the two frameworks' logits differ at float32 rounding (the bridge reimplements attention), and
+    a float32 Jensen–Shannon divergence is resolved to about 1e-6 nats a position: JS sums agree to that, every
+    other array to rtol=1e-5."""
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = save_tiny_model_with_tokenizer(tmp_path, kind="gpt2")
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    bridge = TransformerBridge.boot_transformers(path, hf_model=copy.deepcopy(hf), tokenizer=tokenizer,
+                                                 dtype=torch.float32)
+    expected = shift(EquivarianceProbe(hf, tokenizer=tokenizer), "text")
+    got = shift(EquivarianceProbe(bridge), "text")
+    arrays = expected.statistics.arrays
+    for name, value in arrays.items():
+        difference = np.abs(np.asarray(got.statistics.arrays[name]) - np.asarray(value))
+        # a JS sum adds one divergence per position counted beside it
+        allowed = 1e-5 * np.abs(np.asarray(value)) + (1e-6 * np.asarray(arrays[name.replace("_sum", "_count")])
+                                                      if name.startswith("js_") and name.endswith("_sum") else 1e-9)
+        assert (difference <= allowed).all(), (name, float(difference.max()))
+
+
+def test_the_shift_view_through_a_bridge_equals_the_hugging_face_view(bridged):
+    """The CircuitsVis view captures its two blocks through run_segment too: one head's block at two offsets."""
+    from equivariance_probe.display.shift import shift_view
+
+    _, hf, bridge, tokenizer = bridged
+    segments, contexts = design()
+    options = dict(head=(1, 0), offsets=(0, 30), segment_length=M)
+    expected = shift_view(hf, segments, contexts, tokenizer=tokenizer, **options)
+    got = shift_view(bridge, segments, contexts, **options)
+    np.testing.assert_allclose(got.conditional, expected.conditional, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(got.centred, expected.centred, rtol=RTOL, atol=ATOL)
+    assert np.abs(expected.centred[0] - expected.centred[1]).max() > 1e-6  # layer 1 sees the context: it moves
