@@ -198,6 +198,9 @@ def test_grid_windows_and_default_offsets(tiny_model_folder):
     assert grid.describe()["offset_means"].startswith("position and amount")
     offsets = default_offsets(32768, 1, 64, [512, None])
     assert max(offsets) == 1024 - 65 and 512 - 65 in offsets and 512 in offsets
+    assert offsets == (0, 320, 447, 512, 639, 959)  # six in all: both sides of the window, the rest evenly spaced
+    assert default_offsets(8192, 1, 64) == (0, 192, 384, 575, 767, 959)
+    assert len(default_offsets(100, 1, 64)) == 6 and len(default_offsets(40000, 1, 64, [512, 1024])) == 6
 
 
 def test_command_line_writes_results_and_prints_a_table_or_json(tiny_model_folder, text_corpus, tmp_path, capsys):

@@ -113,6 +113,12 @@ def test_jensen_shannon_known_values_and_torch_equals_numpy():
         p = np.log(np.array([[1.0, 0.0], [0.5, 0.5]]))
         q = np.log(np.array([[0.0, 1.0], [0.5, 0.5]]))
         np.testing.assert_allclose(jensen_shannon(p, q), [np.log(2.0), 0.0], atol=1e-15)
+        # The streaming form reads -inf log-probabilities (a masked logit) as probability 0, never as NaN.
+        np.testing.assert_allclose(jensen_shannon_torch(torch.from_numpy(p), torch.from_numpy(q)).numpy(),
+                                   [np.log(2.0), 0.0], atol=1e-15)
     rng = np.random.default_rng(3)
     a, b = (torch.log_softmax(torch.from_numpy(rng.normal(size=(4, 11))), -1) for _ in range(2))
+    np.testing.assert_allclose(jensen_shannon_torch(a, b).numpy(), jensen_shannon(a.numpy(), b.numpy()), rtol=1e-12)
+    # More rows than one chunk of the streaming run: the chunks join in order.
+    a, b = (torch.log_softmax(torch.from_numpy(rng.normal(size=(19, 11))), -1) for _ in range(2))
     np.testing.assert_allclose(jensen_shannon_torch(a, b).numpy(), jensen_shannon(a.numpy(), b.numpy()), rtol=1e-12)

@@ -116,8 +116,17 @@ def kept_positions(spans: Spans, width: int) -> int:
 
 def segment_log_probs(logits: torch.Tensor, spans: Spans, width: int) -> torch.Tensor:
     """``[batch, m, vocab]`` next-token log-probabilities at each window's segment, in float32 (float64 for a
-    float64 model), from ``logits: [batch, keep, vocab]`` for the batch's last ``keep`` positions of ``width``."""
+    float64 model), from ``logits: [batch, keep, vocab]`` for the batch's last ``keep`` positions of ``width``.
+
+    Float32 and float64 logits are turned into log-probabilities *in place* (``logit − logsumexp``): the caller
+    hands over the model's output, which nothing reads afterwards, and a Gemma-sized segment's logits are
+    67 MB, so a copy would add that much to the run's peak memory (and so would ``logsumexp``'s own
+    temporary over a whole segment, hence 8 positions at a time). Lower precisions are converted first."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.detach().to(dtype)
     first = width - logits.shape[1]
-    return torch.stack([torch.log_softmax(logits[b, start - first : length - first].to(dtype), -1)
-                        for b, (start, length) in enumerate(spans)])
+    rows = [logits[b, start - first : length - first] for b, (start, length) in enumerate(spans)]
+    for row in rows:  # a few positions at a time: logsumexp's own temporary is as large as its input
+        for chunk in row.split(8):
+            chunk.sub_(torch.logsumexp(chunk, -1, keepdim=True))
+    return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)

@@ -83,21 +83,30 @@ class ShiftGrid:
 def default_offsets(max_context: int | None, prefix_length: int, segment_length: int,
                     sliding_windows: Sequence[int | None] = (), n_offsets: int = DEFAULT_SHIFT["n_offsets"],
                     longest_window: int = DEFAULT_SHIFT["longest_window"]) -> tuple[int, ...]:
-    """``n_offsets`` evenly spaced offsets from 0 to the largest a window of ``min(max_context, longest_window)``
-    tokens allows; for a model with sliding windows of width ``w`` that fits, also ``w − m − len(prefix)`` (the
-    largest offset at which every segment token still sees the prefix in a sliding layer) and ``w`` (the
-    smallest at which none does), so the offsets fall on both sides of the window."""
+    """``n_offsets`` offsets in all, from 0 to the largest a window of ``min(max_context, longest_window)`` tokens
+    allows. For a model with sliding windows of width ``w`` that fits, they include ``w − m − len(prefix)`` (the
+    largest offset at which every segment token still sees the prefix in a sliding layer) and ``w`` (the smallest
+    at which none does), so the offsets fall on both sides of the window; the rest are evenly spaced, 0 and the
+    largest among them. (Gemma 3 270M, ``m = 64``: 0, 320, 447, 512, 639, 959.)
+
+    The count is fixed because the run keeps one next-token distribution per offset (``(m − 1)·vocab`` float32
+    values each, 66 MB for Gemma 3) and pairs every two offsets of a context."""
     limit = min(max_context or longest_window, longest_window)
     largest = limit - prefix_length - segment_length
     if largest < 1:
         raise ContextLengthError(
             f"a segment of {segment_length} tokens after a prefix of {prefix_length} leaves no room to move in a "
             f"window of {limit} tokens; pass a shorter {option('segment_length')}")
-    offsets = {round(k * largest / (n_offsets - 1)) for k in range(n_offsets)}
+    sides: set[int] = set()
     for window in {w for w in sliding_windows if w is not None}:
         inside = window - segment_length - prefix_length
         if 0 <= inside and window <= largest:
-            offsets |= {inside, window}
+            sides |= {inside, window}
+    evenly = max(2, n_offsets - len(sides))
+    offsets = sides | {round(k * largest / (evenly - 1)) for k in range(evenly)}
+    while len(offsets) < n_offsets and evenly <= largest:  # an evenly spaced offset fell on a side of a window
+        evenly += 1
+        offsets = sides | {round(k * largest / (evenly - 1)) for k in range(evenly)}
     return tuple(sorted(offsets))
 
 
