@@ -430,9 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="deprecated spelling of --baselines (removed in the next release)")
     _add_shift_command(command("shift", "move the same texts through the window: what their attention, residual stream "
                                         "and predictions owe to the offset, to what precedes them and to the tokens themselves",
-                               "Trained weights vs baselines on one grid of segments, contexts and offsets. Not taken: "
-                               "--framework (the command runs the Hugging Face model; probe.shift also runs it through nnsight "
-                               "or a TransformerBridge, with the same numbers), "
+                               "Trained weights vs baselines on one grid of segments, contexts and offsets, each run "
+                               "through --framework. Not taken: "
                                "--context-length and --n-docs (each window is the special prefix, an offset's worth of "
                                "context and a segment: --offsets, --segment-length, --n-segments, --n-contexts), --pack, "
                                "--exclude-keys, --keep-pattern, --sample-size and --analyses (they shape the study's "
@@ -816,7 +815,7 @@ def _add_shift_command(shift: argparse.ArgumentParser, model_options: tuple[str,
     from .sources.shift_grid import DEFAULT_SHIFT, SHIFT_MODES
 
     shift.set_defaults(handler=_shift)
-    add_shared_options(shift, "out", *model_options, "corpus", "text_field", "batch_size", "baselines", "seed",
+    add_shared_options(shift, "out", *model_options, "framework", "corpus", "text_field", "batch_size", "baselines", "seed",
                        "interval_groups", "no_progress", "json", differ={
                            "baselines": ({"default": []}, "default none: each baseline is a second run of the whole "
                                                           "grid; random_init for the model's own initialisation"),
@@ -845,22 +844,20 @@ def _add_shift_command(shift: argparse.ArgumentParser, model_options: tuple[str,
 def _shift(args: argparse.Namespace) -> int:
     """``equivariance-probe shift``: the shift test on the trained model and each baseline; one
     ``shift_<variant>.safetensors`` per variant and a table (``--json``: the summaries)."""
-    import torch
-
     from .probe import EquivarianceProbe
-    from .sources.baselines import random_init_like, zero_like
+    from .runs.study import check_baselines, variant_builders
     from .sources.corpus import load_corpus
-    from .sources.devices import resolve_device
+    from .sources.devices import parse_dtype, resolve_device
     from .sources.models import load_model
     from .sources.packing import special_prefix
     from .sources.shift_grid import default_offsets, split_documents
 
     out = Path(args.out)
     _check_writable(out)
-    unknown = [name for name in args.baselines if name not in ("random_init", "zero")]
-    if unknown:
-        raise InputError(f"unknown baselines {unknown}; choose from random_init, zero, or none")
-    model, tokenizer = load_model(args.model, cache_dir=args.cache_dir, dtype=getattr(torch, args.dtype or "float32"),
+    check_baselines(args.baselines)
+    # Loaded as run_study loads it: the Hugging Face model wrapped for --framework; each baseline is built from it
+    # and wrapped the same way, so trained and baselines run through one framework.
+    model, tokenizer = load_model(args.model, args.framework, cache_dir=args.cache_dir, dtype=parse_dtype(args.dtype),
                                   attn_implementation=args.attn_implementation, device=resolve_device(args.device))
     probe = EquivarianceProbe(model, tokenizer=tokenizer)
     offsets = args.offsets or default_offsets(probe.adapter.layout.max_context, len(special_prefix(tokenizer)),
@@ -872,12 +869,9 @@ def _shift(args: argparse.Namespace) -> int:
         segment_length=args.segment_length, context_length=max(offsets))
     options = dict(offsets=offsets, segment_length=args.segment_length, mode=args.mode, batch_size=args.batch_size,
                    interval_groups=args.interval_groups)
-    variants = {"trained": model}
-    variants.update({name: random_init_like(model, seed=args.seed) if name == "random_init" else zero_like(model)
-                     for name in args.baselines})
     results, wrote = {}, []
-    for name, variant in variants.items():
-        results[name] = EquivarianceProbe(variant, tokenizer=tokenizer).shift(
+    for name, build in variant_builders(model, args.baselines, args.seed):  # one baseline in memory at a time
+        results[name] = EquivarianceProbe(build(), tokenizer=tokenizer).shift(
             segments, None if args.mode == "position_ids" else contexts,
             progress=False if args.no_progress else f"{name}: segments", **options)
         wrote.append(results[name].save(out / f"shift_{name}.safetensors"))

@@ -180,13 +180,48 @@ def test_transformer_bridge_shift_equals_hugging_face_in_float32(tmp_path):
                                                  dtype=torch.float32)
     expected = shift(EquivarianceProbe(hf, tokenizer=tokenizer), "text")
     got = shift(EquivarianceProbe(bridge), "text")
+    assert_same_in_float32(got, expected)
+
+
+def assert_same_in_float32(got, expected):
+    """Every array of two float32 shift results within float32 rounding: ``rtol=1e-5``, and Jensen–Shannon sums
+    within 1e-6 nats a position counted."""
     arrays = expected.statistics.arrays
+    assert set(got.statistics.arrays) == set(arrays)
     for name, value in arrays.items():
         difference = np.abs(np.asarray(got.statistics.arrays[name]) - np.asarray(value))
         # a JS sum adds one divergence per position counted beside it
         allowed = 1e-5 * np.abs(np.asarray(value)) + (1e-6 * np.asarray(arrays[name.replace("_sum", "_count")])
                                                       if name.startswith("js_") and name.endswith("_sum") else 1e-9)
         assert (difference <= allowed).all(), (name, float(difference.max()))
+
+
+def test_the_shift_command_gives_the_same_numbers_through_every_framework(tiny_model_folder, text_corpus, tmp_path):
+    """``equivariance-probe shift --framework``: the trained model and its random initialisation (built from the
+    wrapped model and wrapped the same way) run through nnsight and a TransformerBridge give the Hugging Face
+    model's arrays. The command loads float32 models, so the comparison is at float32 rounding
+    (:func:`assert_same_in_float32`); every framework runs eager attention, the bridge's own."""
+    from equivariance_probe import ShiftResult
+    from equivariance_probe.cli import main
+
+    common = ["--model", tiny_model_folder("gemma3", n_positions=128), "--corpus", text_corpus(n_docs=5, words=60),
+              "--n-segments", "3", "--n-contexts", "2", "--segment-length", "8", "--offsets", "0,5,20",
+              "--interval-groups", "3", "--baselines", "random_init", "--seed", "1", "--attn-implementation", "eager",
+              "--no-progress", "--no-figures", "--json"]
+    results = {}
+    for framework in ("huggingface", "nnsight", "transformer_lens"):
+        assert main(["shift", "-o", str(tmp_path / framework), "--framework", framework, *common]) == 0
+        results[framework] = {variant: ShiftResult.load(tmp_path / framework / f"shift_{variant}.safetensors")
+                              for variant in ("trained", "random_init")}
+    for framework in ("nnsight", "transformer_lens"):
+        for variant, expected in results["huggingface"].items():
+            got = results[framework][variant]
+            assert got.metadata["model"]["framework"] == framework, variant
+            assert expected.metadata["model"]["framework"] == "huggingface"
+            assert got.n_segments == expected.n_segments == 3
+            assert_same_in_float32(got, expected)
+    trained, initial = (results["huggingface"][variant].statistics.arrays for variant in ("trained", "random_init"))
+    assert any(not np.array_equal(np.asarray(trained[name]), np.asarray(initial[name])) for name in trained)
 
 
 def test_the_shift_view_through_a_bridge_equals_the_hugging_face_view(bridged):

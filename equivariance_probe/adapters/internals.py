@@ -207,7 +207,26 @@ def intercept_attention(
         elif installed:
             del ALL_ATTENTION_FUNCTIONS[name]
         if switched and original_impl is not None:
-            model.set_attn_implementation(original_impl)
+            _switch_back(model, original_impl)
+
+
+def _switch_back(model: torch.nn.Module, implementation: str) -> None:
+    """Give ``model`` back the attention ``implementation`` it was found with, after a block under eager attention.
+
+    transformers checks a kernel when it is set: a flash kernel whose package is absent here is refused
+    (``ImportError``), although a config may name it (a failed ``from_config`` leaves it in the config it was
+    given). Such a model cannot run its own kernel at all, so rather than go on under eager attention while the
+    result says otherwise, its config is set back as found and the refusal named.
+    """
+    try:
+        model.set_attn_implementation(implementation)
+    except (ImportError, ValueError) as error:
+        model.config._attn_implementation = implementation  # as found, on every sub-config too
+        raise AttentionCaptureError(
+            f"{type(model).__name__} is set to attn_implementation={implementation!r}, which transformers cannot run "
+            f"here ({error!s:.200}); load the model with attn_implementation='sdpa' or 'eager' (the probe reads queries "
+            "and keys whatever the kernel, so the numbers are the same), or install that kernel's package"
+        ) from error
 
 
 def rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
