@@ -34,10 +34,17 @@ much real attention: run float16 models in bf16 or float32. Eager bf16 weights c
 bf16's 8-bit mantissa (relative error 2^-9); recomputed weights are float32 softmaxes of
 scores the server computed in bf16, so the two agree to bf16 rounding of the scores.
 
+The shift test (:meth:`EquivarianceProbe.shift`) runs locally through :meth:`NNsightAdapter.run_segment`,
+and remotely through :meth:`NNsightAdapter.segment_grid_sums`: one nnsight session per segment, one trace per
+batch of its windows, the segment's running sums kept on the server between the traces and only its float64
+sums returned; its check of the recomputation compares attention outputs on the server
+(:meth:`NNsightAdapter.check_segment_recompute`).
+
 What travels to NDIF: the trace's code, the variables it reads, and the functions it
 calls, which are shipped by value: the in-trace functions of
-:mod:`~equivariance_probe.adapters.nnsight_remote` and
-:mod:`~equivariance_probe.statistics.engines.in_trace`, which use only ``torch`` and builtins
+:mod:`~equivariance_probe.adapters.nnsight_remote`, :mod:`~equivariance_probe.adapters.segments`,
+:mod:`~equivariance_probe.statistics.engines.in_trace` and
+:mod:`~equivariance_probe.statistics.engines.shift_sums`, which use only ``torch``, ``math`` and builtins
 (``tests/test_nnsight_adapter.py`` checks what the payload would import). Fits run locally.
 """
 

@@ -5,7 +5,11 @@ model's patterns cannot come home (a Llama-3.1-70B layer at context 1024 is 64·
 weights = 128 MiB per document, 10 GiB for its 80 layers), so the batch is reduced where the
 model runs by :func:`reduce_batch_in_trace`, with the statistics' own torch-only kernels
 (:mod:`~equivariance_probe.statistics.engines.in_trace`), and only float64 sums of
-:func:`reply_nbytes` bytes come back.
+:func:`reply_nbytes` bytes come back. The shift test sums a segment's whole grid of windows in one
+nnsight session (:func:`add_segment_windows_in_trace` in each of its traces, the running sums kept on
+the server between them, with the statistics' own torch-only functions of
+:mod:`~equivariance_probe.statistics.engines.shift_sums`), and only :func:`segment_reply_nbytes` bytes
+come back per segment.
 
 The in-trace functions (:data:`REMOTE_FUNCTIONS`) are shipped by value with the request
 (cloudpickle's ``register_pickle_by_value``) and must use only torch, builtins and each other:

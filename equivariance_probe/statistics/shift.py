@@ -11,7 +11,10 @@ layer, head and entry ``e`` it keeps ``S`` per-offset sums ``Σ_f Y[f, s, e]`` a
 (Welford's shift: ``c_e``, the entry's first value, is subtracted before squaring, so no sum of squares
 cancels): ``Σ (Y − c)``, ``Σ (Y − c)²``, the current context's ``Σ_s (Y − c)`` and ``Σ_f (Σ_s (Y − c))²``.
 When the segment's grid is complete they give its exact :data:`~equivariance_probe.maths.shift.DECOMPOSITION_SUMS`,
-which are added to the sums of the segment's interval group (``[group, layer, head]``). Predictions keep,
+which are added to the sums of the segment's interval group (``[group, layer, head]``). The arithmetic is
+:mod:`~equivariance_probe.statistics.engines.shift_sums`' torch-only functions, which a remote model's
+segment runs on the server, so :meth:`ShiftStatistics.add_segment_sums` adds sums from there exactly as
+from here. Predictions keep,
 per offset, the latest context's next-token probabilities (``S·(m−1)·V`` float32, float64 for a
 float64 model).
 

@@ -77,7 +77,8 @@ def test_shift_on_the_server_equals_the_local_run_and_only_sums_come_back(ndif_s
     # What comes back is the zstd-compressed torch.save of the sums: their bytes and a fixed envelope, where one
     # window's float32 residual stream at the segment alone is 4·m·d bytes per layer, its distributions 4·m·V.
     replies = sent_and_received["received"][1:]
-    print(f"segment replies: {replies} bytes; float64 sums {sums_bytes} bytes")
+    print(f"segment requests: {sent_and_received['sent'][1:]} bytes; replies: {replies} bytes; float64 sums "
+          f"{sums_bytes} bytes; check: sent {sent_and_received['sent'][0]}, received {sent_and_received['received'][0]}")
     assert max(replies) < sums_bytes + 20_000
 
 
