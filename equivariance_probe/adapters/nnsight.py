@@ -531,7 +531,7 @@ class NNsightAdapter(Adapter):
         layers = [model.get(path) for path in self.layer_paths]
         sums = None
         # The session's body reads only these locals, the shipped functions and nnsight: what the request carries.
-        with self._translate_errors("recompute"), self._shipped_by_value():
+        with self._translate_errors("recompute", "segment"), self._shipped_by_value():
             with model.session(**self._trace_options()):
                 state = new_segment_state(plan)
                 for context in runs:
@@ -632,8 +632,9 @@ class NNsightAdapter(Adapter):
         return sums
 
     @contextlib.contextmanager
-    def _translate_errors(self, source: str) -> Iterator[None]:
-        """nnsight, network and in-trace failures as equivariance_probe errors that say the fix."""
+    def _translate_errors(self, source: str, unit: str = "batch") -> Iterator[None]:
+        """nnsight, network and in-trace failures as equivariance_probe errors that say the fix; ``unit`` is what
+        one request carries (``"batch"``, or ``"segment"`` for the shift test), named in what is kept."""
         try:
             yield
         except EquivarianceProbeError:
@@ -647,7 +648,7 @@ class NNsightAdapter(Adapter):
             if self.is_remote and is_remote_failure(error):
                 host = self.remote if isinstance(self.remote, str) else configured_host()
                 kept = (
-                    "This batch was not added; the statistics of complete batches before it are kept "
+                    f"This {unit} was not added; the statistics of complete {unit}s before it are kept "
                     "(probe.last_result, or the error's partial_result), and a run over the remaining documents "
                     "merges with them (result_a + result_b)"
                 )
@@ -658,8 +659,8 @@ class NNsightAdapter(Adapter):
                     raise named(f"the remote run on {host} failed: {fix}. {kept}. Server said: "
                                 f"{type(error).__name__}: {str(error)[:600]}") from error
                 raise RemoteExecutionError(
-                    f"the remote run on {host} failed: {type(error).__name__}: {error}. This batch was not added; "
-                    "the statistics of complete batches before it are kept (probe.last_result, or the error's "
+                    f"the remote run on {host} failed: {type(error).__name__}: {error}. This {unit} was not added; "
+                    f"the statistics of complete {unit}s before it are kept (probe.last_result, or the error's "
                     "partial_result), and a later run can be merged with them (result_a + result_b). Check the "
                     "server status (nnsight.ndif_status()), your NDIF_API_KEY and that the model is hosted "
                     "(nnsight.is_model_running(hub_id)), then run the remaining documents"

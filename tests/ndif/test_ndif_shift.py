@@ -14,6 +14,7 @@ divergence over the vocabulary), as tests/test_shift_adapters.py states for floa
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from conftest import client_model
 
@@ -86,3 +87,33 @@ def test_position_ids_shift_on_the_server_equals_the_local_run(ndif_server):
     folder = ndif_server.folders["gemma"]
     remote = shift(EquivarianceProbe(NNsightAdapter(client_model(folder), remote=True)), "position_ids")
     assert_same_sums(remote, local_shift(folder, "position_ids"))
+
+
+def test_connection_dropped_mid_shift_keeps_finished_segments_and_the_rest_merges(ndif_server, monkeypatch):
+    """The API goes down once the first segment's sums are in; the error keeps that segment; once the API is
+    back, the remaining segments run and the two results add up to the local run."""
+    from equivariance_probe.errors import ServerUnreachableError
+    from equivariance_probe.statistics.shift import ShiftStatistics
+
+    folder = ndif_server.folders["gemma"]
+    segments, contexts = design()
+    probe = EquivarianceProbe(NNsightAdapter(client_model(folder), remote=True))
+    add_segment_sums = ShiftStatistics.add_segment_sums
+
+    def add_then_drop(self, fingerprint, group, sums):
+        add_segment_sums(self, fingerprint, group, sums)
+        ndif_server.stack.stop_api()  # the connection to the server drops here
+
+    options = dict(offsets=OFFSETS, segment_length=M, batch_size=3, progress=False, interval_groups=3)
+    monkeypatch.setattr(ShiftStatistics, "add_segment_sums", add_then_drop)
+    try:
+        with pytest.raises(ServerUnreachableError, match="complete segments before it are kept") as caught:
+            probe.shift(segments, contexts, **options)
+    finally:
+        monkeypatch.setattr(ShiftStatistics, "add_segment_sums", add_segment_sums)
+        ndif_server.stack.start_api()
+    partial = caught.value.partial_result
+    assert partial is probe.last_result and partial.metadata["complete"] is False
+    assert partial.statistics.n_segments == 1
+    rest = probe.shift(segments[1:], contexts, **options)
+    assert_same_sums(partial + rest, local_shift(folder, "text"))
