@@ -121,6 +121,23 @@ def test_remote_nnsight_shift_equals_hugging_face(name, mode, monkeypatch):
         assert reply["js_offset_sum"].shape == (len(OFFSETS), len(OFFSETS))
 
 
+def test_remote_nnsight_shift_without_predictions_stops_each_trace_after_the_last_block():
+    from nnsight.modeling.transformers import TransformersModel
+
+    from equivariance_probe.adapters.nnsight import NNsightAdapter
+
+    model = tiny_llama().to(torch.float64)
+    tokenizer = tiny_tokenizer()
+    segments, contexts = design()
+    options = dict(offsets=OFFSETS, segment_length=M, batch_size=2, progress=False, predictions=False)
+    expected = EquivarianceProbe(model, tokenizer=tokenizer).shift(segments, contexts, **options)
+    got = EquivarianceProbe(NNsightAdapter(TransformersModel(model, tokenizer=tokenizer), remote="local")).shift(
+        segments, contexts, **options)
+    assert not got.statistics.arrays["nll_count"].any()
+    for name, value in expected.statistics.arrays.items():
+        np.testing.assert_allclose(got.statistics.arrays[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+
+
 def test_remote_check_of_the_recomputation_refuses_a_mask_other_than_the_model_s(monkeypatch):
     """The server-side check compares attention outputs: told that Gemma 3's sliding layers see every key, the
     recomputed weights of a segment 30 tokens in spread over keys the model's window hides, and the run stops
