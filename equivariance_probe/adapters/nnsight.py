@@ -635,6 +635,7 @@ class NNsightAdapter(Adapter):
     def _translate_errors(self, source: str, unit: str = "batch") -> Iterator[None]:
         """nnsight, network and in-trace failures as equivariance_probe errors that say the fix; ``unit`` is what
         one request carries (``"batch"``, or ``"segment"`` for the shift test), named in what is kept."""
+        units = {"batch": "batches", "segment": "segments"}[unit]
         try:
             yield
         except EquivarianceProbeError:
@@ -648,7 +649,7 @@ class NNsightAdapter(Adapter):
             if self.is_remote and is_remote_failure(error):
                 host = self.remote if isinstance(self.remote, str) else configured_host()
                 kept = (
-                    f"This {unit} was not added; the statistics of complete {unit}s before it are kept "
+                    f"This {unit} was not added; the statistics of complete {units} before it are kept "
                     "(probe.last_result, or the error's partial_result), and a run over the remaining documents "
                     "merges with them (result_a + result_b)"
                 )
@@ -660,7 +661,7 @@ class NNsightAdapter(Adapter):
                                 f"{type(error).__name__}: {str(error)[:600]}") from error
                 raise RemoteExecutionError(
                     f"the remote run on {host} failed: {type(error).__name__}: {error}. This {unit} was not added; "
-                    f"the statistics of complete {unit}s before it are kept (probe.last_result, or the error's "
+                    f"the statistics of complete {units} before it are kept (probe.last_result, or the error's "
                     "partial_result), and a later run can be merged with them (result_a + result_b). Check the "
                     "server status (nnsight.ndif_status()), your NDIF_API_KEY and that the model is hosted "
                     "(nnsight.is_model_running(hub_id)), then run the remaining documents"
