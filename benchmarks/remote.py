@@ -7,6 +7,9 @@ ndif's sandboxed model actor on the CPU), deploys a small random model saved to 
 the probe with ``batch_size=1`` (one request per window), remotely and locally. Prints per window:
 wall time, bytes POSTed (the serialised, zstd-compressed trace: code, functions shipped by value,
 tokens) and bytes received (the compressed ``torch.save`` of the float64 sums), and the local time.
+With ``--shift`` it runs the shift test instead (``--docs`` segments of 32 tokens, 2 contexts, offsets 0 to the
+longest context minus the segment), one request per segment: per segment, the remote and local wall time, the
+bytes POSTed and received, and the float64 sums the reply carries.
 Needs ``scripts/setup_ndif_env.sh``. Every process it starts is stopped by its id at the end.
 """
 
@@ -48,6 +51,7 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=8)
     parser.add_argument("--context", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--model", choices=("gemma", "llama"), default="gemma")
+    parser.add_argument("--shift", action="store_true", help="the shift test, one request per segment")
     args = parser.parse_args()
 
     import nnsight
@@ -78,7 +82,7 @@ def main() -> None:
         nnsight.CONFIG.APP.REMOTE_LOGGING = False
         hf_model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
         layout = NNsightAdapter(client_model(folder), remote=True).layout
-        for context in args.context:
+        for context in args.context if not args.shift else ():
             tokens = token_windows(args.docs + 1, context)
             remote_probe = EquivarianceProbe(NNsightAdapter(client_model(folder), remote=True))
             remote_probe.run(tokens[:1], batch_size=1, progress=False)  # warm: the first request spawns a runner
@@ -98,10 +102,48 @@ def main() -> None:
                 "received_bytes_per_window": int(statistics.mean(traffic["received"])),
                 "float64_sums_bytes": reply_nbytes(layout.n_layers, layout.n_heads, context),
             })
+        if args.shift:
+            rows = [shift_row(folder, hf_model, args.docs, context, traffic) for context in args.context]
     finally:
         stack.stop()
     print(json.dumps({"model": args.model, "stack_start_s": round(up, 1), "deploy_s": round(deployed, 1),
                       "windows": args.docs, "rows": rows}, indent=1))
+
+
+def shift_row(folder: str, hf_model, n_segments: int, context: int, traffic: dict[str, list[int]]) -> dict:
+    """The shift test on ``n_segments`` segments of 32 tokens after 2 contexts, offsets from 0 to ``context − 32``
+    (windows up to ``context`` tokens), remotely (one request per segment) and locally."""
+    from conftest import client_model
+
+    from equivariance_probe import EquivarianceProbe
+    from equivariance_probe.adapters.nnsight import NNsightAdapter
+    from equivariance_probe.adapters.nnsight_remote import segment_reply_nbytes
+
+    m, largest = 32, context - 32
+    offsets = sorted({round(k * largest / 5) for k in range(6)})
+    generator = torch.Generator().manual_seed(0)
+    segments = [torch.randint(3, 97, (m,), generator=generator).tolist() for _ in range(n_segments + 1)]
+    contexts = [torch.randint(3, 97, (largest,), generator=generator).tolist() for _ in range(2)]
+    options = dict(offsets=offsets, segment_length=m, batch_size=len(offsets), progress=False)
+    remote_probe = EquivarianceProbe(NNsightAdapter(client_model(folder), remote=True))
+    local_probe = EquivarianceProbe(hf_model)
+    remote_probe.shift(segments[:1], contexts, **options)  # warm: the first request spawns a runner
+    local_probe.shift(segments[:1], contexts, **options)
+    for key in traffic:
+        traffic[key].clear()
+    t0 = time.perf_counter()
+    remote_probe.shift(segments[1:], contexts, **options)
+    remote_s = (time.perf_counter() - t0) / n_segments
+    t0 = time.perf_counter()
+    local_probe.shift(segments[1:], contexts, **options)
+    local_s = (time.perf_counter() - t0) / n_segments
+    layout = remote_probe.adapter.layout
+    segment_requests = traffic["received"][1:]  # the first request of a run is its check of the recomputation
+    return {"longest_window": context, "offsets": offsets, "windows_per_segment": 2 * len(offsets),
+            "remote_s_per_segment": round(remote_s, 3), "local_s_per_segment": round(local_s, 3),
+            "sent_bytes_per_segment": int(statistics.mean(traffic["sent"][1:])),
+            "received_bytes_per_segment": int(statistics.mean(segment_requests)),
+            "float64_sums_bytes": segment_reply_nbytes(layout.n_layers, layout.n_heads, len(offsets))}
 
 
 if __name__ == "__main__":

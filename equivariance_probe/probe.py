@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .adapters import Adapter, get_adapter
+from .adapters.base import SegmentBatch
 from .adapters.checks import FirstBatchChecks, run_first_batch_checks
 from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError, StopRequested, check_integer, is_integer
 from .records.provenance import (
@@ -580,13 +581,18 @@ class EquivarianceProbe:
             for g in range(int(grid.segments.shape[0])):
                 fingerprint = window_fingerprint(grid.segments[g])
                 state = statistics.new_segment(fingerprint)
-                targets = grid.segments[g, 1:]
-                for f in range(grid.n_contexts):
-                    for first in range(0, n_offsets, batch_size):
-                        indices = list(range(first, min(first + batch_size, n_offsets)))
-                        self._run_shift_batch(grid, g, f, indices, state, entries, targets if predictions else None)
-                    state.end_context()
-                statistics.add_segment(fingerprint, int(group_of([fingerprint], config.interval_groups)[0]), state)
+                targets = grid.segments[g, 1:] if predictions else None
+                batches = [[self._shift_batch(grid, g, f, list(range(first, min(first + batch_size, n_offsets))))
+                            for first in range(0, n_offsets, batch_size)] for f in range(grid.n_contexts)]
+                group = int(group_of([fingerprint], config.interval_groups)[0])
+                if self.adapter.sums_segment_grid:  # summed where the model runs: only the sums come back
+                    statistics.add_segment_sums(fingerprint, group, self.adapter.segment_grid_sums(batches, config, targets))
+                else:
+                    for context in batches:
+                        for batch in context:
+                            self._run_shift_batch(grid.segment_length, batch, state, entries, targets)
+                        state.end_context()
+                    statistics.add_segment(fingerprint, group, state)
                 bar.update(1)
         except BaseException as error:
             with contextlib.suppress(AttributeError, TypeError):
@@ -598,14 +604,21 @@ class EquivarianceProbe:
         metadata["check"] = shift_check(result, has_rotary=has_rotary, dtype=str(self.adapter.dtype).replace("torch.", ""))
         return result
 
-    def _run_shift_batch(self, grid: Any, segment: int, context: int, indices: list[int], state: Any,
-                         entries: list[torch.Tensor], targets: torch.Tensor | None) -> None:
-        """Run windows ``(segment, context, offsets[i])`` for ``i`` in ``indices`` and add them to ``state``."""
+    @staticmethod
+    def _shift_batch(grid: Any, segment: int, context: int, indices: list[int]) -> SegmentBatch:
+        """The right-padded windows ``(segment, context, offsets[i])`` for ``i`` in ``indices``."""
         rows, starts = zip(*(grid.window(segment, context, grid.offsets[i]) for i in indices))
         lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
         tokens = torch.zeros((len(rows), int(lengths.max())), dtype=torch.long)
         for b, row in enumerate(rows):
             tokens[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        position_start = torch.tensor(starts, dtype=torch.long) if grid.mode == "position_ids" else None
+        return SegmentBatch(tokens, lengths, tuple(indices), position_start)
+
+    def _run_shift_batch(self, segment_length: int, batch: SegmentBatch, state: Any, entries: list[torch.Tensor],
+                         targets: torch.Tensor | None) -> None:
+        """Run one batch of a segment's windows here and add their blocks to ``state``."""
+        indices = batch.offset_indices
 
         def on_attention(layer: int, scores: torch.Tensor, log_normaliser: torch.Tensor) -> None:
             for b, index in enumerate(indices):
@@ -616,9 +629,8 @@ class EquivarianceProbe:
             for b, index in enumerate(indices):
                 state.add("residual", layer, index, hidden[b].reshape(1, -1))
 
-        position_start = torch.tensor(starts, dtype=torch.long) if grid.mode == "position_ids" else None
-        log_probs = self.adapter.run_segment(tokens, lengths, grid.segment_length, on_attention=on_attention,
-                                             on_residual=on_residual, position_start=position_start,
+        log_probs = self.adapter.run_segment(batch.tokens, batch.lengths, segment_length, on_attention=on_attention,
+                                             on_residual=on_residual, position_start=batch.position_start,
                                              predictions=targets is not None)
         if targets is not None:
             for b, index in enumerate(indices):

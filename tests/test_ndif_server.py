@@ -2,8 +2,9 @@
 
 The NDIF server (PyPI ``ndif``: Redis queue, Ray, FastAPI) needs Ray and transformers 5.15 beside
 nnsight, which the main environment does not carry, so ``scripts/setup_ndif_env.sh`` builds
-``.venv-ndif`` and this test runs ``tests/ndif`` there (about a minute: the stack starts, two tiny
-models deploy, eight tests run, every process is stopped by its id).
+``.venv-ndif`` and this test runs ``tests/ndif`` there (about two minutes: each test module starts its
+own stack, the tiny models deploy, the probe's and the shift test's remote runs are compared with local
+ones, every process is stopped by its id).
 """
 
 from __future__ import annotations

@@ -25,7 +25,13 @@ nnsight = pytest.importorskip("nnsight")
 from equivariance_probe import EquivarianceProbe  # noqa: E402
 from equivariance_probe.adapters import get_adapter  # noqa: E402
 from equivariance_probe.adapters.nnsight import NNsightAdapter  # noqa: E402
-from equivariance_probe.adapters.nnsight_remote import REMOTE_FUNCTIONS, REMOTE_MODULES, reply_nbytes  # noqa: E402
+from equivariance_probe.adapters.nnsight_remote import (  # noqa: E402
+    REMOTE_FUNCTIONS,
+    REMOTE_MODULES,
+    SEGMENT_CHECK_FUNCTIONS,
+    SEGMENT_FUNCTIONS,
+    reply_nbytes,
+)
 from equivariance_probe.errors import (  # noqa: E402
     AttentionCaptureError,
     EquivarianceProbeError,
@@ -197,7 +203,11 @@ def _function(dotted: str):
     return getattr(importlib.import_module(module), name)
 
 
-@pytest.mark.parametrize("dotted", REMOTE_FUNCTIONS)
+#: Every function any remote request runs on the server.
+SHIPPED = sorted(set(REMOTE_FUNCTIONS) | set(SEGMENT_FUNCTIONS) | set(SEGMENT_CHECK_FUNCTIONS))
+
+
+@pytest.mark.parametrize("dotted", SHIPPED)
 def test_remote_functions_use_only_torch_builtins_and_each_other(dotted):
     function = _function(dotted)
     source = textwrap.dedent(inspect.getsource(function))
@@ -211,7 +221,7 @@ def test_remote_functions_use_only_torch_builtins_and_each_other(dotted):
             names |= global_names(child)
         return names
 
-    shipped = {f.rsplit(".", 1)[1] for f in REMOTE_FUNCTIONS}
+    shipped = {f.rsplit(".", 1)[1] for f in SHIPPED}
     for name in global_names(table):
         if name in shipped or hasattr(builtins, name):
             continue
@@ -222,9 +232,8 @@ def test_remote_functions_use_only_torch_builtins_and_each_other(dotted):
         assert root.split(".")[0] in ALLOWED_REMOTE_ROOTS, f"{dotted} uses {name} from {root}"
 
 
-def test_remote_payload_imports_only_torch_math_collections(monkeypatch):
-    """Serialise a real request (as for NDIF) and list every import unpickling it needs."""
-    from nnsight.intervention.serialization import CustomCloudUnpickler
+def recorded_payloads(monkeypatch) -> list[bytes]:
+    """Every request nnsight serialises (as for NDIF) from here on."""
     from nnsight.schema.request import RequestModel
 
     blobs: list[bytes] = []
@@ -236,9 +245,14 @@ def test_remote_payload_imports_only_torch_math_collections(monkeypatch):
         return blob
 
     monkeypatch.setattr(RequestModel, "serialize", classmethod(spy))
-    model = transformers_model(eager(lambda: tiny_gemma3(window=8)))
-    run(NNsightAdapter(model, remote="local"), token_windows(2, 12))
-    assert len(blobs) == 1
+    return blobs
+
+
+def assert_payload_imports_only_torch_math_collections(blob: bytes, model, functions) -> None:
+    """Unpickle a request as the server would and list every import it needs: torch, math, collections and
+    nnsight's machinery only; the functions shipped by value are exactly ``functions``, without imports."""
+    from nnsight.intervention.serialization import CustomCloudUnpickler
+    from nnsight.schema.request import RequestModel
 
     classes: set[str] = set()
     imported: set[str] = set()
@@ -258,7 +272,7 @@ def test_remote_payload_imports_only_torch_math_collections(monkeypatch):
     # name (a server has no such file); put the real entries back afterwards.
     lines = dict(linecache.cache)
     try:
-        RequestModel.deserialize(blobs[0], model._remoteable_persistent_objects(), compress=False, unpickler=Recording)
+        RequestModel.deserialize(blob, model._remoteable_persistent_objects(), compress=False, unpickler=Recording)
     finally:
         linecache.cache.clear()
         linecache.cache.update(lines)
@@ -266,7 +280,7 @@ def test_remote_payload_imports_only_torch_math_collections(monkeypatch):
     assert "equivariance_probe" not in roots  # shipped by value, not imported
     assert roots <= ALLOWED_REMOTE_ROOTS | NNSIGHT_MACHINERY, roots - ALLOWED_REMOTE_ROOTS - NNSIGHT_MACHINERY
     assert {m.split(".")[0] for m in imported} <= ALLOWED_REMOTE_ROOTS | {"nnsight"}
-    assert set(by_value) == {f.rsplit(".", 1)[1] for f in REMOTE_FUNCTIONS}
+    assert set(by_value) == {f.rsplit(".", 1)[1] for f in functions}
     for name, source in by_value.items():
         assert not [n for n in ast.walk(ast.parse(textwrap.dedent(source)))
                     if isinstance(n, (ast.Import, ast.ImportFrom))], name
@@ -274,6 +288,30 @@ def test_remote_payload_imports_only_torch_math_collections(monkeypatch):
     from cloudpickle.cloudpickle import _PICKLE_BY_VALUE_MODULES
 
     assert not set(REMOTE_MODULES) & set(_PICKLE_BY_VALUE_MODULES)
+
+
+def test_remote_payload_imports_only_torch_math_collections(monkeypatch):
+    """Serialise a real request (as for NDIF) and list every import unpickling it needs."""
+    blobs = recorded_payloads(monkeypatch)
+    model = transformers_model(eager(lambda: tiny_gemma3(window=8)))
+    run(NNsightAdapter(model, remote="local"), token_windows(2, 12))
+    assert len(blobs) == 1
+    assert_payload_imports_only_torch_math_collections(blobs[0], model, REMOTE_FUNCTIONS)
+
+
+def test_remote_shift_payloads_import_only_torch_math_collections(monkeypatch):
+    """The shift test's requests: the check of the recomputation (one trace) and one session per segment."""
+    blobs = recorded_payloads(monkeypatch)
+    model = transformers_model(tiny_gemma3(window=8))
+    generator = torch.Generator().manual_seed(0)
+    segments = [torch.randint(3, 97, (6,), generator=generator).tolist() for _ in range(2)]
+    contexts = [torch.randint(3, 97, (12,), generator=generator).tolist() for _ in range(2)]
+    EquivarianceProbe(NNsightAdapter(model, remote="local")).shift(
+        segments, contexts, offsets=[0, 5, 12], segment_length=6, batch_size=2, progress=False)
+    assert len(blobs) == 3  # the check, then one request per segment, whatever the contexts and offsets
+    assert_payload_imports_only_torch_math_collections(blobs[0], model, SEGMENT_CHECK_FUNCTIONS)
+    for blob in blobs[1:]:
+        assert_payload_imports_only_torch_math_collections(blob, model, SEGMENT_FUNCTIONS)
 
 
 def test_reply_size_is_independent_of_documents_and_far_below_the_patterns(monkeypatch):

@@ -1,5 +1,6 @@
-"""The shift test through nnsight (local) and a TransformerLens TransformerBridge: the same numbers as the plain
-Hugging Face model each wraps, in text mode and in position-ids mode, on tiny float64 models built from configs.
+"""The shift test through nnsight (local, and remote in nnsight's ``remote="local"`` simulation of a server) and a
+TransformerLens TransformerBridge: the same numbers as the plain Hugging Face model each wraps, in text mode and in
+position-ids mode, on tiny float64 models built from configs. (Against a real NDIF server: tests/ndif.)
 
 Tolerance: the models run in float64, so every array of the result (attention sums, residual stream sums,
 prediction sums, counts) agrees to ``rtol=1e-9, atol=1e-12``. The absolute part covers sums that are zero in
@@ -85,17 +86,91 @@ def test_nnsight_shift_equals_hugging_face(name, mode):
         assert got.share("residual", "offset") > 1e-3
 
 
-def test_remote_nnsight_shift_is_refused_with_the_fix():
+@pytest.mark.parametrize("mode", ["text", "position_ids"])
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_remote_nnsight_shift_equals_hugging_face(name, mode, monkeypatch):
+    """``remote="local"``: each segment's grid is serialised as one nnsight session for a server (the functions
+    shipped by value, equivariance_probe hidden), run here, and only its sums come back."""
+    from nnsight.modeling.transformers import TransformersModel
+
+    from equivariance_probe.adapters.nnsight import NNsightAdapter
+    from equivariance_probe.adapters.nnsight_remote import segment_reply_nbytes
+    from equivariance_probe.statistics.shift import ShiftStatistics
+
+    model = BUILDERS[name]().to(torch.float64)
+    tokenizer = tiny_tokenizer()
+    expected = shift(EquivarianceProbe(model, tokenizer=tokenizer), mode)
+    replies: list[dict] = []
+    add_segment_sums = ShiftStatistics.add_segment_sums
+    monkeypatch.setattr(ShiftStatistics, "add_segment_sums",
+                        lambda self, fingerprint, group, sums: (replies.append(sums), add_segment_sums(self, fingerprint, group, sums))[1])
+    probe = EquivarianceProbe(NNsightAdapter(TransformersModel(model, tokenizer=tokenizer), remote="local"))
+    got = shift(probe, mode)
+    assert_same_result(got, expected)
+    assert "on the server" in got.metadata["capture"]
+    check = got.metadata["recompute_check"]
+    assert check["passed"] is True and check["max_difference"] < 1e-12 and "server kernel" in check["compared"]
+    # one reply per segment, float64 sums of the shapes SegmentGrid.sums gives: no block, stream or distribution
+    assert len(replies) == 3
+    layout = probe.adapter.layout
+    for reply in replies:
+        assert all(value.dtype == np.float64 for value in reply.values())
+        assert sum(value.nbytes for value in reply.values()) == segment_reply_nbytes(layout.n_layers, layout.n_heads,
+                                                                                      len(OFFSETS))
+        assert reply["centred_logits/offset"].shape == (layout.n_layers, layout.n_heads)
+        assert reply["js_offset_sum"].shape == (len(OFFSETS), len(OFFSETS))
+
+
+def test_remote_nnsight_shift_without_predictions_stops_each_trace_after_the_last_block():
+    from nnsight.modeling.transformers import TransformersModel
+
+    from equivariance_probe.adapters.nnsight import NNsightAdapter
+
+    model = tiny_llama().to(torch.float64)
+    tokenizer = tiny_tokenizer()
+    segments, contexts = design()
+    options = dict(offsets=OFFSETS, segment_length=M, batch_size=2, progress=False, predictions=False)
+    expected = EquivarianceProbe(model, tokenizer=tokenizer).shift(segments, contexts, **options)
+    got = EquivarianceProbe(NNsightAdapter(TransformersModel(model, tokenizer=tokenizer), remote="local")).shift(
+        segments, contexts, **options)
+    assert not got.statistics.arrays["nll_count"].any()
+    for name, value in expected.statistics.arrays.items():
+        np.testing.assert_allclose(got.statistics.arrays[name], value, rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_remote_check_of_the_recomputation_refuses_a_mask_other_than_the_model_s(monkeypatch):
+    """The server-side check compares attention outputs: told that Gemma 3's sliding layers see every key, the
+    recomputed weights of a segment 30 tokens in spread over keys the model's window hides, and the run stops
+    before any segment with the error and its numbers."""
+    from nnsight.modeling.transformers import TransformersModel
+
+    from equivariance_probe.adapters.base import AttentionLayout
+    from equivariance_probe.adapters.nnsight import NNsightAdapter
+    from equivariance_probe.errors import AttentionCaptureError
+
+    adapter = NNsightAdapter(TransformersModel(tiny_gemma3().to(torch.float64), tokenizer=tiny_tokenizer()),
+                             remote="local")
+    real = adapter.layout
+    assert real.sliding_windows[0] is not None
+    wrong = AttentionLayout(n_layers=real.n_layers, n_heads=real.n_heads, sliding_windows=(None,) * real.n_layers,
+                            max_context=real.max_context, causal=real.causal)
+    monkeypatch.setattr(NNsightAdapter, "layout", property(lambda self: wrong))
+    probe = EquivarianceProbe(adapter)
+    with pytest.raises(AttentionCaptureError, match="server kernel"):
+        shift(probe, "text")
+    assert probe.last_result.metadata["complete"] is False and probe.last_result.statistics.n_segments == 0
+
+
+def test_remote_segment_blocks_are_refused_with_the_fix():
+    """The blocks themselves (what the shift view draws) stay on the server: run_segment names the fix."""
     from nnsight.modeling.transformers import TransformersModel
 
     from equivariance_probe.adapters.nnsight import NNsightAdapter
 
     adapter = NNsightAdapter(TransformersModel(tiny_gemma3().to(torch.float64), tokenizer=tiny_tokenizer()),
                              remote="local")
-    probe = EquivarianceProbe(adapter)
-    with pytest.raises(RemoteExecutionError, match="remote=False"):
-        shift(probe, "text")  # before any window runs: the check of the recomputation comes first
-    assert probe.last_result.metadata["complete"] is False and probe.last_result.statistics.n_segments == 0
+    with pytest.raises(RemoteExecutionError, match="remote='local'.*remote=False"):
+        adapter.run_segment(torch.tensor([[5, 6, 7, 8]]), torch.tensor([4]), 2, on_attention=lambda *args: None)
 
 
 @pytest.fixture(scope="module", params=["gemma3", "gpt2"])

@@ -25,8 +25,10 @@ The whole contract, all of it on :class:`Adapter` (the probe and the statistics 
   ``metadata["engine"]``;
 * the shift test: :meth:`~Adapter.run_segment` (one window's segment block, residual stream and
   predictions, cut alike by every framework with :mod:`~equivariance_probe.adapters.segments`),
-  :meth:`~Adapter.check_segment_recompute` (the block's weights against the model's own) and
-  :attr:`~Adapter.segment_capture` (where the block is read, recorded in the result);
+  :meth:`~Adapter.check_segment_recompute` (the block's weights against the model's own),
+  :attr:`~Adapter.segment_capture` (where the block is read, recorded in the result) and, for a model whose
+  blocks cannot come back (nnsight on NDIF), :meth:`~Adapter.segment_grid_sums` (a segment's whole grid summed
+  where the model runs, :attr:`~Adapter.sums_segment_grid`);
 * errors: :meth:`~Adapter.check_layers_seen` and :meth:`~Adapter.capture_hint`.
 
 Shapes follow one order everywhere: ``pattern: [batch, head, query, key]``, rows sum to 1.
@@ -53,6 +55,23 @@ PatternCallback = Callable[[int, torch.Tensor], None]
 SegmentAttentionCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 #: ``on_residual(layer, x)`` with the residual stream after block ``layer`` at the segment, ``x: [batch, m, d]``.
 SegmentResidualCallback = Callable[[int, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class SegmentBatch:
+    """One forward pass of a segment's shift grid: right-padded windows of one context at several offsets.
+
+    Attributes:
+        tokens: ``[batch, T]`` token ids; window ``b`` has ``lengths[b]`` real tokens, its segment the last ``m``.
+        lengths: ``[batch]`` real tokens per window.
+        offset_indices: each window's offset, an index into the run's offsets.
+        position_start: ``[batch]`` each window's first position id (the ``"position_ids"`` mode), or ``None`` (0).
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    offset_indices: tuple[int, ...]
+    position_start: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +273,26 @@ class Adapter(ABC):
         :class:`~equivariance_probe.errors.AttentionCaptureError` where they differ.
         """
         return None
+
+    #: Whether :meth:`segment_grid_sums` sums a segment's grid where the model runs (the blocks of
+    #: :meth:`run_segment` cannot come back); ``False``: the probe sums the blocks :meth:`run_segment` hands it.
+    sums_segment_grid: bool = False
+
+    def segment_grid_sums(self, contexts: Sequence[Sequence[SegmentBatch]], config: Any,
+                          targets: torch.Tensor | None) -> dict[str, Any]:
+        """One segment's whole ``F × S`` grid, summed where the model runs.
+
+        Args:
+            contexts: per context, the forward passes that cover every offset (:class:`SegmentBatch`).
+            config: the run's :class:`~equivariance_probe.statistics.shift.ShiftConfig`.
+            targets: ``[m − 1]`` the segment's own next tokens, or ``None`` without predictions.
+
+        Returns:
+            :meth:`~equivariance_probe.statistics.shift.SegmentGrid.sums`' arrays (numpy float64).
+        """
+        raise UnsupportedModelError(
+            f"this {self.framework or type(self).__name__} adapter hands the shift test its blocks window by window "
+            "(run_segment); it does not sum a segment's grid where the model runs")
 
     def resolved_source(self) -> str:
         """Where this adapter's attention comes from: ``"weights"`` (captured patterns, the default)

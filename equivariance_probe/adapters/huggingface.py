@@ -47,7 +47,7 @@ from .modules import (
     parent_layer,
     text_config,
 )
-from .segments import check_predicts, block_difference, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
+from .segments import check_predicts, block_difference, judged_recompute_check, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -332,7 +332,7 @@ class HuggingFaceAdapter(Adapter):
         and compare the segment block's weights recomputed from queries and keys with the model's own.
 
         Returns:
-            ``{"max_difference", "tolerance", "tokens", "passed"}``; ``passed`` is ``None`` where the model cannot
+            ``{"max_difference", "tolerance", "tokens", "passed", "compared"}``; ``passed`` is ``None`` where the model cannot
             run eager attention (nothing to compare with).
 
         Raises:
@@ -357,10 +357,6 @@ class HuggingFaceAdapter(Adapter):
             self.run_attention_calls(tokens, on_call, eager=True, keep_weights=True)
         except (ValueError, ImportError, NotImplementedError) as error:
             return {**check, "max_difference": None, "passed": None, "reason": f"not checked: {error!s:.200}"}
-        largest = max(differences, default=0.0)
-        if not largest <= tolerance:
-            raise AttentionCaptureError(
-                f"the segment block's weights recomputed from queries and keys differ from the model's own eager weights "
-                f"by up to {largest:.3g} (tolerance {tolerance:g}): its attention is not softmax(mask(softcap(q·kᵀ·"
-                "scaling))) alone (ALiBi biases, sink logits, or a custom attention), which the shift test cannot read")
-        return {**check, "max_difference": largest, "passed": True}
+        return judged_recompute_check(max(differences, default=0.0), tolerance, check["tokens"],
+                                      "the segment block's weights recomputed from queries and keys against the "
+                                      "model's own eager weights")

@@ -34,10 +34,17 @@ much real attention: run float16 models in bf16 or float32. Eager bf16 weights c
 bf16's 8-bit mantissa (relative error 2^-9); recomputed weights are float32 softmaxes of
 scores the server computed in bf16, so the two agree to bf16 rounding of the scores.
 
+The shift test (:meth:`EquivarianceProbe.shift`) runs locally through :meth:`NNsightAdapter.run_segment`,
+and remotely through :meth:`NNsightAdapter.segment_grid_sums`: one nnsight session per segment, one trace per
+batch of its windows, the segment's running sums kept on the server between the traces and only its float64
+sums returned; its check of the recomputation compares attention outputs on the server
+(:meth:`NNsightAdapter.check_segment_recompute`).
+
 What travels to NDIF: the trace's code, the variables it reads, and the functions it
 calls, which are shipped by value: the in-trace functions of
-:mod:`~equivariance_probe.adapters.nnsight_remote` and
-:mod:`~equivariance_probe.statistics.engines.in_trace`, which use only ``torch`` and builtins
+:mod:`~equivariance_probe.adapters.nnsight_remote`, :mod:`~equivariance_probe.adapters.segments`,
+:mod:`~equivariance_probe.statistics.engines.in_trace` and
+:mod:`~equivariance_probe.statistics.engines.shift_sums`, which use only ``torch``, ``math`` and builtins
 (``tests/test_nnsight_adapter.py`` checks what the payload would import). Fits run locally.
 """
 
@@ -46,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -65,11 +72,28 @@ from ..errors import (
     check_choice,
 )
 from ..statistics.masks import default_log_floor
-from .base import Adapter, AttentionLayout, ModelInfo, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
+from .base import (
+    Adapter,
+    AttentionLayout,
+    ModelInfo,
+    PatternCallback,
+    SegmentAttentionCallback,
+    SegmentBatch,
+    SegmentResidualCallback,
+)
 from .huggingface import PATTERN_SOURCES, HuggingFaceAdapter
-from .internals import AttentionCall
+from .internals import AttentionCall, recompute_tolerance
 from .modules import inner_module, parent_layer
-from .segments import check_predicts, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
+from .segments import (
+    check_predicts,
+    judged_recompute_check,
+    kept_positions,
+    segment_blocks_from_call,
+    segment_log_probs,
+    segment_rows,
+    segment_spans,
+    shifted_position_ids,
+)
 from .nnsight_remote import (
     ATTENTION_CALL,
     NO_WEIGHTS,
@@ -82,6 +106,12 @@ from .nnsight_remote import (
     remote_failure_kind,
     layer_pattern,
     reduce_batch_in_trace,
+    add_segment_predictions_in_trace,
+    add_segment_windows_in_trace,
+    end_segment_context,
+    new_segment_state,
+    segment_check_in_trace,
+    segment_sums_in_trace,
 )
 
 __all__ = ["NNsightAdapter", "PATTERN_SOURCES"]
@@ -278,10 +308,10 @@ class NNsightAdapter(Adapter):
         from cloudpickle import register_pickle_by_value, unregister_pickle_by_value
         from cloudpickle.cloudpickle import _PICKLE_BY_VALUE_MODULES
 
-        from ..statistics.engines import block_maths, in_trace
-        from . import nnsight_remote
+        from ..statistics.engines import block_maths, in_trace, shift_sums
+        from . import nnsight_remote, segments
 
-        shipped = (nnsight_remote, in_trace, block_maths)
+        shipped = (nnsight_remote, segments, in_trace, block_maths, shift_sums)
         assert tuple(m.__name__ for m in shipped) == REMOTE_MODULES
         added = [m for m in shipped if m.__name__ not in _PICKLE_BY_VALUE_MODULES]
         for module in added:
@@ -365,9 +395,15 @@ class NNsightAdapter(Adapter):
         self.check_layers_seen(seen)
 
     # -- the shift test ------------------------------------------------------------------
-    segment_capture = ("segment-block scores recomputed from the queries and keys each attention call receives, read "
-                       "inside a local nnsight trace (the model runs its own kernel); row normalisers over every "
-                       "visible key of the window")
+    @property
+    def segment_capture(self) -> str:  # type: ignore[override]
+        if self.remote:
+            return ("segment-block scores recomputed from the queries and keys each attention call receives, read "
+                    "inside nnsight traces on the server (its own kernel), one session per segment summing its whole "
+                    "grid there; only float64 sums came back")
+        return ("segment-block scores recomputed from the queries and keys each attention call receives, read "
+                "inside a local nnsight trace (the model runs its own kernel); row normalisers over every "
+                "visible key of the window")
 
     def run_segment(
         self,
@@ -391,21 +427,19 @@ class NNsightAdapter(Adapter):
         (``position_start``) go to the model as the trace's ``position_ids``.
 
         Raises:
-            RemoteExecutionError: a remote model (only sums can come back from NDIF; the shift test's blocks
-                are per window).
+            RemoteExecutionError: a remote model (``remote`` set, ``"local"`` included): its blocks, residual streams
+                and distributions stay on the server; the shift test sums them there (:meth:`segment_grid_sums`).
             AttentionCaptureError: ``predictions`` on a model without a language-model head.
         """
         self._check_segments_local()
         if predictions:
             check_predicts(self.hf_model)
-        spans = segment_spans(lengths, segment_length)
-        width = int(tokens.shape[1])
         device = self.device
-        options: dict[str, Any] = {"use_cache": False}
-        if position_start is not None:
-            options["position_ids"] = shifted_position_ids(position_start, width).to(device)
-        if predictions:
-            options["logits_to_keep"] = kept_positions(spans, width)
+        tokens, options, batch = self._segment_trace_inputs(
+            SegmentBatch(tokens, lengths, tuple(range(len(lengths))), position_start), segment_length, predictions)
+        spans, width = batch["spans"], batch["width"]
+        if "position_ids" in options:
+            options["position_ids"] = options["position_ids"].to(device)
         attention = self._attention_envoys()
         layers = [self.model.get(path) for path in self.layer_paths]
         windows = self.layout.sliding_windows
@@ -429,24 +463,116 @@ class NNsightAdapter(Adapter):
         return kept.get("log_probs")
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
-        """:meth:`Adapter.check_segment_recompute` on the wrapped transformers model, outside any trace (as
-        :meth:`run_attention_calls`): the queries and keys the trace reads are the ones its attention call
-        receives, so the check of the model's attention is the Hugging Face adapter's.
+        """:meth:`Adapter.check_segment_recompute`.
+
+        Locally, on the wrapped transformers model outside any trace (as :meth:`run_attention_calls`): the
+        queries and keys the trace reads are the ones its attention call receives, so the check of the model's
+        attention is the Hugging Face adapter's (eager weights). Remotely the weights are on the server, which
+        picks its own kernel (eager weights may not exist there): one trace of the window compares, in each
+        layer, the attention output the recomputed weights give with the output the server's kernel returned
+        (:func:`~equivariance_probe.adapters.nnsight_remote.segment_check_in_trace`), and only that ``[layer]``
+        difference comes back; ``metadata["recompute_check"]["compared"]`` says which check ran.
 
         Raises:
-            RemoteExecutionError: a remote model (before any work: its weights are not here).
+            AttentionCaptureError: the recomputation differs from the model's own attention by more than the
+                tolerance.
         """
-        self._check_segments_local()
-        return self._hf.check_segment_recompute(tokens, segment_length)
+        if not self.remote:
+            return self._hf.check_segment_recompute(tokens, segment_length)
+        import nnsight
+
+        width = int(tokens.shape[1])
+        plan = {"windows": list(self.layout.sliding_windows), "causal": True}
+        span = (width - int(segment_length), width)
+        model, attention = self.model, self._attention_envoys()
+        differences = None
+        with self._translate_errors("recompute"), self._shipped_by_value():
+            with model.trace(tokens, use_cache=False, **self._trace_options()) as tracer:
+                differences = segment_check_in_trace(attention, plan, span)
+                nnsight.save(differences)
+                tracer.stop()
+        if not isinstance(differences, torch.Tensor):
+            raise RemoteExecutionError(
+                f"the remote check of the shift test's recomputation returned no differences (got "
+                f"{type(differences).__name__}); nothing was measured. Run again; if it persists, report it with "
+                "nnsight's version")
+        return judged_recompute_check(
+            float(differences.max()), recompute_tolerance(self.dtype), width,
+            "the attention output of the segment rows from the recomputed weights against the server kernel's, "
+            "relative to the largest value entry, in one trace on the server")
+
+    @property
+    def sums_segment_grid(self) -> bool:  # type: ignore[override]
+        """Remote models (``"local"`` included) sum each segment's grid where the model runs."""
+        return bool(self.remote)
+
+    def segment_grid_sums(self, contexts: Sequence[Sequence[SegmentBatch]], config: Any,
+                          targets: torch.Tensor | None) -> dict[str, Any]:
+        """:meth:`Adapter.segment_grid_sums`: one nnsight session per segment (one request), with one trace per
+        batch of windows; the running sums stay on the server between its traces, so neither blocks, residual
+        streams nor vocabulary-sized distributions travel, only :func:`~equivariance_probe.adapters.nnsight_remote.
+        segment_reply_nbytes` bytes of float64 sums. The functions the session runs are the statistics' own
+        (:mod:`~equivariance_probe.statistics.engines.shift_sums`), shipped by value.
+
+        Raises:
+            AttentionCaptureError: ``targets`` (predictions) on a model without a language-model head.
+            RemoteExecutionError (or a named subclass): the server failed; this segment was not added.
+        """
+        import nnsight
+
+        if targets is not None:
+            check_predicts(self.hf_model)
+        plan = {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_offsets": len(config.offsets),
+                "segment_length": config.segment_length, "causal": True, "windows": list(self.layout.sliding_windows),
+                "predictions": targets is not None}
+        runs = [[self._segment_trace_inputs(batch, config.segment_length, targets is not None) for batch in context]
+                for context in contexts]
+        model, attention = self.model, self._attention_envoys()
+        layers = [model.get(path) for path in self.layer_paths]
+        sums = None
+        # The session's body reads only these locals, the shipped functions and nnsight: what the request carries.
+        with self._translate_errors("recompute", "segment"), self._shipped_by_value():
+            with model.session(**self._trace_options()):
+                state = new_segment_state(plan)
+                for context in runs:
+                    for tokens, options, batch in context:
+                        with model.trace(tokens, **options) as tracer:
+                            add_segment_windows_in_trace(state, attention, layers, plan, batch)
+                            if plan["predictions"]:
+                                add_segment_predictions_in_trace(state, model.output.logits, batch, targets)
+                            else:
+                                tracer.stop()  # nothing after the last block is read
+                    end_segment_context(state)
+                sums = segment_sums_in_trace(state, plan)
+                nnsight.save(sums)
+        if not isinstance(sums, dict):
+            raise RemoteExecutionError(
+                f"the {'remote ' if self.is_remote else ''}session returned no shift sums (got {type(sums).__name__}); "
+                "this segment was not added, the segments before it are kept (probe.last_result). Run again; if it "
+                "persists, report it with nnsight's version")
+        return {name: value.numpy() for name, value in sums.items()}
+
+    @staticmethod
+    def _segment_trace_inputs(batch: SegmentBatch, segment_length: int, predictions: bool
+                              ) -> tuple[torch.Tensor, dict[str, Any], dict[str, Any]]:
+        """``(tokens, trace options, batch plan)`` of one trace of a segment's session."""
+        spans = segment_spans(batch.lengths, segment_length)
+        width = int(batch.tokens.shape[1])
+        options: dict[str, Any] = {"use_cache": False}
+        if batch.position_start is not None:
+            options["position_ids"] = shifted_position_ids(batch.position_start, width)
+        if predictions:
+            options["logits_to_keep"] = kept_positions(spans, width)
+        return batch.tokens, options, {"spans": spans, "offsets": list(batch.offset_indices), "width": width}
 
     def _check_segments_local(self) -> None:
-        """The shift test runs locally only: its segment blocks and residual streams come back per window,
-        where a remote trace returns sums."""
+        """Per-window segment blocks come back only from a local model (the CircuitsVis view of the shift test
+        needs them); a remote model's shift run sums its grid on the server (:meth:`segment_grid_sums`)."""
         if self.remote:
             raise RemoteExecutionError(
-                "the shift test runs nnsight models locally only: its segment blocks and residual streams come back "
-                "per window, which a remote trace does not return. Pass remote=False (a model whose weights are "
-                "here), or run the Hugging Face model directly")
+                f"the segment blocks of a remote nnsight model (remote={self.remote!r}) stay on the server: only the "
+                "shift test's sums come back (probe.shift runs remotely). For the blocks themselves (the shift "
+                "view), pass remote=False (a model whose weights are here) or use the Hugging Face model directly")
 
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Run a batch and add it to ``statistics`` (between ``begin_batch``/``end_batch``).
@@ -506,8 +632,10 @@ class NNsightAdapter(Adapter):
         return sums
 
     @contextlib.contextmanager
-    def _translate_errors(self, source: str) -> Iterator[None]:
-        """nnsight, network and in-trace failures as equivariance_probe errors that say the fix."""
+    def _translate_errors(self, source: str, unit: str = "batch") -> Iterator[None]:
+        """nnsight, network and in-trace failures as equivariance_probe errors that say the fix; ``unit`` is what
+        one request carries (``"batch"``, or ``"segment"`` for the shift test), named in what is kept."""
+        units = {"batch": "batches", "segment": "segments"}[unit]
         try:
             yield
         except EquivarianceProbeError:
@@ -521,7 +649,7 @@ class NNsightAdapter(Adapter):
             if self.is_remote and is_remote_failure(error):
                 host = self.remote if isinstance(self.remote, str) else configured_host()
                 kept = (
-                    "This batch was not added; the statistics of complete batches before it are kept "
+                    f"This {unit} was not added; the statistics of complete {units} before it are kept "
                     "(probe.last_result, or the error's partial_result), and a run over the remaining documents "
                     "merges with them (result_a + result_b)"
                 )
@@ -532,8 +660,8 @@ class NNsightAdapter(Adapter):
                     raise named(f"the remote run on {host} failed: {fix}. {kept}. Server said: "
                                 f"{type(error).__name__}: {str(error)[:600]}") from error
                 raise RemoteExecutionError(
-                    f"the remote run on {host} failed: {type(error).__name__}: {error}. This batch was not added; "
-                    "the statistics of complete batches before it are kept (probe.last_result, or the error's "
+                    f"the remote run on {host} failed: {type(error).__name__}: {error}. This {unit} was not added; "
+                    f"the statistics of complete {units} before it are kept (probe.last_result, or the error's "
                     "partial_result), and a later run can be merged with them (result_a + result_b). Check the "
                     "server status (nnsight.ndif_status()), your NDIF_API_KEY and that the model is hosted "
                     "(nnsight.is_model_running(hub_id)), then run the remaining documents"

@@ -5,7 +5,11 @@ model's patterns cannot come home (a Llama-3.1-70B layer at context 1024 is 64·
 weights = 128 MiB per document, 10 GiB for its 80 layers), so the batch is reduced where the
 model runs by :func:`reduce_batch_in_trace`, with the statistics' own torch-only kernels
 (:mod:`~equivariance_probe.statistics.engines.in_trace`), and only float64 sums of
-:func:`reply_nbytes` bytes come back.
+:func:`reply_nbytes` bytes come back. The shift test sums a segment's whole grid of windows in one
+nnsight session (:func:`add_segment_windows_in_trace` in each of its traces, the running sums kept on
+the server between them, with the statistics' own torch-only functions of
+:mod:`~equivariance_probe.statistics.engines.shift_sums`), and only :func:`segment_reply_nbytes` bytes
+come back per segment.
 
 The in-trace functions (:data:`REMOTE_FUNCTIONS`) are shipped by value with the request
 (cloudpickle's ``register_pickle_by_value``) and must use only torch, builtins and each other:
@@ -22,8 +26,21 @@ import os
 
 import torch
 
-from ..statistics.engines.in_trace import recompute_pattern, reduce_pattern, visible_mask
+from ..statistics.engines.in_trace import attention_scores, recompute_pattern, reduce_pattern, visible_mask
+from ..statistics.engines.shift_sums import (
+    DECOMPOSITION_SUMS,
+    PREDICTION_SUMS,
+    REPRESENTATIONS,
+    add_prediction_sums,
+    add_to_cell,
+    counted_entries,
+    end_context_of_cell,
+    grid_sums,
+    new_prediction_sums,
+    segment_representations,
+)
 from ..statistics.masks import KEY_BINS
+from .segments import hidden_keys, segment_blocks_from_qk, segment_log_probs, segment_rows
 
 __all__ = [
     "ATTENTION_CALL",
@@ -32,7 +49,16 @@ __all__ = [
     "outside_mass",
     "layer_pattern",
     "reduce_batch_in_trace",
+    "new_segment_state",
+    "add_segment_windows_in_trace",
+    "add_segment_predictions_in_trace",
+    "end_segment_context",
+    "segment_sums_in_trace",
+    "segment_check_in_trace",
+    "SEGMENT_FUNCTIONS",
+    "SEGMENT_CHECK_FUNCTIONS",
     "reply_nbytes",
+    "segment_reply_nbytes",
     "api_key",
     "configured_host",
     "is_public_host",
@@ -145,6 +171,135 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
     return {name: value.cpu() for name, value in out.items()}
 
 
+# -- the shift test: one segment's grid in one session ----------------------------------------
+def new_segment_state(plan: dict) -> dict:
+    """The running sums of one segment's grid on the server: ``cells`` (per ``(representation, layer)``,
+    :func:`~equivariance_probe.statistics.engines.shift_sums.add_to_cell`), the prediction sums, each offset's
+    latest distributions, the current context's, the contexts done, and each layer's counted entries.
+
+    ``plan`` holds plain values: ``n_layers``, ``n_heads``, ``n_offsets``, ``segment_length``, ``causal``,
+    ``windows`` (per layer, the sliding window or ``None``) and ``predictions``."""
+    return {
+        "cells": {},
+        "predictions": new_prediction_sums(plan["n_offsets"]),
+        "latest": [None] * plan["n_offsets"],
+        "current": {},
+        "contexts": 0,
+        "entries": [counted_entries(plan["segment_length"], plan["causal"], window) for window in plan["windows"]],
+    }
+
+
+def add_segment_windows_in_trace(state: dict, attention: list, layers: list, plan: dict, batch: dict) -> None:
+    """Inside one trace of the session: add every layer's segment block (its three representations) and residual
+    stream, for each window of the batch, to ``state``'s cells.
+
+    Args:
+        attention: per layer, the attention module's envoy (its queries and keys are read at ``ATTENTION_CALL``).
+        layers: per layer, the decoder layer's envoy (its output is the residual stream after the block).
+        batch: ``spans`` (each window's segment ``(start, length)``) and ``offsets`` (each window's offset index).
+    """
+    for layer, module in enumerate(attention):
+        args, kwargs = getattr(module.source, ATTENTION_CALL).inputs
+        scores, normaliser = segment_blocks_from_qk(args[1].detach(), args[2].detach(), kwargs.get("scaling"),
+                                                    kwargs.get("softcap"), batch["spans"], plan["windows"][layer],
+                                                    plan["causal"])
+        for b, index in enumerate(batch["offsets"]):
+            for name, values in segment_representations(scores[b], normaliser[b], state["entries"][layer]).items():
+                add_to_cell(state["cells"].setdefault((name, layer), {}), values, index, plan["n_offsets"])
+        output = layers[layer].output
+        hidden = segment_rows(output[0] if isinstance(output, tuple) else output, batch["spans"])
+        for b, index in enumerate(batch["offsets"]):
+            add_to_cell(state["cells"].setdefault(("residual", layer), {}), hidden[b].reshape(1, -1), index,
+                        plan["n_offsets"])
+        del scores, normaliser, hidden
+
+
+def add_segment_predictions_in_trace(state: dict, logits: torch.Tensor, batch: dict, targets: torch.Tensor) -> None:
+    """Add the batch's next-token predictions: ``logits: [batch, keep, vocab]`` for its last ``keep`` positions
+    (``logits_to_keep``), ``batch["width"]`` tokens wide; ``targets: [m − 1]`` the segment's own next tokens."""
+    log_probs = segment_log_probs(logits.detach(), batch["spans"], batch["width"])
+    for b, index in enumerate(batch["offsets"]):
+        add_prediction_sums(state["predictions"], state["latest"], state["current"], index, log_probs[b, :-1], targets)
+
+
+def end_segment_context(state: dict) -> None:
+    """Between the session's traces: close a context of the grid (every offset of it has run)."""
+    for cell in state["cells"].values():
+        end_context_of_cell(cell)
+    state["current"].clear()
+    state["contexts"] += 1
+
+
+def segment_sums_in_trace(state: dict, plan: dict) -> dict:
+    """What comes back from the server: the segment's decomposition sums (``"{representation}/{name}": [layer,
+    head]``) and prediction sums (``[offset]``, ``[offset, offset]``), float64 on the CPU."""
+    sums = grid_sums(state["cells"], plan["n_layers"], plan["n_heads"], state["contexts"], plan["n_offsets"])
+    if plan["predictions"]:
+        sums.update(state["predictions"])
+    return sums
+
+
+def segment_check_in_trace(attention: list, plan: dict, span: tuple) -> torch.Tensor:
+    """Inside a trace of one window (batch 1, its segment ``span = (start, length)``): per layer, how far the
+    attention output that the segment's recomputed weights give is from the output the model's own kernel
+    returned, ``max |Σ_k a_ik·v_k − o_i| / max |v|`` over the segment's rows, heads and dimensions: ``[layer]``
+    float64.
+
+    The kernel's output exists whatever attention implementation the server runs (its weights only under eager),
+    and the difference is at most the largest row's ``Σ_k |a_ik − a'_ik|``: a softmax that sees more than the
+    scores (ALiBi biases, sink logits) shows as a difference of the weights' size."""
+    start, length = span
+    differences = []
+    for layer, module in enumerate(attention):
+        call = getattr(module.source, ATTENTION_CALL)
+        args, kwargs = call.inputs
+        query, key, value = args[1].detach(), args[2].detach(), args[3].detach()
+        scores = attention_scores(query[:1, :, start:length], key[:1, :, :length], kwargs.get("scaling"),
+                                  kwargs.get("softcap"))[0]
+        hidden = hidden_keys(start, length, plan["windows"][layer], plan["causal"], scores.device)
+        weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1)
+        value = value[0, :, :length]
+        if value.shape[0] != weights.shape[0]:
+            value = value.repeat_interleave(weights.shape[0] // value.shape[0], dim=0)
+        value = value.to(weights.dtype)
+        own = call.output[0].detach()[0, start:length].transpose(0, 1).to(weights.dtype)  # [head, m, d]
+        scale = value.abs().max().clamp_min(1e-30)
+        differences.append(((torch.matmul(weights, value) - own).abs().max() / scale).to(torch.float64).cpu())
+    return torch.stack(differences)
+
+
+#: The functions of the shift test that run on the server, in one session per segment (by value).
+SEGMENT_FUNCTIONS = (
+    "equivariance_probe.adapters.nnsight_remote.new_segment_state",
+    "equivariance_probe.adapters.nnsight_remote.add_segment_windows_in_trace",
+    "equivariance_probe.adapters.nnsight_remote.add_segment_predictions_in_trace",
+    "equivariance_probe.adapters.nnsight_remote.end_segment_context",
+    "equivariance_probe.adapters.nnsight_remote.segment_sums_in_trace",
+    "equivariance_probe.adapters.segments.segment_blocks_from_qk",
+    "equivariance_probe.adapters.segments.segment_blocks",
+    "equivariance_probe.adapters.segments.segment_block",
+    "equivariance_probe.adapters.segments.hidden_keys",
+    "equivariance_probe.adapters.segments.segment_rows",
+    "equivariance_probe.adapters.segments.segment_log_probs",
+    "equivariance_probe.statistics.engines.in_trace.attention_scores",
+    "equivariance_probe.statistics.engines.shift_sums.counted_entries",
+    "equivariance_probe.statistics.engines.shift_sums.segment_representations",
+    "equivariance_probe.statistics.engines.shift_sums.add_to_cell",
+    "equivariance_probe.statistics.engines.shift_sums.end_context_of_cell",
+    "equivariance_probe.statistics.engines.shift_sums.grid_sums",
+    "equivariance_probe.statistics.engines.shift_sums.new_prediction_sums",
+    "equivariance_probe.statistics.engines.shift_sums.next_token_distribution",
+    "equivariance_probe.statistics.engines.shift_sums.jensen_shannon_from",
+    "equivariance_probe.statistics.engines.shift_sums.add_prediction_sums",
+)
+#: The functions of the shift test's check of the recomputation, run on the server in one trace (by value).
+SEGMENT_CHECK_FUNCTIONS = (
+    "equivariance_probe.adapters.nnsight_remote.segment_check_in_trace",
+    "equivariance_probe.adapters.segments.hidden_keys",
+    "equivariance_probe.statistics.engines.in_trace.attention_scores",
+)
+
+
 #: The functions that run inside the trace, and so on the server (by value).
 REMOTE_FUNCTIONS = (
     "equivariance_probe.adapters.nnsight_remote.outside_mass",
@@ -164,8 +319,10 @@ REMOTE_FUNCTIONS = (
 #: Modules whose functions are shipped by value with a remote request.
 REMOTE_MODULES = (
     "equivariance_probe.adapters.nnsight_remote",
+    "equivariance_probe.adapters.segments",
     "equivariance_probe.statistics.engines.in_trace",
     "equivariance_probe.statistics.engines.block_maths",
+    "equivariance_probe.statistics.engines.shift_sums",
 )
 
 
@@ -180,6 +337,16 @@ def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bo
     n = n_layers * (5 * n_heads * n_positions + 3 * n_heads + 1) + min(n_positions, key_bins) * n_positions
     if keep_pattern:
         n += n_layers * n_heads * n_positions**2
+    return 8 * n
+
+
+def segment_reply_nbytes(n_layers: int, n_heads: int, n_offsets: int, predictions: bool = True) -> int:
+    """Bytes of float64 sums one segment's session sends back, from the shapes alone:
+    ``8·(|DECOMPOSITION_SUMS|·L·(3·H + 1) + predictions·(4·O + 2·O²))``, whatever the number of contexts,
+    the segment's length, the window or the vocabulary."""
+    n = len(DECOMPOSITION_SUMS) * n_layers * ((len(REPRESENTATIONS) - 1) * n_heads + 1)
+    if predictions:
+        n += sum(n_offsets**rank for _, rank in PREDICTION_SUMS)
     return 8 * n
 
 

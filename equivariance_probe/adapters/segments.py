@@ -20,6 +20,7 @@ A window ``b`` is described by its span ``(start, length)``: the segment is posi
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -28,7 +29,8 @@ from ..errors import AttentionCaptureError
 from .internals import AttentionCall
 from .modules import is_causal_lm
 
-__all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "segment_block", "segment_blocks", "segment_blocks_from_call", "segment_rows",
+__all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "judged_recompute_check", "segment_block", "hidden_keys", "segment_blocks", "segment_blocks_from_call", "segment_blocks_from_qk",
+           "segment_rows",
            "kept_positions", "segment_log_probs"]
 
 #: ``(start, length)`` of each window's segment: positions ``start .. length − 1``.
@@ -65,12 +67,20 @@ def segment_block(scores: torch.Tensor, start: int, window: int | None, causal: 
         for a causal model, every key for an encoder, and ``|start + i − k| < window`` under a sliding window.
     """
     length = scores.shape[-1]
-    position = torch.arange(start, length, device=scores.device).view(-1, 1)
-    key = torch.arange(length, device=scores.device).view(1, -1)
+    hidden = hidden_keys(start, length, window, causal, scores.device)
+    return scores[..., start:length], torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1)
+
+
+def hidden_keys(start: int, length: int, window: int | None, causal: bool, device: torch.device) -> torch.Tensor:
+    """``[length − start, length]`` boolean: the keys the layer's mask hides from the segment rows ``start .. length − 1``
+    of a window of ``length`` tokens (later keys for a causal model; keys ``window`` or more away under a sliding
+    window)."""
+    position = torch.arange(start, length, device=device).view(-1, 1)
+    key = torch.arange(length, device=device).view(1, -1)
     hidden = (key > position) if causal else torch.zeros_like(key > position)
     if window is not None:
         hidden = hidden | ((position - key).abs() >= window)
-    return scores[..., start:length], torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1)
+    return hidden
 
 
 def block_difference(weights: torch.Tensor, own: torch.Tensor, window: int | None, causal: bool) -> float:
@@ -84,6 +94,24 @@ def block_difference(weights: torch.Tensor, own: torch.Tensor, window: int | Non
     return float((weights.masked_fill(~visible.to(weights.device), 0.0) - own.to(weights.dtype)).abs().max())
 
 
+def judged_recompute_check(largest: float, tolerance: float, tokens: int, compared: str) -> dict[str, Any]:
+    """``{"max_difference", "tolerance", "tokens", "passed", "compared"}`` of a passed check of the segment block's
+    recomputation (``compared``: what was compared with what).
+
+    Raises:
+        AttentionCaptureError: ``largest`` is over ``tolerance`` (or NaN): the model's attention is not
+            ``softmax(mask(softcap(q·kᵀ·scaling)))`` alone (ALiBi biases, sink logits), so the shift test's scores
+            would be wrong.
+    """
+    if not largest <= tolerance:
+        raise AttentionCaptureError(
+            f"the segment block's weights recomputed from queries and keys differ from the model's own attention by up "
+            f"to {largest:.3g} (tolerance {tolerance:g}; compared: {compared}): its attention is not softmax(mask("
+            "softcap(q·kᵀ·scaling))) alone (ALiBi biases, sink logits, or a custom attention), which the shift test "
+            "cannot read")
+    return {"tokens": tokens, "tolerance": tolerance, "max_difference": largest, "passed": True, "compared": compared}
+
+
 def segment_blocks(rows: Sequence[torch.Tensor], spans: Spans, window: int | None, causal: bool
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`segment_block` of each window, stacked: ``rows[b]: [head, m, length_b]`` (``spans[b]``), returns
@@ -94,12 +122,18 @@ def segment_blocks(rows: Sequence[torch.Tensor], spans: Spans, window: int | Non
 
 def segment_blocks_from_call(call: AttentionCall, spans: Spans, window: int | None, causal: bool
                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`segment_blocks` from one attention call's queries and keys: the scores are
-    ``softcap(q·kᵀ·scaling)`` in float32 (float64 for a float64 model,
+    """:func:`segment_blocks_from_qk` of one attention call's queries and keys."""
+    return segment_blocks_from_qk(call.query, call.key, call.scaling, call.softcap, spans, window, causal)
+
+
+def segment_blocks_from_qk(query: torch.Tensor, key: torch.Tensor, scaling: float | None, softcap: float | None,
+                           spans: Spans, window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`segment_blocks` from queries ``[batch, head, T, d]`` and keys ``[batch, kv_head, T, d]``: the scores
+    are ``softcap(q·kᵀ·scaling)`` in float32 (float64 for a float64 model,
     :func:`~equivariance_probe.statistics.engines.in_trace.attention_scores`), computed for the segment's
-    queries only."""
-    rows = [attention_scores(call.query[b : b + 1, :, start:length], call.key[b : b + 1, :, :length],
-                             call.scaling, call.softcap)[0] for b, (start, length) in enumerate(spans)]
+    queries only. Torch alone: it also runs inside a remote nnsight trace."""
+    rows = [attention_scores(query[b : b + 1, :, start:length], key[b : b + 1, :, :length], scaling, softcap)[0]
+            for b, (start, length) in enumerate(spans)]
     return segment_blocks(rows, spans, window, causal)
 
 

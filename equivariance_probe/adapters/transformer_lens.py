@@ -23,7 +23,7 @@ from ..errors import AttentionCaptureError
 from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
 from .internals import recompute_tolerance
 from .modules import layer_windows
-from .segments import check_predicts, block_difference, kept_positions, segment_block, segment_blocks, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
+from .segments import check_predicts, block_difference, judged_recompute_check, kept_positions, segment_block, segment_blocks, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
 
 PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
 #: The bridge's pre-softmax scores, ``[batch, head, query, key]``, after soft-capping and its mask (hidden
@@ -217,14 +217,9 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         hooks += [(PATTERN_HOOK.format(layer=i), on_pattern) for i in range(self._layout.n_layers)]
         with self._eval(), torch.no_grad():
             self.model.run_with_hooks(tokens.to(self.device), return_type=None, fwd_hooks=hooks)
-        tolerance = recompute_tolerance(self.dtype)
-        largest = max(differences, default=0.0)
-        if not largest <= tolerance:
-            raise AttentionCaptureError(
-                f"the segment block's weights from the bridge's hook_attn_scores differ from its hook_pattern by up to "
-                f"{largest:.3g} (tolerance {tolerance:g}): its softmax sees more than the scores (attention sinks), "
-                "which the shift test cannot read")
-        return {"tokens": int(tokens.shape[1]), "tolerance": tolerance, "max_difference": largest, "passed": True}
+        return judged_recompute_check(max(differences, default=0.0), recompute_tolerance(self.dtype),
+                                      int(tokens.shape[1]), "the segment block's weights from the bridge's "
+                                      "hook_attn_scores against its hook_pattern")
 
     def info(self):  # type: ignore[override]
         info = super().info()

@@ -1,0 +1,246 @@
+"""The shift test's sums as torch-only functions: one implementation for a segment summed here or where the model runs.
+
+Place in the seams: *statistics*, beside :mod:`~.in_trace`. :class:`~equivariance_probe.statistics.shift.SegmentGrid`
+calls these functions for a segment whose blocks come back window by window; a remote nnsight model's whole
+``F × S`` grid is summed by the same functions inside one nnsight session on the server
+(:mod:`~equivariance_probe.adapters.nnsight_remote`), which ships them by value. So they use torch, math and
+builtins alone, and their state is plain dicts, lists and tensors.
+
+The state of one segment's grid, for one representation and layer (a *cell*), keeps for every entry ``e``
+(Welford's shift: ``c_e``, the entry's first value, is subtracted before squaring, so no sum of squares
+cancels): ``shift = c [head, E]``, ``by_offset = Σ_f Y[f, s, e] [head, S, E]``, ``deviation = Σ (Y − c)``,
+``square = Σ (Y − c)²``, ``context_row`` (the current context's ``Σ_s (Y − c)``) and
+``context_square = Σ_f (Σ_s (Y − c))²``. :func:`grid_sums` turns the cells into the segment's
+:data:`DECOMPOSITION_SUMS`; :func:`add_prediction_sums` adds one window's next-token predictions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = [
+    "ATTENTION_REPRESENTATIONS",
+    "REPRESENTATIONS",
+    "DECOMPOSITION_SUMS",
+    "PREDICTION_SUMS",
+    "counted_entries",
+    "segment_representations",
+    "add_to_cell",
+    "end_context_of_cell",
+    "grid_sums",
+    "new_prediction_sums",
+    "next_token_distribution",
+    "jensen_shannon_from",
+    "add_prediction_sums",
+    "PREDICTION_CHUNK",
+]
+
+#: Attention among the segment's tokens (``[layer, head]``) and the residual stream (``[layer, 1]``).
+ATTENTION_REPRESENTATIONS = ("centred_logits", "conditional_weights", "raw_weights")
+REPRESENTATIONS = ATTENTION_REPRESENTATIONS + ("residual",)
+#: Additive sums of the decomposition (the same names as :data:`~equivariance_probe.maths.shift.DECOMPOSITION_SUMS`).
+DECOMPOSITION_SUMS = ("count", "total", "cell_square", "within", "offset", "context")
+#: One segment's prediction sums and their shapes in offsets (``1``: ``[O]``, ``2``: ``[O, O]``).
+PREDICTION_SUMS = (("nll_sum", 1), ("nll_count", 1), ("js_offset_sum", 2), ("js_offset_count", 2),
+                   ("js_context_sum", 1), ("js_context_count", 1))
+
+
+def counted_entries(segment_length: int, causal: bool, window: int | None) -> torch.Tensor:
+    """``[m, m]`` boolean: the entries ``(i, j)`` of the segment block that count: key ``j`` visible to query ``i``
+    (causal: ``j ≤ i``; within a sliding window ``w``: ``|i − j| < w``), in rows with at least two such keys."""
+    i = torch.arange(segment_length).view(-1, 1)
+    j = torch.arange(segment_length).view(1, -1)
+    visible = (j <= i) if causal else torch.ones(segment_length, segment_length, dtype=torch.bool)
+    if window is not None:
+        visible = visible & ((i - j).abs() < window)
+    return visible & (visible.sum(-1, keepdim=True) >= 2)
+
+
+def segment_representations(scores: torch.Tensor, log_normaliser: torch.Tensor, entries: torch.Tensor) -> dict:
+    """The three attention representations of a segment block, float64, at its counted entries.
+
+    Args:
+        scores: ``[head, m, m]`` pre-softmax scores among the segment's tokens (``softcap(q·kᵀ·scaling)``).
+        log_normaliser: ``[head, m]`` ``log Σ_k exp(score_ik)`` over every key the row sees in the window
+            (prefix, context and segment), so ``log a_ij = score_ij − log_normaliser_i``.
+        entries: ``[m, m]`` boolean, :func:`counted_entries`.
+
+    Returns:
+        ``{"centred_logits", "conditional_weights", "raw_weights"}``, each ``[head, E]``:
+        ``score_ij − mean_{j'} score_ij'`` (over the row's counted keys; equal to ``log a_ij`` minus its row
+        mean, and free of underflow), ``a_ij / Σ_{j'} a_ij'`` and ``a_ij``.
+    """
+    scores = scores.to(torch.float64)
+    mask = entries.to(scores.device)
+    hidden = ~mask
+    in_row = mask.sum(-1).clamp_min(1).to(torch.float64)
+    row_mean = scores.masked_fill(hidden, 0.0).sum(-1) / in_row
+    centred = scores - row_mean.unsqueeze(-1)
+    conditional = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1).nan_to_num(0.0)
+    raw = torch.exp(scores - log_normaliser.to(torch.float64).unsqueeze(-1))
+    return {"centred_logits": centred[:, mask], "conditional_weights": conditional[:, mask], "raw_weights": raw[:, mask]}
+
+
+def add_to_cell(cell: dict, values: torch.Tensor, offset_index: int, n_offsets: int) -> None:
+    """Add ``values: [head, E]`` of the current context at one offset to ``cell`` (empty before the first: the
+    values become its shift ``c``)."""
+    y = values.detach().to(torch.float64)
+    if not cell:
+        cell["shift"] = y.clone()
+        cell["by_offset"] = torch.zeros((y.shape[0], n_offsets, y.shape[1]), dtype=torch.float64, device=y.device)
+        for name in ("deviation", "square", "context_row", "context_square"):
+            cell[name] = torch.zeros_like(y)
+    centred = y - cell["shift"]
+    cell["by_offset"][:, offset_index] += y
+    cell["deviation"] += centred
+    cell["square"] += centred * centred
+    cell["context_row"] += centred
+
+
+def end_context_of_cell(cell: dict) -> None:
+    """Close the current context of ``cell``: ``context_square += context_row²``, and a new row."""
+    if cell:
+        cell["context_square"] += cell["context_row"] * cell["context_row"]
+        cell["context_row"].zero_()
+
+
+def grid_sums(cells: dict, n_layers: int, n_heads: int, n_contexts: int, n_offsets: int) -> dict:
+    """A finished grid's :data:`DECOMPOSITION_SUMS` from its cells (``cells[(representation, layer)]``).
+
+    Returns:
+        ``{"{representation}/{name}": [layer, head]}`` float64 on the CPU (``[layer, 1]`` for the residual
+        stream; zeros for a layer without a cell), with ``F`` contexts and ``S`` offsets, ``N = F·S`` cells and
+        ``Ȳ_e`` the entry's mean: ``count = N·E``, ``total = Σ_e N·(Ȳ_e − c_e)``, ``cell_square = Σ_e N·(Ȳ_e − c_e)²``
+        (written with ``Ȳ_e`` for the shift), ``within = Σ (Y − Ȳ_e)²``, ``offset = F·Σ_{e,s} (Ȳ_es − Ȳ_e)²`` and
+        ``context = S·Σ_{e,f} (Ȳ_ef − Ȳ_e)²``.
+    """
+    cells_in_grid = n_contexts * n_offsets
+    out = {}
+    for representation in REPRESENTATIONS:
+        heads = 1 if representation == "residual" else n_heads
+        values = {name: torch.zeros((n_layers, heads), dtype=torch.float64) for name in DECOMPOSITION_SUMS}
+        for layer in range(n_layers):
+            cell = cells.get((representation, layer))
+            if not cell:
+                continue
+            delta = cell["deviation"] / cells_in_grid              # [head, E]: Ȳ_ge − c_e
+            mean = cell["shift"] + delta                          # Ȳ_ge
+            values["count"][layer] = cells_in_grid * mean.shape[-1]
+            values["total"][layer] = (cells_in_grid * mean).sum(-1).cpu()
+            values["cell_square"][layer] = (cells_in_grid * mean * mean).sum(-1).cpu()
+            values["within"][layer] = (cell["square"] - cells_in_grid * delta * delta).clamp_min(0).sum(-1).cpu()
+            offset_means = cell["by_offset"] / n_contexts - mean.unsqueeze(1)  # [head, S, E]
+            values["offset"][layer] = (n_contexts * (offset_means * offset_means).sum((1, 2))).cpu()
+            context = (cell["context_square"] - n_contexts * n_offsets**2 * delta * delta).clamp_min(0)
+            values["context"][layer] = (context.sum(-1) / n_offsets).cpu()
+        for name, value in values.items():
+            out[representation + "/" + name] = value
+    return out
+
+
+def new_prediction_sums(n_offsets: int) -> dict:
+    """One segment's :data:`PREDICTION_SUMS`, zero, float64 on the CPU."""
+    return {name: torch.zeros((n_offsets,) * rank, dtype=torch.float64) for name, rank in PREDICTION_SUMS}
+
+
+#: Positions per chunk of the predictions' divergences: every temporary over the vocabulary is
+#: ``chunk × vocab`` (8 MB for Gemma 3's 262,144 tokens in float32) rather than ``m × vocab``. Measured on one
+#: CPU core at ``m = 64``, a pair of Gemma-sized distributions took 152 ms with whole-segment temporaries and
+#: 44–62 ms in chunks of 8 positions (fewer pages to fault in, a smaller working set).
+PREDICTION_CHUNK = 8
+
+
+def _negentropy(probabilities: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """``Σ p log p`` over the last axis as float64 ``[...]``, from both forms of one distribution: a dot product
+    (one pass). A ``−inf`` log-probability (a logit the model masks) makes ``0 · −inf`` NaN there; those rows are
+    summed again with ``xlogy``, which counts ``0 · log 0`` as 0."""
+    value = torch.linalg.vecdot(probabilities, log_probs)
+    broken = value.isnan()
+    if bool(broken.any()):
+        value[broken] = torch.special.xlogy(probabilities[broken], probabilities[broken]).sum(-1)
+    return value.to(torch.float64)
+
+
+def next_token_distribution(log_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p, Σ p·log p)`` of ``log_probs: [..., vocab]``: the probabilities in their dtype (float32, or float64
+    for a float64 model) and the negative entropy per distribution, as float64.
+
+    Sums run in the probabilities' dtype: a float32 sum over a 262,144-token vocabulary is off by about 1e-7 of
+    the entropy (so JS is resolved to about 1e-6 nats), and summing in float64 would cast every term first,
+    which costs more than the rest of the divergence on a CPU."""
+    probabilities = log_probs.exp()
+    return probabilities, _negentropy(probabilities, log_probs)
+
+
+def _middle_negentropy(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``Σ m log m`` with ``m = (p + q)/2`` over the last axis, float64 ``[...]``: the only term of a Jensen–Shannon
+    divergence that needs both distributions. ``m`` is clamped to the dtype's smallest normal number inside the
+    logarithm only, so a vocabulary entry where both are 0 adds ``0 · log(tiny) = 0``."""
+    middle = torch.add(p, q).mul_(0.5)
+    log_middle = middle.clamp_min(torch.finfo(middle.dtype).tiny).log_()
+    return torch.linalg.vecdot(middle, log_middle).to(torch.float64)
+
+
+def jensen_shannon_from(p: tuple[torch.Tensor, torch.Tensor], q: tuple[torch.Tensor, torch.Tensor],
+                        chunk: int = PREDICTION_CHUNK) -> torch.Tensor:
+    """``JS(p, q) = ½·Σ p log p + ½·Σ q log q − Σ m log m``, ``m = (p + q)/2`` (the same as ``½·KL(p‖m) + ½·KL(q‖m)``),
+    from two :func:`next_token_distribution` ``([n, vocab], [n])``: one logarithm per vocabulary entry and pair,
+    since each distribution's own ``Σ p log p`` is computed once; ``chunk`` rows at a time
+    (:data:`PREDICTION_CHUNK`). Float64 ``[n]`` in ``[0, log 2]``."""
+    rows = p[0].shape[0]
+    middle = (torch.cat([_middle_negentropy(p[0][a : a + chunk], q[0][a : a + chunk]) for a in range(0, rows, chunk)])
+              if rows else p[1].new_zeros(0))
+    return (0.5 * (p[1] + q[1]) - middle).clamp(0.0, math.log(2.0))
+
+
+def add_prediction_sums(sums: dict, latest: list, current: dict, offset_index: int, log_probs: torch.Tensor,
+                        targets: torch.Tensor) -> None:
+    """Add one window's next-token predictions to a segment's prediction sums.
+
+    Runs :data:`PREDICTION_CHUNK` positions at a time: each chunk's probabilities are paired with the previous
+    context's at this offset and with the current context's at the offsets already added, then written over the
+    previous context's chunk, which no later pair needs. So a segment holds ``S`` distributions, never ``S + 1``,
+    and no temporary spans more than a chunk of the vocabulary.
+
+    Args:
+        sums: :func:`new_prediction_sums` (tensors; updated in place).
+        latest: per offset, the latest context's :func:`next_token_distribution` or ``None`` (updated; its
+            tensors are overwritten in place).
+        current: ``{offset index: distribution}`` of the current context's offsets so far (updated).
+        offset_index: the window's offset.
+        log_probs: ``[m − 1, vocab]`` next-token log-probabilities at the segment's positions but the last.
+        targets: ``[m − 1]`` the segment's own next tokens.
+    """
+    log_probs = log_probs.detach()
+    if log_probs.dtype != torch.float64:
+        log_probs = log_probs.to(torch.float32)
+    n = int(targets.numel())
+    nll = -log_probs.gather(-1, targets.to(log_probs.device).view(-1, 1)).to(torch.float64).sum()
+    sums["nll_sum"][offset_index] += float(nll)
+    sums["nll_count"][offset_index] += n
+    previous = latest[offset_index]  # the previous context at this offset: a consecutive pair of contexts
+    kept = previous if previous is not None else (
+        torch.empty_like(log_probs), torch.empty(log_probs.shape[:-1], dtype=torch.float64, device=log_probs.device))
+    others = sorted(current.items())
+    context_sum = 0.0
+    offset_sums = [0.0] * len(others)
+    for first in range(0, n, PREDICTION_CHUNK):
+        rows = slice(first, first + PREDICTION_CHUNK)
+        mine = next_token_distribution(log_probs[rows])
+        if previous is not None:
+            context_sum += float(jensen_shannon_from((previous[0][rows], previous[1][rows]), mine).sum())
+        for k, (_, theirs) in enumerate(others):
+            offset_sums[k] += float(jensen_shannon_from((theirs[0][rows], theirs[1][rows]), mine).sum())
+        kept[0][rows].copy_(mine[0])
+        kept[1][rows] = mine[1]
+    if previous is not None:
+        sums["js_context_sum"][offset_index] += context_sum
+        sums["js_context_count"][offset_index] += n
+    for (other, _), value in zip(others, offset_sums):
+        low, high = min(other, offset_index), max(other, offset_index)
+        sums["js_offset_sum"][low, high] += value
+        sums["js_offset_count"][low, high] += n
+    current[offset_index] = kept
+    latest[offset_index] = kept
