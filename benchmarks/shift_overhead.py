@@ -6,13 +6,13 @@ Both routes run the same windows ``(g, f, s)`` of the packaged Gemma 3 270M (sdp
 default device): ``forward`` is the model's own forward pass with the LM head on the segment's positions
 only (``logits_to_keep=m``) and nothing read; ``shift`` is :meth:`EquivarianceProbe.shift`. Each round runs
 them back to back in one process and prints the ratio; then each route runs once more in a fresh process
-for its peak RSS (``ru_maxrss``, which cannot be reset inside one process).
+for its peak RSS (Linux ``VmHWM``: the high-water mark of the process's own memory, which starts afresh at
+``exec``; ``ru_maxrss`` does not: a child started from this process would inherit this process's peak).
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -49,15 +49,20 @@ def shift(probe, segments, contexts, offsets) -> None:
     probe.shift(segments, contexts, offsets=offsets, segment_length=64, progress=False)
 
 
+def high_water_mib() -> float:
+    """The process's peak resident memory so far, MiB (``VmHWM``)."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
+
+
 def one(route: str, n_segments: int, n_contexts: int) -> None:
     model, probe, segments, contexts, offsets, grid = design(n_segments, n_contexts)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = high_water_mib()
     start, cpu = time.perf_counter(), time.process_time()
     forward_passes(model, grid) if route == "forward" else shift(probe, segments, contexts, offsets)
     # CPU seconds too: on a shared machine the wall time measures the neighbours as much as the route.
     print(json.dumps({"route": route, "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
-                      "peak_rss_mib": resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss / 1024, "rss_before_mib": before / 1024, "windows": grid.forward_passes()}))
+                      "peak_rss_mib": high_water_mib(), "rss_before_mib": before, "windows": grid.forward_passes()}))
 
 
 def main() -> None:

@@ -321,9 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: refused, naming how many are shared)")
 
     show = command("show", "print the headline numbers of result files",
-                   "Reads each file's header only: instant, whatever the file's size.")
+                   "Reads each file's header only: instant, whatever the file's size. Shift results "
+                   "(shift_<variant>.safetensors, from 'shift') print as one table, a row per file, read whole.")
     show.set_defaults(handler=_show)
-    show.add_argument("results", nargs="+", help="result files (any format version), one column each")
+    show.add_argument("results", nargs="+", help="result files (any format version), one column each; or shift "
+                                                 "results, one row each")
     add_shared_options(show, "json", differ={"json": ({"help": "print the stored summaries as JSON instead of a table"},
                                                       "the whole stored summary and metadata of each file")})
     show.add_argument("--verify", action="store_true",
@@ -619,10 +621,21 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from .records.container import file_kind, header_kind
     from .result import ProbeResult
     from .runs.study import BASELINES
     from .runs.tables import summary_table
+    from .shift_result import SHIFT_KIND
 
+    for path in args.results:
+        file_kind(path)  # a file that cannot be read is named as such, whatever kind the others are
+    shift_files = [path for path in args.results if header_kind(path) == SHIFT_KIND]
+    if shift_files:
+        if len(shift_files) != len(args.results):
+            others = [str(path) for path in args.results if path not in shift_files]
+            raise InputError(f"show puts shift results and probe results in different tables; {others[0]!r} is not a "
+                             "shift result: show each kind on its own")
+        return _show_shift(args)
     results = {str(path): ProbeResult.load(path) for path in args.results}
     if args.verify:
         for result in results.values():
@@ -672,6 +685,33 @@ def _verification_note(results: dict[str, Any], verified: bool) -> str:
                  f"{'was' if len(older) == 1 else 'were'} written before per-array digests"
                  + (" (a whole-file checksum, where the format has one, was checked instead)" if verified else ""))
     return note
+
+
+def _show_shift(args: argparse.Namespace) -> int:
+    """``show`` of shift results: one row per file, labelled ``<folder>/<variant>`` (the shift command writes
+    ``shift_<variant>.safetensors``), as :func:`~equivariance_probe.runs.tables.shift_table`; every file is read
+    whole, its arrays checked against its checksum."""
+    from .runs.tables import shift_table
+    from .shift_result import ShiftResult
+
+    summaries = {}
+    for path in args.results:
+        result = ShiftResult.load(path)
+        label = f"{Path(path).resolve().parent.name}/{Path(path).stem.removeprefix('shift_')}"
+        dtype = result.metadata.get("model", {}).get("dtype")
+        summaries[label if label not in summaries else str(path)] = {**result.summary(), "file": str(path),
+                                                                     "dtype": dtype}
+    if args.json:
+        print(json.dumps(jsonable(summaries), indent=1))
+        return 0
+    for label, summary in summaries.items():
+        state = "" if summary["complete"] else " (PARTIAL: the run stopped before the end)"
+        print(f"{label}: {summary['file']}: model {summary['model']} ({summary['dtype']}), {summary['mode']} mode, "
+              f"offsets {summary['offsets']}{state}")
+    print("\nThe shift test: shares of the variance of the segment's centred attention logits and of its residual "
+          "stream, with 95 % intervals over segments where the file has them\n")
+    print(shift_table(summaries))
+    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -848,7 +888,7 @@ def _shift(args: argparse.Namespace) -> int:
     from .runs.study import check_baselines, variant_builders
     from .sources.corpus import load_corpus
     from .sources.devices import parse_dtype, resolve_device
-    from .sources.models import load_model
+    from .sources.models import PACKAGED_ENCODERS, load_model, load_positional_model
     from .sources.packing import special_prefix
     from .sources.shift_grid import default_offsets, split_documents
 
@@ -857,8 +897,15 @@ def _shift(args: argparse.Namespace) -> int:
     check_baselines(args.baselines)
     # Loaded as run_study loads it: the Hugging Face model wrapped for --framework; each baseline is built from it
     # and wrapped the same way, so trained and baselines run through one framework.
-    model, tokenizer = load_model(args.model, args.framework, cache_dir=args.cache_dir, dtype=parse_dtype(args.dtype),
-                                  attn_implementation=args.attn_implementation, device=resolve_device(args.device))
+    if args.model in PACKAGED_ENCODERS:  # the packaged BERT encoder: the segment ends the window, attention both ways
+        if args.framework != "huggingface":
+            raise InputError(f"the packaged encoder {args.model!r} runs as a Hugging Face model only; drop --framework "
+                             f"{args.framework}")
+        model, tokenizer = load_positional_model(args.model, cache_dir=args.cache_dir)
+        model = model.to(device=resolve_device(args.device), dtype=parse_dtype(args.dtype))
+    else:
+        model, tokenizer = load_model(args.model, args.framework, cache_dir=args.cache_dir, dtype=parse_dtype(args.dtype),
+                                      attn_implementation=args.attn_implementation, device=resolve_device(args.device))
     probe = EquivarianceProbe(model, tokenizer=tokenizer)
     offsets = args.offsets or default_offsets(probe.adapter.layout.max_context, len(special_prefix(tokenizer)),
                                               args.segment_length, probe.adapter.layout.sliding_windows)
@@ -874,6 +921,7 @@ def _shift(args: argparse.Namespace) -> int:
         results[name] = EquivarianceProbe(build(), tokenizer=tokenizer).shift(
             segments, None if args.mode == "position_ids" else contexts,
             progress=False if args.no_progress else f"{name}: segments", **options)
+        results[name].metadata["study"] = {"model": args.model, "variant": name}  # as the user named them
         wrote.append(results[name].save(out / f"shift_{name}.safetensors"))
     if not args.no_figures:
         wrote += _shift_display(out, probe, results, segments, None if args.mode == "position_ids" else contexts,

@@ -41,7 +41,7 @@ from .maths.persistence import PersistenceCurves, lag_curves, persistence_curves
 from .records.result_file import FORMAT_VERSION, ResultFile, open_result_file, write_result_file
 from .records.sharding import merged_provenance
 from .sources.packing import merged_windows_record
-from .sources.registry import name_of_converted_copy
+from .sources.registry import display_name
 from .statistics import AttentionStatistics
 from .statistics.masks import key_bin_edges, lag_values, layer_groups
 
@@ -154,11 +154,7 @@ class ProbeResult:
         name such as ``gemma-3-270m``, or the path as given), else the packaged name of a converted
         copy, else the name the model carries. ``metadata["model"]["name"]`` keeps where the
         weights were loaded from (for a packaged model, its converted copy in the cache)."""
-        study = self.metadata.get("study") or {}
-        if study.get("model"):
-            return str(study["model"])
-        name = str((self.metadata.get("model") or {}).get("name", "?"))
-        return name_of_converted_copy(name) or name
+        return display_name(self.metadata)
 
     @property
     def context_length(self) -> int:

@@ -35,10 +35,11 @@ from .maths import shift as decomposition
 from .maths.intervals import Interval, format_interval, jackknife_interval
 from .records.container import read_container, read_tensors, tensor_checksum, write_container
 from .records.fileformat import jsonable
+from .sources.registry import display_name
 from .statistics.masks import layer_groups
 from .statistics.shift import REPRESENTATIONS, SHIFT_ARRAYS, ShiftStatistics
 
-__all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE"]
+__all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell"]
 
 #: The ``kind`` of a shift result file's header.
 SHIFT_KIND = "equivariance_probe.ShiftResult"
@@ -94,7 +95,9 @@ class ShiftResult:
 
     @property
     def model_name(self) -> str:
-        return str(self.metadata.get("model", {}).get("name", "?"))
+        """The model as the user named it (:func:`~equivariance_probe.sources.registry.display_name`: the command's
+        ``--model``, else a packaged model's name rather than its converted copy's path)."""
+        return display_name(self.metadata)
 
     def layer_groups(self) -> dict[str, tuple[int, ...]]:
         """``{"all": ...}``, plus ``"sliding"`` and ``"global"`` for a model with both kinds of layer."""
@@ -352,13 +355,13 @@ class ShiftResult:
         header = f"  {'representation':<20}" + "".join(f"{t.replace('_eta2', ' η²'):>32}" for t in terms) + f"{'offset RMS':>32}"
         lines.append(header)
         for rep, numbers in summary["representations"].items():
-            cells = "".join(f"{_cell(numbers[t]):>32}" for t in terms + ["offset_rms"])
+            cells = "".join(f"{number_cell(numbers[t]):>32}" for t in terms + ["offset_rms"])
             lines.append(f"  {rep:<20}{cells}  {numbers['unit']}")
         for rep, numbers in summary["representations"].items():
             groups = numbers["offset_eta2_by_layer_group"] or {}
             if len(groups) > 1:
                 lines.append(f"  {rep} offset η² by layer group: "
-                             + ", ".join(f"{g} {_cell(v)}" for g, v in groups.items()))
+                             + ", ".join(f"{g} {number_cell(v)}" for g, v in groups.items()))
         if summary["undefined"]:
             lines.append("  undefined: " + "; ".join(f"{rep} ({why})" for rep, why in summary["undefined"].items()))
         predictions = summary.get("predictions")
@@ -367,12 +370,12 @@ class ShiftResult:
             estimates = loss["estimate"] if isinstance(loss, dict) else loss
             lines.append("  next-token loss by offset (nats): "
                          + ", ".join(f"{s}: {v:.3f}" for s, v in zip(summary["offsets"], estimates)))
-            lines.append(f"  Jensen–Shannon between offsets {_cell(predictions['js_offset'])}, between contexts "
-                         f"{_cell(predictions['js_context'])}, ratio {_cell(predictions['js_ratio'])}")
+            lines.append(f"  Jensen–Shannon between offsets {number_cell(predictions['js_offset'])}, between contexts "
+                         f"{number_cell(predictions['js_context'])}, ratio {number_cell(predictions['js_ratio'])}")
         check = summary.get("check") or {}
         if check:
             verdict = {True: "passed", False: "NOT passed", None: "not judged"}[check.get("passed")]
-            lines.append(f"  check: {check.get('description', '')}: {_cell(check.get('value'))} ({verdict}; "
+            lines.append(f"  check: {check.get('description', '')}: {number_cell(check.get('value'))} ({verdict}; "
                          f"{check.get('expected')}; tolerance {check.get('tolerance')})")
         if not summary["complete"]:
             lines.append("  PARTIAL: the run stopped before every segment was measured")
@@ -386,7 +389,7 @@ class ShiftResult:
         residual = self.share("residual", "offset")
         return (f"ShiftResult(model={self.model_name!r}, {self.mode} mode, {self.n_segments} segments × "
                 f"{self.config.n_contexts} contexts × {len(self.offsets)} offsets; centred logits: offset η²="
-                f"{_cell(eta)}, pair η²={_cell(pair)}; residual offset η²={_cell(residual)})")
+                f"{number_cell(eta)}, pair η²={number_cell(pair)}; residual offset η²={number_cell(residual)})")
 
     def _repr_html_(self) -> str:
         text = html.escape(self.table())
@@ -466,13 +469,16 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _cell(value: Any) -> str:
+def number_cell(value: Any) -> str:
     """A number, ``number [low, high]``, or ``undefined``."""
     if isinstance(value, Interval):
         value = value.to_dict()
     if isinstance(value, dict) and "estimate" in value:
         if value["estimate"] is None:
             return "undefined"
+        if 0 < abs(value["estimate"]) < 1e-3:  # rounding-level shares (position ids under rotary positions)
+            return "{} [{}, {}]".format(*(f"{v:.2e}" if v is not None else "n/a"
+                                          for v in (value["estimate"], value["low"], value["high"])))
         return format_interval(value["estimate"], value["low"], value["high"])
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "undefined"

@@ -47,6 +47,7 @@ __all__ = [
     "HEADER_KEY",
     "Container",
     "file_kind",
+    "header_kind",
     "write_container",
     "read_container",
     "read_tensors",
@@ -88,6 +89,19 @@ def file_kind(path: str | os.PathLike) -> str:
     if head.lstrip()[:1] in (b"{", b"["):
         return "json"
     return "unknown"
+
+
+def header_kind(path: str | os.PathLike) -> str | None:
+    """The ``kind`` a file of the family names in its header (``"equivariance_probe.ShiftResult"`` ...), read from
+    the header alone; ``None`` for any other file. Nothing is checked: :func:`read_container` does that."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="np") as handle:
+            kind = json.loads((handle.metadata() or {}).get(HEADER_KEY, "{}")).get("kind")
+    except Exception:  # noqa: BLE001 - any file that is not ours has no kind; reading it properly names the fault
+        return None
+    return kind if isinstance(kind, str) else None
 
 
 def header_checksum(header: Mapping[str, Any]) -> str:

@@ -21,9 +21,10 @@ from ..errors import IncompatibleResultsError, IntervalUnavailableError
 from ..maths import fitting, metrics
 from ..maths.intervals import format_interval, is_undefined, windows_for_half_width
 from ..result import DIFFERENCE_STATISTICS, SUMMARY_LEVEL, TARGET_HALF_WIDTH, ProbeResult, paired_differences
+from ..shift_result import number_cell
 
 __all__ = ["csv_text", "summary_table", "summary_rows", "difference_table", "paired_rows", "windows_needed_text", "summary_value",
-           "interval_bounds", "row_cell", "markdown_table"]
+           "interval_bounds", "row_cell", "markdown_table", "shift_table", "SHIFT_COLUMNS"]
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:
@@ -264,3 +265,59 @@ def _spread(values: Any) -> str:
     finite = np.asarray(values, dtype=np.float64)
     finite = finite[np.isfinite(finite)]
     return "n/a" if finite.size == 0 else f"{finite.min():.3f} … {finite.max():.3f}"
+
+
+#: The columns of :func:`shift_table`: a header and where its number lies in a
+#: :meth:`~equivariance_probe.ShiftResult.summary` (``None``: computed from several).
+SHIFT_COLUMNS: dict[str, tuple[str, ...] | None] = {
+    "mode": ("mode",),
+    "segments × contexts × offsets": None,
+    "centred logits: offset η²": ("representations", "centred_logits", "offset_eta2"),
+    "context η²": ("representations", "centred_logits", "context_eta2"),
+    "pair η²": ("representations", "centred_logits", "pair_eta2"),
+    "offset RMS (nats)": ("representations", "centred_logits", "offset_rms"),
+    "residual: offset η²": ("representations", "residual", "offset_eta2"),
+    "residual: context η²": ("representations", "residual", "context_eta2"),
+    "loss at the first offset / the others (nats)": None,
+    "JS between offsets": ("predictions", "js_offset"),
+    "JS between contexts": ("predictions", "js_context"),
+    "JS ratio": ("predictions", "js_ratio"),
+    "layer-0 check": None,
+}
+
+
+def shift_table(summaries: dict[str, dict[str, Any]]) -> str:
+    """Markdown table of :meth:`~equivariance_probe.ShiftResult.summary` dicts, one row per label (e.g.
+    ``"gemma-3-270m float32 / trained"``), one column per :data:`SHIFT_COLUMNS` entry: the shares of the centred
+    logits and of the residual stream, the size of the offset effect, the loss and divergences of the predictions,
+    and the built-in check. Cells hold ``estimate [low, high]`` where the summary has an interval, ``undefined``
+    for a share whose total is zero, ``–`` for what a run did not measure (no predictions; no contexts in
+    ``position_ids`` mode)."""
+    rows = []
+    for label, summary in summaries.items():
+        cells = []
+        for column, path in SHIFT_COLUMNS.items():
+            if column == "segments × contexts × offsets":
+                cells.append(f"{summary['n_segments']} × {summary['n_contexts']} × {len(summary['offsets'])}")
+            elif column.startswith("loss at"):
+                loss = (summary.get("predictions") or {}).get("loss_by_offset")
+                estimates = loss.get("estimate") if isinstance(loss, dict) else loss
+                cells.append("–" if not estimates else
+                             f"{estimates[0]:.3f} / {min(estimates[1:]):.3f}–{max(estimates[1:]):.3f}")
+            elif column == "layer-0 check":
+                check = summary.get("check") or {}
+                verdict = {True: "passed", False: "NOT passed", None: "not judged"}[check.get("passed")]
+                cells.append("–" if not check else f"{number_cell(check.get('value'))} ({verdict})")
+            else:
+                value = summary_value(summary, path) if path[0] != "mode" else summary["mode"]
+                cells.append(value if isinstance(value, str) else "–" if value is None and _absent(summary, path)
+                             else number_cell(value))
+        rows.append((label, cells))
+    return markdown_table([""], list(SHIFT_COLUMNS), rows)
+
+
+def _absent(summary: dict[str, Any], path: tuple[str, ...]) -> bool:
+    """Whether ``path`` names something the run did not measure (rather than a share that is undefined)."""
+    if path[0] == "predictions":
+        return "predictions" not in summary
+    return path[-1] == "context_eta2" and summary.get("mode") == "position_ids"

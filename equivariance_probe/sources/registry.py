@@ -41,6 +41,7 @@ __all__ = [
     "model_spec",
     "registered_names",
     "name_of_converted_copy",
+    "display_name",
     "file_sha256",
     "verify_file",
 ]
@@ -282,6 +283,17 @@ def name_of_converted_copy(path: str | Path) -> str | None:
     """
     folder = Path(str(path)).name
     return next((spec.name for spec in _ENTRIES if spec.cache_folder == folder), None)
+
+
+def display_name(metadata: dict) -> str:
+    """A result's model as the user named it, for display: the run's ``metadata["study"]["model"]`` (a packaged
+    name such as ``gemma-3-270m``, or the path as given), else the packaged name of a converted copy, else the
+    name the model carries (``metadata["model"]["name"]``, where its weights were loaded from)."""
+    study = metadata.get("study") or {}
+    if study.get("model"):
+        return str(study["model"])
+    name = str((metadata.get("model") or {}).get("name", "?"))
+    return name_of_converted_copy(name) or name
 
 
 def model_spec(name: str) -> ModelSpec:
