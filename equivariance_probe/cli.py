@@ -694,8 +694,12 @@ def _show_shift(args: argparse.Namespace) -> int:
     from .runs.tables import shift_table
     from .shift_result import ShiftResult
 
+    # The study's order whatever the shell's glob gave: folders as given, in each the trained model first.
+    folders = list(dict.fromkeys(Path(path).resolve().parent for path in args.results))
+    ordered = sorted(args.results, key=lambda path: (folders.index(Path(path).resolve().parent),
+                                                     Path(path).stem != "shift_trained"))
     summaries = {}
-    for path in args.results:
+    for path in ordered:
         result = ShiftResult.load(path)
         label = f"{Path(path).resolve().parent.name}/{Path(path).stem.removeprefix('shift_')}"
         dtype = result.metadata.get("model", {}).get("dtype")

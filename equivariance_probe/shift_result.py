@@ -50,8 +50,8 @@ SHARE_BY = (None, "layer", "head", "layer_group")
 UNITS = {"centred_logits": "nats", "conditional_weights": "weight", "raw_weights": "weight",
          "residual": "residual-stream units"}
 OFFSET_MEANING = {
-    "text": "the offset is the segment's position AND the amount of text before it (a causal model's text cannot "
-            "move without more or less text preceding it)",
+    "text": "the offset is the segment's position AND the amount of text before it (a text that ends the window "
+            "cannot move without more or less text preceding it)",
     "position_ids": "the offset moves only the position ids of the prefix and segment; the tokens are the same",
 }
 

@@ -225,18 +225,18 @@ def test_command_line_writes_results_and_prints_a_table_or_json(tiny_model_folde
     assert main(["shift", "-o", str(tmp_path / "c"), *common, "--offsets", "7"]) == 2
     assert "at least two distinct" in capsys.readouterr().err
     # show: the shift results side by side, one row per file, as the study's guide prints them.
-    files = [tmp_path / "a" / "shift_trained.safetensors", tmp_path / "a" / "shift_random_init.safetensors",
-             tmp_path / "b" / "shift_trained.safetensors"]
+    files = [tmp_path / "a" / "shift_random_init.safetensors", tmp_path / "a" / "shift_trained.safetensors",
+             tmp_path / "b" / "shift_trained.safetensors"]  # as a shell's glob gives them
     assert main(["show", *map(str, files)]) == 0
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith(("| a/", "| b/"))]
-    assert [row[1].strip() for row in rows] == ["a/trained", "a/random_init", "b/trained"]
+    assert [row[1].strip() for row in rows] == ["a/trained", "a/random_init", "b/trained"]  # trained first in a folder
     summary = trained.summary()
     assert rows[0][2].strip() == "text" and rows[0][3].strip() == "3 × 2 × 3"
     assert rows[0][4].strip() == number_cell(summary["representations"]["centred_logits"]["offset_eta2"])
     assert rows[0][8].strip() == number_cell(summary["representations"]["residual"]["offset_eta2"])
     assert rows[2][2].strip() == "position_ids" and rows[2][5].strip() == "–"  # one context: no context share
-    assert main(["show", str(files[0]), str(tmp_path / "a" / "shift_trained.safetensors.missing")]) == 2
-    assert main(["show", "--json", str(files[0])]) == 0
+    assert main(["show", str(files[1]), str(tmp_path / "a" / "shift_trained.safetensors.missing")]) == 2
+    assert main(["show", "--json", str(files[1])]) == 0
     assert json.loads(capsys.readouterr().out)["a/trained"]["n_segments"] == 3
 
 
