@@ -4,7 +4,8 @@
 
 The model is Llama 2 7B's shape (hidden 4096, 32 heads, MLP 11008, vocabulary 32,000, 4096 positions) with
 random weights (memory does not depend on their values), cut to a few layers so that it fits and runs on a CPU.
-Each (layers, route) pair runs in its own process, so each peak (``ru_maxrss``, never reset) is that run's alone:
+Each (layers, route) pair runs in its own process, its peak resident memory (``VmHWM``) reset once the model is
+built, so each peak is that run's alone:
 ``forward`` is the model's forward passes over the grid with the LM head on the segment's positions, ``shift``
 is :meth:`EquivarianceProbe.shift` on the same grid (1 segment × 2 contexts × 6 offsets from 0 to 959, a
 64-token segment; token ids drawn at random, no special prefix). Weights, activations and the shift test's
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 
@@ -34,7 +34,22 @@ def model_of(n_layers: int, dtype: torch.dtype):
 
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPE, num_hidden_layers=n_layers, attn_implementation="sdpa")
-    return LlamaForCausalLM(config).to(dtype).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in its dtype: no float32 copy to cast from
+    try:
+        return LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def high_water_mib(reset: bool = False) -> float:
+    """The process's peak resident memory (``VmHWM``, MiB); ``reset`` starts it afresh from the current resident
+    memory (writing 5 to ``/proc/self/clear_refs``, Linux 4.0+), so that a run's peak is its own, not loading's."""
+    if reset:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as stream:
+            stream.write("5")
+    with open("/proc/self/status", encoding="ascii") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
 
 def design():
@@ -48,8 +63,8 @@ def one(route: str, n_layers: int, dtype: torch.dtype) -> dict:
     from equivariance_probe import EquivarianceProbe
 
     model = model_of(n_layers, dtype)
-    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     segments, contexts = design()
+    loaded = high_water_mib(reset=True)
     if route == "forward":
         with torch.no_grad():
             for context in contexts:
@@ -60,7 +75,7 @@ def one(route: str, n_layers: int, dtype: torch.dtype) -> dict:
         EquivarianceProbe(model).shift(segments, contexts, offsets=OFFSETS, segment_length=SEGMENT_LENGTH,
                                        progress=False)
     return {"route": route, "layers": n_layers, "loaded_mib": loaded,
-            "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_mib": high_water_mib()}
 
 
 def state_mib(n_layers: int, n_offsets: int = len(OFFSETS), m: int = SEGMENT_LENGTH) -> dict:
