@@ -288,7 +288,9 @@ SEGMENT_FUNCTIONS = (
     "equivariance_probe.statistics.engines.shift_sums.end_context_of_cell",
     "equivariance_probe.statistics.engines.shift_sums.grid_sums",
     "equivariance_probe.statistics.engines.shift_sums.new_prediction_sums",
+    "equivariance_probe.statistics.engines.shift_sums.negentropy",
     "equivariance_probe.statistics.engines.shift_sums.next_token_distribution",
+    "equivariance_probe.statistics.engines.shift_sums.middle_negentropy",
     "equivariance_probe.statistics.engines.shift_sums.jensen_shannon_from",
     "equivariance_probe.statistics.engines.shift_sums.add_prediction_sums",
 )

@@ -31,7 +31,9 @@ __all__ = [
     "end_context_of_cell",
     "grid_sums",
     "new_prediction_sums",
+    "negentropy",
     "next_token_distribution",
+    "middle_negentropy",
     "jensen_shannon_from",
     "add_prediction_sums",
     "PREDICTION_CHUNK",
@@ -152,7 +154,7 @@ def new_prediction_sums(n_offsets: int) -> dict:
 PREDICTION_CHUNK = 8
 
 
-def _negentropy(probabilities: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+def negentropy(probabilities: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
     """``Σ p log p`` over the last axis as float64 ``[...]``, from both forms of one distribution: a dot product
     (one pass). A ``−inf`` log-probability (a logit the model masks) makes ``0 · −inf`` NaN there; those rows are
     summed again with ``xlogy``, which counts ``0 · log 0`` as 0."""
@@ -171,10 +173,10 @@ def next_token_distribution(log_probs: torch.Tensor) -> tuple[torch.Tensor, torc
     the entropy (so JS is resolved to about 1e-6 nats), and summing in float64 would cast every term first,
     which costs more than the rest of the divergence on a CPU."""
     probabilities = log_probs.exp()
-    return probabilities, _negentropy(probabilities, log_probs)
+    return probabilities, negentropy(probabilities, log_probs)
 
 
-def _middle_negentropy(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+def middle_negentropy(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``Σ m log m`` with ``m = (p + q)/2`` over the last axis, float64 ``[...]``: the only term of a Jensen–Shannon
     divergence that needs both distributions. ``m`` is clamped to the dtype's smallest normal number inside the
     logarithm only, so a vocabulary entry where both are 0 adds ``0 · log(tiny) = 0``."""
@@ -190,7 +192,7 @@ def jensen_shannon_from(p: tuple[torch.Tensor, torch.Tensor], q: tuple[torch.Ten
     since each distribution's own ``Σ p log p`` is computed once; ``chunk`` rows at a time
     (:data:`PREDICTION_CHUNK`). Float64 ``[n]`` in ``[0, log 2]``."""
     rows = p[0].shape[0]
-    middle = (torch.cat([_middle_negentropy(p[0][a : a + chunk], q[0][a : a + chunk]) for a in range(0, rows, chunk)])
+    middle = (torch.cat([middle_negentropy(p[0][a : a + chunk], q[0][a : a + chunk]) for a in range(0, rows, chunk)])
               if rows else p[1].new_zeros(0))
     return (0.5 * (p[1] + q[1]) - middle).clamp(0.0, math.log(2.0))
 
