@@ -4,8 +4,8 @@
 
 The model is Llama 2 7B's shape (hidden 4096, 32 heads, MLP 11008, vocabulary 32,000, 4096 positions) with
 random weights (memory does not depend on their values), cut to a few layers so that it fits and runs on a CPU.
-Each (layers, route) pair runs in its own process, its peak resident memory (``VmHWM``) reset once the model is
-built, so each peak is that run's alone:
+Each (layers, route) pair runs in its own process, its peak resident memory taken over the run with the model
+built (:class:`~equivariance_probe.sources.resources.PeakMemory`), so each peak is that run's alone:
 ``forward`` is the model's forward passes over the grid with the LM head on the segment's positions, ``shift``
 is :meth:`EquivarianceProbe.shift` on the same grid (1 segment × 2 contexts × 6 offsets from 0 to 959, a
 64-token segment; token ids drawn at random, no special prefix). Weights, activations and the shift test's
@@ -42,16 +42,6 @@ def model_of(n_layers: int, dtype: torch.dtype):
         torch.set_default_dtype(default)
 
 
-def high_water_mib(reset: bool = False) -> float:
-    """The process's peak resident memory (``VmHWM``, MiB); ``reset`` starts it afresh from the current resident
-    memory (writing 5 to ``/proc/self/clear_refs``, Linux 4.0+), so that a run's peak is its own, not loading's."""
-    if reset:
-        with open("/proc/self/clear_refs", "w", encoding="ascii") as stream:
-            stream.write("5")
-    with open("/proc/self/status", encoding="ascii") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
-
-
 def design():
     generator = torch.Generator().manual_seed(1)
     segment = torch.randint(3, SHAPE["vocab_size"], (SEGMENT_LENGTH,), generator=generator).tolist()
@@ -60,11 +50,18 @@ def design():
 
 
 def one(route: str, n_layers: int, dtype: torch.dtype) -> dict:
-    from equivariance_probe import EquivarianceProbe
+    from equivariance_probe.sources.resources import PeakMemory
 
     model = model_of(n_layers, dtype)
     segments, contexts = design()
-    loaded = high_water_mib(reset=True)
+    with PeakMemory() as peak:
+        run(route, model, segments, contexts)
+    return {"route": route, "layers": n_layers, "peak_mib": peak.bytes / 2**20, "peak_method": peak.method}
+
+
+def run(route: str, model, segments, contexts) -> None:
+    from equivariance_probe import EquivarianceProbe
+
     if route == "forward":
         with torch.no_grad():
             for context in contexts:
@@ -74,8 +71,6 @@ def one(route: str, n_layers: int, dtype: torch.dtype) -> dict:
     else:
         EquivarianceProbe(model).shift(segments, contexts, offsets=OFFSETS, segment_length=SEGMENT_LENGTH,
                                        progress=False)
-    return {"route": route, "layers": n_layers, "loaded_mib": loaded,
-            "peak_mib": high_water_mib()}
 
 
 def state_mib(n_layers: int, n_offsets: int = len(OFFSETS), m: int = SEGMENT_LENGTH) -> dict:

@@ -6,8 +6,9 @@ Both routes run the same windows ``(g, f, s)`` of the packaged Gemma 3 270M (sdp
 default device): ``forward`` is the model's own forward pass with the LM head on the segment's positions
 only (``logits_to_keep=m``) and nothing read; ``shift`` is :meth:`EquivarianceProbe.shift`. Each round runs
 them back to back in one process and prints the ratio; then each route runs once more in a fresh process
-for its peak RSS (Linux ``VmHWM``: the high-water mark of the process's own memory, which starts afresh at
-``exec``; ``ru_maxrss`` does not: a child started from this process would inherit this process's peak).
+for its peak RSS over the route, the model loaded (:class:`~equivariance_probe.sources.resources.PeakMemory`:
+Linux ``VmHWM`` reset before the route; ``ru_maxrss`` would not do, as a child started from this process
+inherits this process's peak).
 """
 
 from __future__ import annotations
@@ -49,20 +50,17 @@ def shift(probe, segments, contexts, offsets) -> None:
     probe.shift(segments, contexts, offsets=offsets, segment_length=64, progress=False)
 
 
-def high_water_mib() -> float:
-    """The process's peak resident memory so far, MiB (``VmHWM``)."""
-    with open("/proc/self/status", encoding="ascii") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
-
-
 def one(route: str, n_segments: int, n_contexts: int) -> None:
+    from equivariance_probe.sources.resources import PeakMemory
+
     model, probe, segments, contexts, offsets, grid = design(n_segments, n_contexts)
-    before = high_water_mib()
-    start, cpu = time.perf_counter(), time.process_time()
-    forward_passes(model, grid) if route == "forward" else shift(probe, segments, contexts, offsets)
+    with PeakMemory() as peak:
+        start, cpu = time.perf_counter(), time.process_time()
+        forward_passes(model, grid) if route == "forward" else shift(probe, segments, contexts, offsets)
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
     # CPU seconds too: on a shared machine the wall time measures the neighbours as much as the route.
-    print(json.dumps({"route": route, "seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
-                      "peak_rss_mib": high_water_mib(), "rss_before_mib": before, "windows": grid.forward_passes()}))
+    print(json.dumps({"route": route, "seconds": seconds, "cpu_seconds": cpu_seconds, "peak_rss_mib": peak.bytes / 2**20,
+                      "peak_method": peak.method, "windows": grid.forward_passes()}))
 
 
 def main() -> None:

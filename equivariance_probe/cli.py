@@ -695,13 +695,13 @@ def _show_shift(args: argparse.Namespace) -> int:
     from .shift_result import ShiftResult
 
     # The study's order whatever the shell's glob gave: folders as given, in each the trained model first.
-    folders = list(dict.fromkeys(Path(path).resolve().parent for path in args.results))
-    ordered = sorted(args.results, key=lambda path: (folders.index(Path(path).resolve().parent),
-                                                     Path(path).stem != "shift_trained"))
+    folder_of = {path: Path(path).resolve().parent for path in args.results}
+    folders = list(dict.fromkeys(folder_of.values()))
+    ordered = sorted(args.results, key=lambda path: (folders.index(folder_of[path]), Path(path).stem != "shift_trained"))
     summaries = {}
     for path in ordered:
         result = ShiftResult.load(path)
-        label = f"{Path(path).resolve().parent.name}/{Path(path).stem.removeprefix('shift_')}"
+        label = f"{folder_of[path].name}/{Path(path).stem.removeprefix('shift_')}"
         dtype = result.metadata.get("model", {}).get("dtype")
         summaries[label if label not in summaries else str(path)] = {**result.summary(), "file": str(path),
                                                                      "dtype": dtype}

@@ -39,7 +39,7 @@ from .sources.registry import display_name
 from .statistics.masks import layer_groups
 from .statistics.shift import REPRESENTATIONS, SHIFT_ARRAYS, ShiftStatistics
 
-__all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell"]
+__all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell", "check_verdict"]
 
 #: The ``kind`` of a shift result file's header.
 SHIFT_KIND = "equivariance_probe.ShiftResult"
@@ -374,8 +374,7 @@ class ShiftResult:
                          f"{number_cell(predictions['js_context'])}, ratio {number_cell(predictions['js_ratio'])}")
         check = summary.get("check") or {}
         if check:
-            verdict = {True: "passed", False: "NOT passed", None: "not judged"}[check.get("passed")]
-            lines.append(f"  check: {check.get('description', '')}: {number_cell(check.get('value'))} ({verdict}; "
+            lines.append(f"  check: {check.get('description', '')}: {number_cell(check.get('value'))} ({check_verdict(check)}; "
                          f"{check.get('expected')}; tolerance {check.get('tolerance')})")
         if not summary["complete"]:
             lines.append("  PARTIAL: the run stopped before every segment was measured")
@@ -467,6 +466,11 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (float, np.floating)):
         return None if not math.isfinite(float(value)) else float(value)
     return value
+
+
+def check_verdict(check: dict[str, Any]) -> str:
+    """``"passed"``, ``"NOT passed"`` or ``"not judged"``: a result's built-in check (:func:`shift_check`) in words."""
+    return {True: "passed", False: "NOT passed", None: "not judged"}[check.get("passed")]
 
 
 def number_cell(value: Any) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..statistics.engines.in_trace import attention_scores
+from ..statistics.engines.shift_sums import PREDICTION_CHUNK
 from ..errors import AttentionCaptureError
 from .internals import AttentionCall
 from .modules import is_causal_lm
@@ -155,12 +156,13 @@ def segment_log_probs(logits: torch.Tensor, spans: Spans, width: int) -> torch.T
     Float32 and float64 logits are turned into log-probabilities *in place* (``logit − logsumexp``): the caller
     hands over the model's output, which nothing reads afterwards, and a Gemma-sized segment's logits are
     67 MB, so a copy would add that much to the run's peak memory (and so would ``logsumexp``'s own
-    temporary over a whole segment, hence 8 positions at a time). Lower precisions are converted first."""
+    temporary over a whole segment, hence ``PREDICTION_CHUNK`` positions at a time). Lower precisions are
+    converted first."""
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.detach().to(dtype)
     first = width - logits.shape[1]
     rows = [logits[b, start - first : length - first] for b, (start, length) in enumerate(spans)]
     for row in rows:  # a few positions at a time: logsumexp's own temporary is as large as its input
-        for chunk in row.split(8):
+        for chunk in row.split(PREDICTION_CHUNK):
             chunk.sub_(torch.logsumexp(chunk, -1, keepdim=True))
     return rows[0].unsqueeze(0) if len(rows) == 1 else torch.stack(rows)

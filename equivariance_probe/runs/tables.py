@@ -21,7 +21,7 @@ from ..errors import IncompatibleResultsError, IntervalUnavailableError
 from ..maths import fitting, metrics
 from ..maths.intervals import format_interval, is_undefined, windows_for_half_width
 from ..result import DIFFERENCE_STATISTICS, SUMMARY_LEVEL, TARGET_HALF_WIDTH, ProbeResult, paired_differences
-from ..shift_result import number_cell
+from ..shift_result import check_verdict, number_cell
 
 __all__ = ["csv_text", "summary_table", "summary_rows", "difference_table", "paired_rows", "windows_needed_text", "summary_value",
            "interval_bounds", "row_cell", "markdown_table", "shift_table", "SHIFT_COLUMNS"]
@@ -306,10 +306,9 @@ def shift_table(summaries: dict[str, dict[str, Any]]) -> str:
                              f"{estimates[0]:.3f} / {min(estimates[1:]):.3f}–{max(estimates[1:]):.3f}")
             elif column == "layer-0 check":
                 check = summary.get("check") or {}
-                verdict = {True: "passed", False: "NOT passed", None: "not judged"}[check.get("passed")]
-                cells.append("–" if not check else f"{number_cell(check.get('value'))} ({verdict})")
+                cells.append("–" if not check else f"{number_cell(check.get('value'))} ({check_verdict(check)})")
             else:
-                value = summary_value(summary, path) if path[0] != "mode" else summary["mode"]
+                value = summary_value(summary, path)
                 cells.append(value if isinstance(value, str) else "–" if value is None and _absent(summary, path)
                              else number_cell(value))
         rows.append((label, cells))
