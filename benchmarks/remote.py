@@ -143,7 +143,8 @@ def shift_row(folder: str, hf_model, n_segments: int, context: int, traffic: dic
             "remote_s_per_segment": round(remote_s, 3), "local_s_per_segment": round(local_s, 3),
             "sent_bytes_per_segment": int(statistics.mean(traffic["sent"][1:])),
             "received_bytes_per_segment": int(statistics.mean(segment_requests)),
-            "float64_sums_bytes": segment_reply_nbytes(layout.n_layers, layout.n_heads, len(offsets))}
+            "float64_sums_bytes": segment_reply_nbytes(layout.n_layers, layout.n_heads, len(offsets),
+                                                       hidden_size=hf_model.config.hidden_size)}
 
 
 if __name__ == "__main__":

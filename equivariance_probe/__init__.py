@@ -82,6 +82,7 @@ from .errors import (
     ResultFileError,
     FileWriteError,
     UndefinedStatisticError,
+    SupersededSumsError,
     UnsupportedModelError,
 )
 from .maths.fitting import fit_tisa_kernel
@@ -188,6 +189,7 @@ __all__ = [
     "MissingAPIKeyError",
     "NotRunError",
     "UndefinedStatisticError",
+    "SupersededSumsError",
     "IntervalUnavailableError",
     "IncompatibleResultsError",
     "ResultFileError",

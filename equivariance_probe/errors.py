@@ -43,6 +43,7 @@ __all__ = [
     # results, files and checkpoints
     "NotRunError",
     "UndefinedStatisticError",
+    "SupersededSumsError",
     "IntervalUnavailableError",
     "IncompatibleResultsError",
     "ResultFileError",
@@ -143,6 +144,13 @@ class NotRunError(EquivarianceProbeError, RuntimeError):
 class UndefinedStatisticError(EquivarianceProbeError, ValueError):
     """A statistic has no value for this model or data, for a reason it names (e.g. the query-position
     prior of a bidirectional encoder is the same for every query: there is nothing for it to explain)."""
+
+
+class SupersededSumsError(UndefinedStatisticError):
+    """A result file holds the sums of an earlier definition of a statistic, from which the current
+    definition cannot be recovered (the residual stream's shift-test shares, once taken around one grand
+    mean over tokens and hidden dimensions, are now taken around the mean vector): the run must be
+    repeated with this version. Every other number of the file stays available."""
 
 
 class IntervalUnavailableError(NotRunError):

@@ -542,7 +542,7 @@ class EquivarianceProbe:
             the error's ``partial_result``, marked partial.
         """
         from .adapters.internals import rotary_modules
-        from .adapters.modules import hf_model_of, is_causal_lm
+        from .adapters.modules import hf_model_of, is_causal_lm, residual_width
 
         layout = self.adapter.layout
         tokenizer = self.adapter.tokenizer
@@ -559,7 +559,8 @@ class EquivarianceProbe:
         config = ShiftConfig(n_layers=layout.n_layers, n_heads=layout.n_heads, offsets=grid.offsets,
                              n_contexts=grid.n_contexts, segment_length=grid.segment_length,
                              prefix_length=len(grid.prefix), mode=mode, interval_groups=max(1, interval_groups),
-                             causal=layout.causal, sliding_windows=tuple(layout.sliding_windows), predictions=predictions)
+                             causal=layout.causal, sliding_windows=tuple(layout.sliding_windows), predictions=predictions,
+                             hidden_size=residual_width(self.adapter.model))
         statistics = ShiftStatistics(config)
         metadata = self._metadata(grid.longest_window(), batch_size, grid.segment_length)
         metadata.update(shift=grid.describe(), complete=False,

@@ -30,20 +30,25 @@ from typing import Any
 
 import numpy as np
 
-from .errors import IntervalUnavailableError, ResultFileError, UndefinedStatisticError, check_choice
+from .errors import (IntervalUnavailableError, ResultFileError, SupersededSumsError, UndefinedStatisticError,
+                     check_choice)
 from .maths import shift as decomposition
 from .maths.intervals import Interval, format_interval, jackknife_interval
 from .records.container import read_container, read_tensors, tensor_checksum, write_container
 from .records.fileformat import jsonable
 from .sources.registry import display_name
 from .statistics.masks import layer_groups
-from .statistics.shift import REPRESENTATIONS, SHIFT_ARRAYS, ShiftStatistics
+from .statistics.shift import REPRESENTATIONS, SHIFT_ARRAYS, VECTOR_REPRESENTATIONS, ShiftStatistics
 
 __all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell", "check_verdict"]
 
 #: The ``kind`` of a shift result file's header.
 SHIFT_KIND = "equivariance_probe.ShiftResult"
-SHIFT_FORMAT_VERSION = 1
+#: 2: the residual stream's sums per hidden dimension (``residual/total_by_dim``) and the configuration's
+#: ``hidden_size`` and ``residual_centre``; version 1 files load, without the residual stream's shares.
+SHIFT_FORMAT_VERSION = 2
+#: The format versions this package reads.
+SHIFT_FORMAT_VERSIONS = (1, 2)
 #: ``by`` choices of the shares.
 SHARE_BY = (None, "layer", "head", "layer_group")
 #: Units of :meth:`ShiftResult.offset_rms`.
@@ -106,8 +111,23 @@ class ShiftResult:
 
     # -- numbers ------------------------------------------------------------------------------------
     def _sums(self, arrays: dict[str, np.ndarray], representation: str) -> dict[str, np.ndarray]:
+        """The decomposition sums of ``representation`` in ``arrays`` (the totals, or the jackknife's replicates);
+        a vector-valued one's centred on its mean vector (:func:`~equivariance_probe.maths.shift.centre_about_mean_vector`)."""
         check_choice("representation", representation, REPRESENTATIONS)
-        return {name: arrays[f"{representation}/{name}"] for name in decomposition.DECOMPOSITION_SUMS}
+        sums = {name: arrays[f"{representation}/{name}"] for name in decomposition.DECOMPOSITION_SUMS}
+        if representation in VECTOR_REPRESENTATIONS and self.config.residual_centre == "mean_vector":
+            sums = decomposition.centre_about_mean_vector({**sums, "total_by_dim": arrays[f"{representation}/total_by_dim"]})
+        return sums
+
+    def _require_shares(self, representation: str) -> None:
+        """Refuse the shares of a vector-valued representation whose sums were taken about one grand mean."""
+        if representation in VECTOR_REPRESENTATIONS and self.config.residual_centre != "mean_vector":
+            raise SupersededSumsError(
+                f"this result's {representation} sums were taken about one grand mean over tokens and hidden "
+                "dimensions (a file written before the mean vector was kept), which adds the spread of the mean "
+                "vector's coordinates, a constant of the basis, to every sum of squares; the shares about the mean "
+                "vector cannot be recovered from them. Run the shift test again with this version for the "
+                f"{representation}'s shares; every other number of this result is unaffected")
 
     def _check_term(self, term: str) -> None:
         check_choice("term", term, decomposition.SHARES)
@@ -140,6 +160,7 @@ class ShiftResult:
     def decomposition(self, representation: str = "centred_logits", by: str | None = None) -> Any:
         """``{"all", "pair", "offset", "context", "residual"}`` sums of squares, summed to ``by``."""
         check_choice("by", by, SHARE_BY)
+        self._require_shares(representation)
         sums = decomposition.aggregate(self._sums(self.statistics.totals(), representation), by or None,
                                        self.layer_groups())
         if by == "layer_group":
@@ -151,7 +172,9 @@ class ShiftResult:
         """``η² = SS_term / SS_all`` of a representation.
 
         Args:
-            representation: ``"centred_logits"``, ``"conditional_weights"``, ``"raw_weights"`` or ``"residual"``.
+            representation: ``"centred_logits"``, ``"conditional_weights"``, ``"raw_weights"`` or ``"residual"``
+                (the residual stream's sums of squares are taken about its mean vector: invariant to a shift of
+                the origin and a rotation of the hidden basis).
             term: ``"offset"``, ``"context"``, ``"pair"`` (the equivariant part) or ``"residual"``.
             by: ``None`` (the model), ``"layer"`` (``[L]``), ``"head"`` (``[L, H]``; ``[L, 1]`` for the residual
                 stream) or ``"layer_group"`` (``{group: value}``). Aggregates sum the SS first.
@@ -159,9 +182,14 @@ class ShiftResult:
 
         Returns:
             A float or array, NaN where every value was equal (all-zero weights: undefined, see :attr:`undefined`).
+
+        Raises:
+            SupersededSumsError: the residual stream's shares of a file written before its sums were taken about
+                the mean vector (run again for them).
         """
         self._check_term(term)
         check_choice("by", by, SHARE_BY)
+        self._require_shares(representation)
         groups = self.layer_groups()
 
         def value(arrays: dict[str, np.ndarray]) -> Any:
@@ -193,10 +221,16 @@ class ShiftResult:
     def undefined(self) -> dict[str, str]:
         """Representations whose shares are undefined for the model, and why."""
         out = {}
-        for representation in REPRESENTATIONS:
-            if self.n_segments and math.isnan(self.share(representation, "pair")):
+        for representation in REPRESENTATIONS if self.n_segments else ():
+            try:
+                pair = self.share(representation, "pair")
+            except SupersededSumsError as error:
+                out[representation] = str(error)
+                continue
+            if math.isnan(pair):
                 out[representation] = ("every value is the same at every entry, offset and context (e.g. all-zero "
-                                       "weights), so there is no variance to share out")
+                                       "weights, or a residual stream that is one constant vector), so there is no "
+                                       "variance to share out")
         return out
 
     def _require_predictions(self) -> None:
@@ -385,7 +419,10 @@ class ShiftResult:
             return f"ShiftResult(model={self.model_name!r}, empty)"
         eta = self.share("centred_logits", "offset")
         pair = self.share("centred_logits", "pair")
-        residual = self.share("residual", "offset")
+        try:
+            residual = self.share("residual", "offset")
+        except SupersededSumsError:
+            residual = None
         return (f"ShiftResult(model={self.model_name!r}, {self.mode} mode, {self.n_segments} segments × "
                 f"{self.config.n_contexts} contexts × {len(self.offsets)} offsets; centred logits: offset η²="
                 f"{number_cell(eta)}, pair η²={number_cell(pair)}; residual offset η²={number_cell(residual)})")
@@ -412,16 +449,16 @@ class ShiftResult:
         """
         container = read_container(path, SHIFT_KIND)
         header = container.header
-        if header.get("format_version") != SHIFT_FORMAT_VERSION:
+        if header.get("format_version") not in SHIFT_FORMAT_VERSIONS:
             raise ResultFileError(f"{path}: shift result format {header.get('format_version')!r}; this version reads "
-                                  f"{SHIFT_FORMAT_VERSION}")
+                                  f"{', '.join(map(str, SHIFT_FORMAT_VERSIONS))}: upgrade equivariance-probe to read it")
         tensors = read_tensors(container)
         if tensor_checksum(tensors) != header.get("checksum"):
             raise ResultFileError(f"{path}: the checksum does not match the arrays (changed or corrupted after saving)")
         try:
             statistics = ShiftStatistics.from_dict({
                 "config": header["config"], "segment_fingerprints": tensors["segment_fingerprints"],
-                "arrays": {name: tensors[name] for name in SHIFT_ARRAYS}})
+                "arrays": {name: tensors[name] for name in SHIFT_ARRAYS if name in tensors}})
         except (KeyError, TypeError) as error:
             raise ResultFileError(f"{path} is missing or has a malformed field: {error!r}") from None
         return cls(statistics, header.get("metadata", {}))

@@ -115,8 +115,8 @@ def test_remote_nnsight_shift_equals_hugging_face(name, mode, monkeypatch):
     layout = probe.adapter.layout
     for reply in replies:
         assert all(value.dtype == np.float64 for value in reply.values())
-        assert sum(value.nbytes for value in reply.values()) == segment_reply_nbytes(layout.n_layers, layout.n_heads,
-                                                                                      len(OFFSETS))
+        assert sum(value.nbytes for value in reply.values()) == segment_reply_nbytes(
+            layout.n_layers, layout.n_heads, len(OFFSETS), hidden_size=model.config.hidden_size)
         assert reply["centred_logits/offset"].shape == (layout.n_layers, layout.n_heads)
         assert reply["js_offset_sum"].shape == (len(OFFSETS), len(OFFSETS))
 

@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from equivariance_probe.errors import IncompatibleResultsError
-from equivariance_probe.maths.shift import decomposition, decomposition_sums, jensen_shannon, offset_rms, shares
+from equivariance_probe.maths.shift import (
+    centre_about_mean_vector,
+    decomposition,
+    decomposition_sums,
+    jensen_shannon,
+    offset_rms,
+    shares,
+    vector_decomposition_sums,
+)
 from equivariance_probe.statistics.shift import ShiftConfig, ShiftStatistics, jensen_shannon_torch
 
 
@@ -40,7 +48,7 @@ def grid_values(seed: int = 0, segments: int = 5, contexts: int = 3, offsets: in
 def stream(values: np.ndarray, fingerprints, groups: int = 4) -> ShiftStatistics:
     segments, contexts, offsets, layers, heads, entries = values.shape
     config = ShiftConfig(n_layers=layers, n_heads=heads, offsets=tuple(range(offsets)), n_contexts=contexts,
-                         segment_length=4, interval_groups=groups, predictions=False)
+                         segment_length=4, interval_groups=groups, predictions=False, hidden_size=entries)
     statistics = ShiftStatistics(config)
     for g, fingerprint in enumerate(fingerprints):
         grid = statistics.new_segment(fingerprint)
@@ -75,11 +83,12 @@ def test_streaming_equals_brute_force_and_merged_shards():
     totals = whole.totals()
     for name, value in brute.items():
         np.testing.assert_allclose(totals[f"centred_logits/{name}"], value, rtol=1e-10, atol=1e-9)
-    residual = decomposition({name: totals[f"residual/{name}"] for name in brute})
-    flat = y.transpose(0, 1, 2, 3, 5, 4)  # heads into the residual stream's entries
-    expected = decomposition(decomposition_sums(flat.reshape(*flat.shape[:4], 1, -1)))
+    residual = decomposition(centre_about_mean_vector(
+        {name: totals[f"residual/{name}"] for name in [*brute, "total_by_dim"]}))
+    # The residual stream's entries: the heads as its tokens, the entries as its hidden dimensions.
+    expected = decomposition(centre_about_mean_vector(vector_decomposition_sums(y)))
     for name in expected:
-        np.testing.assert_allclose(residual[name], expected[name], rtol=1e-10, atol=1e-9)
+        np.testing.assert_allclose(residual[name][:, 0], expected[name], rtol=1e-10, atol=1e-9)
     first, second = stream(y[:2], range(100, 102)), stream(y[2:], range(102, 105))
     merged = first + second
     for name, value in whole.arrays.items():

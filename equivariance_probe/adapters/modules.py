@@ -34,6 +34,7 @@ __all__ = [
     "inner_module",
     "unwrap_model",
     "hf_model_of",
+    "residual_width",
     "CAUSAL_LM_SUFFIXES",
     "is_causal_lm",
     "is_bidirectional",
@@ -202,6 +203,14 @@ def hf_model_of(model: Any) -> Any:
     if hasattr(getattr(model, "adapter", None), "run_statistics") and hasattr(model, "model"):
         model = model.model
     return unwrap_model(model)[0]
+
+
+def residual_width(model: Any) -> int:
+    """``d``, the width of the residual stream of the Hugging Face model inside ``model``
+    (:func:`hf_model_of`): its text configuration's ``hidden_size`` (GPT-2's ``n_embd`` under that name)."""
+    config = hf_model_of(model).config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text.hidden_size)
 
 
 #: Class-name endings of causal language models (GPT-2's is ``GPT2LMHeadModel``).

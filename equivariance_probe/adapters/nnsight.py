@@ -524,7 +524,7 @@ class NNsightAdapter(Adapter):
             check_predicts(self.hf_model)
         plan = {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_offsets": len(config.offsets),
                 "segment_length": config.segment_length, "causal": True, "windows": list(self.layout.sliding_windows),
-                "predictions": targets is not None}
+                "predictions": targets is not None, "hidden_size": config.sizes()["D"]}
         runs = [[self._segment_trace_inputs(batch, config.segment_length, targets is not None) for batch in context]
                 for context in contexts]
         model, attention = self.model, self._attention_envoys()

@@ -178,7 +178,8 @@ def new_segment_state(plan: dict) -> dict:
     latest distributions, the current context's, the contexts done, and each layer's counted entries.
 
     ``plan`` holds plain values: ``n_layers``, ``n_heads``, ``n_offsets``, ``segment_length``, ``causal``,
-    ``windows`` (per layer, the sliding window or ``None``) and ``predictions``."""
+    ``windows`` (per layer, the sliding window or ``None``), ``predictions`` and ``hidden_size`` (the residual
+    stream's width, for its sums per hidden dimension)."""
     return {
         "cells": {},
         "predictions": new_prediction_sums(plan["n_offsets"]),
@@ -233,7 +234,8 @@ def end_segment_context(state: dict) -> None:
 def segment_sums_in_trace(state: dict, plan: dict) -> dict:
     """What comes back from the server: the segment's decomposition sums (``"{representation}/{name}": [layer,
     head]``) and prediction sums (``[offset]``, ``[offset, offset]``), float64 on the CPU."""
-    sums = grid_sums(state["cells"], plan["n_layers"], plan["n_heads"], state["contexts"], plan["n_offsets"])
+    sums = grid_sums(state["cells"], plan["n_layers"], plan["n_heads"], state["contexts"], plan["n_offsets"],
+                     plan["hidden_size"])
     if plan["predictions"]:
         sums.update(state["predictions"])
     return sums
@@ -342,11 +344,13 @@ def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bo
     return 8 * n
 
 
-def segment_reply_nbytes(n_layers: int, n_heads: int, n_offsets: int, predictions: bool = True) -> int:
+def segment_reply_nbytes(n_layers: int, n_heads: int, n_offsets: int, predictions: bool = True,
+                         hidden_size: int = 0) -> int:
     """Bytes of float64 sums one segment's session sends back, from the shapes alone:
-    ``8·(|DECOMPOSITION_SUMS|·L·(3·H + 1) + predictions·(4·O + 2·O²))``, whatever the number of contexts,
-    the segment's length, the window or the vocabulary."""
-    n = len(DECOMPOSITION_SUMS) * n_layers * ((len(REPRESENTATIONS) - 1) * n_heads + 1)
+    ``8·(|DECOMPOSITION_SUMS|·L·(3·H + 1) + L·d + predictions·(4·O + 2·O²))`` (``d`` the residual stream's
+    width, for its sums per hidden dimension), whatever the number of contexts, the segment's length, the
+    window or the vocabulary."""
+    n = len(DECOMPOSITION_SUMS) * n_layers * ((len(REPRESENTATIONS) - 1) * n_heads + 1) + n_layers * hidden_size
     if predictions:
         n += sum(n_offsets**rank for _, rank in PREDICTION_SUMS)
     return 8 * n

@@ -31,12 +31,12 @@ import numpy as np
 import torch
 
 from ..errors import (IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError,
-                      UndefinedStatisticError)
+                      SupersededSumsError, UndefinedStatisticError)
 from ..maths.intervals import Interval
 from ..probe import EquivarianceProbe
 from ..shift_result import ShiftResult
 from ..sources.shift_grid import shift_grid
-from ..statistics.shift import REPRESENTATIONS, ShiftConfig, segment_entries, segment_representations
+from ..statistics.shift import REPRESENTATIONS, counted_entries, segment_representations
 from .circuitsvis import (CircuitsVisFigure, attention_pattern_figure, figure_row, save_views_page, views_body_html,
                           views_html)
 from .figures import _axes_title, figure_title, pyplot
@@ -107,7 +107,11 @@ def shift_layers_figure(results: ShiftResult | Mapping[str, ShiftResult],
     fig, axes = plt.subplots(1, len(representations), figsize=(5.5 * len(representations), 4.2), squeeze=False)
     for ax, representation in zip(axes[0], representations):
         for number, (name, result) in enumerate(variants.items()):
-            estimate, error = _with_interval(_number(result.share, representation, term, by="layer"))
+            try:
+                estimate, error = _with_interval(_number(result.share, representation, term, by="layer"))
+            except SupersededSumsError:  # a file of the grand-mean definition: its other panels still draw
+                ax.plot([], [], " ", label=f"{name}: not in this file (measured before the mean vector; run again)")
+                continue
             # Each variant a little aside, so that overlapping intervals stay apart.
             layers = np.arange(len(estimate)) + 0.08 * (number - (len(variants) - 1) / 2)
             ax.errorbar(layers, estimate, yerr=error, marker="o", ms=4, capsize=3, label=name)
@@ -393,10 +397,7 @@ def shift_view(model: Any, segments: Sequence[Any], contexts: Sequence[Any] | No
             raise InputError(f"{what}={chosen} is not one of the {len(items)} {what}s given; pass an index below {len(items)}")
     grid = shift_grid([segments[segment]], contexts, adapter.tokenizer, offsets=offsets, segment_length=segment_length,
                       mode=mode, max_context=layout.max_context)
-    config = ShiftConfig(n_layers=layout.n_layers, n_heads=layout.n_heads, offsets=grid.offsets,
-                         n_contexts=grid.n_contexts, segment_length=segment_length, mode=mode, causal=layout.causal,
-                         sliding_windows=tuple(layout.sliding_windows))
-    entries = segment_entries(config, layer)
+    entries = counted_entries(segment_length, layout.causal, layout.sliding_windows[layer])
     conditional, centred = np.zeros((2, segment_length, segment_length)), np.zeros((2, segment_length, segment_length))
     for row, offset in enumerate(offsets):
         tokens, start = grid.window(0, context, offset)

@@ -25,6 +25,16 @@ segment (exactly: the segment's grid is complete before they are taken), so they
 ``SS_pair``, across entries, whose spread is the content structure itself (large); centred logits have
 ``Ȳ = 0`` in exact arithmetic, so there is none.
 
+A vector-valued representation (the residual stream, entries ``(i, d)``) is centred on its mean *vector*:
+``Ȳ`` above is replaced by ``Ȳ_d``, the mean of hidden dimension ``d`` over the grid and the segment's tokens,
+so ``SS_all = Σ ‖Y − Ȳ_·‖²`` and ``SS_pair = Σ_{g,i} F·S·‖Ȳ_gi − Ȳ_·‖²``, as multivariate analysis of
+variance takes them (the offset and context terms are deviations within an entry already, and unchanged).
+One grand mean over tokens *and* dimensions would add ``N_d·Σ_d (Ȳ_d − Ȳ)²`` to both, the spread of the mean
+vector's coordinates: a constant of the basis that nothing in the grid moves, which a shift of the origin or a
+rotation of the hidden basis changes. In sums: with ``total_by_dim = Σ Y`` per dimension and ``n_d = count/D``
+values per dimension, ``centre_square = Σ_d total_d²/n_d`` (:func:`centre_about_mean_vector`) takes the place of
+``total²/count`` in ``SS_pair``.
+
 Shares: ``η²_X = SS_X / SS_all``. An aggregate (a layer, a layer group, the model) sums the SS of its heads
 first: a ratio of sums, never a mean of ratios. Where ``SS_all`` is zero (every value equal: all-zero
 weights) or below float64 cancellation of the values' second moment, the shares are undefined: NaN here,
@@ -45,6 +55,8 @@ __all__ = [
     "TERMS",
     "SHARES",
     "decomposition_sums",
+    "vector_decomposition_sums",
+    "centre_about_mean_vector",
     "decomposition",
     "shares",
     "offset_rms",
@@ -92,13 +104,49 @@ def decomposition_sums(values: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
+def vector_decomposition_sums(values: np.ndarray) -> dict[str, np.ndarray]:
+    """:func:`decomposition_sums` of a vector-valued representation, by brute force, with ``total_by_dim``.
+
+    Args:
+        values: ``[G, F, S, ..., I, D]``: ``I`` tokens, each a vector of ``D`` hidden dimensions.
+
+    Returns:
+        :data:`DECOMPOSITION_SUMS` over the entries ``(i, d)``, each ``[...]``, and ``"total_by_dim": [..., D]``.
+    """
+    y = np.asarray(values, dtype=np.float64)
+    if y.ndim < 5:
+        raise InputError(f"values must be [segment, context, offset, ..., token, dimension], got shape {y.shape}")
+    sums = decomposition_sums(y.reshape(*y.shape[:-2], -1))
+    sums["total_by_dim"] = y.sum(axis=(0, 1, 2)).sum(-2)
+    return sums
+
+
+def centre_about_mean_vector(sums: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``sums`` of a vector-valued representation (each of ``count``'s shape, and ``total_by_dim`` of as many
+    values times ``D``: ``[..., layer, 1]`` and ``[..., layer, D]`` as a run streams them) with
+    ``centre_square = Σ_d total_d² / n_d`` (``count``'s shape, ``n_d = count / D``) in place of
+    ``total_by_dim``, so that :func:`decomposition` takes ``SS_pair`` and ``SS_all`` about the mean vector of each
+    layer; added up over layers by :func:`aggregate` like every other sum, since each layer has its own mean."""
+    by_dim = np.asarray(sums["total_by_dim"], dtype=np.float64)
+    count = np.asarray(sums["count"], dtype=np.float64)
+    per_dim = count / max(by_dim.shape[-1], 1)
+    square = (by_dim * by_dim).sum(-1).reshape(count.shape)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        centre = np.where(per_dim > 0, square / np.where(per_dim > 0, per_dim, 1.0), 0.0)
+    return {**{name: value for name, value in sums.items() if name != "total_by_dim"}, "centre_square": centre}
+
+
 def decomposition(sums: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``{"all", "pair", "offset", "context", "residual"}`` sums of squares from :data:`DECOMPOSITION_SUMS`
-    (any shape, elementwise); ``SS_all = SS_pair + SS_offset + SS_context + SS_residual`` exactly."""
+    (any shape, elementwise); ``SS_all = SS_pair + SS_offset + SS_context + SS_residual`` exactly. With
+    ``centre_square`` among the sums (:func:`centre_about_mean_vector`), ``SS_pair`` is taken about the mean
+    vector; otherwise about the grand mean ``total / count``."""
     count = np.asarray(sums["count"], dtype=np.float64)
     total = np.asarray(sums["total"], dtype=np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
-        pair = np.where(count > 0, sums["cell_square"] - total * total / np.where(count > 0, count, 1.0), 0.0)
+        centre = (np.asarray(sums["centre_square"], dtype=np.float64) if "centre_square" in sums
+                  else total * total / np.where(count > 0, count, 1.0))
+        pair = np.where(count > 0, sums["cell_square"] - centre, 0.0)
     pair = np.maximum(pair, 0.0)
     everything = np.asarray(sums["within"], dtype=np.float64) + pair
     offset = np.asarray(sums["offset"], dtype=np.float64)

@@ -34,12 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import IncompatibleResultsError, InputError
+from ..errors import IncompatibleResultsError, InputError, check_choice, is_integer
 from .config import Sum, merge_arrays, shapes_of
 from .engines.shift_sums import (
     ATTENTION_REPRESENTATIONS,
     DECOMPOSITION_SUMS,
     REPRESENTATIONS,
+    TOTAL_BY_DIM,
+    VECTOR_REPRESENTATIONS,
     add_prediction_sums,
     add_to_cell,
     counted_entries,
@@ -53,6 +55,8 @@ from .engines.shift_sums import (
 __all__ = [
     "REPRESENTATIONS",
     "ATTENTION_REPRESENTATIONS",
+    "VECTOR_REPRESENTATIONS",
+    "RESIDUAL_CENTRES",
     "DECOMPOSITION_SUMS",
     "PREDICTION_ARRAYS",
     "SHIFT_ARRAYS",
@@ -60,6 +64,7 @@ __all__ = [
     "ShiftStatistics",
     "SegmentGrid",
     "segment_entries",
+    "counted_entries",
     "segment_representations",
     "next_token_distribution",
     "jensen_shannon_from",
@@ -69,7 +74,7 @@ __all__ = [
 #: The predictions' sums: NLL of the segment's own next token by offset, Jensen–Shannon divergences between
 #: offsets in one context (every pair ``s < s'``) and between consecutive contexts at one offset.
 #: Shapes in letters of :meth:`ShiftConfig.sizes`: ``G`` interval groups, ``L`` layers, ``H`` query heads,
-#: ``O`` offsets, ``1`` the residual stream's one "head".
+#: ``O`` offsets, ``1`` the residual stream's one "head", ``D`` its hidden dimensions.
 PREDICTION_ARRAYS: dict[str, Sum] = {
     "nll_sum": Sum("G O", "Σ −log p(the segment's own next token), by offset"),
     "nll_count": Sum("G O", "positions behind nll_sum"),
@@ -88,11 +93,23 @@ _DECOMPOSITION_MEANINGS = {
 }
 #: Every array of the state, declared once (see :mod:`equivariance_probe.statistics`).
 SHIFT_ARRAYS: dict[str, Sum] = {
-    **{f"{rep}/{name}": Sum("G L 1" if rep == "residual" else "G L H", _DECOMPOSITION_MEANINGS[name])
+    **{f"{rep}/{name}": Sum("G L 1" if rep in VECTOR_REPRESENTATIONS else "G L H", _DECOMPOSITION_MEANINGS[name])
        for rep in REPRESENTATIONS for name in DECOMPOSITION_SUMS},
+    **{f"{rep}/{TOTAL_BY_DIM}": Sum("G L D", "Σ Y per hidden dimension: the mean vector about which the sums of "
+                                    "squares are taken (empty in a file of the grand-mean definition)")
+       for rep in VECTOR_REPRESENTATIONS},
     **PREDICTION_ARRAYS,
     "segments": Sum("G", "segments counted in each interval group"),
 }
+
+
+#: How a vector-valued representation's sums of squares are centred: ``"mean_vector"`` (one mean per hidden
+#: dimension; invariant to a shift of the origin and to a rotation of the hidden basis) or ``"grand_mean"`` (one
+#: mean over tokens and dimensions: files written before the mean vector, whose residual-stream shares cannot be
+#: recovered from their sums).
+RESIDUAL_CENTRES = ("mean_vector", "grand_mean")
+#: What a file's configuration without a key meant when it was written (before the mean vector was kept).
+_FILE_DEFAULTS = {"hidden_size": 0, "residual_centre": "grand_mean"}
 
 
 @dataclass(frozen=True)
@@ -112,6 +129,9 @@ class ShiftConfig:
         causal: whether the model is causal (rows see keys ``j ≤ i``).
         sliding_windows: per layer, ``None`` or the window width.
         predictions: whether next-token predictions were measured.
+        hidden_size: ``D``, the residual stream's width (0 where the per-dimension sums were not kept).
+        residual_centre: one of :data:`RESIDUAL_CENTRES`: about what the residual stream's sums of squares
+            were taken.
     """
 
     n_layers: int
@@ -125,10 +145,19 @@ class ShiftConfig:
     causal: bool = True
     sliding_windows: tuple[int | None, ...] = ()
     predictions: bool = True
+    hidden_size: int = 0
+    residual_centre: str = "mean_vector"
+
+    def __post_init__(self) -> None:
+        check_choice("residual_centre", self.residual_centre, RESIDUAL_CENTRES)
+        if self.residual_centre == "mean_vector" and not (is_integer(self.hidden_size, 1)):
+            raise InputError(f"hidden_size={self.hidden_size!r}: the residual stream's sums about its mean vector need "
+                             "its width; pass the model's hidden size (a positive integer)")
 
     def sizes(self) -> dict[str, int]:
         """The letters of :data:`SHIFT_ARRAYS`' shapes."""
-        return {"G": self.interval_groups, "L": self.n_layers, "H": self.n_heads, "O": len(self.offsets), "1": 1}
+        return {"G": self.interval_groups, "L": self.n_layers, "H": self.n_heads, "O": len(self.offsets), "1": 1,
+                "D": self.hidden_size if self.residual_centre == "mean_vector" else 0}
 
     def differences(self, other: ShiftConfig) -> list[str]:
         """``"field: mine vs theirs"`` for every field that differs (what a refused merge names)."""
@@ -139,11 +168,15 @@ class ShiftConfig:
         return {"n_layers": self.n_layers, "n_heads": self.n_heads, "offsets": list(self.offsets),
                 "n_contexts": self.n_contexts, "segment_length": self.segment_length,
                 "prefix_length": self.prefix_length, "mode": self.mode, "interval_groups": self.interval_groups,
-                "causal": self.causal, "sliding_windows": list(self.sliding_windows), "predictions": self.predictions}
+                "causal": self.causal, "sliding_windows": list(self.sliding_windows), "predictions": self.predictions,
+                "hidden_size": self.hidden_size, "residual_centre": self.residual_centre}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShiftConfig:
-        return cls(**{**data, "offsets": tuple(data["offsets"]), "sliding_windows": tuple(data["sliding_windows"])})
+        """The configuration of :meth:`to_dict`; a key a file lacks takes what it meant when the file was written
+        (:data:`_FILE_DEFAULTS`)."""
+        return cls(**{**_FILE_DEFAULTS, **data, "offsets": tuple(data["offsets"]),
+                      "sliding_windows": tuple(data["sliding_windows"])})
 
 
 def segment_entries(config: ShiftConfig, layer: int) -> torch.Tensor:
@@ -214,7 +247,7 @@ class SegmentGrid:
         if self.contexts_done != self.config.n_contexts:
             raise InputError(f"the segment's grid has {self.contexts_done} contexts done of {self.config.n_contexts}")
         sums = grid_sums(self._cells, self.config.n_layers, self.config.n_heads, self.contexts_done,
-                         len(self.config.offsets))
+                         len(self.config.offsets), self.config.sizes()["D"])
         return {name: value.numpy() for name, value in sums.items()} | self.predictions
 
 
@@ -299,6 +332,8 @@ class ShiftStatistics:
     def from_dict(cls, data: dict[str, Any]) -> ShiftStatistics:
         statistics = cls(ShiftConfig.from_dict(data["config"]))
         for name in SHIFT_ARRAYS:
+            if name not in data["arrays"] and 0 in statistics.shapes[name]:
+                continue  # an array the file's definition does not keep (empty): written before it existed
             array = np.asarray(data["arrays"][name], dtype=np.float64)
             if array.shape != statistics.shapes[name]:
                 raise IncompatibleResultsError(f"shift array {name!r} has shape {array.shape}, expected {statistics.shapes[name]}")

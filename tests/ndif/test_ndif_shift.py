@@ -74,7 +74,7 @@ def test_shift_on_the_server_equals_the_local_run_and_only_sums_come_back(ndif_s
     # One request for the check, then one per segment however many contexts and offsets (2 × 4 windows each).
     assert len(sent_and_received["sent"]) == len(sent_and_received["received"]) == 1 + 3
     layout = probe.adapter.layout
-    sums_bytes = segment_reply_nbytes(layout.n_layers, layout.n_heads, len(OFFSETS))
+    sums_bytes = segment_reply_nbytes(layout.n_layers, layout.n_heads, len(OFFSETS), hidden_size=remote.config.hidden_size)
     # What comes back is the zstd-compressed torch.save of the sums: their bytes and a fixed envelope, where one
     # window's float32 residual stream at the segment alone is 4·m·d bytes per layer, its distributions 4·m·V.
     replies = sent_and_received["received"][1:]

@@ -11,7 +11,8 @@ The state of one segment's grid, for one representation and layer (a *cell*), ke
 cancels): ``shift = c [head, E]``, ``by_offset = Σ_f Y[f, s, e] [head, S, E]``, ``deviation = Σ (Y − c)``,
 ``square = Σ (Y − c)²``, ``context_row`` (the current context's ``Σ_s (Y − c)``) and
 ``context_square = Σ_f (Σ_s (Y − c))²``. :func:`grid_sums` turns the cells into the segment's
-:data:`DECOMPOSITION_SUMS`; :func:`add_prediction_sums` adds one window's next-token predictions.
+:data:`DECOMPOSITION_SUMS` (and, for the residual stream, its sums per hidden dimension);
+:func:`add_prediction_sums` adds one window's next-token predictions.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import torch
 
 __all__ = [
     "ATTENTION_REPRESENTATIONS",
+    "VECTOR_REPRESENTATIONS",
     "REPRESENTATIONS",
+    "TOTAL_BY_DIM",
     "DECOMPOSITION_SUMS",
     "PREDICTION_SUMS",
     "counted_entries",
@@ -41,7 +44,13 @@ __all__ = [
 
 #: Attention among the segment's tokens (``[layer, head]``) and the residual stream (``[layer, 1]``).
 ATTENTION_REPRESENTATIONS = ("centred_logits", "conditional_weights", "raw_weights")
-REPRESENTATIONS = ATTENTION_REPRESENTATIONS + ("residual",)
+#: Vector-valued representations: their entries are ``(token, hidden dimension)``, and their sums of squares are
+#: taken about the mean vector (one mean per hidden dimension), as multivariate analysis of variance takes them,
+#: so that no share depends on the origin or the orientation of the hidden basis.
+VECTOR_REPRESENTATIONS = ("residual",)
+REPRESENTATIONS = ATTENTION_REPRESENTATIONS + VECTOR_REPRESENTATIONS
+#: The extra sum of a vector-valued representation: ``Σ Y`` per ``[layer, hidden dimension]``.
+TOTAL_BY_DIM = "total_by_dim"
 #: Additive sums of the decomposition (the same names as :data:`~equivariance_probe.maths.shift.DECOMPOSITION_SUMS`).
 DECOMPOSITION_SUMS = ("count", "total", "cell_square", "within", "offset", "context")
 #: One segment's prediction sums and their shapes in offsets (``1``: ``[O]``, ``2``: ``[O, O]``).
@@ -108,21 +117,26 @@ def end_context_of_cell(cell: dict) -> None:
         cell["context_row"].zero_()
 
 
-def grid_sums(cells: dict, n_layers: int, n_heads: int, n_contexts: int, n_offsets: int) -> dict:
+def grid_sums(cells: dict, n_layers: int, n_heads: int, n_contexts: int, n_offsets: int,
+              hidden_size: int = 0) -> dict:
     """A finished grid's :data:`DECOMPOSITION_SUMS` from its cells (``cells[(representation, layer)]``).
 
     Returns:
         ``{"{representation}/{name}": [layer, head]}`` float64 on the CPU (``[layer, 1]`` for the residual
         stream; zeros for a layer without a cell), with ``F`` contexts and ``S`` offsets, ``N = F·S`` cells and
-        ``Ȳ_e`` the entry's mean: ``count = N·E``, ``total = Σ_e N·(Ȳ_e − c_e)``, ``cell_square = Σ_e N·(Ȳ_e − c_e)²``
-        (written with ``Ȳ_e`` for the shift), ``within = Σ (Y − Ȳ_e)²``, ``offset = F·Σ_{e,s} (Ȳ_es − Ȳ_e)²`` and
-        ``context = S·Σ_{e,f} (Ȳ_ef − Ȳ_e)²``.
+        ``Ȳ_e`` the entry's mean: ``count = N·E``, ``total = Σ_e N·Ȳ_e``, ``cell_square = Σ_e N·Ȳ_e²``,
+        ``within = Σ (Y − Ȳ_e)²``, ``offset = F·Σ_{e,s} (Ȳ_es − Ȳ_e)²`` and ``context = S·Σ_{e,f} (Ȳ_ef − Ȳ_e)²``.
+        With ``hidden_size = d > 0`` also ``"residual/total_by_dim": [layer, d]``, ``Σ_i N·Ȳ_(i, d)``: the
+        residual stream's entries ``(i, d)`` summed per hidden dimension, which its sums of squares about the
+        mean vector need (:data:`VECTOR_REPRESENTATIONS`).
     """
     cells_in_grid = n_contexts * n_offsets
     out = {}
     for representation in REPRESENTATIONS:
-        heads = 1 if representation == "residual" else n_heads
+        heads = 1 if representation in VECTOR_REPRESENTATIONS else n_heads
         values = {name: torch.zeros((n_layers, heads), dtype=torch.float64) for name in DECOMPOSITION_SUMS}
+        by_dim = (torch.zeros((n_layers, hidden_size), dtype=torch.float64)
+                  if representation in VECTOR_REPRESENTATIONS and hidden_size > 0 else None)
         for layer in range(n_layers):
             cell = cells.get((representation, layer))
             if not cell:
@@ -137,8 +151,12 @@ def grid_sums(cells: dict, n_layers: int, n_heads: int, n_contexts: int, n_offse
             values["offset"][layer] = (n_contexts * (offset_means * offset_means).sum((1, 2))).cpu()
             context = (cell["context_square"] - n_contexts * n_offsets**2 * delta * delta).clamp_min(0)
             values["context"][layer] = (context.sum(-1) / n_offsets).cpu()
+            if by_dim is not None:  # entries (i, d) flattened with d fastest: [1, m·d] -> [m, d]
+                by_dim[layer] = (cells_in_grid * mean.reshape(-1, hidden_size)).sum(0).cpu()
         for name, value in values.items():
             out[representation + "/" + name] = value
+        if by_dim is not None:
+            out[representation + "/" + TOTAL_BY_DIM] = by_dim
     return out
 
 
