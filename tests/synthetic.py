@@ -119,6 +119,18 @@ def tiny_llama(seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
+def tiny_jetmoe(seed: int = 0, max_positions: int = 64):
+    """A tiny JetMoE (mixture-of-experts attention and MLP): an architecture whose TransformerLens 4 bridge keeps
+    the Hugging Face attention module, so its ``hook_attn_scores`` fires with post-softmax weights."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = JetMoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_key_value_heads=2,
+                          kv_channels=8, num_local_experts=2, num_experts_per_tok=1, max_position_embeddings=max_positions,
+                          pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return JetMoeForCausalLM(config).eval()
+
+
 def tiny_bert(seed: int = 0, zero: bool = False, max_positions: int = 64, attn_implementation: str = "eager"):
     """A tiny BERT encoder (``BertModel``: bidirectional attention, learned absolute positions)."""
     from transformers import BertConfig, BertModel
@@ -156,7 +168,10 @@ def save_tiny_model_with_tokenizer(folder, kind: str = "gpt2", n_positions: int 
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", bos_token="<bos>", eos_token="<eos>")
-    model = tiny_gpt2(n_positions=n_positions) if kind == "gpt2" else tiny_gemma3(window=8, max_positions=n_positions)
+    builders = {"gpt2": lambda: tiny_gpt2(n_positions=n_positions),
+                "gemma3": lambda: tiny_gemma3(window=8, max_positions=n_positions),
+                "jetmoe": lambda: tiny_jetmoe(max_positions=n_positions)}
+    model = builders[kind]()
     model.save_pretrained(folder)
     fast.save_pretrained(folder)
     return str(folder)

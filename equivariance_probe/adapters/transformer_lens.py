@@ -23,7 +23,19 @@ from ..errors import AttentionCaptureError
 from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
 from .internals import recompute_tolerance
 from .modules import layer_windows
-from .segments import check_predicts, block_difference, judged_recompute_check, kept_positions, segment_block, segment_blocks, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
+from .segments import (
+    block_difference,
+    check_predicts,
+    hidden_keys,
+    judged_recompute_check,
+    kept_positions,
+    segment_block,
+    segment_blocks,
+    segment_log_probs,
+    segment_rows,
+    segment_spans,
+    shifted_position_ids,
+)
 
 PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
 #: The bridge's pre-softmax scores, ``[batch, head, query, key]``, after soft-capping and its mask (hidden
@@ -31,6 +43,40 @@ PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
 SCORES_HOOK = "blocks.{layer}.attn.hook_attn_scores"
 #: The residual stream after block ``layer``, ``[batch, position, d_model]``.
 RESIDUAL_HOOK = "blocks.{layer}.hook_resid_post"
+
+
+def scores_hook_carries_weights(attention: Any) -> bool:
+    """Whether a TransformerBridge attention component fires ``hook_attn_scores`` with post-softmax weights.
+
+    TransformerLens 4 reimplements attention for most architectures (Gemma 3, Llama, Qwen2, GPT-2:
+    ``PositionEmbeddingsAttentionBridge``, ``JointQKVAttentionBridge``, ...), and there ``hook_attn_scores`` fires
+    with the pre-softmax scores. Where it keeps the Hugging Face module's own attention (the generic
+    ``AttentionBridge.forward``, which architectures such as JetMoE, PhiMoE, Gemma 3n, Llama 4, Jamba or
+    OLMo-hybrid use), it fires both ``hook_pattern`` and ``hook_attn_scores`` with the weights the module returns
+    (TransformerLens 4.3, ``AttentionBridge.forward``: "Most HF implementations return post-softmax weights")."""
+    from transformer_lens.model_bridge.generalized_components.attention import AttentionBridge
+
+    return getattr(type(attention), "forward", None) is AttentionBridge.forward
+
+
+def scores_from_weights(weights: torch.Tensor, start: int, window: int | None, layer: int) -> torch.Tensor:
+    """Segment rows ``[head, m, length]`` of post-softmax ``weights`` as scores: ``log a``, which is the score up to
+    the row's log-normaliser, so every quantity the shift test reads (scores centred on a row, ``exp(score −
+    log Σ exp(score))``) is the same. Hidden keys (weight 0) become ``−inf``, as a masked score.
+
+    Raises:
+        AttentionCaptureError: a weight the mask lets the row see underflowed to 0: its score cannot be read back.
+    """
+    scores = torch.log(weights)
+    hidden = hidden_keys(start, weights.shape[-1], window, True, weights.device)
+    if bool(torch.isinf(scores).logical_and_(~hidden).any()):
+        raise AttentionCaptureError(
+            f"layer {layer}'s attention weights underflowed to 0 at a key the mask lets the query see; this "
+            "TransformerBridge keeps the model's own attention, whose hook_attn_scores carries post-softmax weights, "
+            "so the scores there cannot be read back from them. Load the model in float64, or run the shift test "
+            "on the Hugging Face model itself (framework huggingface), which recomputes the scores from queries "
+            "and keys")
+    return scores
 
 
 class _LastPatternSeen(Exception):
@@ -118,7 +164,24 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
 
     # -- the shift test ----------------------------------------------------------------------
     segment_capture = ("segment-block scores from the bridge's hook_attn_scores (the pre-softmax scores its own "
-                       "attention computes); row normalisers over every visible key of the window")
+                       "attention computes; log-weights where it keeps the model's own attention, whose "
+                       "hook_attn_scores carries the weights); row normalisers over every visible key of the window")
+
+    @property
+    def weights_as_scores(self) -> tuple[bool, ...]:
+        """Per layer, whether ``hook_attn_scores`` carries post-softmax weights (:func:`scores_hook_carries_weights`)."""
+        if not hasattr(self, "_weights_as_scores"):
+            self._weights_as_scores = tuple(scores_hook_carries_weights(self.model.blocks[layer].attn)
+                                            for layer in range(self._layout.n_layers))
+        return self._weights_as_scores
+
+    def _segment_rows(self, scores: torch.Tensor, layer: int, b: int, start: int, length: int) -> torch.Tensor:
+        """Window ``b``'s segment rows ``[head, m, length]`` of the tensor ``hook_attn_scores`` fired, as scores."""
+        dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
+        rows = scores[b, :, start:length, :length].detach().to(dtype)
+        if self.weights_as_scores[layer]:
+            return scores_from_weights(rows, start, self._layout.sliding_windows[layer], layer)
+        return rows
 
     def run_segment(
         self,
@@ -135,7 +198,10 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
 
         The numbers are the bridge's: its attention components compute the scores themselves (they do not call
         transformers' attention function), and ``hook_attn_scores`` hands over the very scores their softmax
-        turns into ``hook_pattern``, the pattern the main probe reads. The segment block and its row normalisers
+        turns into ``hook_pattern``, the pattern the main probe reads. Where the bridge keeps the model's own
+        attention (:attr:`weights_as_scores`), the hook carries the module's post-softmax weights instead, and their
+        logarithm stands for the scores (:func:`scores_from_weights`: equal up to each row's log-normaliser, which
+        nothing the shift test reads depends on). The segment block and its row normalisers
         are cut from them as every adapter cuts them (:func:`~equivariance_probe.adapters.segments.segment_block`),
         in float32 (float64 for a float64 model); in half precision the scores carry the model dtype's rounding,
         where the Hugging Face adapter recomputes them in float32 from half-precision queries and keys. The
@@ -156,8 +222,7 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
 
         def on_scores(scores: torch.Tensor, hook: Any) -> None:
             layer = int(hook.name.split(".")[1])
-            dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
-            rows = [scores[b, :, start:length, :length].detach().to(dtype) for b, (start, length) in enumerate(spans)]
+            rows = [self._segment_rows(scores, layer, b, start, length) for b, (start, length) in enumerate(spans)]
             on_attention(layer, *segment_blocks(rows, spans, windows[layer], causal=True))
             seen.append(layer)
 
@@ -201,22 +266,23 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         start = spans[0][0]
         windows = self._layout.sliding_windows
         blocks: dict[int, torch.Tensor] = {}
-        differences: list[float] = []
+        patterns: dict[int, torch.Tensor] = {}
 
         def on_scores(scores: torch.Tensor, hook: Any) -> None:
-            dtype = torch.float64 if scores.dtype == torch.float64 else torch.float32
             layer = int(hook.name.split(".")[1])
-            block, normaliser = segment_block(scores[0, :, start:].detach().to(dtype), start, windows[layer], causal=True)
+            rows = self._segment_rows(scores, layer, 0, start, int(tokens.shape[1]))
+            block, normaliser = segment_block(rows, start, windows[layer], causal=True)
             blocks[layer] = torch.exp(block - normaliser.unsqueeze(-1))
 
         def on_pattern(pattern: torch.Tensor, hook: Any) -> None:
-            layer = int(hook.name.split(".")[1])
-            differences.append(block_difference(blocks.pop(layer), pattern[0, :, start:, start:], windows[layer], causal=True))
+            # A bridge that keeps the model's own attention fires hook_pattern before hook_attn_scores.
+            patterns[int(hook.name.split(".")[1])] = pattern[0, :, start:, start:].detach()
 
         hooks = [(SCORES_HOOK.format(layer=i), on_scores) for i in range(self._layout.n_layers)]
         hooks += [(PATTERN_HOOK.format(layer=i), on_pattern) for i in range(self._layout.n_layers)]
         with self._eval(), torch.no_grad():
             self.model.run_with_hooks(tokens.to(self.device), return_type=None, fwd_hooks=hooks)
+        differences = [block_difference(blocks[layer], patterns[layer], windows[layer], causal=True) for layer in blocks]
         return judged_recompute_check(max(differences, default=0.0), recompute_tolerance(self.dtype),
                                       int(tokens.shape[1]), "the segment block's weights from the bridge's "
                                       "hook_attn_scores against its hook_pattern")
