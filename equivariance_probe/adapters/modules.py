@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, InputError, UnsupportedModelError
+from ..errors import AttentionCaptureError, InputError, UnsupportedModelError, require_extra
 
 __all__ = [
     "LAYER_LISTS",
@@ -250,6 +250,7 @@ def wrap_model(
     if backend == "huggingface":
         return model
     if backend == "transformer_lens":
+        require_extra("transformer_lens", "transformer-lens", "backend='transformer_lens'")
         from transformer_lens.model_bridge import TransformerBridge
 
         # hf_model= makes the bridge reuse these weights and this config instead of
@@ -258,6 +259,7 @@ def wrap_model(
             source, hf_model=model, tokenizer=tokenizer, device=device, dtype=dtype
         )
     if backend == "nnsight":
+        require_extra("nnsight", "nnsight", "backend='nnsight'")
         from nnsight.modeling.transformers import TransformersModel
 
         return TransformersModel(model, task="text-generation", tokenizer=tokenizer)

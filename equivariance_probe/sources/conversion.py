@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelFileError, ModelNotFoundError
+from ..errors import ModelFileError, ModelNotFoundError, require_extra
 from .registry import DEFAULT_MODEL, REGISTRY, model_spec
 
 __all__ = ["PACKAGED_MODELS", "model_cache_dir", "convert_packaged_model", "clear_model_cache"]
@@ -102,6 +102,7 @@ def convert_packaged_model(
     with tempfile.TemporaryDirectory(dir=root, prefix=".convert-") as scratch_name:
         scratch = Path(scratch_name)
         start = time.perf_counter()
+        require_extra("gguf", "models", f"converting the packaged model {spec.name!r} from its GGUF file")
         gguf_path = spec.gguf_file(scratch / "gguf")
         log(f"got {gguf_path.name} from its package and checked its size and sha256", start)
 

