@@ -177,6 +177,22 @@ def save_tiny_model_with_tokenizer(folder, kind: str = "gpt2", n_positions: int 
     return str(folder)
 
 
+def bridged_tiny_model(folder, kind: str, dtype: torch.dtype = torch.float64) -> tuple:
+    """``(hf, bridge, tokenizer)``: a tiny model of ``kind`` (:func:`save_tiny_model_with_tokenizer`) under eager
+    attention, and a TransformerLens 4 bridge booted around a copy of it (boot_transformers changes the model
+    it is given in place)."""
+    import copy
+
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = save_tiny_model_with_tokenizer(folder, kind=kind)
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=dtype).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    bridge = TransformerBridge.boot_transformers(path, hf_model=copy.deepcopy(hf), tokenizer=tokenizer, dtype=dtype)
+    return hf, bridge, tokenizer
+
+
 def write_text_corpus(folder, n_docs: int = 4, words: int = 80) -> str:
     """Plain-text documents, one per file, from the tiny tokenizer's vocabulary."""
     import random

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from synthetic import save_tiny_model_with_tokenizer, tiny_gemma3, tiny_gpt2, tiny_llama
+from synthetic import bridged_tiny_model, save_tiny_model_with_tokenizer, tiny_gemma3, tiny_gpt2, tiny_llama
 
 from equivariance_probe import EquivarianceProbe
 from equivariance_probe.errors import RemoteExecutionError, UnsupportedModelError
@@ -175,16 +175,7 @@ def test_remote_segment_blocks_are_refused_with_the_fix():
 
 @pytest.fixture(scope="module", params=["gemma3", "gpt2"])
 def bridged(request, tmp_path_factory):
-    from transformer_lens.model_bridge import TransformerBridge
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = save_tiny_model_with_tokenizer(tmp_path_factory.mktemp(request.param), kind=request.param)
-    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float64).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    # boot_transformers modifies the model it is given in place: give it its own copy.
-    bridge = TransformerBridge.boot_transformers(path, hf_model=copy.deepcopy(hf), tokenizer=tokenizer,
-                                                 dtype=torch.float64)
-    return request.param, hf, bridge, tokenizer
+    return request.param, *bridged_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
 @pytest.mark.parametrize("mode", ["text", "position_ids"])

@@ -19,7 +19,7 @@ pytest.importorskip("transformer_lens")
 from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-from synthetic import save_tiny_model_with_tokenizer  # noqa: E402
+from synthetic import bridged_tiny_model, save_tiny_model_with_tokenizer  # noqa: E402
 from test_shift_adapters import assert_same_in_float32, shift  # noqa: E402
 
 from equivariance_probe import EquivarianceProbe  # noqa: E402
@@ -29,12 +29,7 @@ from equivariance_probe.errors import AttentionCaptureError  # noqa: E402
 
 @pytest.fixture(scope="module", params=["jetmoe", "gemma3"])
 def bridged(request, tmp_path_factory):
-    path = save_tiny_model_with_tokenizer(tmp_path_factory.mktemp(request.param), kind=request.param)
-    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float64).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    bridge = TransformerBridge.boot_transformers(path, hf_model=copy.deepcopy(hf), tokenizer=tokenizer,
-                                                 dtype=torch.float64)
-    return request.param, hf, bridge, tokenizer
+    return request.param, *bridged_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
 
 
 def test_the_adapter_knows_which_bridges_fire_weights_at_hook_attn_scores(bridged):
