@@ -193,6 +193,31 @@ def bridged_tiny_model(folder, kind: str, dtype: torch.dtype = torch.float64) ->
     return hf, bridge, tokenizer
 
 
+def run_suite_in_environment(venv: str, folder: str, setup: str, *, required_in_ci: bool = True,
+                             timeout: int = 1200, env: dict | None = None) -> str:
+    """Run ``tests/{folder}`` with the Python of the side environment ``.{venv}`` (built by ``scripts/{setup}``);
+    skip (fail under CI when ``required_in_ci``) where it was not built. Returns pytest's output; fails unless
+    every test passed."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import pytest
+
+    root = Path(__file__).resolve().parents[1]
+    python = root / f".{venv}" / "bin" / "python"
+    if not python.exists():
+        if required_in_ci and os.environ.get("CI"):
+            pytest.fail(f"CI must build .{venv}: run scripts/{setup}")
+        pytest.skip(f"no .{venv}: run scripts/{setup} to run tests/{folder} in it")
+    completed = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(root / "tests" / folder)],
+                               cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
+    print(completed.stdout[-5000:])
+    assert completed.returncode == 0, completed.stdout[-5000:] + completed.stderr[-3000:]
+    assert " passed" in completed.stdout
+    return completed.stdout
+
+
 def write_text_corpus(folder, n_docs: int = 4, words: int = 80) -> str:
     """Plain-text documents, one per file, from the tiny tokenizer's vocabulary."""
     import random

@@ -3,25 +3,8 @@ the package without any extra, as a researcher who brings their own model instal
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-PYTHON = ROOT / ".venv-core" / "bin" / "python"
+from synthetic import run_suite_in_environment
 
 
 def test_the_core_install_probes_a_model_and_names_every_missing_extra():
-    if not PYTHON.exists():
-        if os.environ.get("CI"):
-            pytest.fail("CI must build the core environment: run scripts/setup_core_env.sh")
-        pytest.skip("no .venv-core: run scripts/setup_core_env.sh to test the core install")
-    completed = subprocess.run(
-        [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "core")],
-        cwd=ROOT / "tests" / "core", capture_output=True, text=True, timeout=900,
-    )
-    print(completed.stdout[-5000:])
-    assert completed.returncode == 0, completed.stdout[-5000:] + completed.stderr[-3000:]
-    assert " passed" in completed.stdout
+    run_suite_in_environment("venv-core", "core", "setup_core_env.sh")

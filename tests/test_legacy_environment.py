@@ -7,29 +7,11 @@ environment with TransformerLens 4.x, so `scripts/setup_legacy_env.sh` builds
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-PYTHON = ROOT / ".venv-legacy" / "bin" / "python"
+from synthetic import run_suite_in_environment
 
 
 @pytest.mark.legacy
 def test_legacy_hooked_transformer_suite_passes():
-    if not PYTHON.exists():
-        if os.environ.get("CI"):
-            pytest.fail("CI must build the TransformerLens 2.x environment: run scripts/setup_legacy_env.sh")
-        pytest.skip("no .venv-legacy: run scripts/setup_legacy_env.sh to test the HookedTransformer adapter")
-    completed = subprocess.run(
-        [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / "legacy")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    print(completed.stdout[-5000:])
-    assert completed.returncode == 0, completed.stdout[-5000:] + completed.stderr[-3000:]
-    assert " passed" in completed.stdout
+    run_suite_in_environment("venv-legacy", "legacy", "setup_legacy_env.sh")
