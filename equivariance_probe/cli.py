@@ -305,7 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
     run.add_argument("--shard", default=None, metavar="I/N",
                      help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
-                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.safetensors")
+                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate) or the Slurm array task "
+                          "(SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of SLURM_ARRAY_TASK_COUNT, sbatch --array). "
+                          "Merge the shards' results.safetensors")
     add_shared_options(run, "no_figures")
 
     merge = command("merge", "merge result files of shards into one",
