@@ -39,7 +39,8 @@ lengths), :func:`run_positional` / :class:`PositionalStudy` (where order comes f
 
 Heads and reports: :func:`rank_heads` / :class:`HeadRanking`, :func:`head_views` /
 :class:`HeadViews` (offline CircuitsVis), :func:`render_report` (a :class:`RenderedReport`: drawn in a notebook, ``save(path)`` in a script) /
-:class:`ReportSection`.
+:class:`ReportSection`; :func:`study_figures` (a study's figures) and :func:`save_figures` (any figures
+as PNG, SVG or PDF files).
 
 Further analyses: :func:`toeplitz_r2`, :func:`gram_toeplitz`, :func:`positional_logits`,
 :func:`score_profile`, :func:`fit_tisa_kernel`, :func:`permutation_sensitivity`,
@@ -54,6 +55,7 @@ from .adapters import SUPPORTED_MODELS, Adapter, AttentionLayout, get_adapter
 from .analyses.heads import HeadRanking, rank_heads
 from .analyses.order import VarianceShrinkage, permutation_sensitivity, position_correlation, representation_sums
 from .analyses.positional import gram_toeplitz, positional_logits, score_profile
+from .display.figures import save_figures, study_figures
 from .display.report import RenderedReport, ReportSection, render_report
 from .display.shift import ShiftView, render_shift_report, shift_figures, shift_report_section, shift_view
 from .display.views import HeadViews, head_views
@@ -153,6 +155,8 @@ __all__ = [
     "render_report",
     "RenderedReport",
     "ReportSection",
+    "study_figures",
+    "save_figures",
     "shift_view",
     "ShiftView",
     "shift_figures",

@@ -90,6 +90,7 @@ FLAGS = {
     "n_segments": "--n-segments",
     "n_contexts": "--n-contexts",
     "mode": "--mode",
+    "format": "--figure-format",
 }
 
 
@@ -128,6 +129,17 @@ def _analyses(text: str) -> list[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown analyses {unknown}; choose from {', '.join(ANALYSES)} or 'all'")
     return names
+
+
+def _figure_formats(text: str) -> str:
+    """``--figure-format``: checked here, so that a wrong format is refused before any model loads."""
+    from .display.figures import figure_formats
+
+    with command_line_options(FLAGS):
+        try:
+            return ",".join(figure_formats(text))
+        except InputError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _names(text: str) -> list[str]:
@@ -234,6 +246,9 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
         "json": (("--json",), {"action": "store_true", "help": "print the numbers as JSON instead of a table"}),
         "no_figures": (("--no-figures",), {"action": "store_true", "help": (
             "write the results and their summary or table only: no figures, no report (e.g. for shards)")}),
+        "figure_format": (("--figure-format",), {"type": _figure_formats, "default": "png", "metavar": "FORMATS", "help": (
+            "the figures' files, comma-separated from png,svg,pdf (e.g. png,svg,pdf for a paper: SVG text as paths, "
+            "PDF fonts embedded; default png)")}),
     }
 
 
@@ -308,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate) or the Slurm array task "
                           "(SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of SLURM_ARRAY_TASK_COUNT, sbatch --array). "
                           "Merge the shards' results.safetensors")
-    add_shared_options(run, "no_figures")
+    add_shared_options(run, "no_figures", "figure_format")
 
     merge = command("merge", "merge result files of shards into one",
                     "Reads and writes result files only: no model, corpus or progress bar.")
@@ -375,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     sized = "sized so that the three packaged models, trained and at random initialisation, finish in well under 30 minutes on 2 CPU cores"
     add_shared_options(compare, "out", "cache_dir", "attn_implementation", "device", "dtype", "corpus", "text_field",
                        "n_docs", "context_length", "batch_size", "baselines", *measured, "memory_limit_gib",
-                       "no_progress", "json", differ={
+                       "no_progress", "json", "figure_format", differ={
         "n_docs": ({"default": DEFAULT_COMPARISON["n_docs"]}, sized),
         "context_length": ({"default": DEFAULT_COMPARISON["context_length"]}, sized),
         "baselines": ({"default": list(DEFAULT_COMPARISON["baselines"])},
@@ -397,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="window tokens per length: N // T_max windows of the longest length, and the same text cut "
                            "into shorter windows at every other length (default %(default)s)")
     add_shared_options(scan, "out", *model_options, "corpus", "text_field", "batch_size", "pack", "baselines", *measured,
-                       "memory_limit_gib", "no_progress", "json", differ={
+                       "memory_limit_gib", "no_progress", "json", "figure_format", differ={
         "batch_size": ({"default": None}, f"default {DEFAULT_SCAN['batch_tokens']} // T at each length, at least 1, "
                                           "so that every length's batch holds about as many tokens"),
         "pack": ({"help": "concatenate the documents (tokenised without special tokens, EOS between them) and cut "
@@ -417,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     positional.set_defaults(handler=_positional)
     small = "the analyses' windows are few and short, since some keep every hidden state"
     add_shared_options(positional, "out", "model", "cache_dir", "attn_implementation", "corpus", "text_field", "n_docs",
-                       "context_length", "batch_size", "exclude_keys", "seed", "analyses", "no_progress", "json", differ={
+                       "context_length", "batch_size", "exclude_keys", "seed", "analyses", "no_progress", "json",
+                       "figure_format", differ={
         "n_docs": ({"default": 8}, small),
         "context_length": ({"default": 256}, small)})
     add_shared_options(positional, "baselines", differ={"baselines": ({"default": ["random_init"]},
@@ -580,9 +596,10 @@ def _run(args: argparse.Namespace) -> int:
     # stops leaves only its checkpoint.
     wrote = list(study.save(out).values()) + [out / "summary.md"]
     if not args.no_figures:
-        wrote += save_figures(study_figures(study.trained, study.baselines()), out)
+        wrote += save_figures(study_figures(study.trained, study.baselines()), out, format=args.figure_format)
         for name, result in study.baselines().items():
-            wrote += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_")
+            wrote += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_",
+                                  format=args.figure_format)
     numbers = {name: result.summary() for name, result in study.results.items()}
     if args.analyses:
         positional = _positional_into(
@@ -779,7 +796,7 @@ def _compare(args: argparse.Namespace) -> int:
     _check_writable(out)
     comparison = compare_models(args.models, **_study_options(args, _documents(args)), options=_measurement(args),
                                 memory_limit=_memory_limit(args), device=args.device, dtype=args.dtype)
-    paths = save_comparison(comparison, out)
+    paths = save_comparison(comparison, out, format=args.figure_format)
     _print(args, comparison.table(), comparison.rows(), list(paths.values()) + [out / "models"])
     return 0
 
@@ -798,7 +815,7 @@ def _scan(args: argparse.Namespace) -> int:
         memory_limit=_memory_limit(args), device=args.device, dtype=args.dtype,
         progress=not args.no_progress, attn_implementation=args.attn_implementation,
     )
-    paths = save_scan(scan, out)
+    paths = save_scan(scan, out, format=args.figure_format)
     measured = [out / length_folder(length) / result_filename(variant) for length, variants in scan.results.items()
                 for variant in variants if variant not in scan.reused[length]]
     reused = sum(len(variants) for variants in scan.reused.values())
@@ -826,7 +843,7 @@ def _positional_into(out: Path, args: argparse.Namespace, *, model_name: str, an
                            options=MeasurementOptions(context_length=context_length, batch_size=args.batch_size,
                                                       exclude_keys=args.exclude_keys), **settings)
     wrote = [study.save(out / "positional.safetensors")]
-    wrote += save_figures(positional_figures(study), out, prefix="positional_")
+    wrote += save_figures(positional_figures(study), out, prefix="positional_", format=args.figure_format)
     page = out / "positional.html"
     write_text_atomically(page, render_positional_page(study))
     return {"study": study, "wrote": wrote + [page]}
@@ -881,7 +898,7 @@ def _add_shift_command(shift: argparse.ArgumentParser, model_options: tuple[str,
     shift.add_argument("--mode", choices=SHIFT_MODES, default="text",
                        help="text (default): context tokens precede the segment; position_ids: the segment alone with its "
                             "position ids moved")
-    add_shared_options(shift, "no_figures")
+    add_shared_options(shift, "no_figures", "figure_format")
     shift.add_argument("--view-head", default=None,
                        help="the head of the report's CircuitsVis view, e.g. 'L4H3' (default: the head whose centred "
                             "logits the offset moves most)")
@@ -931,22 +948,22 @@ def _shift(args: argparse.Namespace) -> int:
         wrote.append(results[name].save(out / f"shift_{name}.safetensors"))
     if not args.no_figures:
         wrote += _shift_display(out, probe, results, segments, None if args.mode == "position_ids" else contexts,
-                                args.view_head)
+                                args.view_head, args.figure_format)
     table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in results.items())
     _print(args, table, {name: result.summary() for name, result in results.items()}, wrote)
     return 0
 
 
 def _shift_display(out: Path, probe: Any, results: dict[str, Any], segments: list[Any], contexts: list[Any] | None,
-                   head: str | None) -> list[Path]:
-    """The shift run's figures (``shift_*.png``, the trained model beside its baselines) and
+                   head: str | None, figure_format: str) -> list[Path]:
+    """The shift run's figures (``shift_*.png``, or the ``figure_format`` files; the trained model beside its baselines) and
     ``shift_report.html`` with the CircuitsVis view of one head at the smallest and largest offsets."""
     from .display.figures import save_figures
     from .display.shift import render_shift_report, shift_figures, shift_view
 
     trained = results["trained"]
     baselines = {name: result for name, result in results.items() if name != "trained"}
-    wrote = save_figures(shift_figures(trained, baselines), out)
+    wrote = save_figures(shift_figures(trained, baselines), out, format=figure_format)
     view = shift_view(probe, segments, contexts, result=trained, head=head)
     return wrote + [render_shift_report(trained, baselines, view=view).save(out / "shift_report.html")]
 
