@@ -339,12 +339,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = command("show", "print the headline numbers of result files",
                    "Reads each file's header only: instant, whatever the file's size. Shift results "
-                   "(shift_<variant>.safetensors, from 'shift') print as one table, a row per file, read whole.")
+                   "(shift_<variant>.safetensors, from 'shift') print as one table, a row per file, read whole; "
+                   "positional studies (positional.safetensors) as their table. --csv prints any of them in long "
+                   "form.")
     show.set_defaults(handler=_show)
     show.add_argument("results", nargs="+", help="result files (any format version), one column each; or shift "
                                                  "results, one row each")
     add_shared_options(show, "json", differ={"json": ({"help": "print the stored summaries as JSON instead of a table"},
                                                       "the whole stored summary and metadata of each file")})
+    show.add_argument("--csv", action="store_true",
+                      help="print every file's numbers as one long table in CSV, a row per statistic and split (model, "
+                           "layer group, layer, head) with its interval and the run's model, variant and run id: "
+                           "the rows of to_dataframe(), which --json also gives under 'rows'")
     show.add_argument("--verify", action="store_true",
                       help="also read every array and check it against the digest stored when the file was written "
                            "(a few MB hashed per default result file; see 'verify')")
@@ -643,11 +649,17 @@ def _show(args: argparse.Namespace) -> int:
     from .records.container import file_kind, header_kind
     from .result import ProbeResult
     from .runs.study import BASELINES
+    from .runs.positional import POSITIONAL_KIND
     from .runs.tables import summary_table
     from .shift_result import SHIFT_KIND
 
     for path in args.results:
         file_kind(path)  # a file that cannot be read is named as such, whatever kind the others are
+    if args.csv and args.json:
+        raise InputError("show prints one form: pass --csv (the long table) or --json (the summaries and the same "
+                         "rows), not both")
+    if args.csv or any(header_kind(path) == POSITIONAL_KIND for path in args.results):
+        return _show_rows(args)
     shift_files = [path for path in args.results if header_kind(path) == SHIFT_KIND]
     if shift_files:
         if len(shift_files) != len(args.results):
@@ -663,7 +675,7 @@ def _show(args: argparse.Namespace) -> int:
         print(json.dumps(jsonable({path: {"model": result.model_name, "variant": result.metadata.get("label"),
                                           "complete": result.complete, "integrity": result.integrity,
                                           "arrays_verified": args.verify, "metadata": result.metadata,
-                                          "summary": result.summary()}
+                                          "summary": result.summary(), "rows": result.to_rows()}
                                    for path, result in results.items()}), indent=1))
         print(_verification_note(results, args.verify), file=sys.stderr)
         return 0
@@ -723,7 +735,7 @@ def _show_shift(args: argparse.Namespace) -> int:
         label = f"{folder_of[path].name}/{Path(path).stem.removeprefix('shift_')}"
         dtype = result.metadata.get("model", {}).get("dtype")
         summaries[label if label not in summaries else str(path)] = {**result.summary(), "file": str(path),
-                                                                     "dtype": dtype}
+                                                                     "dtype": dtype, "rows": result.to_rows()}
     if args.json:
         print(json.dumps(jsonable(summaries), indent=1))
         return 0
@@ -734,6 +746,39 @@ def _show_shift(args: argparse.Namespace) -> int:
     print("\nThe shift test: shares of the variance of the segment's centred attention logits and of its residual "
           "stream, with 95 % intervals over segments where the file has them\n")
     print(shift_table(summaries))
+    return 0
+
+
+def _show_rows(args: argparse.Namespace) -> int:
+    """``show --csv``: every file's long-form rows (``to_rows()`` of its result, whatever its kind) as one CSV
+    table; also ``show`` of positional studies (their tables, or ``--json``: summaries and rows)."""
+    import csv
+
+    from .analyses.tidy import COLUMNS
+    from .records.container import header_kind
+    from .result import ProbeResult
+    from .runs.positional import POSITIONAL_KIND, PositionalStudy
+    from .shift_result import SHIFT_KIND, ShiftResult
+
+    loaded = {}
+    for path in args.results:
+        kind = header_kind(path)
+        loaded[path] = (ShiftResult.load(path) if kind == SHIFT_KIND else
+                        PositionalStudy.load(path) if kind == POSITIONAL_KIND else ProbeResult.load(path))
+        if args.verify and isinstance(loaded[path], ProbeResult):
+            loaded[path].verify()
+    if args.csv:
+        writer = csv.DictWriter(sys.stdout, fieldnames=COLUMNS, lineterminator="\n")
+        writer.writeheader()
+        for result in loaded.values():
+            writer.writerows(result.to_rows())
+        return 0
+    if args.json:
+        print(json.dumps(jsonable({str(path): {"model": result.model_name, "summary": result.summary(),
+                                               "rows": result.to_rows()} for path, result in loaded.items()}), indent=1))
+        return 0
+    for path, result in loaded.items():
+        print(f"{path}: model {result.model_name}\n\n{result.table()}\n")
     return 0
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "EngineCheckError",
     # what a run needs
     "InsufficientMemoryError",
+    "MissingDependencyError",
     "RemoteExecutionError",
     "MissingAPIKeyError",
     "ServerUnreachableError",
@@ -109,6 +110,11 @@ class EngineCheckError(EquivarianceProbeError, ArithmeticError):
 # -- what a run needs -------------------------------------------------------------------------------
 class InsufficientMemoryError(EquivarianceProbeError, MemoryError):
     """A model's estimated memory need exceeds the memory available; raised before loading it."""
+
+
+class MissingDependencyError(EquivarianceProbeError, ImportError):
+    """An optional package a method needs is not installed (pandas for ``to_dataframe``); the message
+    gives the ``pip install`` command."""
 
 
 class RemoteExecutionError(EquivarianceProbeError, RuntimeError):
