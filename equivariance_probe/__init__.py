@@ -21,7 +21,8 @@ Measure:
   jackknife: ``interval=0.95`` on the result's methods) and paired differences of two results.
 * :class:`AttentionStatistics` — the streaming float64 sums behind every number.
 * :meth:`EquivarianceProbe.shift` → :class:`ShiftResult` — the shift test: the same text moved through
-  the window (:class:`ShiftGrid`, :class:`ShiftStatistics`): offset, context and pair shares of its
+  the window (:class:`ShiftGrid`, :class:`ShiftStatistics`; :func:`split_documents` cuts segments and
+  contexts from a corpus): offset, context and pair shares of its
   attention and residual stream, and how its predictions change; on screen: :func:`shift_figures`,
   :func:`shift_view` / :class:`ShiftView` (one head at two offsets, offline CircuitsVis),
   :func:`shift_report_section`, :func:`render_shift_report`.
@@ -95,7 +96,7 @@ from .records.sharding import Shard
 from .maths.intervals import Interval
 from .result import PersistenceCurves, ProbeResult, paired_difference
 from .shift_result import ShiftResult
-from .sources.shift_grid import ShiftGrid
+from .sources.shift_grid import ShiftGrid, split_documents
 from .statistics.shift import ShiftStatistics
 from .runs.compare import Comparison, compare_models
 from .runs.positional import PositionalStudy, run_positional
@@ -122,6 +123,7 @@ __all__ = [
     "AttentionStatistics",
     "ShiftResult",
     "ShiftGrid",
+    "split_documents",
     "ShiftStatistics",
     "Adapter",
     "AttentionLayout",

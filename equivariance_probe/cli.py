@@ -252,6 +252,10 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
     }
 
 
+#: A shared option's "(default ...)" clause, one level of parentheses inside allowed.
+_DEFAULT_CLAUSE = re.compile(r"\s*\(default\b[^()]*(?:\([^()]*\)[^()]*)*\)")
+
+
 def add_shared_options(parser: argparse.ArgumentParser, *names: str,
                        differ: dict[str, tuple[dict[str, Any], str]] | None = None) -> argparse.ArgumentParser:
     """Give ``parser`` the shared options ``names`` (:func:`shared_options`), spelt and explained as everywhere.
@@ -273,7 +277,12 @@ def add_shared_options(parser: argparse.ArgumentParser, *names: str,
         if name in differ:
             changes, why = differ[name]
             keywords.update(changes)
-            keywords["help"] = f"{changes.get('help', keywords['help'])}; {WHY}: {why}"
+            help_text = changes.get("help", keywords["help"])
+            if "default" in changes:  # the shared help's default is not this command's: one default, stated once
+                help_text = _DEFAULT_CLAUSE.sub("", help_text)
+                if "default" not in why:
+                    help_text += " (default %(default)s)"
+            keywords["help"] = f"{help_text}; {WHY}: {why}"
         parser.add_argument(*flags, **keywords)
     return parser
 
@@ -958,11 +967,14 @@ def _shift(args: argparse.Namespace) -> int:
     from .sources.devices import parse_dtype, resolve_device
     from .sources.models import PACKAGED_ENCODERS, load_model, load_positional_model
     from .sources.packing import special_prefix
-    from .sources.shift_grid import default_offsets, split_documents
+    from .sources.shift_grid import check_shift_options, default_offsets, split_documents
 
     out = Path(args.out)
     _check_writable(out)
     check_baselines(args.baselines)
+    # Everything that needs no model is checked before one loads (a minute for a packaged model's first load).
+    check_shift_options(offsets=args.offsets, segment_length=args.segment_length, mode=args.mode,
+                        n_contexts=args.n_contexts)
     # Loaded as run_study loads it: the Hugging Face model wrapped for --framework; each baseline is built from it
     # and wrapped the same way, so trained and baselines run through one framework.
     if args.model in PACKAGED_ENCODERS:  # the packaged BERT encoder: the segment ends the window, attention both ways

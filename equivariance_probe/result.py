@@ -578,8 +578,8 @@ class ProbeResult:
 
         Example:
             >>> rows = result.to_rows()
-            >>> [r["value"] for r in rows if r["statistic"] == "log_eta2" and r["split"] == "model"]
-            [0.028...]
+            >>> next(r for r in rows if r["statistic"] == "log_eta2" and r["split"] == "model")["value"]
+            0.0283...
         """
         from .analyses.tidy import probe_identity, probe_rows
 
