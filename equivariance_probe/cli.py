@@ -360,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="print every file's numbers as one long table in CSV, a row per statistic and split (model, "
                            "layer group, layer, head) with its interval and the run's model, variant and run id: "
                            "the rows of to_dataframe(), which --json also gives under 'rows'")
+    show.add_argument("--explain", action="store_true",
+                      help="under the shift results' table, a plain reading of each of its columns (what pair η² "
+                           "is, the residual stream's unit, ...)")
     show.add_argument("--verify", action="store_true",
                       help="also read every array and check it against the digest stored when the file was written "
                            "(a few MB hashed per default result file; see 'verify')")
@@ -731,7 +734,7 @@ def _show_shift(args: argparse.Namespace) -> int:
     """``show`` of shift results: one row per file, labelled ``<folder>/<variant>`` (the shift command writes
     ``shift_<variant>.safetensors``), as :func:`~equivariance_probe.runs.tables.shift_table`; every file is read
     whole, its arrays checked against its checksum."""
-    from .runs.tables import shift_table
+    from .runs.tables import shift_column_readings, shift_table
     from .shift_result import ShiftResult
 
     # The study's order whatever the shell's glob gave: folders as given, in each the trained model first.
@@ -755,18 +758,21 @@ def _show_shift(args: argparse.Namespace) -> int:
     print("\nThe shift test: shares of the variance of the segment's centred attention logits and of its residual "
           "stream, with 95 % intervals over segments where the file has them\n")
     print(shift_table(summaries))
+    if args.explain:
+        print("\n" + shift_column_readings())
+    else:
+        print("\n(--explain gives a plain reading of each column)")
     return 0
 
 
 def _show_rows(args: argparse.Namespace) -> int:
     """``show --csv``: every file's long-form rows (``to_rows()`` of its result, whatever its kind) as one CSV
     table; also ``show`` of positional studies (their tables, or ``--json``: summaries and rows)."""
-    import csv
-
     from .analyses.tidy import COLUMNS
     from .records.container import header_kind
     from .result import ProbeResult
     from .runs.positional import POSITIONAL_KIND, PositionalStudy
+    from .runs.tables import csv_text
     from .shift_result import SHIFT_KIND, ShiftResult
 
     loaded = {}
@@ -777,10 +783,8 @@ def _show_rows(args: argparse.Namespace) -> int:
         if args.verify and isinstance(loaded[path], ProbeResult):
             loaded[path].verify()
     if args.csv:
-        writer = csv.DictWriter(sys.stdout, fieldnames=COLUMNS, lineterminator="\n")
-        writer.writeheader()
-        for result in loaded.values():
-            writer.writerows(result.to_rows())
+        rows = [row for result in loaded.values() for row in result.to_rows()]
+        sys.stdout.write(csv_text(rows) if rows else ",".join(COLUMNS) + "\n")
         return 0
     if args.json:
         print(json.dumps(jsonable({str(path): {"model": result.model_name, "summary": result.summary(),
@@ -963,6 +967,7 @@ def _shift(args: argparse.Namespace) -> int:
     ``shift_<variant>.safetensors`` per variant and a table (``--json``: the summaries)."""
     from .probe import EquivarianceProbe
     from .runs.study import check_baselines, variant_builders
+    from .runs.tables import shift_result_readings
     from .sources.corpus import load_corpus
     from .sources.devices import parse_dtype, resolve_device
     from .sources.models import PACKAGED_ENCODERS, load_model, load_positional_model
@@ -1007,7 +1012,8 @@ def _shift(args: argparse.Namespace) -> int:
         wrote += _shift_display(out, probe, results, segments, None if args.mode == "position_ids" else contexts,
                                 args.view_head, args.figure_format)
     table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in results.items())
-    _print(args, table, {name: result.summary() for name, result in results.items()}, wrote)
+    _print(args, f"{table}\n\n{shift_result_readings()}", {name: result.summary() for name, result in results.items()},
+           wrote)
     return 0
 
 

@@ -167,3 +167,17 @@ def test_show_csv_and_json_print_the_same_rows_as_to_rows(files, capsys):
 
     assert main(["show", "--csv", "--json", str(paths["trained"])]) == 2
     assert "pass --csv (the long table) or --json" in capsys.readouterr().err
+
+
+def test_show_explains_each_column_of_the_shift_table(files, capsys):
+    from equivariance_probe.runs.tables import SHIFT_COLUMN_READINGS, SHIFT_COLUMNS
+
+    assert list(SHIFT_COLUMN_READINGS) == list(SHIFT_COLUMNS)  # every column read, in the table's order
+    assert main(["show", str(files["paths"]["shift"])]) == 0
+    assert "(--explain gives a plain reading of each column)" in capsys.readouterr().out
+    assert main(["show", "--explain", str(files["paths"]["shift"])]) == 0
+    shown = capsys.readouterr().out
+    table, readings = shown.split("\nColumns:\n")
+    assert "| pair η² |" in table
+    assert "- pair η²: the share that depends only on which two tokens of the text" in readings
+    assert "'residual-stream units'" in readings and len(readings.strip().splitlines()) == len(SHIFT_COLUMNS) + 1
