@@ -286,7 +286,7 @@ SHIFT_COLUMNS: dict[str, tuple[str, ...] | None] = {
     "layer-0 check": None,
 }
 
-#: A plain reading of each column of :func:`shift_table`, printed under it (definitions: docs/methods.md#shift).
+#: A plain reading of each column of :func:`shift_table`, printed under it (definitions: docs/methods.md#shift-test).
 SHIFT_COLUMN_READINGS: dict[str, str] = {
     "mode": "text: the segment follows other text, and moving it moves that text too; position_ids: the segment "
             "alone, only its position ids moved",
