@@ -41,6 +41,7 @@ __all__ = [
     "save_figures",
     "figure_formats",
     "figure_paths",
+    "figure_bytes",
     "FIGURE_FORMATS",
     "pyplot",
     "log_log_axes",
@@ -300,19 +301,26 @@ def save_figures(figures: dict[str, Any], folder: str | os.PathLike, prefix: str
     """
     formats = figure_formats(format)
     plt = pyplot()
-    import matplotlib
-
     folder = Path(folder)
     make_folder(folder)
     paths = []
     for name, figure in figures.items():
         for kind in formats:
-            buffer = io.BytesIO()
-            with matplotlib.rc_context(_SAVE_SETTINGS):
-                figure.savefig(buffer, format=kind, dpi=120, metadata=_UNDATED[kind])
-            paths.append(write_bytes_atomically(folder / f"{prefix}{name}.{kind}", buffer.getvalue()))
+            paths.append(write_bytes_atomically(folder / f"{prefix}{name}.{kind}", figure_bytes(figure, kind)))
         plt.close(figure)
     return paths
+
+
+def figure_bytes(figure: Any, kind: str = "png", *, dpi: int = 120) -> bytes:
+    """One figure drawn as a ``kind`` file's bytes (``png``, ``svg`` or ``pdf``), fonts carried in the file and
+    no creation date; the figure stays open. Every figure the package writes or embeds is drawn here."""
+    import matplotlib
+
+    (kind,) = figure_formats(kind)
+    buffer = io.BytesIO()
+    with matplotlib.rc_context(_SAVE_SETTINGS):
+        figure.savefig(buffer, format=kind, dpi=dpi, metadata=_UNDATED[kind])
+    return buffer.getvalue()
 
 
 def figure_paths(paths: Sequence[Path]) -> dict[str, Path]:
