@@ -21,7 +21,8 @@ Measure:
   jackknife: ``interval=0.95`` on the result's methods) and paired differences of two results.
 * :class:`AttentionStatistics` — the streaming float64 sums behind every number.
 * :meth:`EquivarianceProbe.shift` → :class:`ShiftResult` — the shift test: the same text moved through
-  the window (:class:`ShiftGrid`, :class:`ShiftStatistics`): offset, context and pair shares of its
+  the window (:class:`ShiftGrid`, :class:`ShiftStatistics`; :func:`split_documents` cuts segments and
+  contexts from a corpus): offset, context and pair shares of its
   attention and residual stream, and how its predictions change; on screen: :func:`shift_figures`,
   :func:`shift_view` / :class:`ShiftView` (one head at two offsets, offline CircuitsVis),
   :func:`shift_report_section`, :func:`render_shift_report`.
@@ -39,7 +40,8 @@ lengths), :func:`run_positional` / :class:`PositionalStudy` (where order comes f
 
 Heads and reports: :func:`rank_heads` / :class:`HeadRanking`, :func:`head_views` /
 :class:`HeadViews` (offline CircuitsVis), :func:`render_report` (a :class:`RenderedReport`: drawn in a notebook, ``save(path)`` in a script) /
-:class:`ReportSection`.
+:class:`ReportSection`; :func:`study_figures` (a study's figures) and :func:`save_figures` (any figures
+as PNG, SVG or PDF files).
 
 Further analyses: :func:`toeplitz_r2`, :func:`gram_toeplitz`, :func:`positional_logits`,
 :func:`score_profile`, :func:`fit_tisa_kernel`, :func:`permutation_sensitivity`,
@@ -54,6 +56,7 @@ from .adapters import SUPPORTED_MODELS, Adapter, AttentionLayout, get_adapter
 from .analyses.heads import HeadRanking, rank_heads
 from .analyses.order import VarianceShrinkage, permutation_sensitivity, position_correlation, representation_sums
 from .analyses.positional import gram_toeplitz, positional_logits, score_profile
+from .display.figures import save_figures, study_figures
 from .display.report import RenderedReport, ReportSection, render_report
 from .display.shift import ShiftView, render_shift_report, shift_figures, shift_report_section, shift_view
 from .display.views import HeadViews, head_views
@@ -68,6 +71,7 @@ from .errors import (
     InputError,
     InsufficientMemoryError,
     IntervalUnavailableError,
+    MissingDependencyError,
     MissingAPIKeyError,
     ModelFileError,
     MissingExtraError,
@@ -94,7 +98,7 @@ from .records.sharding import Shard
 from .maths.intervals import Interval
 from .result import PersistenceCurves, ProbeResult, paired_difference
 from .shift_result import ShiftResult
-from .sources.shift_grid import ShiftGrid
+from .sources.shift_grid import ShiftGrid, split_documents
 from .statistics.shift import ShiftStatistics
 from .runs.compare import Comparison, compare_models
 from .runs.positional import PositionalStudy, run_positional
@@ -121,6 +125,7 @@ __all__ = [
     "AttentionStatistics",
     "ShiftResult",
     "ShiftGrid",
+    "split_documents",
     "ShiftStatistics",
     "Adapter",
     "AttentionLayout",
@@ -155,6 +160,8 @@ __all__ = [
     "render_report",
     "RenderedReport",
     "ReportSection",
+    "study_figures",
+    "save_figures",
     "shift_view",
     "ShiftView",
     "shift_figures",
@@ -183,6 +190,7 @@ __all__ = [
     "NonFiniteAttentionError",
     "EngineCheckError",
     "InsufficientMemoryError",
+    "MissingDependencyError",
     "RemoteExecutionError",
     "RemoteResultTooLargeError",
     "RemoteTimeoutError",

@@ -90,6 +90,7 @@ FLAGS = {
     "n_segments": "--n-segments",
     "n_contexts": "--n-contexts",
     "mode": "--mode",
+    "format": "--figure-format",
 }
 
 
@@ -128,6 +129,17 @@ def _analyses(text: str) -> list[str]:
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown analyses {unknown}; choose from {', '.join(ANALYSES)} or 'all'")
     return names
+
+
+def _figure_formats(text: str) -> str:
+    """``--figure-format``: checked here, so that a wrong format is refused before any model loads."""
+    from .display.figures import figure_formats
+
+    with command_line_options(FLAGS):
+        try:
+            return ",".join(figure_formats(text))
+        except InputError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _names(text: str) -> list[str]:
@@ -234,7 +246,14 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
         "json": (("--json",), {"action": "store_true", "help": "print the numbers as JSON instead of a table"}),
         "no_figures": (("--no-figures",), {"action": "store_true", "help": (
             "write the results and their summary or table only: no figures, no report (e.g. for shards)")}),
+        "figure_format": (("--figure-format",), {"type": _figure_formats, "default": "png", "metavar": "FORMATS", "help": (
+            "the figures' files, comma-separated from png,svg,pdf (e.g. png,svg,pdf for a paper: SVG text as paths, "
+            "PDF fonts embedded; default png)")}),
     }
+
+
+#: A shared option's "(default ...)" clause, one level of parentheses inside allowed.
+_DEFAULT_CLAUSE = re.compile(r"\s*\(default\b[^()]*(?:\([^()]*\)[^()]*)*\)")
 
 
 def add_shared_options(parser: argparse.ArgumentParser, *names: str,
@@ -258,7 +277,12 @@ def add_shared_options(parser: argparse.ArgumentParser, *names: str,
         if name in differ:
             changes, why = differ[name]
             keywords.update(changes)
-            keywords["help"] = f"{changes.get('help', keywords['help'])}; {WHY}: {why}"
+            help_text = changes.get("help", keywords["help"])
+            if "default" in changes:  # the shared help's default is not this command's: one default, stated once
+                help_text = _DEFAULT_CLAUSE.sub("", help_text)
+                if "default" not in why:
+                    help_text += " (default %(default)s)"
+            keywords["help"] = f"{help_text}; {WHY}: {why}"
         parser.add_argument(*flags, **keywords)
     return parser
 
@@ -305,8 +329,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
     run.add_argument("--shard", default=None, metavar="I/N",
                      help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
-                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate). Merge the shards' results.safetensors")
-    add_shared_options(run, "no_figures")
+                          "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate) or the Slurm array task "
+                          "(SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of SLURM_ARRAY_TASK_COUNT, sbatch --array). "
+                          "Merge the shards' results.safetensors")
+    add_shared_options(run, "no_figures", "figure_format")
 
     merge = command("merge", "merge result files of shards into one",
                     "Reads and writes result files only: no model, corpus or progress bar.")
@@ -322,12 +348,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = command("show", "print the headline numbers of result files",
                    "Reads each file's header only: instant, whatever the file's size. Shift results "
-                   "(shift_<variant>.safetensors, from 'shift') print as one table, a row per file, read whole.")
+                   "(shift_<variant>.safetensors, from 'shift') print as one table, a row per file, read whole; "
+                   "positional studies (positional.safetensors) as their table. --csv prints any of them in long "
+                   "form.")
     show.set_defaults(handler=_show)
     show.add_argument("results", nargs="+", help="result files (any format version), one column each; or shift "
                                                  "results, one row each")
     add_shared_options(show, "json", differ={"json": ({"help": "print the stored summaries as JSON instead of a table"},
                                                       "the whole stored summary and metadata of each file")})
+    show.add_argument("--csv", action="store_true",
+                      help="print every file's numbers as one long table in CSV, a row per statistic and split (model, "
+                           "layer group, layer, head) with its interval and the run's model, variant and run id: "
+                           "the rows of to_dataframe(), which --json also gives under 'rows'")
+    show.add_argument("--explain", action="store_true",
+                      help="under the shift results' table, a plain reading of each of its columns (what pair η² "
+                           "is, the residual stream's unit, ...)")
     show.add_argument("--verify", action="store_true",
                       help="also read every array and check it against the digest stored when the file was written "
                            "(a few MB hashed per default result file; see 'verify')")
@@ -373,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     sized = "sized so that the three packaged models, trained and at random initialisation, finish in well under 30 minutes on 2 CPU cores"
     add_shared_options(compare, "out", "cache_dir", "attn_implementation", "device", "dtype", "corpus", "text_field",
                        "n_docs", "context_length", "batch_size", "baselines", *measured, "memory_limit_gib",
-                       "no_progress", "json", differ={
+                       "no_progress", "json", "figure_format", differ={
         "n_docs": ({"default": DEFAULT_COMPARISON["n_docs"]}, sized),
         "context_length": ({"default": DEFAULT_COMPARISON["context_length"]}, sized),
         "baselines": ({"default": list(DEFAULT_COMPARISON["baselines"])},
@@ -395,7 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="window tokens per length: N // T_max windows of the longest length, and the same text cut "
                            "into shorter windows at every other length (default %(default)s)")
     add_shared_options(scan, "out", *model_options, "corpus", "text_field", "batch_size", "pack", "baselines", *measured,
-                       "memory_limit_gib", "no_progress", "json", differ={
+                       "memory_limit_gib", "no_progress", "json", "figure_format", differ={
         "batch_size": ({"default": None}, f"default {DEFAULT_SCAN['batch_tokens']} // T at each length, at least 1, "
                                           "so that every length's batch holds about as many tokens"),
         "pack": ({"help": "concatenate the documents (tokenised without special tokens, EOS between them) and cut "
@@ -415,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     positional.set_defaults(handler=_positional)
     small = "the analyses' windows are few and short, since some keep every hidden state"
     add_shared_options(positional, "out", "model", "cache_dir", "attn_implementation", "corpus", "text_field", "n_docs",
-                       "context_length", "batch_size", "exclude_keys", "seed", "analyses", "no_progress", "json", differ={
+                       "context_length", "batch_size", "exclude_keys", "seed", "analyses", "no_progress", "json",
+                       "figure_format", differ={
         "n_docs": ({"default": 8}, small),
         "context_length": ({"default": 256}, small)})
     add_shared_options(positional, "baselines", differ={"baselines": ({"default": ["random_init"]},
@@ -578,9 +614,10 @@ def _run(args: argparse.Namespace) -> int:
     # stops leaves only its checkpoint.
     wrote = list(study.save(out).values()) + [out / "summary.md"]
     if not args.no_figures:
-        wrote += save_figures(study_figures(study.trained, study.baselines()), out)
+        wrote += save_figures(study_figures(study.trained, study.baselines()), out, format=args.figure_format)
         for name, result in study.baselines().items():
-            wrote += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_")
+            wrote += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_",
+                                  format=args.figure_format)
     numbers = {name: result.summary() for name, result in study.results.items()}
     if args.analyses:
         positional = _positional_into(
@@ -624,11 +661,17 @@ def _show(args: argparse.Namespace) -> int:
     from .records.container import file_kind, header_kind
     from .result import ProbeResult
     from .runs.study import BASELINES
+    from .runs.positional import POSITIONAL_KIND
     from .runs.tables import summary_table
     from .shift_result import SHIFT_KIND
 
     for path in args.results:
         file_kind(path)  # a file that cannot be read is named as such, whatever kind the others are
+    if args.csv and args.json:
+        raise InputError("show prints one form: pass --csv (the long table) or --json (the summaries and the same "
+                         "rows), not both")
+    if args.csv or any(header_kind(path) == POSITIONAL_KIND for path in args.results):
+        return _show_rows(args)
     shift_files = [path for path in args.results if header_kind(path) == SHIFT_KIND]
     if shift_files:
         if len(shift_files) != len(args.results):
@@ -644,7 +687,7 @@ def _show(args: argparse.Namespace) -> int:
         print(json.dumps(jsonable({path: {"model": result.model_name, "variant": result.metadata.get("label"),
                                           "complete": result.complete, "integrity": result.integrity,
                                           "arrays_verified": args.verify, "metadata": result.metadata,
-                                          "summary": result.summary()}
+                                          "summary": result.summary(), "rows": result.to_rows()}
                                    for path, result in results.items()}), indent=1))
         print(_verification_note(results, args.verify), file=sys.stderr)
         return 0
@@ -691,7 +734,7 @@ def _show_shift(args: argparse.Namespace) -> int:
     """``show`` of shift results: one row per file, labelled ``<folder>/<variant>`` (the shift command writes
     ``shift_<variant>.safetensors``), as :func:`~equivariance_probe.runs.tables.shift_table`; every file is read
     whole, its arrays checked against its checksum."""
-    from .runs.tables import shift_table
+    from .runs.tables import shift_column_readings, shift_table
     from .shift_result import ShiftResult
 
     # The study's order whatever the shell's glob gave: folders as given, in each the trained model first.
@@ -704,7 +747,7 @@ def _show_shift(args: argparse.Namespace) -> int:
         label = f"{folder_of[path].name}/{Path(path).stem.removeprefix('shift_')}"
         dtype = result.metadata.get("model", {}).get("dtype")
         summaries[label if label not in summaries else str(path)] = {**result.summary(), "file": str(path),
-                                                                     "dtype": dtype}
+                                                                     "dtype": dtype, "rows": result.to_rows()}
     if args.json:
         print(json.dumps(jsonable(summaries), indent=1))
         return 0
@@ -715,6 +758,40 @@ def _show_shift(args: argparse.Namespace) -> int:
     print("\nThe shift test: shares of the variance of the segment's centred attention logits and of its residual "
           "stream, with 95 % intervals over segments where the file has them\n")
     print(shift_table(summaries))
+    if args.explain:
+        print("\n" + shift_column_readings())
+    else:
+        print("\n(--explain gives a plain reading of each column)")
+    return 0
+
+
+def _show_rows(args: argparse.Namespace) -> int:
+    """``show --csv``: every file's long-form rows (``to_rows()`` of its result, whatever its kind) as one CSV
+    table; also ``show`` of positional studies (their tables, or ``--json``: summaries and rows)."""
+    from .analyses.tidy import COLUMNS
+    from .records.container import header_kind
+    from .result import ProbeResult
+    from .runs.positional import POSITIONAL_KIND, PositionalStudy
+    from .runs.tables import csv_text
+    from .shift_result import SHIFT_KIND, ShiftResult
+
+    loaded = {}
+    for path in args.results:
+        kind = header_kind(path)
+        loaded[path] = (ShiftResult.load(path) if kind == SHIFT_KIND else
+                        PositionalStudy.load(path) if kind == POSITIONAL_KIND else ProbeResult.load(path))
+        if args.verify and isinstance(loaded[path], ProbeResult):
+            loaded[path].verify()
+    if args.csv:
+        rows = [row for result in loaded.values() for row in result.to_rows()]
+        sys.stdout.write(csv_text(rows) if rows else ",".join(COLUMNS) + "\n")
+        return 0
+    if args.json:
+        print(json.dumps(jsonable({str(path): {"model": result.model_name, "summary": result.summary(),
+                                               "rows": result.to_rows()} for path, result in loaded.items()}), indent=1))
+        return 0
+    for path, result in loaded.items():
+        print(f"{path}: model {result.model_name}\n\n{result.table()}\n")
     return 0
 
 
@@ -777,7 +854,7 @@ def _compare(args: argparse.Namespace) -> int:
     _check_writable(out)
     comparison = compare_models(args.models, **_study_options(args, _documents(args)), options=_measurement(args),
                                 memory_limit=_memory_limit(args), device=args.device, dtype=args.dtype)
-    paths = save_comparison(comparison, out)
+    paths = save_comparison(comparison, out, format=args.figure_format)
     _print(args, comparison.table(), comparison.rows(), list(paths.values()) + [out / "models"])
     return 0
 
@@ -796,7 +873,7 @@ def _scan(args: argparse.Namespace) -> int:
         memory_limit=_memory_limit(args), device=args.device, dtype=args.dtype,
         progress=not args.no_progress, attn_implementation=args.attn_implementation,
     )
-    paths = save_scan(scan, out)
+    paths = save_scan(scan, out, format=args.figure_format)
     measured = [out / length_folder(length) / result_filename(variant) for length, variants in scan.results.items()
                 for variant in variants if variant not in scan.reused[length]]
     reused = sum(len(variants) for variants in scan.reused.values())
@@ -824,7 +901,7 @@ def _positional_into(out: Path, args: argparse.Namespace, *, model_name: str, an
                            options=MeasurementOptions(context_length=context_length, batch_size=args.batch_size,
                                                       exclude_keys=args.exclude_keys), **settings)
     wrote = [study.save(out / "positional.safetensors")]
-    wrote += save_figures(positional_figures(study), out, prefix="positional_")
+    wrote += save_figures(positional_figures(study), out, prefix="positional_", format=args.figure_format)
     page = out / "positional.html"
     write_text_atomically(page, render_positional_page(study))
     return {"study": study, "wrote": wrote + [page]}
@@ -879,7 +956,7 @@ def _add_shift_command(shift: argparse.ArgumentParser, model_options: tuple[str,
     shift.add_argument("--mode", choices=SHIFT_MODES, default="text",
                        help="text (default): context tokens precede the segment; position_ids: the segment alone with its "
                             "position ids moved")
-    add_shared_options(shift, "no_figures")
+    add_shared_options(shift, "no_figures", "figure_format")
     shift.add_argument("--view-head", default=None,
                        help="the head of the report's CircuitsVis view, e.g. 'L4H3' (default: the head whose centred "
                             "logits the offset moves most)")
@@ -890,15 +967,19 @@ def _shift(args: argparse.Namespace) -> int:
     ``shift_<variant>.safetensors`` per variant and a table (``--json``: the summaries)."""
     from .probe import EquivarianceProbe
     from .runs.study import check_baselines, variant_builders
+    from .runs.tables import shift_result_readings
     from .sources.corpus import load_corpus
     from .sources.devices import parse_dtype, resolve_device
     from .sources.models import PACKAGED_ENCODERS, load_model, load_positional_model
     from .sources.packing import special_prefix
-    from .sources.shift_grid import default_offsets, split_documents
+    from .sources.shift_grid import check_shift_options, default_offsets, split_documents
 
     out = Path(args.out)
     _check_writable(out)
     check_baselines(args.baselines)
+    # Everything that needs no model is checked before one loads (a minute for a packaged model's first load).
+    check_shift_options(offsets=args.offsets, segment_length=args.segment_length, mode=args.mode,
+                        n_contexts=args.n_contexts)
     # Loaded as run_study loads it: the Hugging Face model wrapped for --framework; each baseline is built from it
     # and wrapped the same way, so trained and baselines run through one framework.
     if args.model in PACKAGED_ENCODERS:  # the packaged BERT encoder: the segment ends the window, attention both ways
@@ -929,22 +1010,23 @@ def _shift(args: argparse.Namespace) -> int:
         wrote.append(results[name].save(out / f"shift_{name}.safetensors"))
     if not args.no_figures:
         wrote += _shift_display(out, probe, results, segments, None if args.mode == "position_ids" else contexts,
-                                args.view_head)
+                                args.view_head, args.figure_format)
     table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in results.items())
-    _print(args, table, {name: result.summary() for name, result in results.items()}, wrote)
+    _print(args, f"{table}\n\n{shift_result_readings()}", {name: result.summary() for name, result in results.items()},
+           wrote)
     return 0
 
 
 def _shift_display(out: Path, probe: Any, results: dict[str, Any], segments: list[Any], contexts: list[Any] | None,
-                   head: str | None) -> list[Path]:
-    """The shift run's figures (``shift_*.png``, the trained model beside its baselines) and
+                   head: str | None, figure_format: str) -> list[Path]:
+    """The shift run's figures (``shift_*.png``, or the ``figure_format`` files; the trained model beside its baselines) and
     ``shift_report.html`` with the CircuitsVis view of one head at the smallest and largest offsets."""
     from .display.figures import save_figures
     from .display.shift import render_shift_report, shift_figures, shift_view
 
     trained = results["trained"]
     baselines = {name: result for name, result in results.items() if name != "trained"}
-    wrote = save_figures(shift_figures(trained, baselines), out)
+    wrote = save_figures(shift_figures(trained, baselines), out, format=figure_format)
     view = shift_view(probe, segments, contexts, result=trained, head=head)
     return wrote + [render_shift_report(trained, baselines, view=view).save(out / "shift_report.html")]
 

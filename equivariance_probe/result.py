@@ -570,6 +570,32 @@ class ProbeResult:
             self._computed_summary = (state, result_summary(self, key_bins=SUMMARY_KEY_BINS, level=SUMMARY_LEVEL))
         return copy.deepcopy(self._computed_summary[1])
 
+    def to_rows(self) -> list[dict[str, Any]]:
+        """The numbers in long form, one dict per statistic and split (model, layer group, head), with
+        their intervals and the run's model, variant, run id and window protocol
+        (:mod:`~equivariance_probe.analyses.tidy` lists the columns). Built from :meth:`summary`, so a
+        loaded result reads no array; needs no pandas. ``equivariance-probe show --csv`` prints these rows.
+
+        Example:
+            >>> rows = result.to_rows()
+            >>> next(r for r in rows if r["statistic"] == "log_eta2" and r["split"] == "model")["value"]
+            0.0283...
+        """
+        from .analyses.tidy import probe_identity, probe_rows
+
+        return probe_rows(self.summary(), probe_identity(self.metadata, self.model_name))
+
+    def to_dataframe(self) -> Any:
+        """:meth:`to_rows` as a pandas ``DataFrame`` (one row per statistic and split): runs concatenate
+        with ``pandas.concat`` for plotting.
+
+        Raises:
+            MissingDependencyError: pandas is not installed (the message gives ``pip install pandas``).
+        """
+        from .analyses.tidy import rows_dataframe
+
+        return rows_dataframe(self.to_rows(), "ProbeResult.to_dataframe()")
+
     def _headline(self) -> tuple[dict[str, dict[str, float]], str, str]:
         """Query-position R² table and the most/least position-bound heads (from the header when loaded)."""
         if self._stored_summary is not None:

@@ -414,6 +414,26 @@ class ShiftResult:
             lines.append("  PARTIAL: the run stopped before every segment was measured")
         return "\n".join(lines)
 
+    def to_rows(self, level: float = 0.95) -> list[dict[str, Any]]:
+        """The numbers in long form, one dict per statistic, representation and split (model, layer group,
+        layer; the loss per offset), with their intervals, units and the run's model, variant, run id and
+        mode (:mod:`~equivariance_probe.analyses.tidy` lists the columns). Built from :meth:`summary`;
+        needs no pandas. ``equivariance-probe show --csv`` prints these rows."""
+        from .analyses.tidy import shift_identity, shift_rows
+
+        summary = self.summary(level)
+        return shift_rows(summary, shift_identity(self.metadata, summary, self.model_name))
+
+    def to_dataframe(self, level: float = 0.95) -> Any:
+        """:meth:`to_rows` as a pandas ``DataFrame``.
+
+        Raises:
+            MissingDependencyError: pandas is not installed (the message gives ``pip install pandas``).
+        """
+        from .analyses.tidy import rows_dataframe
+
+        return rows_dataframe(self.to_rows(level), "ShiftResult.to_dataframe()")
+
     def __repr__(self) -> str:
         if self.n_segments == 0:
             return f"ShiftResult(model={self.model_name!r}, empty)"

@@ -310,3 +310,26 @@ def test_a_study_stopped_by_any_exception_keeps_its_chunks_as_a_partial_result(t
     assert partial.metadata["complete"] is False and partial.n_windows == 2
     monkeypatch.undo()
     _equal(partial, run_study(**{**options, "corpus": docs[:2], "n_docs": 2}).trained, exact=True)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--offsets", "0"], r"offsets=\[0\] must hold at least two distinct non-negative offsets: with one there is nothing "
+                         r"to compare; pass more through --offsets"),
+    (["--offsets", "5,5"], r"offsets=\[5\] must hold at least two distinct"),
+    (["--segment-length", "1"], r"segment_length=1 must be an integer of at least 2 .*pass --segment-length 64"),
+    (["--n-contexts", "1"], r"text mode needs at least two contexts .*got 1; pass --n-contexts 4, or --mode position_ids"),
+])
+def test_the_shift_command_refuses_its_settings_before_it_loads_a_model(tmp_path, capsys, monkeypatch, arguments,
+                                                                        message):
+    """A model that does not exist: had it been loaded first, the error would name the model."""
+    import re
+
+    from equivariance_probe.sources import models
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before the settings were checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    assert main(["shift", "-o", str(tmp_path / "out"), "--model", "no-such-model", "--no-progress", *arguments]) == 2
+    error = capsys.readouterr().err
+    assert re.search(message, error) and "no-such-model" not in error, error

@@ -220,6 +220,28 @@ def test_every_shared_option_has_one_spelling_and_one_meaning_and_every_command_
                 assert f"; {WHY}: " in action.help, f"{name} {flag} differs from its declaration without saying why"
 
 
+def test_an_option_whose_default_differs_on_a_command_states_one_default(capsys):
+    """The shared help's default is dropped where a command changes it, so that the help never says
+    "(default: random_init,zero); here: default none"."""
+    import argparse
+
+    from equivariance_probe.cli import WHY, build_parser
+
+    commands = next(action for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction))
+    differing = 0
+    for name, command in commands.choices.items():
+        for action in command._actions:
+            if action.help and f"; {WHY}: " in action.help:
+                differing += 1
+                assert action.help.replace("%(default)s", "").count("default") <= 1, (name, action.option_strings)
+    assert differing >= 15
+    with pytest.raises(SystemExit):
+        main(["shift", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "'none'; here: default none: each baseline" in shown and "(default: random_init,zero)" not in shown
+    assert "windows per forward pass; here: default 1: a segment's" in shown
+
+
 def test_a_command_that_runs_a_model_takes_every_shared_option_or_says_why_not():
     import argparse
     import re

@@ -48,9 +48,40 @@ def test_the_api_reference_documents_every_public_name(site):
             assert f'id="equivariance_probe.{name}"' in page, f"{name} is not documented in the API reference"
 
 
+#: What a page loads as it opens: a stylesheet, a script, an image, a frame or a web font.
+LOADED = re.compile(r"<(?:link|script|img|iframe)\b[^>]*\b(?:href|src)=\"(https?:)?//[^\"]+\"[^>]*>|"
+                    r"@import\s+url\(\s*[\"']?(?:https?:)?//|fonts\.(?:googleapis|gstatic)\.com")
+
+
+def test_every_page_works_offline(site):
+    """No page loads anything from the internet as it opens (material's default fetches its fonts from
+    Google Fonts; mkdocs.yml turns that off): links to other sites are fine, loads are not."""
+    pages = list(site.rglob("*.html")) + list(site.rglob("*.css"))
+    assert len(pages) > 20
+    loads = {page.relative_to(site).as_posix(): match.group(0)[:160] for page in pages
+             for match in LOADED.finditer(page.read_text(encoding="utf-8", errors="replace"))}
+    assert not loads, loads
+    assert 'href="https://squidfunk.github.io/mkdocs-material/"' in (site / "index.html").read_text(encoding="utf-8")
+
+
 def test_the_executed_notebooks_are_pages_with_their_outputs(site):
     page = (site / "notebooks" / "heads" / "index.html").read_text(encoding="utf-8")
     assert "circuitsvis-view" in page and "head-ranking" in page
+
+
+def test_the_notebooks_links_resolve_in_the_repository_and_on_the_site(site):
+    """A notebook's links are written for the repository (``../docs/methods.md`` from ``examples/``,
+    where GitHub and Jupyter show it); on the site a hook points them at its pages."""
+    import json
+
+    for notebook in sorted((ROOT / "examples").glob("*.ipynb")):
+        text = "".join("".join(cell["source"]) for cell in json.loads(notebook.read_text())["cells"]
+                       if cell["cell_type"] == "markdown")
+        for target in re.findall(r"\]\(((?!https?:|#)[^)#]+)(?:#[^)]*)?\)", text):
+            assert (notebook.parent / target).exists(), f"{notebook.name} links to {target}, not in the repository"
+        page = site / "notebooks" / notebook.stem / "index.html"
+        for target in re.findall(r'href="((?!https?:|#|mailto:|data:)[^"#]+)', page.read_text(encoding="utf-8")):
+            assert (page.parent / target).resolve().exists(), f"the site's {notebook.stem} page links to {target}"
 
 
 def anchors(markdown: str) -> set[str]:

@@ -25,7 +25,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -51,10 +50,6 @@ def _arguments(out: Path, model: str, corpus: str, *extra: str) -> list[str]:
     return ["run", "--out", str(out), "--model", model, "--corpus", corpus, "--n-docs", "6", "--context-length", "16",
             "--batch-size", "1", "--checkpoint-every", "2", "--baselines", "random_init", "--sample-size", "50",
             "--interval-groups", "0", "--no-figures", "--no-progress", *extra]
-
-
-def _command(arguments: list[str]) -> list[str]:
-    return [sys.executable, "-m", "equivariance_probe.cli", *arguments]
 
 
 def _environment() -> dict[str, str]:
@@ -269,12 +264,31 @@ def test_files_written_before_digests_still_load_flagged_unverified(shards, tmp_
 
 
 # -- one writer per folder -------------------------------------------------------------------------------
-def _wait_for(condition, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
+# The command line in a real process that stops itself (SIGSTOP) once its first checkpoint's state is in
+# place, so that the parent acts at a moment the run reports, not at one it hopes to catch by polling.
+_STOP_AT_FIRST_CHECKPOINT = """
+import os, signal, sys
+from equivariance_probe.cli import main
+replace, stopped = os.replace, []
+def replacing(source, destination, *args, **kwargs):
+    replace(source, destination, *args, **kwargs)
+    if os.fspath(destination).endswith("state.json") and not stopped:
+        stopped.append(True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+os.replace = replacing
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _stopping_at_first_checkpoint(arguments: list[str], **popen) -> subprocess.Popen:
+    """A command-line run that has stopped itself right after writing its first checkpoint."""
+    process = subprocess.Popen([sys.executable, "-c", _STOP_AT_FIRST_CHECKPOINT, *arguments], env=_environment(),
+                               **popen)
+    _, status = os.waitpid(process.pid, os.WUNTRACED)  # returns when it stops (or, wrongly, ends)
+    if not os.WIFSTOPPED(status):
+        process.returncode = os.waitstatus_to_exitcode(status)
+        raise AssertionError(f"the run ended (status {process.returncode}) before its first checkpoint")
+    return process
 
 
 def _lock_holder(out: Path) -> str:
@@ -301,19 +315,16 @@ def test_a_second_run_on_the_same_folder_is_refused_naming_the_first_process(tin
     holder.wait()
     assert _lock_holder(out).split()[0] == str(holder.pid)  # its file is still there
 
-    first = subprocess.Popen(_command(_arguments(out, model, corpus)), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, env=_environment())
-    try:
-        _wait_for(lambda: _lock_holder(out).startswith(f"{first.pid} "), "the first run to hold the folder")
-        os.kill(first.pid, signal.SIGSTOP)  # mid-run, for as long as the second one takes
-        try:
-            assert main(_arguments(out, model, corpus)) == 2
-            error = capsys.readouterr().err
-            assert len(_lines(error)) == 1 and f"in use by another equivariance-probe run (process {first.pid} " in error
-            assert main(_arguments(out, model, corpus, "--resume")) == 2  # --resume too
-            assert f"process {first.pid} " in capsys.readouterr().err
-        finally:
-            os.kill(first.pid, signal.SIGCONT)
+    first = _stopping_at_first_checkpoint(_arguments(out, model, corpus), stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.PIPE, text=True)
+    try:  # it stopped mid-run, holding the folder, for as long as the second one takes
+        assert _lock_holder(out).startswith(f"{first.pid} ")
+        assert main(_arguments(out, model, corpus)) == 2
+        error = capsys.readouterr().err
+        assert len(_lines(error)) == 1 and f"in use by another equivariance-probe run (process {first.pid} " in error
+        assert main(_arguments(out, model, corpus, "--resume")) == 2  # --resume too
+        assert f"process {first.pid} " in capsys.readouterr().err
+        os.kill(first.pid, signal.SIGCONT)
         assert first.wait(timeout=300) == 0, first.stderr.read()
     finally:
         if first.poll() is None:
@@ -327,11 +338,11 @@ def test_sigterm_stops_with_one_line_exit_143_and_resume_is_bitwise_the_uninterr
                                                                                           capsys):
     model, corpus = tiny
     out = tmp_path / "out"
-    run = subprocess.Popen(_command(_arguments(out, model, corpus)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True, env=_environment())
-    try:
-        _wait_for(lambda: (out / "checkpoint" / "state.json").exists() or run.poll() is not None, "a first checkpoint")
+    run = _stopping_at_first_checkpoint(_arguments(out, model, corpus), stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True)
+    try:  # SIGTERM while it is stopped after its first checkpoint: the handler runs as it continues
         run.send_signal(signal.SIGTERM)
+        os.kill(run.pid, signal.SIGCONT)
         stdout, stderr = run.communicate(timeout=300)
     finally:
         if run.poll() is None:

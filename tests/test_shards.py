@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.numpy import load_file
 
 from equivariance_probe import IncompatibleResultsError, InputError, ProbeResult, Shard, run_study
 from equivariance_probe.cli import main
@@ -146,7 +147,8 @@ def test_shard_auto_takes_rank_and_world_size_from_the_launcher(shard_files, mon
     model, corpus = str(root / "model"), str(root / "corpus")
     arguments = ["run", "--out", str(root / "auto"), "--model", model, "--corpus", corpus, "--n-docs", "5",
                  "--context-length", "16", "--baselines", "none", "--no-progress", "--no-figures", "--shard", "auto"]
-    monkeypatch.delenv("RANK", raising=False)
+    for name in ("RANK", *SLURM_ARRAY):
+        monkeypatch.delenv(name, raising=False)
     assert main(arguments) == 2
     assert "RANK and WORLD_SIZE" in capsys.readouterr().err
     monkeypatch.setenv("RANK", "1")
@@ -154,3 +156,56 @@ def test_shard_auto_takes_rank_and_world_size_from_the_launcher(shard_files, mon
     assert main(arguments) == 0
     result = ProbeResult.load(root / "auto" / "shard-1-of-2" / "results.safetensors")
     assert result.metadata["shards"]["ranges"] == [[2, 5]] and result.n_windows == 3
+
+
+SLURM_ARRAY = ("SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_MAX", "SLURM_ARRAY_TASK_STEP",
+               "SLURM_ARRAY_TASK_COUNT")
+
+
+def test_shard_auto_takes_the_task_of_a_slurm_job_array(shard_files, monkeypatch):
+    """``sbatch --array=4-5`` on a two-shard corpus: task 5 is shard 1/2, the same documents and sums
+    as ``--shard 1/2``."""
+    root = shard_files["root"]
+    for name in ("RANK", "WORLD_SIZE", *SLURM_ARRAY):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in zip(SLURM_ARRAY, ("5", "4", "5", "1", "2"), strict=True):
+        monkeypatch.setenv(name, value)
+    arguments = ["run", "--out", str(root / "array"), "--model", str(root / "model"), "--corpus", str(root / "corpus"),
+                 "--n-docs", "5", "--context-length", "16", "--baselines", "zero", "--no-progress", "--no-figures",
+                 "--sample-size", "0", "--shard", "auto"]  # the options of shard_files' runs
+    assert main(arguments) == 0
+    result = ProbeResult.load(root / "array" / "shard-1-of-2" / "results.safetensors")
+    assert result.metadata["shards"]["indices"] == [1] and result.metadata["shards"]["ranges"] == [[2, 5]]
+    arrays = load_file(root / "array" / "shard-1-of-2" / "results.safetensors")
+    explicit = load_file(shard_files["1/2"])
+    assert arrays.keys() == explicit.keys()
+    assert all(np.array_equal(arrays[key], explicit[key]) for key in arrays)
+    assert result.n_windows == 3
+
+
+@pytest.mark.parametrize(("variables", "shard"), [
+    ({"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "4"}, Shard(0, 4)),
+    ({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "4", "SLURM_ARRAY_TASK_MAX": "7",
+      "SLURM_ARRAY_TASK_COUNT": "4"}, Shard(3, 4)),
+    ({"SLURM_ARRAY_TASK_ID": "8", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": "12",
+      "SLURM_ARRAY_TASK_STEP": "4", "SLURM_ARRAY_TASK_COUNT": "4"}, Shard(2, 4)),  # --array=0-12:4
+    ({"RANK": "2", "WORLD_SIZE": "3"}, Shard(2, 3)),
+])
+def test_shard_from_the_environment_of_each_launcher(variables, shard):
+    assert Shard.from_environment(variables) == shard
+
+
+@pytest.mark.parametrize(("variables", "message"), [
+    ({"SLURM_ARRAY_TASK_ID": "3", "SLURM_ARRAY_TASK_MIN": "0"}, "needs SLURM_ARRAY_TASK_COUNT, which is not set"),
+    ({"SLURM_ARRAY_TASK_ID": "x", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "4"},
+     "SLURM_ARRAY_TASK_ID, which is 'x', not a whole number"),
+    ({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "4"},
+     r"this task's ID lies outside its array \(SLURM_ARRAY_TASK_ID=5, SLURM_ARRAY_TASK_MIN=0"),
+    ({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_MIN": "1", "SLURM_ARRAY_TASK_MAX": "7",
+      "SLURM_ARRAY_TASK_COUNT": "3"}, r"one range .*a count of 3 does not span 1\.\.7 .*sbatch --array=0-2"),  # 1,3,7
+    ({"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_COUNT": "2", "RANK": "0",
+      "WORLD_SIZE": "2"}, r"both a Slurm array task \(SLURM_ARRAY_TASK_ID=1\) and a torchrun/accelerate rank"),
+])
+def test_inconsistent_slurm_array_variables_are_refused_by_name(variables, message):
+    with pytest.raises(InputError, match=message):
+        Shard.from_environment(variables)

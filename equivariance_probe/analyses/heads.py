@@ -162,9 +162,14 @@ class HeadRanking:
         return {**self.scores, "in_top_k": self.stability}
 
     def to_dataframe(self):
-        """The ranking as a pandas ``DataFrame`` indexed by ``rank`` (pandas imported here)."""
-        import pandas as pd
+        """The ranking as a pandas ``DataFrame`` indexed by ``rank`` (pandas imported here).
 
+        Raises:
+            MissingDependencyError: pandas is not installed (the message gives ``pip install pandas``).
+        """
+        from .tidy import require_pandas
+
+        pd = require_pandas("HeadRanking.to_dataframe()")
         frame = pd.DataFrame.from_records(self.to_records()).set_index("rank")
         return frame.astype({name: "float64" for name in self._columns()})
 

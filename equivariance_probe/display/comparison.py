@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import html
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .figures import figure_title, log_log_axes, pyplot, save_figures
+from .figures import figure_paths, figure_title, log_log_axes, pyplot, save_figures
 from .report import figures_html, html_page, render_report
 
 from ..records.fileformat import write_text_atomically
@@ -91,13 +92,15 @@ def comparison_page(comparison: Comparison, reports: dict[str, str] | None = Non
     return html_page("equivariance_probe comparison", body)
 
 
-def save_comparison(comparison: Comparison, folder: str | os.PathLike) -> dict[str, Path]:
+def save_comparison(comparison: Comparison, folder: str | os.PathLike, *,
+                    format: str | Sequence[str] = "png") -> dict[str, Path]:
     """Write the comparison's tables and studies (:meth:`Comparison.save`), its figure
-    ``comparison.png``, each model's report ``models/<model>/report.html`` (trained and baselines
-    side by side) and ``comparison.html`` (table, figure, links to the reports)."""
+    ``comparison.png`` (and ``.svg``/``.pdf`` as ``format`` asks: :func:`save_figures`), each model's
+    report ``models/<model>/report.html`` (trained and baselines side by side) and
+    ``comparison.html`` (table, figure, links to the reports)."""
     paths = comparison.save(folder)
     folder = Path(folder)
-    paths["figure"] = save_figures({"comparison": comparison_figure(comparison)}, folder)[0]
+    paths.update(figure_paths(save_figures({"comparison": comparison_figure(comparison)}, folder, format=format)))
     reports = {}
     for label, study in comparison.studies.items():
         report = folder / "models" / model_folder(label) / "report.html"

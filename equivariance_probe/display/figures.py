@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import InputError, option
 from ..records.fileformat import make_folder, write_bytes_atomically
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,6 +39,10 @@ __all__ = [
     "heatmaps_figure",
     "study_figures",
     "save_figures",
+    "figure_formats",
+    "figure_paths",
+    "figure_bytes",
+    "FIGURE_FORMATS",
     "pyplot",
     "log_log_axes",
     "fitted_title",
@@ -239,20 +244,86 @@ def variant_columns(result: ProbeResult, baselines: Mapping[str, ProbeResult] | 
     return {first: result, **(baselines or {})}
 
 
-def save_figures(figures: dict[str, Any], folder: str | os.PathLike, prefix: str = "") -> list[Path]:
-    """Write figures as PNG files ``{folder}/{prefix}{name}.png`` and close them.
+#: The files a figure can be written as: PNG for screens and reports, SVG and PDF for papers.
+FIGURE_FORMATS = ("png", "svg", "pdf")
 
-    Each is drawn in memory and written atomically, so a full disk is a
-    :class:`~equivariance_probe.errors.FileWriteError` saying how many bytes the figure needed.
+#: Fonts travel with the file, so that it looks the same on a machine without this one's fonts: SVG
+#: text becomes paths, PDF embeds TrueType (Type 42) fonts, which journals ask for instead of Type 3.
+#: No creation date is written, so the same figure gives the same bytes.
+_SAVE_SETTINGS = {"svg.fonttype": "path", "pdf.fonttype": 42, "ps.fonttype": 42, "svg.hashsalt": "equivariance_probe"}
+_UNDATED = {"png": None, "svg": {"Date": None}, "pdf": {"CreationDate": None}}
+
+
+def figure_formats(format: str | Sequence[str] = "png") -> tuple[str, ...]:
+    """The formats ``format`` names (``"png"``, ``"png,svg,pdf"`` or a list), checked, each once, in order.
+
+    Raises:
+        InputError: an empty list or a format matplotlib is not asked to write here.
+
+    Example:
+        >>> figure_formats("png, SVG,pdf")
+        ('png', 'svg', 'pdf')
     """
+    names = format.split(",") if isinstance(format, str) else list(format)
+    formats = tuple(dict.fromkeys(str(name).strip().lower().lstrip(".") for name in names if str(name).strip()))
+    unknown = [name for name in formats if name not in FIGURE_FORMATS]
+    if unknown or not formats:
+        raise InputError(
+            f"figure format {format!r} is not one of {', '.join(FIGURE_FORMATS)}; pass for example "
+            f"{option('format', 'png,svg,pdf')}"
+        )
+    return formats
+
+
+def save_figures(figures: dict[str, Any], folder: str | os.PathLike, prefix: str = "", *,
+                 format: str | Sequence[str] = "png") -> list[Path]:
+    """Write figures as ``{folder}/{prefix}{name}.{format}`` files, one per format, and close them.
+
+    Every figure the package writes goes through here. SVG keeps its text as paths and PDF embeds its
+    fonts (TrueType), so a file opens the same on a machine without matplotlib's fonts; PNG is drawn
+    at 120 dpi. Each file is drawn in memory and written atomically, so a full disk is a
+    :class:`~equivariance_probe.errors.FileWriteError` saying how many bytes the figure needed.
+
+    Args:
+        figures: ``{name: matplotlib figure}``.
+        folder: Where to write (created if missing).
+        prefix: Put before each name (``"baseline_zero_"``).
+        format: ``"png"`` (default), ``"svg"``, ``"pdf"``, or several: ``"png,svg,pdf"`` or a list.
+
+    Returns:
+        The paths written, figure by figure, each in the order of ``format``.
+
+    Raises:
+        InputError: an unknown format (:func:`figure_formats`).
+
+    Example:
+        >>> save_figures(study_figures(result), "figures", format="png,pdf")  # doctest: +SKIP
+    """
+    formats = figure_formats(format)
     plt = pyplot()
     folder = Path(folder)
     make_folder(folder)
     paths = []
     for name, figure in figures.items():
-        path = folder / f"{prefix}{name}.png"
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png", dpi=120)
+        for kind in formats:
+            paths.append(write_bytes_atomically(folder / f"{prefix}{name}.{kind}", figure_bytes(figure, kind)))
         plt.close(figure)
-        paths.append(write_bytes_atomically(path, buffer.getvalue()))
     return paths
+
+
+def figure_bytes(figure: Any, kind: str = "png", *, dpi: int = 120) -> bytes:
+    """One figure drawn as a ``kind`` file's bytes (``png``, ``svg`` or ``pdf``), fonts carried in the file and
+    no creation date; the figure stays open. Every figure the package writes or embeds is drawn here."""
+    import matplotlib
+
+    (kind,) = figure_formats(kind)
+    buffer = io.BytesIO()
+    with matplotlib.rc_context(_SAVE_SETTINGS):
+        figure.savefig(buffer, format=kind, dpi=dpi, metadata=_UNDATED[kind])
+    return buffer.getvalue()
+
+
+def figure_paths(paths: Sequence[Path]) -> dict[str, Path]:
+    """The files of one figure by key for a ``paths`` mapping: ``"figure"`` for the first format
+    written, ``"figure svg"``, ``"figure pdf"`` for the others."""
+    return {"figure" if i == 0 else f"figure {path.suffix.lstrip('.')}": path for i, path in enumerate(paths)}

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +26,8 @@ from ..errors import NotRunError
 from ..records.fileformat import write_text_atomically
 from ..runs.tables import paired_rows, summary_rows
 from .circuitsvis import circuitsvis_bundle_script
-from .figures import (fit_by_key_figure, head_curves_figure, heatmaps_figure, persistence_figure, scatter_figure,
-                      variant_columns)
+from .figures import (figure_bytes, fit_by_key_figure, head_curves_figure, heatmaps_figure, persistence_figure,
+                      scatter_figure, variant_columns)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..result import ProbeResult
@@ -56,10 +55,9 @@ class ReportSection:
 def _png(figure) -> str:
     import matplotlib.pyplot as plt
 
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
+    drawn = figure_bytes(figure, "png", dpi=100)
     plt.close(figure)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+    return base64.b64encode(drawn).decode("ascii")
 
 
 def figures_html(figures: dict[str, Any]) -> str:

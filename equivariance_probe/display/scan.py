@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..maths.fitting import FIT_NAMES
 from ..maths.metrics import FORMS
-from .figures import figure_title, pyplot, save_figures
+from .figures import figure_paths, figure_title, pyplot, save_figures
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -83,8 +84,9 @@ def scan_figure(scan: ContextScan) -> Figure:
     return fig
 
 
-def save_scan(scan: ContextScan, folder: str | os.PathLike) -> dict[str, Path]:
-    """Write the scan's tables and result files (:meth:`ContextScan.save`) and its figure ``scan.png``."""
+def save_scan(scan: ContextScan, folder: str | os.PathLike, *, format: str | Sequence[str] = "png") -> dict[str, Path]:
+    """Write the scan's tables and result files (:meth:`ContextScan.save`) and its figure ``scan.png``
+    (and ``.svg``/``.pdf`` as ``format`` asks: :func:`save_figures`)."""
     paths = scan.save(folder)
-    paths["figure"] = save_figures({"scan": scan_figure(scan)}, Path(folder))[0]
+    paths.update(figure_paths(save_figures({"scan": scan_figure(scan)}, Path(folder), format=format)))
     return paths

@@ -325,7 +325,7 @@ def head_views(
 
     Returns:
         :class:`HeadViews`; display it in a notebook, ``save`` it, or pass it to
-        ``result.to_html(views=...)``.
+        :func:`~equivariance_probe.display.report.render_report` (``render_report(result, views=views)``).
 
     Example:
         >>> views = head_views(probe, docs[0], result=result, stop=96)  # doctest: +SKIP

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -43,7 +43,8 @@ class Shard:
         if not (isinstance(self.index, int) and isinstance(self.count, int) and 0 <= self.index < self.count):
             raise InputError(
                 f"shard {self.index}/{self.count} does not exist: use i/n with 0 <= i < n "
-                f"(e.g. {option('shard', '0/4')} ... {option('shard', '3/4')}, or RANK/WORLD_SIZE under torchrun)"
+                f"(e.g. {option('shard', '0/4')} ... {option('shard', '3/4')}, or {option('shard', 'auto')} under "
+                "torchrun or sbatch --array)"
             )
 
     @classmethod
@@ -55,15 +56,79 @@ class Shard:
         return cls(int(match.group(1)), int(match.group(2)))
 
     @classmethod
-    def from_environment(cls) -> Shard:
-        """``Shard(RANK, WORLD_SIZE)`` from the variables torchrun, accelerate and most launchers set."""
-        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+    def from_environment(cls, environ: Mapping[str, str] | None = None) -> Shard:
+        """The shard a launcher assigned to this process, from its environment variables.
+
+        * torchrun, accelerate and most launchers: ``Shard(RANK, WORLD_SIZE)``;
+        * a Slurm job array (``sbatch --array=0-3``): ``Shard(SLURM_ARRAY_TASK_ID −
+          SLURM_ARRAY_TASK_MIN, SLURM_ARRAY_TASK_COUNT)``, the task IDs divided by
+          ``SLURM_ARRAY_TASK_STEP`` where Slurm sets one (``--array=0-15:4``). The IDs must be
+          one contiguous range (``--array=1,3,7`` is refused): a shard is a slice of documents
+          and every slice must be run.
+
+        Both at once (torchrun inside an array task) are refused: which processes share a slice
+        is then the user's choice, to pass as ``--shard i/n``.
+
+        Raises:
+            InputError: neither set, both set, a value that is not a whole number, or a task ID
+                outside the range its array's minimum, count (and maximum) describe; the message
+                names the variable and its value.
+
+        Example:
+            >>> Shard.from_environment({"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "4",
+            ...                         "SLURM_ARRAY_TASK_COUNT": "4"})
+            Shard(index=1, count=4)
+        """
+        environ = os.environ if environ is None else environ
+        rank, world = environ.get("RANK"), environ.get("WORLD_SIZE")
+        array = environ.get("SLURM_ARRAY_TASK_ID")
+        if array is not None and (rank is not None or world is not None):
+            raise InputError(
+                f"{option('shard', 'auto')} found both a Slurm array task (SLURM_ARRAY_TASK_ID={array}) and a "
+                f"torchrun/accelerate rank (RANK={rank}, WORLD_SIZE={world}); pass the shard of this process "
+                f"explicitly with {option('shard', 'i/n')}"
+            )
+        if array is not None:
+            return cls._from_slurm_array(environ)
         if rank is None or world is None:
             raise InputError(
-                f"{option('shard', 'auto')} reads RANK and WORLD_SIZE, which are not set; launch with torchrun or "
-                f"accelerate, or pass {option('shard', 'i/n')}"
+                f"{option('shard', 'auto')} reads RANK and WORLD_SIZE (torchrun, accelerate) or SLURM_ARRAY_TASK_ID, "
+                f"SLURM_ARRAY_TASK_MIN and SLURM_ARRAY_TASK_COUNT (sbatch --array), which are not set; launch with "
+                f"one of them, or pass {option('shard', 'i/n')}"
             )
         return cls.parse(f"{rank}/{world}")
+
+    @classmethod
+    def _from_slurm_array(cls, environ: Mapping[str, str]) -> Shard:
+        def whole(name: str, default: int | None = None) -> int:
+            text = environ.get(name)
+            if text is None and default is not None:
+                return default
+            if text is None or not text.strip().isdigit():
+                given = "is not set" if text is None else f"is {text!r}, not a whole number"
+                raise InputError(
+                    f"{option('shard', 'auto')} in a Slurm job array needs {name}, which {given}; submit with "
+                    f"sbatch --array=0-N (Slurm sets it for every array task), or pass {option('shard', 'i/n')}"
+                )
+            return int(text)
+
+        task, low, count = whole("SLURM_ARRAY_TASK_ID"), whole("SLURM_ARRAY_TASK_MIN"), whole("SLURM_ARRAY_TASK_COUNT")
+        step = whole("SLURM_ARRAY_TASK_STEP", 1) or 1
+        high = whole("SLURM_ARRAY_TASK_MAX", low + (count - 1) * step)
+        values = (f"SLURM_ARRAY_TASK_ID={task}, SLURM_ARRAY_TASK_MIN={low}, SLURM_ARRAY_TASK_MAX={high}, "
+                  f"SLURM_ARRAY_TASK_STEP={step}, SLURM_ARRAY_TASK_COUNT={count}")
+        if count < 1 or high != low + (count - 1) * step:
+            raise InputError(
+                f"{option('shard', 'auto')} needs the array's task IDs to be one range ({values}: a count of {count} "
+                f"does not span {low}..{high} in steps of {step}); submit with sbatch --array=0-{max(count, 1) - 1} "
+                f"so that every shard runs, or pass {option('shard', 'i/n')}"
+            )
+        if not low <= task <= high or (task - low) % step:
+            raise InputError(
+                f"{option('shard', 'auto')}: this task's ID lies outside its array ({values}); submit with "
+                f"sbatch --array=0-{count - 1}, or pass {option('shard', 'i/n')}"
+            )
+        return cls((task - low) // step, count)
 
     def bounds(self, n_docs: int) -> tuple[int, int]:
         """``(start, stop)``: this shard's documents are ``docs[start:stop]``."""

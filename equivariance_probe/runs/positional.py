@@ -139,6 +139,25 @@ class PositionalStudy:
                 out[key] = {"mean_off_diagonal_by_layer": _mean_off_diagonal(self.parts[key]).tolist()}
         return out
 
+    def to_rows(self) -> list[dict[str, Any]]:
+        """The numbers in long form, one dict per statistic and split (model, layer, head), the random-init
+        baseline's as variant ``random_init`` (:mod:`~equivariance_probe.analyses.tidy` lists the columns).
+        Built from :meth:`summary`; needs no pandas. ``equivariance-probe show --csv`` prints these rows."""
+        from ..analyses.tidy import positional_rows
+
+        identity = {"kind": "positional", "model": self.model_name, "run_id": self.metadata.get("run_id")}
+        return positional_rows(self.summary(), identity)
+
+    def to_dataframe(self) -> Any:
+        """:meth:`to_rows` as a pandas ``DataFrame``.
+
+        Raises:
+            MissingDependencyError: pandas is not installed (the message gives ``pip install pandas``).
+        """
+        from ..analyses.tidy import rows_dataframe
+
+        return rows_dataframe(self.to_rows(), "PositionalStudy.to_dataframe()")
+
     def table(self) -> str:
         """Markdown: one row per analysis that ran (its headline numbers) and one per analysis skipped."""
         summary = self.summary()

@@ -24,7 +24,8 @@ from ..result import DIFFERENCE_STATISTICS, SUMMARY_LEVEL, TARGET_HALF_WIDTH, Pr
 from ..shift_result import check_verdict, number_cell
 
 __all__ = ["csv_text", "summary_table", "summary_rows", "difference_table", "paired_rows", "windows_needed_text", "summary_value",
-           "interval_bounds", "row_cell", "markdown_table", "shift_table", "SHIFT_COLUMNS"]
+           "interval_bounds", "row_cell", "markdown_table", "shift_table", "SHIFT_COLUMNS",
+           "SHIFT_COLUMN_READINGS", "shift_column_readings", "shift_result_readings"]
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:
@@ -284,6 +285,61 @@ SHIFT_COLUMNS: dict[str, tuple[str, ...] | None] = {
     "JS ratio": ("predictions", "js_ratio"),
     "layer-0 check": None,
 }
+
+#: A plain reading of each column of :func:`shift_table`, printed under it (definitions: docs/methods.md#shift-test).
+SHIFT_COLUMN_READINGS: dict[str, str] = {
+    "mode": "text: the segment follows other text, and moving it moves that text too; position_ids: the segment "
+            "alone, only its position ids moved",
+    "segments × contexts × offsets": "the grid: texts moved, texts placed before them, places in the window",
+    "centred logits: offset η²": "the share of the variation of the segment's attention logits among its own tokens "
+                                 "(each query's row mean removed) that moves with the offset alone; 0: attention "
+                                 "within the text does not depend on where the text sits",
+    "context η²": "the share that changes with which text precedes the segment",
+    "pair η²": "the share that depends only on which two tokens of the text (query and key) are involved, the same "
+               "at every offset and after every context: the translation-equivariant part (1: fully equivariant); "
+               "the shares and an interaction term add up to 1",
+    "offset RMS (nats)": "how large the offset's effect on a centred logit is: its root mean square, in nats (the "
+                         "log-attention scale), since a share hides a small total",
+    "residual: offset η²": "the same share for the residual stream (the hidden state after each block, every "
+                           "dimension of every segment token); its values are in the model's own hidden-state "
+                           "scale ('residual-stream units'), which differs from model to model, so only shares "
+                           "compare across models",
+    "residual: context η²": "the residual stream's share that changes with the preceding text",
+    "loss at the first offset / the others (nats)": "the mean next-token loss on the segment at the first offset, "
+                                                    "and its range over the other offsets",
+    "JS between offsets": "the mean Jensen–Shannon divergence (nats, at most ln 2) between the next-token "
+                          "distributions of the same text at two offsets after the same context",
+    "JS between contexts": "the same between two preceding texts at one offset",
+    "JS ratio": "offsets over contexts: how many times as much moving the text changes its predictions as "
+                "changing what precedes it",
+    "layer-0 check": "with rotary positions layer 0's offset η² is zero up to rounding; the value and whether it "
+                     "passed its dtype's tolerance (not judged without rotary positions)",
+}
+
+
+def shift_result_readings() -> str:
+    """The lines printed under :meth:`ShiftResult.table`'s columns (its shares per representation and offset
+    RMS in each representation's unit), read as :data:`SHIFT_COLUMN_READINGS` reads the study's table."""
+    readings = SHIFT_COLUMN_READINGS
+    return "\n".join([
+        "Columns: per representation, shares of the variation of the segment's values (η², with 95 % intervals over "
+        "segments) and the offset's effect in the representation's own unit.",
+        "- offset η²: the share that moves with the offset alone (0: where the text sits changes nothing)",
+        f"- context η²: {readings['context η²']}",
+        f"- pair η²: {readings['pair η²']}",
+        "- offset RMS: the offset's effect as a root mean square, in the unit printed at the row's end: nats for the "
+        "centred logits, attention weight for the weights, and for the residual stream the model's own hidden-state "
+        "scale ('residual-stream units'), which differs from model to model",
+    ])
+
+
+def shift_column_readings() -> str:
+    """The lines printed under a :func:`shift_table`: each column's name and its plain reading
+    (:data:`SHIFT_COLUMN_READINGS`); '–' marks what a run did not measure, 'undefined' a share whose
+    total is zero."""
+    lines = [f"- {column}: {reading}" for column, reading in SHIFT_COLUMN_READINGS.items()]
+    return "\n".join(["Columns:", *lines, "Cells: estimate [95 % interval over segments]; '–' not measured by this "
+                       "run; 'undefined' a share whose total is zero."])
 
 
 def shift_table(summaries: dict[str, dict[str, Any]]) -> str:

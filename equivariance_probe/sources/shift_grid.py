@@ -25,7 +25,8 @@ import torch
 from ..errors import ContextLengthError, EmptyCorpusError, InputError, check_choice, option
 from .packing import special_prefix
 
-__all__ = ["SHIFT_MODES", "ShiftGrid", "shift_grid", "default_offsets", "split_documents", "DEFAULT_SHIFT"]
+__all__ = ["SHIFT_MODES", "ShiftGrid", "shift_grid", "check_shift_options", "default_offsets", "split_documents",
+           "DEFAULT_SHIFT"]
 
 SHIFT_MODES = ("text", "position_ids")
 #: Defaults of the study: 8 segments of 64 tokens, 4 contexts, 6 offsets, windows of at most 1024 tokens.
@@ -126,7 +127,16 @@ def split_documents(documents: Iterable[Any], tokenizer: Any, *, n_segments: int
                     segment_length: int, context_length: int) -> tuple[list[list[int]], list[list[int]]]:
     """Segments and contexts from one corpus, no document used as both: documents with at least
     ``context_length`` tokens (no special tokens) become contexts until there are ``n_contexts``, the others
-    with at least ``segment_length`` become segments (their first ``segment_length`` tokens)."""
+    with at least ``segment_length`` become segments (their first ``segment_length`` tokens).
+
+    Raises:
+        EmptyCorpusError: the corpus holds too few documents long enough for ``n_segments`` segments and
+            ``n_contexts`` contexts.
+
+    Example:
+        >>> segments, contexts = split_documents(load_corpus(), tokenizer, n_segments=8, n_contexts=4,
+        ...                                      segment_length=64, context_length=959)  # doctest: +SKIP
+    """
     segments: list[list[int]] = []
     contexts: list[list[int]] = []
     for document in documents:
@@ -143,6 +153,37 @@ def split_documents(documents: Iterable[Any], tokenizer: Any, *, n_segments: int
             f"{context_length} tokens, but {n_segments} and {n_contexts} were asked for; pass a larger {option('corpus')}, "
             f"fewer {option('n_segments')} or {option('n_contexts')}, or smaller {option('offsets')}")
     return segments, contexts
+
+
+def check_shift_options(*, offsets: Sequence[int] | None, segment_length: int, mode: str = "text",
+                        n_contexts: int | None = None) -> tuple[int, ...] | None:
+    """Check the settings of a shift design that need no model or text; the offsets sorted, each once.
+
+    The command line calls it before it loads a model, so that a wrong setting costs no load.
+
+    Args:
+        offsets: at least two distinct non-negative offsets, or ``None`` (the model's defaults, chosen later).
+        segment_length: ``m``, at least 2.
+        mode: ``"text"`` or ``"position_ids"``.
+        n_contexts: how many contexts will be drawn, if known: at least two in ``"text"`` mode.
+
+    Raises:
+        InputError: a setting outside those bounds, named with its fix.
+    """
+    check_choice("mode", mode, SHIFT_MODES)
+    if not isinstance(segment_length, int) or isinstance(segment_length, bool) or segment_length < 2:
+        raise InputError(f"segment_length={segment_length!r} must be an integer of at least 2 (a segment's attention "
+                         f"needs rows with two keys); pass {option('segment_length', 64)}")
+    if mode == "text" and n_contexts is not None and n_contexts < 2:
+        raise InputError(f"text mode needs at least two contexts to separate what precedes the text from where it "
+                         f"sits, got {n_contexts}; pass {option('n_contexts', 4)}, or {option('mode', 'position_ids')}")
+    if offsets is None:
+        return None
+    unique = tuple(sorted({int(s) for s in offsets}))
+    if len(unique) < 2 or unique[0] < 0:
+        raise InputError(f"offsets={list(unique)} must hold at least two distinct non-negative offsets: with one there "
+                         f"is nothing to compare; pass more through {option('offsets')}, e.g. 0, 256 and 512")
+    return unique
 
 
 def shift_grid(segments: Iterable[Any], contexts: Iterable[Any] | None, tokenizer: Any, *, offsets: Sequence[int],
@@ -166,14 +207,7 @@ def shift_grid(segments: Iterable[Any], contexts: Iterable[Any] | None, tokenize
         ContextLengthError: a window longer than the model allows at the largest offset, a context shorter
             than the largest offset.
     """
-    check_choice("mode", mode, SHIFT_MODES)
-    if not isinstance(segment_length, int) or isinstance(segment_length, bool) or segment_length < 2:
-        raise InputError(f"segment_length={segment_length!r} must be an integer of at least 2 (a segment's attention "
-                         f"needs rows with two keys); pass {option('segment_length', 64)}")
-    offsets = tuple(sorted({int(s) for s in offsets}))
-    if len(offsets) < 2 or offsets[0] < 0:
-        raise InputError(f"offsets={list(offsets)} must hold at least two distinct non-negative offsets: with one there "
-                         f"is nothing to compare; pass more through {option('offsets')}, e.g. 0, 256 and 512")
+    offsets = check_shift_options(offsets=offsets, segment_length=segment_length, mode=mode)
     prefix = special_prefix(tokenizer) if tokenizer is not None else ()
     segment_ids = []
     for index, segment in enumerate(segments):
