@@ -20,7 +20,6 @@ into groups by their fingerprint, as windows do in :class:`~equivariance_probe.P
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import os
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from .errors import IntervalUnavailableError, ResultFileError, UndefinedStatisticError, check_choice
+from .markup import Markup
 from .maths import shift as decomposition
 from .maths.intervals import Interval, format_interval, jackknife_interval
 from .records.container import read_container, read_tensors, tensor_checksum, write_container
@@ -391,8 +391,7 @@ class ShiftResult:
                 f"{number_cell(eta)}, pair η²={number_cell(pair)}; residual offset η²={number_cell(residual)})")
 
     def _repr_html_(self) -> str:
-        text = html.escape(self.table())
-        return f"<div><b>ShiftResult</b><pre>{text}</pre></div>"
+        return Markup("<div><b>ShiftResult</b><pre>{}</pre></div>").format(self.table())
 
     # -- files ------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
