@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, check_integer, option
+from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, ResultFileError, check_integer, option
 from ..probe import MeasurementOptions, counted, progress_bar
-from ..records.fileformat import make_folder, write_json_atomically
+from ..records.fileformat import make_folder, parse_json, write_json_atomically
 from ..records.provenance import config_fingerprint
 from ..records.result_file import RESULT_SUFFIX
 from ..result import ProbeResult
@@ -214,9 +214,9 @@ class CheckpointedRun:
     # -- state ------------------------------------------------------------------------
     def _restore(self, state_path: Path) -> None:
         try:
-            state = json.loads(state_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as error:
-            raise CheckpointError(f"the checkpoint {state_path} cannot be read ({error}); delete its folder and start over") from error
+            state = parse_json(state_path.read_bytes(), str(state_path))
+        except (OSError, ResultFileError) as error:
+            raise CheckpointError(f"the checkpoint {state_path} cannot be read ({error}); delete its folder and start over") from None
         if not isinstance(state, dict) or state.get("kind") != _KIND or state.get("format_version") != _VERSION:
             raise CheckpointError(
                 f"{state_path} is not a checkpoint this equivariance_probe can read (kind {state.get('kind')!r}, "
