@@ -249,9 +249,12 @@ class ShiftResult:
 
         mine, theirs = np.sort(self.statistics.segment_fingerprints), np.sort(baseline.statistics.segment_fingerprints)
         if not np.array_equal(mine, theirs) or self.config != baseline.config:
+            differences = self.config.differences(baseline.config)
+            if not np.array_equal(mine, theirs):
+                differences.append(f"segments: {mine.size} vs {theirs.size}, {np.intersect1d(mine, theirs).size} in both")
             raise IncompatibleResultsError(
-                "a paired difference needs both results on the same segments, contexts, offsets and interval groups; "
-                "run the baseline on the same grid")
+                f"a paired difference needs both results on the same segments, contexts, offsets and interval groups "
+                f"({'; '.join(differences)}); run the baseline on the same grid")
         pairs = (self.share(representation, term, by), baseline.share(representation, term, by))
         ids, a = self.statistics.replicates()
         _, b = baseline.statistics.replicates()
@@ -279,11 +282,17 @@ class ShiftResult:
         from .errors import IncompatibleResultsError
 
         mine, theirs = self.metadata.get("model", {}), other.metadata.get("model", {})
+        differences = self.config.differences(other.config)
         if mine.get("weights_sha256") != theirs.get("weights_sha256"):
-            raise IncompatibleResultsError("cannot merge shift results of different model weights; merge one model's parts")
+            differences.insert(0, f"model: {self.model_name!r} (weights {str(mine.get('weights_sha256'))[:12]}) vs "
+                                  f"{other.model_name!r} (weights {str(theirs.get('weights_sha256'))[:12]})")
         if self.metadata.get("contexts_sha256") != other.metadata.get("contexts_sha256"):
-            raise IncompatibleResultsError("cannot merge shift results over different contexts: the grid would not be "
-                                           "balanced; run every part with the same contexts")
+            differences.append(f"contexts: sha256 {str(self.metadata.get('contexts_sha256'))[:12]} vs "
+                               f"{str(other.metadata.get('contexts_sha256'))[:12]}")
+        if differences:
+            raise IncompatibleResultsError(
+                f"cannot merge shift results measured differently ({'; '.join(differences)}); merge the parts of one "
+                "model run with the same contexts, offsets, mode, segment length and interval groups")
         metadata = {**self.metadata, "complete": self.complete and other.complete,
                     "run_ids": list(self.metadata.get("run_ids", [self.metadata.get("run_id")]))
                     + list(other.metadata.get("run_ids", [other.metadata.get("run_id")]))}
