@@ -20,7 +20,7 @@ from .report import figures_html, html_page, render_report
 
 from ..markup import Markup
 from ..records.fileformat import write_text_atomically
-from ..runs.compare import model_folder
+from ..runs.compare import model_folders
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -84,7 +84,7 @@ def comparison_page(comparison: Comparison, reports: dict[str, str] | None = Non
         Markup("<th>{}<br>{}</th>").format(r["model"], r["variant"]) for r in rows))
     lines = Markup("").join(Markup("<tr>{}</tr>").format(Markup("").join(cell.format(c) for c in (group, name, *cells)))
                             for group, name, cells in comparison.table_rows())
-    # A report's path is made of folder names the comparison derived (model_folder): relative, inside the
+    # A report's path is made of folder names the comparison derived (model_folders): relative, inside the
     # output folder; quoted as a URL path so that no character of a label can make it another scheme.
     links = Markup("").join(Markup('<li><a href="{}">{}</a>: trained beside its baselines</li>').format(
         urllib.parse.quote(Path(path).as_posix()), model) for model, path in (reports or {}).items())
@@ -103,8 +103,9 @@ def save_comparison(comparison: Comparison, folder: str | os.PathLike) -> dict[s
     folder = Path(folder)
     paths["figure"] = save_figures({"comparison": comparison_figure(comparison)}, folder)[0]
     reports = {}
+    folders = model_folders(comparison.studies)
     for label, study in comparison.studies.items():
-        report = folder / "models" / model_folder(label) / "report.html"
+        report = folder / "models" / folders[label] / "report.html"
         render_report(study.trained, baselines=study.baselines()).save(report)
         paths[f"report {label}"] = report
         reports[label] = str(report.relative_to(folder))

@@ -230,14 +230,15 @@ def check_depth(data: Any, source: str, what: str = "its JSON", limit: int = MAX
     Raises:
         ResultFileError: naming ``source``, ``what``, the depth reached and the limit.
     """
-    stack = [(data, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (dict, list)):
-            if depth > limit:
-                raise ResultFileError(f"{source}: {what} is nested more than {limit} levels deep (the package writes a "
-                                      "few); the file was crafted or damaged: use an intact copy")
-            stack.extend((item, depth + 1) for item in (value.values() if isinstance(value, dict) else value))
+    level = [data] if isinstance(data, (dict, list)) else []
+    depth = 0
+    while level:  # one level at a time, containers only: a header's thousands of numbers are never pushed
+        depth += 1
+        if depth > limit:
+            raise ResultFileError(f"{source}: {what} is nested more than {limit} levels deep (the package writes a "
+                                  "few); the file was crafted or damaged: use an intact copy")
+        level = [item for value in level for item in (value.values() if isinstance(value, dict) else value)
+                 if isinstance(item, (dict, list))]
 
 
 def check_finite(tensors: Mapping[str, np.ndarray], source: str | os.PathLike, names: Iterable[str] | None = None) -> None:

@@ -246,6 +246,10 @@ def check_metadata(metadata: dict[str, Any], source: str) -> None:
                 f"'metadata.{name}' must be an object, not {type(value).__name__}")
 
 
+#: The types of a number as JSON reads one back (``None``: ``null``, an undefined number).
+_NUMBER_TYPES = {int, float, type(None)}
+
+
 def _is_number(value: Any) -> bool:
     """A number as JSON stores one (``null`` for an undefined one, which reads back as NaN)."""
     return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
@@ -271,7 +275,8 @@ def _check_summary(summary: dict[str, Any], statistics: dict[str, Any], source: 
         shape = (config["n_layers"], config["n_heads"])
         require(isinstance(scores, dict) and all(
             isinstance(rows, list) and len(rows) == shape[0]
-            and all(isinstance(row, list) and len(row) == shape[1] and all(map(_is_number, row)) for row in rows)
+            and all(isinstance(row, list) and len(row) == shape[1] for row in rows)
+            and {type(value) for row in rows for value in row} <= _NUMBER_TYPES
             for rows in scores.values()), source,
             f"'summary.head_scores' must map each score to a [layer][head] list of numbers of shape {list(shape)}")
 
