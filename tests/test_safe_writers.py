@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from filesystems import tmpfs
 from synthetic import SyntheticAdapter
 from test_heads import built_heads
 
@@ -49,31 +49,16 @@ def _shift_view():
 VIEWS = pytest.mark.parametrize("build", [_head_views, _shift_view], ids=["head views", "shift view"])
 
 
-def _mount_tmpfs(folder: Path, options: str) -> None:
-    folder.mkdir(exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True,
-                             text=True) if shutil.which("mount") else None
-    if mounted is None or mounted.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root and mount(8)): "
-                    f"{mounted.stderr.strip() if mounted else 'no mount command'}; the injected error covers it")
-
-
 @pytest.fixture
 def full_disk(tmp_path):
-    """A real 64 KiB tmpfs: far less than a view page (the CircuitsVis bundle alone is over 1 MB)."""
-    folder = tmp_path / "disk"
-    _mount_tmpfs(folder, "size=64k")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
+    """64 KiB: far less than a view page (the CircuitsVis bundle alone is over 1 MB)."""
+    yield from tmpfs(tmp_path / "disk", "size=64k")
 
 
 @pytest.fixture
 def read_only(tmp_path):
-    """A real read-only file system (a root user writes through any folder's permission bits, not through this)."""
-    folder = tmp_path / "ro"
-    _mount_tmpfs(folder, "ro,size=64k")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
+    """A read-only file system (a root user writes through any folder's permission bits, not through this)."""
+    yield from tmpfs(tmp_path / "ro", "ro,size=64k")
 
 
 @VIEWS
