@@ -16,6 +16,8 @@ weights. In rounds, each case once per round in turn:
 * plain array read: ``safetensors.numpy.load_file(path)``;
 * checked full load: ``ProbeResult.load(path).verify()`` (the header as above, every array against its digest,
   all of them with the counts against the checksum, and every float array checked finite);
+* the schema checks alone, on a header already read and parsed (depth limit, configuration, metadata records,
+  stored summary, arrays' names, dtypes and shapes): what the checks added to the plain read cost;
 * the finiteness check alone, on arrays already in memory.
 
 Prints the median of each and the medians of each round's ratios.
@@ -64,7 +66,9 @@ def main() -> None:
 
     from equivariance_probe import EquivarianceProbe, ProbeResult
     from equivariance_probe.records.container import HEADER_KEY
-    from equivariance_probe.records.fileformat import check_finite
+    from equivariance_probe.records.container import read_container
+    from equivariance_probe.records.fileformat import RESULT_KIND, check_config, check_depth, check_finite
+    from equivariance_probe.records.result_file import _check_summary, _check_tensors, check_metadata
 
     model = gemma3_270m_shaped(args.context_length)
     tokens = torch.randint(3, 512, (args.n_docs, args.context_length), generator=torch.Generator().manual_seed(0))
@@ -78,8 +82,19 @@ def main() -> None:
             with safe_open(str(path), framework="np") as handle:
                 json.loads(handle.metadata()[HEADER_KEY])
 
+        container = read_container(path, RESULT_KIND)
+        header = container.header
+
+        def schema_only() -> None:
+            check_depth(header, str(path))
+            check_config(header["statistics"], str(path))
+            check_metadata(header["metadata"], str(path))
+            _check_tensors(container, header["statistics"], str(path))
+            _check_summary(header["summary"], header["statistics"], str(path))
+
         cases = {
             "plain header read": plain_header,
+            "schema checks alone": schema_only,
             "checked open (ProbeResult.load)": lambda: ProbeResult.load(path),
             "plain array read (load_file)": lambda: load_file(str(path)),
             "checked full load (load + verify)": lambda: ProbeResult.load(path).verify(),
@@ -102,6 +117,7 @@ def main() -> None:
     def ratio(a: str, b: str) -> float:
         return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
+    print(f"schema checks / plain header read:       {ratio('schema checks alone', 'plain header read'):.2f}")
     print(f"checked open / plain header read:        {ratio('checked open (ProbeResult.load)', 'plain header read'):.2f}")
     print(f"checked full load / plain array read:    {ratio('checked full load (load + verify)', 'plain array read (load_file)'):.2f}")
     print(f"finiteness check / plain array read:     {ratio('finiteness check alone', 'plain array read (load_file)'):.2f}")

@@ -120,3 +120,8 @@ def test_a_refused_shift_merge_names_the_models_the_modes_and_the_offsets():
 def test_a_refused_paired_difference_names_what_differs():
     with pytest.raises(IncompatibleResultsError, match=r"offsets: \[0, 7, 30\] vs \[0, 8, 30\].*segments: 2 vs 1"):
         _result().paired_difference(_result(offsets=(0, 8, 30), fingerprints=(1,)))
+
+
+def test_an_option_the_model_s_adapter_does_not_take_is_refused_by_name():
+    with pytest.raises(InputError, match=r"HuggingFaceAdapter takes no option 'attn_implementation'.*\['pattern_source'\]"):
+        EquivarianceProbe(tiny_gemma3(), attn_implementation="eager")
