@@ -192,3 +192,21 @@ def test_a_crafted_header_is_read_without_reading_its_arrays(result_path):
     header, _ = read(result_path)
     assert header["kind"] == "equivariance_probe.ProbeResult"
     assert ProbeResult.load(result_path)._file._statistics is None
+
+
+# -- a checkpoint's state ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content, words", [
+    (b'{"kind": "equivariance_probe.StudyCheckpoint", "format_version": 7}', ["format 7", "upgrade equivariance_probe"]),
+    (b"[1, 2, 3]", ["not a checkpoint"]),
+    (b'{"kind": "\xff"}', ["not valid UTF-8"]),
+    (("[" * 100_000 + "]" * 100_000).encode(), ["nested"]),
+])
+def test_a_crafted_checkpoint_state_is_refused_by_name(tmp_path, content, words):
+    from equivariance_probe.errors import CheckpointError
+    from equivariance_probe.runs.checkpoint import CheckpointedRun
+
+    (tmp_path / "state.json").write_bytes(content)
+    with pytest.raises(CheckpointError) as caught:
+        CheckpointedRun(tmp_path, every=2, identity={"model": {}, "corpus": {}, "config": {}}, resume=True)
+    for word in words:
+        assert word in str(caught.value)

@@ -258,10 +258,18 @@ class CheckpointedRun:
             state = parse_json(state_path.read_bytes(), str(state_path))
         except (OSError, ResultFileError) as error:
             raise CheckpointError(f"the checkpoint {state_path} cannot be read ({error}); delete its folder and start over") from None
-        if not isinstance(state, dict) or state.get("kind") != _KIND or state.get("format_version") != _VERSION:
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{state_path} is not a checkpoint (not a JSON object); delete its folder and start over")
+        version = state.get("format_version")
+        if state.get("kind") == _KIND and isinstance(version, int) and version > _VERSION:
+            raise CheckpointError(
+                f"{state_path} is a checkpoint of format {version}, written by a newer equivariance_probe than this one "
+                f"(format {_VERSION}); upgrade equivariance_probe to resume it, or delete its folder and start over"
+            )
+        if state.get("kind") != _KIND or version != _VERSION:
             raise CheckpointError(
                 f"{state_path} is not a checkpoint this equivariance_probe can read (kind {state.get('kind')!r}, "
-                f"format_version {state.get('format_version')!r}); delete its folder and start over"
+                f"format_version {version!r}); delete its folder and start over"
             )
         if state.get("fingerprint") != self.fingerprint:
             theirs = state.get("identity", {})
