@@ -1,7 +1,7 @@
 """What checking a result file costs: the header's schema against a plain header read, and the arrays' values
 (digests, checksum, finiteness) against a plain array read, measured side by side in one process.
 
-    python benchmarks/header_validation.py [--n-docs 8] [--context-length 1024] [--rounds 30]
+    python benchmarks/header_validation.py [--n-docs 4] [--context-length 1024] [--rounds 30]
 
 The file is a default result (interval groups, stored summary; no summed pattern) of a model shaped as the
 default one, Gemma 3 270M (18 layers, 4 query heads, 1 key-value head, head size 256, hidden size 640, sliding
@@ -56,7 +56,7 @@ def timed(function) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n-docs", type=int, default=8)
+    parser.add_argument("--n-docs", type=int, default=4)
     parser.add_argument("--context-length", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
