@@ -40,7 +40,6 @@ from ..analyses.heads import HeadRanking
 from ..errors import InputError, ModelNotFoundError, check_integer, is_integer, option
 from ..markup import Markup
 from ..probe import EquivarianceProbe
-from ..records.fileformat import write_text_atomically
 from ..result import ProbeResult
 from ..sources.corpus import load_corpus
 from ..sources.models import load_model
