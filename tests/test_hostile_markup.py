@@ -192,3 +192,25 @@ def test_headless_chromium_runs_no_script_from_a_view_s_tokens(tmp_path):
                "--virtual-time-budget=5000", "--dump-dom", page.as_uri()]
     dom = subprocess.run(command, capture_output=True, text=True, timeout=180).stdout
     assert "<title>ended clean</title>" in dom
+
+
+# -- a shift result's stored model name ----------------------------------------------------------------------------
+def _shift(strings):
+    from equivariance_probe import ShiftResult
+    from equivariance_probe.statistics.shift import ShiftConfig, ShiftStatistics
+
+    config = ShiftConfig(n_layers=2, n_heads=2, offsets=(0, 8, 16), n_contexts=3, segment_length=4, interval_groups=2,
+                         sliding_windows=(None, None))
+    statistics = ShiftStatistics(config)
+    for name, array in statistics.arrays.items():
+        array[...] = {"count": 1.0, "total": 0.0, "cell_square": 0.0, "within": 100.0}.get(name.rsplit("/", 1)[-1], 1.0)
+    statistics.segment_fingerprints = np.arange(4, dtype=np.uint64)
+    return ShiftResult(statistics, {"model": {"name": strings[0]}, "study": {"model": strings[1]}})
+
+
+def test_a_shift_result_s_model_name_is_escaped_in_its_notebook_view_and_report():
+    from equivariance_probe.display.shift import render_shift_report
+
+    hostile, plain = _shift(HOSTILE), _shift(PLAIN)
+    assert_inert(hostile._repr_html_(), plain._repr_html_())
+    assert_inert(str(render_shift_report(hostile)), str(render_shift_report(plain)))
