@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import sys
 import threading
 import uuid
@@ -164,6 +165,25 @@ class MeasurementOptions:
 
 #: The names of :class:`MeasurementOptions`' fields, in order.
 MEASUREMENT_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(MeasurementOptions))
+
+
+def _check_measurement_values(options: MeasurementOptions) -> None:
+    """Refuse, as typed, the options whose values would otherwise be coerced (``int(1.5)`` key positions, a
+    fractional sample size) or fail deep inside (a log floor given as text)."""
+    keys = options.exclude_keys
+    if not isinstance(keys, tuple):
+        raise InputError(f"exclude_keys must be a list of key positions, not {keys!r}; pass e.g. {option('exclude_keys', [0])}")
+    for key in keys:
+        check_integer("exclude_keys", key, minimum=0, message=(
+            f"exclude_keys must be non-negative integer key positions; {key!r} is not one (of {list(keys)!r}); "
+            f"pass e.g. {option('exclude_keys', [0])}"))
+    check_integer("sample_size", options.sample_size, minimum=0, message=(
+        f"sample_size must be a non-negative integer (0: no sample), not {options.sample_size!r}"))
+    floor = options.log_floor
+    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float)) or not math.isfinite(floor)
+                              or floor <= 0):
+        raise InputError(f"log_floor must be a positive finite number or None (the dtype's smallest normal number), "
+                         f"not {floor!r}; pass e.g. {option('log_floor', 1e-6)}")
 
 
 class EquivarianceProbe:
@@ -339,6 +359,7 @@ class EquivarianceProbe:
         options = MeasurementOptions.of(options, **measurement)
         batch_size, min_tokens, max_windows = options.batch_size, options.min_tokens, options.max_windows
         check_integer("batch_size", batch_size)
+        _check_measurement_values(options)
         windows = windows_record(docs)
         if isinstance(docs, PackedWindows):
             docs = docs.tokens

@@ -125,3 +125,19 @@ def test_a_refused_paired_difference_names_what_differs():
 def test_an_option_the_model_s_adapter_does_not_take_is_refused_by_name():
     with pytest.raises(InputError, match=r"HuggingFaceAdapter takes no option 'attn_implementation'.*\['pattern_source'\]"):
         EquivarianceProbe(tiny_gemma3(), attn_implementation="eager")
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("exclude_keys", ["0"], ["exclude_keys", "'0'"]),
+    ("exclude_keys", [1.5], ["exclude_keys", "1.5"]),
+    ("exclude_keys", "0", ["exclude_keys must be a list"]),
+    ("sample_size", 2.5, ["sample_size", "2.5"]),
+    ("log_floor", "1e-6", ["log_floor", "'1e-6'"]),
+    ("log_floor", math.inf, ["log_floor", "inf"]),
+])
+def test_the_probe_s_run_takes_its_options_as_typed(probe, option, value, words):
+    tokens = torch.randint(3, 97, (2, 16))
+    with pytest.raises(InputError) as caught:
+        probe.run(tokens, progress=False, **{option: value})
+    for word in words:
+        assert word in str(caught.value)
