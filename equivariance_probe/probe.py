@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import datetime
 import math
+import numbers
 import sys
 import threading
 import uuid
@@ -173,14 +174,14 @@ def _check_measurement_values(options: MeasurementOptions) -> None:
     keys = options.exclude_keys
     if not isinstance(keys, tuple):
         raise InputError(f"exclude_keys must be a list of key positions, not {keys!r}; pass e.g. {option('exclude_keys', [0])}")
-    for key in keys:
-        check_integer("exclude_keys", key, minimum=0, message=(
-            f"exclude_keys must be non-negative integer key positions; {key!r} is not one (of {list(keys)!r}); "
-            f"pass e.g. {option('exclude_keys', [0])}"))
+    for key in keys:  # numpy's integers are integers too (numbers.Integral); bool and float are not
+        if isinstance(key, bool) or not isinstance(key, numbers.Integral) or key < 0:
+            raise InputError(f"exclude_keys must be non-negative integer key positions; {key!r} is not one (of "
+                             f"{list(keys)!r}); pass e.g. {option('exclude_keys', [0])}")
     check_integer("sample_size", options.sample_size, minimum=0, message=(
         f"sample_size must be a non-negative integer (0: no sample), not {options.sample_size!r}"))
     floor = options.log_floor
-    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float)) or not math.isfinite(floor)
+    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not math.isfinite(floor)
                               or floor <= 0):
         raise InputError(f"log_floor must be a positive finite number or None (the dtype's smallest normal number), "
                          f"not {floor!r}; pass e.g. {option('log_floor', 1e-6)}")
