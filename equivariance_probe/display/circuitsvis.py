@@ -102,7 +102,8 @@ def _compact(figure: CircuitsVisFigure, nested: list) -> CircuitsVisFigure:
     # every causal pattern): the same array written compactly is ~30% smaller.
     written = json.dumps(nested)
     compact = re.sub(r"(?<=[\[,])(-?\d+)\.0(?=[,\]])", r"\1", json.dumps(nested, separators=(",", ":")))
-    return CircuitsVisFigure(figure.element_id, Markup(figure.call.replace(written, compact, 1)))
+    # Markup's own replace would escape its arguments: the numbers are replaced in the plain text.
+    return CircuitsVisFigure(figure.element_id, Markup(str.replace(figure.call, written, compact, 1)))
 
 
 def figure_div(caption: str, figure: CircuitsVisFigure) -> Markup:
