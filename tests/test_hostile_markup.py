@@ -214,3 +214,17 @@ def test_a_shift_result_s_model_name_is_escaped_in_its_notebook_view_and_report(
     hostile, plain = _shift(HOSTILE), _shift(PLAIN)
     assert_inert(hostile._repr_html_(), plain._repr_html_())
     assert_inert(str(render_shift_report(hostile)), str(render_shift_report(plain)))
+
+
+def test_the_comparison_page_shows_labels_as_text_and_links_only_inside_its_folder():
+    from equivariance_probe.display.comparison import comparison_page
+    from equivariance_probe.runs.compare import model_folders
+    from test_safe_writers import tiny_comparison
+
+    def page(labels):
+        folders = model_folders(labels)
+        return comparison_page(tiny_comparison(labels), {label: f"models/{folders[label]}/report.html" for label in labels})
+
+    hostile, plain = page(HOSTILE[:3]), page(PLAIN[:3])
+    assert_inert(hostile, plain)
+    assert all(url.startswith("models/") and ".." not in url for url in parse(hostile).urls if not url.startswith("data:"))

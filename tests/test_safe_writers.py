@@ -158,3 +158,36 @@ def test_study_save_from_python_refuses_a_folder_another_process_holds_and_holds
     assert not (folder / "results.safetensors").exists()
     saved = study.save(tmp_path / "free")  # a free folder: written, and its lock released afterwards
     assert saved["trained"].is_file() and not (tmp_path / "free" / ".equivariance-probe.lock").exists()
+
+
+def tiny_comparison(labels):
+    """A comparison of the same synthetic model under each of ``labels``, trained and one baseline, on the same
+    windows (what ``compare_models`` builds, without loading a model)."""
+    from equivariance_probe.runs.compare import Comparison, ModelCost
+    from equivariance_probe.sources.resources import estimate_memory
+
+    adapter = SyntheticAdapter(built_heads, n_layers=2, n_heads=4, max_context=64)
+    tokens = torch.randint(0, 1000, (4, 16), generator=torch.Generator().manual_seed(0))
+    result = EquivarianceProbe(adapter).run(tokens, progress=False)
+    estimate = estimate_memory(n_parameters=1000, n_heads=4, n_layers=2, hidden_size=32, intermediate_size=64,
+                               attention_width=32, mask_kinds=1, context_length=16, batch_size=2, copies=2,
+                               block_memory=2**20)
+    studies = {label: Study({"trained": result, "random_init": result}, {"model": label}, {}) for label in labels}
+    costs = {label: ModelCost({"trained": 1.0, "random_init": 1.0}, 1.0, None, "none", estimate) for label in labels}
+    return Comparison(studies, costs, {"windows_description": labels[0]})
+
+
+def test_a_saved_comparison_gives_each_label_its_own_folder_inside_models(tmp_path):
+    from equivariance_probe.display.comparison import save_comparison
+
+    labels = ["org/model", "org_model", "..", "."]
+    paths = save_comparison(tiny_comparison(labels), tmp_path / "out")
+    folders = model_folders(labels)
+    models = (tmp_path / "out" / "models").resolve()
+    assert sorted(p.name for p in models.iterdir()) == sorted(folders.values())  # four folders, none shared
+    for label in labels:
+        assert paths[f"report {label}"].resolve().parent.parent == models
+        assert (models / folders[label] / "results.safetensors").is_file()
+    import json
+
+    assert json.loads((tmp_path / "out" / "comparison.json").read_text())["folders"] == folders
