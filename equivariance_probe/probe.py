@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
+import numbers
 import sys
 import threading
 import uuid
@@ -35,7 +37,7 @@ import torch
 from .adapters import Adapter, get_adapter
 from .adapters.base import SegmentBatch
 from .adapters.checks import FirstBatchChecks, run_first_batch_checks
-from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError, StopRequested, check_integer, is_integer
+from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError, StopRequested, check_integer, is_integer, option
 from .records.provenance import (
     corpus_fingerprint,
     library_versions,
@@ -166,6 +168,25 @@ class MeasurementOptions:
 MEASUREMENT_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(MeasurementOptions))
 
 
+def _check_measurement_values(options: MeasurementOptions) -> None:
+    """Refuse, as typed, the options whose values would otherwise be coerced (``int(1.5)`` key positions, a
+    fractional sample size) or fail deep inside (a log floor given as text)."""
+    keys = options.exclude_keys
+    if not isinstance(keys, tuple):
+        raise InputError(f"exclude_keys must be a list of key positions, not {keys!r}; pass e.g. {option('exclude_keys', [0])}")
+    for key in keys:  # numpy's integers are integers too (numbers.Integral); bool and float are not
+        if isinstance(key, bool) or not isinstance(key, numbers.Integral) or key < 0:
+            raise InputError(f"exclude_keys must be non-negative integer key positions; {key!r} is not one (of "
+                             f"{list(keys)!r}); pass e.g. {option('exclude_keys', [0])}")
+    check_integer("sample_size", options.sample_size, minimum=0, message=(
+        f"sample_size must be a non-negative integer (0: no sample), not {options.sample_size!r}"))
+    floor = options.log_floor
+    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not math.isfinite(floor)
+                              or floor <= 0):
+        raise InputError(f"log_floor must be a positive finite number or None (the dtype's smallest normal number), "
+                         f"not {floor!r}; pass e.g. {option('log_floor', 1e-6)}")
+
+
 class EquivarianceProbe:
     """Measure how much a model's attention depends on absolute position.
 
@@ -282,14 +303,19 @@ class EquivarianceProbe:
                 f"token windows have {tokens.shape[1]} tokens but context_length={context_length}; token tensors "
                 f"are used as given, so slice them (tokens[:, :{context_length}]) or raise context_length"
             )
+        self._check_vocabulary(tokens)
+        for row in tokens.tolist():
+            yield row
+
+    def _check_vocabulary(self, tokens: torch.Tensor, what: str = "token ids") -> None:
+        """Refuse ids outside the model's vocabulary before any forward pass (the embedding would end in a bare
+        IndexError, or on a GPU in a device-side assertion)."""
         vocab = self.adapter.vocab_size
         if tokens.numel() and (int(tokens.min()) < 0 or (vocab is not None and int(tokens.max()) >= vocab)):
             raise InputError(
-                f"token ids must lie in 0..{(vocab or 0) - 1} (the model's vocabulary), got values from "
+                f"{what} must lie in 0..{(vocab or 0) - 1} (the model's vocabulary), got values from "
                 f"{int(tokens.min())} to {int(tokens.max())}; were they made with another tokenizer?"
             )
-        for row in tokens.tolist():
-            yield row
 
     # -- running ---------------------------------------------------------------------------
     def run(
@@ -334,6 +360,7 @@ class EquivarianceProbe:
         options = MeasurementOptions.of(options, **measurement)
         batch_size, min_tokens, max_windows = options.batch_size, options.min_tokens, options.max_windows
         check_integer("batch_size", batch_size)
+        _check_measurement_values(options)
         windows = windows_record(docs)
         if isinstance(docs, PackedWindows):
             docs = docs.tokens
@@ -546,13 +573,19 @@ class EquivarianceProbe:
 
         layout = self.adapter.layout
         tokenizer = self.adapter.tokenizer
-        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-            raise InputError(f"batch_size must be a positive integer, not {batch_size!r}")
+        check_integer("batch_size", batch_size)
+        check_integer("interval_groups", interval_groups, minimum=0, message=(
+            f"interval_groups must be a non-negative integer (0: no intervals), not {interval_groups!r}; pass e.g. "
+            f"{option('interval_groups', DEFAULT_INTERVAL_GROUPS)}"))
+        if predictions is not None and not isinstance(predictions, bool):
+            raise InputError(f"predictions must be True, False or None (the default for the model), not {predictions!r}")
         if offsets is None:
             prefix = special_prefix(tokenizer) if tokenizer is not None else ()
             offsets = default_offsets(layout.max_context, len(prefix), segment_length, layout.sliding_windows)
-        grid = shift_grid(segments, contexts, tokenizer, offsets=list(offsets), segment_length=segment_length,
+        grid = shift_grid(segments, contexts, tokenizer, offsets=offsets, segment_length=segment_length,
                           mode=mode, max_context=layout.max_context)
+        self._check_vocabulary(grid.segments, "the segments' token ids")
+        self._check_vocabulary(grid.contexts, "the contexts' token ids")
         if predictions is None:  # a causal language model's head; a bare decoder (Gemma3TextModel) has none
             predictions = layout.causal and (self.adapter.framework != "huggingface" or is_causal_lm(self.model))
         predictions = bool(predictions)

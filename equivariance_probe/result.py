@@ -23,7 +23,6 @@ jackknife turns the replicates into an :class:`~equivariance_probe.maths.interva
 from __future__ import annotations
 
 import copy
-import html
 import math
 import os
 from pathlib import Path
@@ -35,6 +34,7 @@ from .analyses import intervals as resampling
 from .analyses.heads import TOP_K, HeadRanking, rank_heads
 from .analyses.summary import head_label, result_summary
 from .errors import IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_choice, check_integer
+from .markup import Markup
 from .maths import fitting, metrics
 from .maths.intervals import Interval, check_level, is_undefined, jackknife_interval, windows_for_half_width
 from .maths.persistence import PersistenceCurves, lag_curves, persistence_curves
@@ -619,24 +619,27 @@ class ProbeResult:
         )
 
     def _repr_html_(self) -> str:
-        model = html.escape(self.model_name)
+        # Every value below may come from a file's header (someone else's file, opened in a notebook):
+        # Markup.format escapes each one; only the ranking's own Markup passes as it is.
         if self.n_windows == 0:
-            return f"<b>ProbeResult</b> for <code>{model}</code>: no data yet"
+            return Markup("<b>ProbeResult</b> for <code>{}</code>: no data yet").format(self.model_name)
         table, most, least = self._headline()
-        rows = "".join(
-            f"<tr><th>{s}</th>" + "".join(f"<td>{_formatted(table[s][f], 4)}</td>" for f in metrics.FORMS) + "</tr>"
+        cell = Markup("<td>{}</td>")
+        rows = Markup("").join(
+            Markup("<tr><th>{}</th>{}</tr>").format(s, Markup("").join(cell.format(_formatted(table[s][f], 4)) for f in metrics.FORMS))
             for s in metrics.SCALES
         )
         floored = self.summary()["floored_entries"] if self._stored_summary is not None else self.floored()
-        return (
-            f"<div><b>ProbeResult</b> for <code>{model}</code>: {self.n_windows} windows, {self.n_tokens} tokens, "
-            f"log floor {self.log_floor:.3g} ({floored} entries floored), excluded keys "
-            f"{list(self.excluded_keys) or 'none'}<table><tr><th>scale</th>"
-            + "".join(f"<th>{f}</th>" for f in metrics.FORMS)
-            + f"</tr>{rows}</table>Query-position R² over all visible entries. Most position-bound head "
-            f"{most}, least {least} (log η²)."
-            + self.rank_heads().to_html(max_rows=10)
-            + "</div>"
+        return Markup(
+            "<div><b>ProbeResult</b> for <code>{model}</code>: {windows} windows, {tokens} tokens, log floor {floor} "
+            "({floored} entries floored), excluded keys {excluded}<table><tr><th>scale</th>{forms}</tr>{rows}</table>"
+            "Query-position R² over all visible entries. Most position-bound head {most}, least {least} (log η²)."
+            "{ranking}</div>"
+        ).format(
+            model=self.model_name, windows=self.n_windows, tokens=self.n_tokens, floor=f"{self.log_floor:.3g}",
+            floored=floored, excluded=list(self.excluded_keys) or "none",
+            forms=Markup("").join(Markup("<th>{}</th>").format(f) for f in metrics.FORMS), rows=rows,
+            most=most, least=least, ranking=self.rank_heads().to_html(max_rows=10),
         )
 
     # -- heads ------------------------------------------------------------------------------------------

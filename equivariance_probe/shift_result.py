@@ -20,7 +20,6 @@ into groups by their fingerprint, as windows do in :class:`~equivariance_probe.P
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import os
@@ -31,14 +30,16 @@ from typing import Any
 import numpy as np
 
 from .errors import (IntervalUnavailableError, ResultFileError, SupersededSumsError, UndefinedStatisticError,
-                     check_choice)
+                     check_choice, is_integer)
+from .markup import Markup
 from .maths import shift as decomposition
 from .maths.intervals import Interval, format_interval, jackknife_interval
-from .records.container import read_container, read_tensors, tensor_checksum, write_container
+from .records.container import check_finite, read_container, read_tensors, tensor_checksum, write_container
 from .records.fileformat import jsonable
 from .sources.registry import display_name
 from .statistics.masks import layer_groups
-from .statistics.shift import REPRESENTATIONS, SHIFT_ARRAYS, VECTOR_REPRESENTATIONS, ShiftStatistics
+from .statistics.config import shapes_of
+from .statistics.shift import REPRESENTATIONS, SHIFT_ARRAYS, VECTOR_REPRESENTATIONS, ShiftConfig, ShiftStatistics
 
 __all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell", "check_verdict"]
 
@@ -282,9 +283,12 @@ class ShiftResult:
 
         mine, theirs = np.sort(self.statistics.segment_fingerprints), np.sort(baseline.statistics.segment_fingerprints)
         if not np.array_equal(mine, theirs) or self.config != baseline.config:
+            differences = self.config.differences(baseline.config)
+            if not np.array_equal(mine, theirs):
+                differences.append(f"segments: {mine.size} vs {theirs.size}, {np.intersect1d(mine, theirs).size} in both")
             raise IncompatibleResultsError(
-                "a paired difference needs both results on the same segments, contexts, offsets and interval groups; "
-                "run the baseline on the same grid")
+                f"a paired difference needs both results on the same segments, contexts, offsets and interval groups "
+                f"({'; '.join(differences)}); run the baseline on the same grid")
         pairs = (self.share(representation, term, by), baseline.share(representation, term, by))
         ids, a = self.statistics.replicates()
         _, b = baseline.statistics.replicates()
@@ -312,11 +316,17 @@ class ShiftResult:
         from .errors import IncompatibleResultsError
 
         mine, theirs = self.metadata.get("model", {}), other.metadata.get("model", {})
+        differences = self.config.differences(other.config)
         if mine.get("weights_sha256") != theirs.get("weights_sha256"):
-            raise IncompatibleResultsError("cannot merge shift results of different model weights; merge one model's parts")
+            differences.insert(0, f"model: {self.model_name!r} (weights {str(mine.get('weights_sha256'))[:12]}) vs "
+                                  f"{other.model_name!r} (weights {str(theirs.get('weights_sha256'))[:12]})")
         if self.metadata.get("contexts_sha256") != other.metadata.get("contexts_sha256"):
-            raise IncompatibleResultsError("cannot merge shift results over different contexts: the grid would not be "
-                                           "balanced; run every part with the same contexts")
+            differences.append(f"contexts: sha256 {str(self.metadata.get('contexts_sha256'))[:12]} vs "
+                               f"{str(other.metadata.get('contexts_sha256'))[:12]}")
+        if differences:
+            raise IncompatibleResultsError(
+                f"cannot merge shift results measured differently ({'; '.join(differences)}); merge the parts of one "
+                "model run with the same contexts, offsets, mode, segment length and interval groups")
         metadata = {**self.metadata, "complete": self.complete and other.complete,
                     "run_ids": list(self.metadata.get("run_ids", [self.metadata.get("run_id")]))
                     + list(other.metadata.get("run_ids", [other.metadata.get("run_id")]))}
@@ -448,8 +458,7 @@ class ShiftResult:
                 f"{number_cell(eta)}, pair η²={number_cell(pair)}; residual offset η²={number_cell(residual)})")
 
     def _repr_html_(self) -> str:
-        text = html.escape(self.table())
-        return f"<div><b>ShiftResult</b><pre>{text}</pre></div>"
+        return Markup("<div><b>ShiftResult</b><pre>{}</pre></div>").format(self.table())
 
     # -- files ------------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> Path:
@@ -469,19 +478,84 @@ class ShiftResult:
         """
         container = read_container(path, SHIFT_KIND)
         header = container.header
-        if header.get("format_version") not in SHIFT_FORMAT_VERSIONS:
-            raise ResultFileError(f"{path}: shift result format {header.get('format_version')!r}; this version reads "
-                                  f"{', '.join(map(str, SHIFT_FORMAT_VERSIONS))}: upgrade equivariance-probe to read it")
+        config = _checked_header(container, str(path))  # before any array is read or allocated
         tensors = read_tensors(container)
         if tensor_checksum(tensors) != header.get("checksum"):
             raise ResultFileError(f"{path}: the checksum does not match the arrays (changed or corrupted after saving)")
+        check_finite(tensors, path)
         try:
             statistics = ShiftStatistics.from_dict({
-                "config": header["config"], "segment_fingerprints": tensors["segment_fingerprints"],
+                "config": config, "segment_fingerprints": tensors["segment_fingerprints"],
                 "arrays": {name: tensors[name] for name in SHIFT_ARRAYS if name in tensors}})
-        except (KeyError, TypeError) as error:
+        except (KeyError, TypeError, ValueError) as error:
             raise ResultFileError(f"{path} is missing or has a malformed field: {error!r}") from None
         return cls(statistics, header.get("metadata", {}))
+
+
+#: A shift configuration's integer fields and the least value each may take.
+_CONFIG_INTEGERS = {"n_layers": 1, "n_heads": 1, "n_contexts": 1, "segment_length": 1, "prefix_length": 0,
+                    "interval_groups": 1}
+
+
+def _checked_header(container: Any, source: str) -> dict[str, Any]:
+    """A shift result file's header checked against its schema, from the header alone: version, every
+    configuration field's type, sign and allowed values, the metadata's type, and every array's dtype and
+    shape against the configuration (which ties the sizes the configuration claims to the file's own bytes,
+    so that no absurd size is ever allocated). Returns the configuration.
+
+    Raises:
+        ResultFileError: naming the file, the field, its value and what was expected.
+    """
+    header = container.header
+
+    def require(condition: bool, what: str) -> None:
+        if not condition:
+            raise ResultFileError(f"{source}: {what}; the file is malformed (edited, or written by another program?)")
+
+    version = header.get("format_version")
+    if is_integer(version, 1) and version > SHIFT_FORMAT_VERSION:
+        raise ResultFileError(f"{source} is a shift result of format {version}, newer than this equivariance_probe "
+                              f"reads ({SHIFT_FORMAT_VERSION}); upgrade equivariance_probe (pip install -U "
+                              "equivariance_probe) to read it")
+    require(version in SHIFT_FORMAT_VERSIONS,
+            f"'format_version' must be one of {list(SHIFT_FORMAT_VERSIONS)}, not {version!r}")
+    require(isinstance(header.get("metadata", {}), dict), "'metadata' must be an object")
+    config = header.get("config")
+    require(isinstance(config, dict), "'config' is missing or not an object")
+    for name, minimum in _CONFIG_INTEGERS.items():
+        require(is_integer(config.get(name), minimum),
+                f"'config.{name}' must be an integer of at least {minimum}, not {config.get(name)!r}")
+    offsets = config.get("offsets")
+    require(isinstance(offsets, list) and len(offsets) >= 2 and all(is_integer(o, 0) for o in offsets)
+            and len(set(offsets)) == len(offsets),
+            f"'config.offsets' must be a list of at least two distinct non-negative integers, not {offsets!r}")
+    require(config.get("mode") in ("text", "position_ids"),
+            f"'config.mode' must be 'text' or 'position_ids', not {config.get('mode')!r}")
+    for name in ("causal", "predictions"):
+        require(isinstance(config.get(name), bool), f"'config.{name}' must be true or false, not {config.get(name)!r}")
+    windows = config.get("sliding_windows")
+    require(isinstance(windows, list) and len(windows) in (0, config["n_layers"])
+            and all(w is None or is_integer(w, 1) for w in windows),
+            f"'config.sliding_windows' must be a list of null or positive widths, one per layer, not {windows!r}")
+    if "hidden_size" in config:
+        require(is_integer(config["hidden_size"], 0),
+                f"'config.hidden_size' must be an integer of at least 0, not {config['hidden_size']!r}")
+    try:
+        described = ShiftConfig.from_dict(config)
+        shapes = shapes_of(SHIFT_ARRAYS, described.sizes(), described)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ResultFileError(f"{source}: 'config' describes no shift statistics ({error!r})") from None
+    tensors = container.tensors
+    for name, shape in shapes.items():
+        if name not in tensors and 0 in shape:
+            continue  # kept by a later format only (the residual stream's sums per dimension): empty in this file
+        require(tensors.get(name) == ("F64", shape), f"the array {name!r} must be F64 {list(shape)}, not {tensors.get(name)}")
+    fingerprints = tensors.get("segment_fingerprints")
+    require(fingerprints is not None and fingerprints[0] == "U64" and len(fingerprints[1]) == 1,
+            f"the array 'segment_fingerprints' must be a 1-D U64 array, not {fingerprints}")
+    unknown = sorted(set(tensors) - set(shapes) - {"segment_fingerprints"})
+    require(not unknown, f"unknown arrays {unknown}")
+    return config
 
 
 #: Largest layer-0 offset η² of the centred logits that counts as rounding, by the model's dtype: the logits are

@@ -23,7 +23,7 @@ from synthetic import tiny_gemma3, tiny_gpt2, tiny_llama  # noqa: E402
 from equivariance_probe import EquivarianceProbe, ProbeResult, load_model  # noqa: E402
 from equivariance_probe.cli import main  # noqa: E402
 from equivariance_probe.display.comparison import save_comparison  # noqa: E402
-from equivariance_probe.runs.compare import common_windows, compare_models, model_folder  # noqa: E402
+from equivariance_probe.runs.compare import common_windows, compare_models, model_folders  # noqa: E402
 from equivariance_probe.errors import EmptyCorpusError, InputError, InsufficientMemoryError  # noqa: E402
 from equivariance_probe.maths.metrics import FORMS, SCALES  # noqa: E402
 from equivariance_probe.sources.resources import (  # noqa: E402
@@ -155,8 +155,10 @@ def test_compare_command(tiny, tmp_path, capsys):
         assert (out / name).stat().st_size > 0
     # each model's report shows its trained weights beside its baseline, named as given
     page = (out / "comparison.html").read_text()
+    folders = json.loads((out / "comparison.json").read_text())["folders"]
+    assert folders == model_folders([gemma, llama])  # the mapping from labels to folders is recorded
     for model in (gemma, llama):
-        folder = model_folder(model)
+        folder = folders[model]
         assert f'href="models/{folder}/report.html"' in page
         report = (out / "models" / folder / "report.html").read_text()
         assert "<th>trained</th><th>random_init</th>" in report and f"Equivariance probe: {model}" in report

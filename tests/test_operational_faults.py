@@ -31,6 +31,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from filesystems import tmpfs
+
 from equivariance_probe import ProbeResult
 from equivariance_probe.cli import main
 from equivariance_probe.errors import FileWriteError, ResultFileError
@@ -89,15 +91,7 @@ def small_disk(tmp_path):
     """A real 1 MiB tmpfs file system, unmounted afterwards (skipped where it cannot be mounted)."""
     folder = tmp_path / "disk"
     folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True,
-                             text=True) if shutil.which("mount") else None
-    if mounted is None or mounted.returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root and mount(8)): "
-                    f"{mounted.stderr.strip() if mounted else 'no mount command'}; the injected ENOSPC test covers it")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
+    yield from tmpfs(folder, "size=1m")
 
 
 def _fill(disk: Path, leave: int) -> Path:

@@ -13,6 +13,7 @@ import torch
 from equivariance_probe import EquivarianceProbe, FileWriteError, HeadViews, InputError, head_views
 from equivariance_probe.display.report import ReportSection, render_report
 from equivariance_probe.display.circuitsvis import circuitsvis_bundle
+from equivariance_probe.markup import Markup
 from equivariance_probe.display.views import (
     capture_head_patterns,
     log_ratio,
@@ -142,13 +143,13 @@ def test_tokens_cannot_close_the_script(probe_and_result):
     views = HeadViews(tokens=["</script><b>x", "y"], heads=[(0, 0)], pattern=np.array([[[1.0, 0.0], [0.5, 0.5]]]),
                       sliding_windows=[None])
     body = views.body_html()
-    assert "</script><b>" not in body and "<\\/script><b>x" in body
+    assert "</script><b>" not in body and "\\u003c/script\\u003e\\u003cb\\u003ex" in body
 
 
 def test_report_holds_the_bundle_once_for_every_view_and_extra_sections(probe_and_result):
     probe, result, tokens = probe_and_result
     views = [head_views(probe, tokens[i], heads=[POSITIONAL, PREVIOUS_TOKEN], stop=16) for i in range(2)]
-    extra = ReportSection("Positional analyses", "<p id='extra'>more</p>")
+    extra = ReportSection("Positional analyses", Markup("<p id='extra'>more</p>"))
     page = str(render_report(result, views=views, extra_sections=[extra]))
     bundle = circuitsvis_bundle()
     assert page.count(bundle) == 1
@@ -203,7 +204,7 @@ def test_report_views_reload_the_model_and_document_of_the_study(tiny_study, cap
     bundle = circuitsvis_bundle()
     assert page.count(bundle) == 1 and "L2H1 attention" in page and "uniform prior (window 8)" in page
     assert "uniform prior (full causal)" in page  # L2 is Gemma 3's global layer, L0 a sliding one
-    assert "<bos>" in page  # tokens come from the model's tokenizer
+    assert "\\u003cbos\\u003e" in page  # tokens come from the model's tokenizer (JSON-escaped inside the script)
 
 
 def test_report_without_a_loadable_model_is_written_without_views(tiny_study, tmp_path, capsys):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..errors import UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 from .base import Adapter, AttentionLayout, ModelInfo, PatternCallback
 
 __all__ = ["Adapter", "AttentionLayout", "ModelInfo", "PatternCallback", "get_adapter", "SUPPORTED_MODELS"]
@@ -53,21 +53,36 @@ def get_adapter(model: Any, *, tokenizer: Any | None = None, **options: Any) -> 
     if _is_instance(model, "nnsight", "NNsight", "LanguageModel", "TransformersModel", "Envoy"):
         from .nnsight import NNsightAdapter
 
-        return NNsightAdapter(model, tokenizer=tokenizer, **options)
+        return _built(NNsightAdapter, model, tokenizer, options)
     if _is_instance(model, "transformer_lens.model_bridge", "TransformerBridge"):
         from .transformer_lens import TransformerBridgeAdapter
 
-        return TransformerBridgeAdapter(model, tokenizer=tokenizer, **options)
+        return _built(TransformerBridgeAdapter, model, tokenizer, options)
     if _is_instance(model, "transformer_lens", "HookedTransformer"):
         from .transformer_lens import HookedTransformerAdapter
 
-        return HookedTransformerAdapter(model, tokenizer=tokenizer, **options)
+        return _built(HookedTransformerAdapter, model, tokenizer, options)
     if _is_instance(model, "transformers", "PreTrainedModel"):
         from .huggingface import HuggingFaceAdapter
 
-        return HuggingFaceAdapter(model, tokenizer=tokenizer, **options)
+        return _built(HuggingFaceAdapter, model, tokenizer, options)
     raise UnsupportedModelError(
         f"EquivarianceProbe does not know models of type {type(model).__module__}.{type(model).__qualname__}. "
         "Supported: " + "; ".join(SUPPORTED_MODELS) + ". Wrap a plain torch module with nnsight.NNsight, "
         "or load a Hugging Face model with AutoModelForCausalLM.from_pretrained(..., attn_implementation='eager')."
     )
+
+
+def _built(adapter: type, model: Any, tokenizer: Any, options: dict[str, Any]) -> Adapter:
+    """``adapter(model, tokenizer=tokenizer, **options)``, an option it does not take refused by name (a bare
+    TypeError from its constructor would not say which options this model's adapter does take)."""
+    import inspect
+
+    accepted = [name for name, parameter in inspect.signature(adapter).parameters.items()
+                if parameter.kind is inspect.Parameter.KEYWORD_ONLY]
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise InputError(f"{adapter.__name__} takes no option {', '.join(map(repr, unknown))}; its options are "
+                         f"{accepted} (an attention implementation is chosen when the model is loaded: "
+                         "from_pretrained(..., attn_implementation='eager'))")
+    return adapter(model, tokenizer=tokenizer, **options)

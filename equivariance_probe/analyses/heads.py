@@ -32,7 +32,6 @@ Nothing here imports a framework; pandas is imported by :meth:`HeadRanking.to_da
 
 from __future__ import annotations
 
-import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,6 +39,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_integer
+from ..markup import Markup
 from ..maths.fitting import curve_r2
 from ..maths.metrics import FORMS, SCALES
 from .intervals import top_k_share
@@ -211,26 +211,24 @@ class HeadRanking:
             lines.append(f"{row + 1:>4} {label:>7} {cells}")
         return "\n".join(lines)
 
-    def to_html(self, max_rows: int | None = None) -> str:
+    def to_html(self, max_rows: int | None = None) -> Markup:
         """An HTML table (no script, no style sheet); ``max_rows`` keeps the first and last rows."""
         columns = self._columns()
         names = list(columns)
         titles = {**RANKING_SCORES, "in_top_k": f"share of the jackknife's replicates with the head among the {self.top_k} first"}
-        header = "<tr><th>rank</th><th>head</th>" + "".join(
-            f'<th title="{html.escape(titles[n])}">{"<u>" + n + "</u>" if n == self.key else n}</th>'
+        header = Markup("<tr><th>rank</th><th>head</th>{}</tr>").format(Markup("").join(
+            Markup('<th title="{}">{}</th>').format(titles[n], Markup("<u>{}</u>").format(n) if n == self.key else n)
             for n in names
-        ) + "</tr>"
+        ))
         body = []
         for row in self._rows(max_rows):
             if row is None:
-                body.append(f'<tr><td colspan="{len(names) + 2}">…</td></tr>')
+                body.append(Markup('<tr><td colspan="{}">…</td></tr>').format(len(names) + 2))
                 continue
-            cells = "".join(f"<td>{columns[n][row]:.4f}</td>" for n in names)
-            body.append(f"<tr><td>{row + 1}</td><td>L{self.layers[row]}H{self.heads[row]}</td>{cells}</tr>")
-        return (
-            f'<table class="head-ranking"><caption>{html.escape(self._caption())}</caption>'
-            f"{header}{''.join(body)}</table>"
-        )
+            cells = Markup("").join(Markup("<td>{}</td>").format(f"{columns[n][row]:.4f}") for n in names)
+            body.append(Markup("<tr><td>{}</td><td>L{}H{}</td>{}</tr>").format(row + 1, self.layers[row], self.heads[row], cells))
+        return Markup('<table class="head-ranking"><caption>{}</caption>{}{}</table>').format(
+            self._caption(), header, Markup("").join(body))
 
     def _repr_html_(self) -> str:
         return self.to_html(max_rows=20)

@@ -12,7 +12,6 @@ names the supported versions).
 from __future__ import annotations
 
 import functools
-import html
 import json
 import re
 from collections.abc import Sequence
@@ -23,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import EquivarianceProbeError
+from ..markup import Markup, script_safe
+from ..records.fileformat import write_text_atomically
 
 __all__ = ["CircuitsVisFigure", "circuitsvis_bundle", "circuitsvis_bundle_script", "attention_heads_figure", "figure_div",
            "views_body_html", "views_html", "save_views_page",
@@ -43,17 +44,18 @@ def circuitsvis_bundle() -> str:
     return path.read_text(encoding="utf-8").replace("</script>", "")
 
 
-def circuitsvis_bundle_script() -> str:
+def circuitsvis_bundle_script() -> Markup:
     """``<script>`` with the bundle, to put once in a page before any :meth:`HeadViews.body_html`."""
-    return f"<script>{circuitsvis_bundle()}</script>"
+    return Markup("<script>{}</script>").format(Markup(circuitsvis_bundle()))
 
 
 @dataclass(frozen=True)
 class CircuitsVisFigure:
-    """One CircuitsVis element: the id of its ``<div>`` and the JavaScript that draws it."""
+    """One CircuitsVis element: the id of its ``<div>`` and the JavaScript that draws it (its data already
+    written for a ``<script>`` by :func:`~equivariance_probe.markup.script_safe`)."""
 
     element_id: str
-    call: str
+    call: Markup
 
 
 def _split_rendered(rendered: Any) -> CircuitsVisFigure:
@@ -72,8 +74,11 @@ def _split_rendered(rendered: Any) -> CircuitsVisFigure:
             "pin circuitsvis>=1.40,<2"
         )
     call = after.rsplit("</script>", 1)[0].strip()
-    # JSON does not escape "</": a token such as "</script>" would end the script early.
-    return CircuitsVisFigure(element.group(1), call.replace("</", "<\\/"))
+    # The call is CircuitsVis.render("id", "Name", {json}): every "<", ">" and "&" in it is inside a JSON
+    # string (a token, a head's name), so written as a JSON escape it means the same to the script and
+    # nothing to the HTML parser: neither "</script>" nor "<!--<script>" in a document can end the script
+    # or keep it from ending.
+    return CircuitsVisFigure(element.group(1), script_safe(call))
 
 
 def attention_heads_figure(values: np.ndarray, tokens: list[str], names: list[str], **options: Any) -> CircuitsVisFigure:
@@ -97,48 +102,53 @@ def _compact(figure: CircuitsVisFigure, nested: list) -> CircuitsVisFigure:
     # every causal pattern): the same array written compactly is ~30% smaller.
     written = json.dumps(nested)
     compact = re.sub(r"(?<=[\[,])(-?\d+)\.0(?=[,\]])", r"\1", json.dumps(nested, separators=(",", ":")))
-    return CircuitsVisFigure(figure.element_id, figure.call.replace(written, compact, 1))
+    # Markup's own replace would escape its arguments: the numbers are replaced in the plain text.
+    return CircuitsVisFigure(figure.element_id, Markup(str.replace(figure.call, written, compact, 1)))
 
 
-def figure_div(caption: str, figure: CircuitsVisFigure) -> str:
+def figure_div(caption: str, figure: CircuitsVisFigure) -> Markup:
     """A figure's heading and the empty ``<div>`` its render call draws into."""
-    return f"<h4>{html.escape(caption)}</h4><div id=\"{figure.element_id}\" class=\"circuitsvis-view\"></div>"
+    return Markup('<h4>{}</h4><div id="{}" class="circuitsvis-view"></div>').format(caption, figure.element_id)
 
 
-def figure_row(figures: Sequence[tuple[str, CircuitsVisFigure]]) -> str:
+def figure_row(figures: Sequence[tuple[str, CircuitsVisFigure]]) -> Markup:
     """Captioned figures side by side (wrapping onto more lines where the page is narrow)."""
-    cells = "".join(f'<div style="flex:1 1 0;min-width:240px">{figure_div(caption, figure)}</div>'
-                    for caption, figure in figures)
-    return f'<div style="display:flex;flex-wrap:wrap;gap:12px">{cells}</div>'
+    cells = Markup("").join(Markup('<div style="flex:1 1 0;min-width:240px">{}</div>').format(figure_div(caption, figure))
+                            for caption, figure in figures)
+    return Markup('<div style="display:flex;flex-wrap:wrap;gap:12px">{}</div>').format(cells)
 
 
-def views_body_html(caption_html: str, figures: list[tuple[str, CircuitsVisFigure]], css_class: str,
-                    layout: str | None = None) -> str:
+def views_body_html(caption_html: Markup, figures: list[tuple[str, CircuitsVisFigure]], css_class: str,
+                    layout: Markup | None = None) -> Markup:
     """Captioned figures without the bundle: the page must already have run :func:`circuitsvis_bundle_script`
-    (as the report does, once). ``caption_html`` is trusted HTML; ``layout``, the figures' elements laid out
-    (e.g. :func:`figure_row`; default: one under the other)."""
+    (as the report does, once). ``caption_html`` and ``layout`` are :class:`Markup` (a plain ``str`` is
+    escaped); ``layout``, the figures' elements laid out (e.g. :func:`figure_row`; default: one under the other)."""
+    script = Markup("<script>{}</script>")
     if layout is not None:
-        calls = "".join(f"<script>{figure.call}</script>" for _, figure in figures)
-        return f'<div class="{css_class}">{caption_html}{layout}{calls}</div>'
-    parts = [caption_html] + [figure_div(caption, figure) + f"<script>{figure.call}</script>" for caption, figure in figures]
-    return f'<div class="{css_class}">{"".join(parts)}</div>'
+        calls = Markup("").join(script.format(figure.call) for _, figure in figures)
+        return Markup('<div class="{}">{}{}{}</div>').format(css_class, caption_html, layout, calls)
+    parts = Markup("").join(figure_div(caption, figure) + script.format(figure.call) for caption, figure in figures)
+    return Markup('<div class="{}">{}{}</div>').format(css_class, caption_html, parts)
 
 
-def views_html(caption_html: str, figures: list[tuple[str, CircuitsVisFigure]], css_class: str,
-               layout: str | None = None) -> str:
+def views_html(caption_html: Markup, figures: list[tuple[str, CircuitsVisFigure]], css_class: str,
+               layout: Markup | None = None) -> Markup:
     """Captioned figures as one HTML fragment carrying the CircuitsVis bundle once (offline); ``layout`` as in
     :func:`views_body_html`."""
-    divs = layout if layout is not None else "".join(figure_div(caption, figure) for caption, figure in figures)
+    divs = layout if layout is not None else Markup("").join(figure_div(caption, figure) for caption, figure in figures)
     # One module script, as CircuitsVis' own inline HTML: the bundle's CircuitsVis stays in the
     # module's scope, so several views in one notebook do not clash.
-    calls = "\n".join(figure.call for _, figure in figures)
-    return (f'<div class="{css_class}">{caption_html}{divs}'
-            f'<script crossorigin type="module">{circuitsvis_bundle()}\n{calls}</script></div>')
+    calls = Markup("\n").join(figure.call for _, figure in figures)
+    return Markup('<div class="{}">{}{}<script crossorigin type="module">{}\n{}</script></div>').format(
+        css_class, caption_html, divs, Markup(circuitsvis_bundle()), calls)
 
 
-def save_views_page(path: str | Path, title: str, fragment: str) -> Path:
-    """Write a standalone, offline HTML page holding ``fragment`` (from :func:`views_html`)."""
-    path = Path(path)
-    path.write_text(f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title></head>'
-                    f"<body>{fragment}</body></html>", encoding="utf-8")
-    return path
+def save_views_page(path: str | Path, title: str, fragment: Markup) -> Path:
+    """Write a standalone, offline HTML page holding ``fragment`` (from :func:`views_html`) atomically.
+
+    Raises:
+        FileWriteError: the folder does not exist or is not writable, ``path`` is a folder, or the disk
+            refused the write (nothing is left behind).
+    """
+    page = Markup('<!DOCTYPE html><html><head><meta charset="utf-8"><title>{}</title></head><body>{}</body></html>')
+    return write_text_atomically(path, page.format(title, fragment))

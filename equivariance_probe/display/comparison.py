@@ -8,9 +8,9 @@ figure is drawn (through :mod:`equivariance_probe.display.figures`).
 
 from __future__ import annotations
 
-import html
 import os
 from collections.abc import Sequence
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,8 +19,9 @@ import numpy as np
 from .figures import figure_paths, figure_title, log_log_axes, pyplot, save_figures
 from .report import figures_html, html_page, render_report
 
+from ..markup import Markup
 from ..records.fileformat import write_text_atomically
-from ..runs.compare import model_folder
+from ..runs.compare import model_folders
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -75,20 +76,23 @@ def comparison_figure(comparison: Comparison) -> Figure:
     return fig
 
 
-def comparison_page(comparison: Comparison, reports: dict[str, str] | None = None) -> str:
+def comparison_page(comparison: Comparison, reports: dict[str, str] | None = None) -> Markup:
     """The comparison as one self-contained HTML page: its table (a column per model and variant),
     its figure, and links to each model's report (``reports``: model -> relative path)."""
     rows = comparison.rows()
-    header = "<tr><th></th><th></th>" + "".join(
-        f"<th>{html.escape(r['model'])}<br>{html.escape(r['variant'])}</th>" for r in rows) + "</tr>"
-    lines = ["<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in (group, name, *cells)) + "</tr>"
-             for group, name, cells in comparison.table_rows()]
-    links = "".join(f'<li><a href="{html.escape(path)}">{html.escape(model)}</a>: trained beside its baselines</li>'
-                    for model, path in (reports or {}).items())
-    body = (f"<h1>Equivariance probe: comparison across models</h1><p>{html.escape(comparison.config.get('windows_description', ''))}</p>"
-            f"<table>{header}{''.join(lines)}</table>"
-            + figures_html({"Persistence P(dt) per model and variant; headline R² per model and variant": comparison_figure(comparison)})
-            + (f"<h2>Each model's report</h2><ul>{links}</ul>" if links else ""))
+    cell = Markup("<td>{}</td>")
+    header = Markup("<tr><th></th><th></th>{}</tr>").format(Markup("").join(
+        Markup("<th>{}<br>{}</th>").format(r["model"], r["variant"]) for r in rows))
+    lines = Markup("").join(Markup("<tr>{}</tr>").format(Markup("").join(cell.format(c) for c in (group, name, *cells)))
+                            for group, name, cells in comparison.table_rows())
+    # A report's path is made of folder names the comparison derived (model_folders): relative, inside the
+    # output folder; quoted as a URL path so that no character of a label can make it another scheme.
+    links = Markup("").join(Markup('<li><a href="{}">{}</a>: trained beside its baselines</li>').format(
+        urllib.parse.quote(Path(path).as_posix()), model) for model, path in (reports or {}).items())
+    figure = figures_html({"Persistence P(dt) per model and variant; headline R² per model and variant": comparison_figure(comparison)})
+    body = Markup("<h1>Equivariance probe: comparison across models</h1><p>{}</p><table>{}{}</table>{}{}").format(
+        comparison.config.get("windows_description", ""), header, lines, figure,
+        Markup("<h2>Each model's report</h2><ul>{}</ul>").format(links) if links else "")
     return html_page("equivariance_probe comparison", body)
 
 
@@ -102,8 +106,9 @@ def save_comparison(comparison: Comparison, folder: str | os.PathLike, *,
     folder = Path(folder)
     paths.update(figure_paths(save_figures({"comparison": comparison_figure(comparison)}, folder, format=format)))
     reports = {}
+    folders = model_folders(comparison.studies)
     for label, study in comparison.studies.items():
-        report = folder / "models" / model_folder(label) / "report.html"
+        report = folder / "models" / folders[label] / "report.html"
         render_report(study.trained, baselines=study.baselines()).save(report)
         paths[f"report {label}"] = report
         reports[label] = str(report.relative_to(folder))

@@ -17,12 +17,12 @@ Figures:
 
 from __future__ import annotations
 
-import html
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .figures import figure_title, fitted_title, pyplot
+from ..markup import Markup
 from .report import ReportSection, figures_html, html_page
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -196,27 +196,33 @@ def positional_figures(study: PositionalStudy) -> dict[str, Figure]:
 
 
 # -- the HTML section ------------------------------------------------------------------------------
-def _number(value: float) -> str:
-    return "n/a" if value is None or not np.isfinite(value) else f"{value:.4g}"
+def _number(value: Any) -> str:
+    """A number as the tables show it; ``n/a`` for a missing or non-finite one, and for anything that is not a
+    number at all (a stored value of a file someone edited is shown as text only through :func:`_table`)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not np.isfinite(value):
+        return "n/a"
+    return f"{value:.4g}"
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+def _table(header: list[str], rows: list[list[Any]]) -> Markup:
+    """A table whose every header and cell is escaped (cells are data: names and numbers read back from a file)."""
+    head = Markup("").join(Markup("<th>{}</th>").format(h) for h in header)
+    body = Markup("").join(Markup("<tr>{}</tr>").format(Markup("").join(Markup("<td>{}</td>").format(cell) for cell in row))
+                           for row in rows)
+    return Markup("<table><tr>{}</tr>{}</table>").format(head, body)
 
 
 def _title(study: PositionalStudy) -> str:
     return f"Where order comes from: {study.model_name}"
 
 
-def render_positional_body(study: PositionalStudy) -> str:
+def render_positional_body(study: PositionalStudy) -> Markup:
     """The section's body (no heading): a table per analysis and every figure, embedded."""
     summary = study.summary()
-    blocks = [f"<p>Conventions: {html.escape(str(study.metadata.get('conventions', '')))}.</p>"]
+    blocks = [Markup("<p>Conventions: {}.</p>").format(str(study.metadata.get("conventions", "")))]
     if "gram" in summary:
         gram = summary["gram"]
-        blocks.append("<h3>Position-embedding Gram matrix</h3>" + _table(
+        blocks.append(Markup("<h3>Position-embedding Gram matrix</h3>") + _table(
             ["positions", "offset rows dropped", "Toeplitz R² (whole, diagonal included)", "Toeplitz R² (diagonal excluded)"],
             [[str(gram["n_positions"]), str(gram["offset"]), _number(gram["r2_whole"]), _number(gram["r2_off_diagonal"])]]))
     if "attention_toeplitz" in summary:
@@ -225,29 +231,30 @@ def render_positional_body(study: PositionalStudy) -> str:
                        ("tisa", "TISA kernel fits to mean pre-softmax score profiles, R² over heads")):
         if key in summary:
             s = summary[key]
-            blocks.append(f"<h3>{title}</h3>" + _table(["mean", "median", "min", "max"],
+            blocks.append(Markup("<h3>{}</h3>").format(title) + _table(["mean", "median", "min", "max"],
                                                         [[_number(s[k]) for k in ("mean", "median", "min", "max")]]))
     if "permutation" in summary:
-        rows = [[html.escape(name)] + [_number(v[k]) for k in ("kl_mean", "kl_max", "tv_mean", "hidden_change_mean", "effect", "upper_mass")]
+        rows = [[name] + [_number(v[k]) for k in ("kl_mean", "kl_max", "tv_mean", "hidden_change_mean", "effect", "upper_mass")]
                 for name, v in summary["permutation"].items()]
-        blocks.append("<h3>Permutation sensitivity</h3>" + _table(
+        blocks.append(Markup("<h3>Permutation sensitivity</h3>") + _table(
             ["ablation", "mean KL", "max KL", "mean TV", "mean ‖Δh‖/‖h‖", "max |Δlogit| vs none (unpermuted)", "max mass on later keys"], rows))
     if "shrinkage" in summary:
         rows = []
         for key, label in (("shrinkage", "trained"), ("shrinkage_baseline", "untrained")):
             for stream, values in summary.get(key, {}).items():
                 rows.append([label, stream, ", ".join(_number(v) for v in values)])
-        blocks.append("<h3>Variance shrinkage: exponent γ per layer</h3>" + _table(["model", "stream", "γ by layer"], rows))
+        blocks.append(Markup("<h3>Variance shrinkage: exponent γ per layer</h3>") + _table(["model", "stream", "γ by layer"], rows))
     if "correlation" in summary:
         rows = [[label, ", ".join(_number(v) for v in summary[key]["mean_off_diagonal_by_layer"])]
                 for key, label in (("correlation", "trained"), ("correlation_baseline", "untrained")) if key in summary]
-        blocks.append("<h3>Position correlations: mean over i ≠ j per layer</h3>" + _table(["model", "by layer"], rows))
+        blocks.append(Markup("<h3>Position correlations: mean over i ≠ j per layer</h3>") + _table(["model", "by layer"], rows))
     if study.skipped:
-        blocks.append("<p>Skipped: " + "; ".join(f"{html.escape(k)} ({html.escape(v)})" for k, v in study.skipped.items()) + "</p>")
-    return "".join(blocks) + figures_html(positional_figures(study))
+        blocks.append(Markup("<p>Skipped: {}</p>").format(
+            Markup("; ").join(Markup("{} ({})").format(k, v) for k, v in study.skipped.items())))
+    return Markup("").join(blocks) + figures_html(positional_figures(study))
 
 
-def _attention_beside_gram(summary: dict) -> str:
+def _attention_beside_gram(summary: dict) -> Markup:
     """Each head's attention Toeplitz R² beside the position code's: the Gram matrix's (one per model)
     and, for layer 0, the head's positional logits (TISA eq. 9-12)."""
     part = summary["attention_toeplitz"]
@@ -263,9 +270,9 @@ def _attention_beside_gram(summary: dict) -> str:
                          _number(gram["r2_whole"]) if gram else "–", _number(gram["r2_off_diagonal"]) if gram else "–",
                          _number(logits[head]) if logits is not None and layer == 0 and head < len(logits) else "–"])
     kind = "causal" if part["causal"] else "bidirectional: both directions, signed lags"
-    return (f"<h3>Attention Toeplitz R² per head beside the position code's</h3><p>{part['n_windows']} windows of "
-            f"{part['context_length']} tokens, every visible entry ({kind}). The Gram matrix is one per model; "
-            "positional logits are layer 0's.</p>" + _table(header, rows))
+    return Markup("<h3>Attention Toeplitz R² per head beside the position code's</h3><p>{} windows of {} tokens, every "
+                  "visible entry ({}). The Gram matrix is one per model; positional logits are layer 0's.</p>{}").format(
+        part["n_windows"], part["context_length"], kind, _table(header, rows))
 
 
 def positional_report_section(study: PositionalStudy) -> ReportSection:
@@ -273,9 +280,9 @@ def positional_report_section(study: PositionalStudy) -> ReportSection:
     return ReportSection(title=_title(study), html=render_positional_body(study))
 
 
-def render_positional_section(study: PositionalStudy) -> str:
+def render_positional_section(study: PositionalStudy) -> Markup:
     """One ``<section class="positional">`` element: heading, tables, figures."""
-    return f'<section class="positional"><h2>{html.escape(_title(study))}</h2>{render_positional_body(study)}</section>'
+    return Markup('<section class="positional"><h2>{}</h2>{}</section>').format(_title(study), render_positional_body(study))
 
 
 def render_positional_page(study: PositionalStudy) -> str:

@@ -16,13 +16,13 @@ included once, in the page's head, and every view is drawn from it.
 from __future__ import annotations
 
 import base64
-import html
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import NotRunError
+from ..markup import Markup
 from ..records.fileformat import write_text_atomically
 from ..runs.tables import paired_rows, summary_rows
 from .circuitsvis import circuitsvis_bundle_script
@@ -43,12 +43,13 @@ class ReportSection:
 
     Attributes:
         title: the section's heading.
-        html: its body (trusted HTML, no external resources).
+        html: its body as :class:`~equivariance_probe.markup.Markup` (no external resources); a plain
+            ``str`` is data and appears on the page as text, escaped.
         uses_circuitsvis: the body calls ``CircuitsVis.render`` and needs the bundle on the page.
     """
 
     title: str
-    html: str
+    html: Markup | str
     uses_circuitsvis: bool = False
 
 
@@ -60,11 +61,11 @@ def _png(figure) -> str:
     return base64.b64encode(drawn).decode("ascii")
 
 
-def figures_html(figures: dict[str, Any]) -> str:
+def figures_html(figures: dict[str, Any]) -> Markup:
     """matplotlib figures (caption -> figure) as captioned ``<figure>`` elements with embedded PNG (closes them)."""
-    return "".join(
-        f'<figure><img alt="{html.escape(name)}" src="data:image/png;base64,{_png(figure)}">'
-        f"<figcaption>{html.escape(name)}</figcaption></figure>"
+    return Markup("").join(
+        Markup('<figure><img alt="{name}" src="data:image/png;base64,{png}"><figcaption>{name}</figcaption></figure>')
+        .format(name=name, png=_png(figure))
         for name, figure in figures.items()
     )
 
@@ -77,14 +78,15 @@ _STYLE = ("{root}{{font-family:sans-serif;max-width:1100px;margin:auto}}{root} t
           "{root} figcaption{{font-size:90%;color:#444}}")
 
 
-def html_page(title: str, body: str, head: str = "") -> str:
-    """A standalone page in the report's style; ``title`` is escaped, ``body`` and ``head`` are trusted HTML."""
-    return f"""<!DOCTYPE html>
-<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
-<style>{_STYLE.format(root="body")}</style>
+def html_page(title: str, body: Markup | str, head: Markup | str = "") -> Markup:
+    """A standalone page in the report's style; ``body`` and ``head`` are :class:`Markup` (a plain ``str``
+    is escaped, as ``title`` always is)."""
+    return Markup('''<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<style>{style}</style>
 {head}</head><body>
 {body}
-</body></html>"""
+</body></html>''').format(title=title, style=Markup(_STYLE.format(root="body")), head=head, body=body)
 
 
 class RenderedReport:
@@ -105,7 +107,7 @@ class RenderedReport:
         head: what goes in the page's head (CircuitsVis' inline bundle when a section draws with it).
     """
 
-    def __init__(self, title: str, body: str, head: str = "") -> None:
+    def __init__(self, title: str, body: Markup | str, head: Markup | str = "") -> None:
         self.title = title
         self.body = body
         self.head = head
@@ -114,8 +116,8 @@ class RenderedReport:
         return html_page(self.title, self.body, self.head)
 
     def _repr_html_(self) -> str:
-        return (f'<div class="equivariance-probe-report"><style>{_STYLE.format(root=".equivariance-probe-report")}'
-                f"</style>{self.head}{self.body}</div>")
+        return Markup('<div class="equivariance-probe-report"><style>{}</style>{}{}</div>').format(
+            Markup(_STYLE.format(root=".equivariance-probe-report")), self.head, self.body)
 
     def save(self, path: str | Path) -> Path:
         """Write the standalone, offline page to ``path`` (UTF-8, atomically) and return the path.
@@ -136,42 +138,45 @@ def summary_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | 
     summaries = {name: variant.summary() for name, variant in variants.items()}
     first = summaries[next(iter(summaries))]
     table = table_html(list(summaries), summary_rows(summaries, extended=True), "summary")
-    compared = differences = ""
+    compared, differences = "", Markup("")
     if len(variants) > 1:
         compared = (" Baselines (docs/methods.md#baselines): <code>random_init</code> is the same architecture at its own "
                     "random initialisation, <code>zero</code> has every weight zero (every head exactly uniform).")
         differences = _differences_html(variants)
-    body = f"""<p>{result.n_windows} windows, {result.n_tokens} tokens, {first['n_entries']:,} visible entries per variant;
-log scale y = log max(a, eps) with eps = {result.log_floor:.3g}; excluded keys: {list(result.excluded_keys) or 'none'}.{compared}</p>
-<h3>Query-position R², persistence fits, Toeplitz R² and heads{' per variant' if len(variants) > 1 else ''}</h3>
+    body = Markup("""<p>{windows} windows, {tokens} tokens, {entries} visible entries per variant;
+log scale y = log max(a, eps) with eps = {floor}; excluded keys: {excluded}.{compared}</p>
+<h3>Query-position R², persistence fits, Toeplitz R² and heads{per_variant}</h3>
 <p>Rows: query-position R² over all visible entries (QPVE: prior, fitted, η²; log and raw scale); R² and parameters of
 the fits to the persistence curve P(dt); Figure 1c (the fits to P_t(dt) per key-position bin); Toeplitz R²; the most and
 least position-bound heads (log η²). Brackets: 95 % intervals over windows (delete-a-group jackknife, windows as the
 sampling unit).</p>
-{table}{differences}"""
+{table}{differences}""").format(
+        windows=result.n_windows, tokens=result.n_tokens, entries=f"{first['n_entries']:,}", floor=f"{result.log_floor:.3g}",
+        excluded=list(result.excluded_keys) or "none", compared=Markup(compared),
+        per_variant=" per variant" if len(variants) > 1 else "", table=table, differences=differences)
     return ReportSection("Summary", body)
 
 
-def _differences_html(variants: Mapping[str, ProbeResult]) -> str:
+def _differences_html(variants: Mapping[str, ProbeResult]) -> Markup:
     """The first variant minus each other one, over the same windows, with 95 % intervals from paired replicates."""
     reference = next(iter(variants))
     rows, notes = paired_rows(dict(variants), reference)
     columns = [f"{reference} − {name}" for name in variants if name != reference]
-    remarks = "".join(f"<p>{html.escape(note)}</p>" for note in notes)
-    return (f"<h3>Differences over the same windows</h3><p>Each difference with its 95 % interval from paired jackknife "
-            f"replicates (the same windows in the same groups, so what they share cancels).</p>"
-            f"{table_html(columns, rows, 'differences')}{remarks}")
+    remarks = Markup("").join(Markup("<p>{}</p>").format(note) for note in notes)
+    return Markup("<h3>Differences over the same windows</h3><p>Each difference with its 95 % interval from paired jackknife "
+                  "replicates (the same windows in the same groups, so what they share cancels).</p>{}{}").format(
+        table_html(columns, rows, "differences"), remarks)
 
 
-def table_html(columns: Sequence[str], rows: Sequence[tuple[str, str, Sequence[str]]], css_class: str) -> str:
+def table_html(columns: Sequence[str], rows: Sequence[tuple[str, str, Sequence[str]]], css_class: str) -> Markup:
     """A table of ``(group, what, cells)`` rows under one heading per column (text escaped)."""
-    header = "<tr><th></th><th></th>" + "".join(f"<th>{html.escape(name)}</th>" for name in columns) + "</tr>"
-    body = "".join(
-        f"<tr><td>{html.escape(group)}</td><td>{html.escape(what)}</td>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
-        + "</tr>"
+    cell = Markup("<td>{}</td>")
+    header = Markup("<tr><th></th><th></th>{}</tr>").format(Markup("").join(Markup("<th>{}</th>").format(name) for name in columns))
+    body = Markup("").join(
+        Markup("<tr>{}</tr>").format(Markup("").join(cell.format(c) for c in (group, what, *cells)))
         for group, what, cells in rows
     )
-    return f'<table class="{css_class}">{header}{body}</table>'
+    return Markup('<table class="{}">{}{}</table>').format(css_class, header, body)
 
 
 def figures_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None = None) -> ReportSection:
@@ -197,9 +202,9 @@ def ranking_section(result: ProbeResult) -> ReportSection:
     ranking = result.rank_heads()
     return ReportSection(
         "Heads ranked by how position-bound they are",
-        "<p>Hover a column name for its definition; the underlined column is the ordering key. "
-        "Higher query-position R² or prior fit = more position-bound; higher Toeplitz R² = attention "
-        "that depends on q − k alone.</p>" + ranking.to_html(),
+        Markup("<p>Hover a column name for its definition; the underlined column is the ordering key. "
+               "Higher query-position R² or prior fit = more position-bound; higher Toeplitz R² = attention "
+               "that depends on q − k alone.</p>") + ranking.to_html(),
     )
 
 
@@ -207,7 +212,7 @@ def views_section(views: Sequence[HeadViews]) -> ReportSection:
     """CircuitsVis views (drawn from the bundle the report carries once)."""
     return ReportSection(
         "Heads on one document (CircuitsVis)",
-        "".join(view.body_html() for view in views),
+        Markup("").join(view.body_html() for view in views),
         uses_circuitsvis=True,
     )
 
@@ -262,5 +267,5 @@ def sections_page(title: str, heading: str, sections: Sequence[ReportSection]) -
     """Sections as one self-contained page under ``heading``, with CircuitsVis' bundle once in its head
     when any section draws with it."""
     bundle = circuitsvis_bundle_script() if any(section.uses_circuitsvis for section in sections) else ""
-    body = "".join(f"<section><h2>{html.escape(s.title)}</h2>{s.html}</section>" for s in sections)
-    return RenderedReport(title, f"<h1>{html.escape(heading)}</h1>\n{body}", bundle)
+    body = Markup("").join(Markup("<section><h2>{}</h2>{}</section>").format(s.title, s.html) for s in sections)
+    return RenderedReport(title, Markup("<h1>{}</h1>\n{}").format(heading, body), bundle)

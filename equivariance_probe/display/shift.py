@@ -20,7 +20,6 @@ shift run decomposes. matplotlib and circuitsvis are imported when something is 
 
 from __future__ import annotations
 
-import html
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import torch
 
 from ..errors import (IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError,
                       SupersededSumsError, UndefinedStatisticError)
+from ..markup import Markup
 from ..maths.intervals import Interval
 from ..probe import EquivarianceProbe
 from ..shift_result import ShiftResult
@@ -290,27 +290,28 @@ class ShiftView:
                    for caption, values in logits.items()]
         return [weights, centred]
 
-    def _layout(self) -> tuple[list[tuple[str, CircuitsVisFigure]], str]:
+    def _layout(self) -> tuple[list[tuple[str, CircuitsVisFigure]], Markup]:
         rows = self._rows()
         limit = self.logit_limit
-        layout = (f"<h4>Attention among the segment's tokens, conditional on its keys, at offsets {self.offsets[0]} "
-                  f"and {self.offsets[1]}</h4>" + figure_row(rows[0])
-                  + f"<h4>Centred logits (nats; red above the row's mean, blue below; colours saturate at ±{limit:.3g}) "
-                  "at both offsets, and their change: what this head's offset η² measures</h4>" + figure_row(rows[1]))
+        layout = Markup(
+            "<h4>Attention among the segment's tokens, conditional on its keys, at offsets {} and {}</h4>{}"
+            "<h4>Centred logits (nats; red above the row's mean, blue below; colours saturate at ±{}) "
+            "at both offsets, and their change: what this head's offset η² measures</h4>{}"
+        ).format(self.offsets[0], self.offsets[1], figure_row(rows[0]), f"{limit:.3g}", figure_row(rows[1]))
         return [figure for row in rows for figure in row], layout
 
-    def _caption(self) -> str:
+    def _caption(self) -> Markup:
         rounding = "not rounded" if self.decimals is None else f"rounded to {self.decimals} decimals"
-        return (f"<p>{html.escape(self.title)} Head {self.label}; the segment's {len(self.tokens)} tokens as queries "
-                f"and keys; entries outside the counted block (hidden keys, rows with one key) are 0; values "
-                f"{rounding}.</p>")
+        return Markup("<p>{} Head {}; the segment's {} tokens as queries and keys; entries outside the counted block "
+                      "(hidden keys, rows with one key) are 0; values {}.</p>").format(
+            self.title, self.label, len(self.tokens), rounding)
 
-    def body_html(self) -> str:
+    def body_html(self) -> Markup:
         """The view without the CircuitsVis bundle (a page that already ran it, as the report)."""
         figures, layout = self._layout()
         return views_body_html(self._caption(), figures, "shift-view", layout)
 
-    def to_html(self) -> str:
+    def to_html(self) -> Markup:
         """The view as one offline HTML fragment carrying the CircuitsVis bundle once."""
         figures, layout = self._layout()
         return views_html(self._caption(), figures, "shift-view", layout)
@@ -319,7 +320,12 @@ class ShiftView:
         return self.to_html()
 
     def save(self, path: str | Path) -> Path:
-        """Write a standalone, offline HTML page with the view."""
+        """Write a standalone, offline HTML page with the view, atomically.
+
+        Raises:
+            FileWriteError: the folder does not exist or is not writable, ``path`` is a folder, or the disk
+                refused the write (nothing is left behind).
+        """
         return save_views_page(path, "shift view", self.to_html())
 
     def __repr__(self) -> str:
@@ -426,8 +432,8 @@ def shift_report_section(result: ShiftResult, baselines: Mapping[str, ShiftResul
     """The shift test in the HTML report: each variant's table, the figures (:func:`shift_figures`) and, when
     given, the CircuitsVis view (drawn from the bundle the report carries once)."""
     variants = {name: result, **dict(baselines or {})}
-    tables = "".join(f"<h3>{html.escape(variant)}</h3><pre>{html.escape(value.table())}</pre>"
-                     for variant, value in variants.items())
+    tables = Markup("").join(Markup("<h3>{}</h3><pre>{}</pre>").format(variant, value.table())
+                             for variant, value in variants.items())
     captions = {
         "shift_layers": "Offset η² by layer, centred logits and residual stream, each variant (95 % intervals over segments)",
         "shift_heads": f"Per-head offset η² and pair η² (the equivariant part) of the centred logits, {name}",
@@ -435,21 +441,21 @@ def shift_report_section(result: ShiftResult, baselines: Mapping[str, ShiftResul
         "shift_divergence": "Jensen–Shannon divergence between offsets against between contexts, and their ratio",
     }
     figures = {captions[key]: figure for key, figure in shift_figures(result, baselines, name).items()}
-    body = (f"<p>The same texts placed after other contexts at offsets {list(result.offsets)}; "
-            f"{html.escape(_offset_meaning(result))}. Each representation's variation is split exactly into what "
-            "depends on the pair of tokens (equivariant), the offset, the context and the rest.</p>"
-            + tables + _differences_html(result, baselines or {}, name) + figures_html(figures))
+    body = Markup("<p>The same texts placed after other contexts at offsets {}; {}. Each representation's variation "
+                  "is split exactly into what depends on the pair of tokens (equivariant), the offset, the context and "
+                  "the rest.</p>{}{}{}").format(list(result.offsets), _offset_meaning(result), tables,
+                                                _differences_html(result, baselines or {}, name), figures_html(figures))
     if view is not None:
-        body += "<h3>One head's segment block at two offsets (CircuitsVis)</h3>" + view.body_html()
+        body += Markup("<h3>One head's segment block at two offsets (CircuitsVis)</h3>") + view.body_html()
     return ReportSection("The shift test: the same text moved through the window", body,
                          uses_circuitsvis=view is not None)
 
 
-def _differences_html(result: ShiftResult, baselines: Mapping[str, ShiftResult], name: str) -> str:
+def _differences_html(result: ShiftResult, baselines: Mapping[str, ShiftResult], name: str) -> Markup:
     """The model's offset and pair η² minus each baseline's over the same segments, with 95 % intervals from
     paired jackknife replicates (:meth:`~equivariance_probe.ShiftResult.paired_difference`)."""
     if not baselines:
-        return ""
+        return Markup("")
     rows, notes = [], []
     for representation in REPRESENTATIONS:
         for term in ("offset", "pair"):
@@ -462,10 +468,10 @@ def _differences_html(result: ShiftResult, baselines: Mapping[str, ShiftResult],
                     notes.append(f"{baseline_name}: {error}")
             rows.append((_REPRESENTATION_NAMES[representation], f"{term} η²", cells))
     columns = [f"{name} − {baseline_name}" for baseline_name in baselines]
-    remarks = "".join(f"<p>{html.escape(note)}</p>" for note in dict.fromkeys(notes))
-    return ("<h3>Differences over the same segments</h3><p>Each difference with its 95 % interval from paired "
-            "jackknife replicates (the same segments in the same groups, so what they share cancels).</p>"
-            + table_html(columns, rows, "shift-differences") + remarks)
+    remarks = Markup("").join(Markup("<p>{}</p>").format(note) for note in dict.fromkeys(notes))
+    return Markup("<h3>Differences over the same segments</h3><p>Each difference with its 95 % interval from paired "
+                  "jackknife replicates (the same segments in the same groups, so what they share cancels).</p>{}{}"
+                  ).format(table_html(columns, rows, "shift-differences"), remarks)
 
 
 def render_shift_report(result: ShiftResult, baselines: Mapping[str, ShiftResult] | None = None, *,

@@ -27,7 +27,6 @@ Under a causal mask the rows ``q < stop`` do not depend on later tokens, so only
 
 from __future__ import annotations
 
-import html
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,8 +38,8 @@ import torch
 
 from ..analyses.heads import HeadRanking
 from ..errors import InputError, ModelNotFoundError, check_integer, is_integer, option
+from ..markup import Markup
 from ..probe import EquivarianceProbe
-from ..records.fileformat import write_text_atomically
 from ..result import ProbeResult
 from ..sources.corpus import load_corpus
 from ..sources.models import load_model
@@ -216,18 +215,16 @@ class HeadViews:
              f"(colours saturate at ±{limit:g}; hidden entries 0)", second),
         ]
 
-    def _caption(self, decimals: int | None) -> str:
+    def _caption(self, decimals: int | None) -> Markup:
         heads = ", ".join(
             label + (f" ({score})" if score else "")
             for label, score in zip(self.labels, self.scores or [""] * len(self.heads))
         )
         rounding = "not rounded" if decimals is None else f"rounded to {decimals} decimals"
-        return (
-            f"<p>{html.escape(self.title)} Positions {self.start}..{self.stop - 1} (queries and keys in this "
-            f"window only); heads {html.escape(heads)}; values {rounding}; log floor {self.log_floor:.3g}.</p>"
-        )
+        return Markup("<p>{} Positions {}..{} (queries and keys in this window only); heads {}; values {}; "
+                      "log floor {}.</p>").format(self.title, self.start, self.stop - 1, heads, rounding, f"{self.log_floor:.3g}")
 
-    def body_html(self, decimals: Any = ...) -> str:
+    def body_html(self, decimals: Any = ...) -> Markup:
         """The views without the CircuitsVis bundle: the page must already have run
         :func:`circuitsvis_bundle_script` (as the report does, once).
 
@@ -235,7 +232,7 @@ class HeadViews:
         decimals = self.decimals if decimals is ... else decimals
         return views_body_html(self._caption(decimals), self._figures(decimals), "head-views")
 
-    def to_html(self, decimals: Any = ...) -> str:
+    def to_html(self, decimals: Any = ...) -> Markup:
         """The views as one HTML fragment carrying the CircuitsVis bundle once (offline).
 
         ``decimals`` overrides :attr:`decimals` (``None``: not rounded)."""
@@ -246,7 +243,12 @@ class HeadViews:
         return self.to_html()
 
     def save(self, path: str | Path, decimals: Any = ...) -> Path:
-        """Write a standalone, offline HTML page with the views."""
+        """Write a standalone, offline HTML page with the views, atomically.
+
+        Raises:
+            FileWriteError: the folder does not exist or is not writable, ``path`` is a folder, or the disk
+                refused the write (nothing is left behind).
+        """
         return save_views_page(path, "head views", self.to_html(decimals))
 
     def __repr__(self) -> str:

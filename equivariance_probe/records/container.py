@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ResultFileError
-from .fileformat import write_atomically
+from .fileformat import check_finite, parse_json, write_atomically
 
 __all__ = [
     "HEADER_KEY",
@@ -54,6 +54,7 @@ __all__ = [
     "tensor_checksum",
     "tensor_digest",
     "header_checksum",
+    "check_finite",
 ]
 
 #: The one ``__metadata__`` entry of the package's files: the JSON header.
@@ -242,15 +243,12 @@ def read_container(path: str | os.PathLike, kind: str) -> Container:
             f"{path} is a safetensors file but not one of equivariance_probe (no {HEADER_KEY!r} entry in its "
             "metadata): model weights, or a file of another program?"
         )
-    try:
-        header = json.loads(metadata[HEADER_KEY])
-    except json.JSONDecodeError as error:
-        raise ResultFileError(f"{path}: its {HEADER_KEY!r} header is not valid JSON ({error}); the file was edited") from None
+    header = parse_json(metadata[HEADER_KEY], str(path), f"its {HEADER_KEY!r} header")
     if not isinstance(header, dict):
         raise ResultFileError(f"{path}: its {HEADER_KEY!r} header is not a JSON object; the file was edited")
     if header.get("kind") != kind:
         raise ResultFileError(
-            f"{path} holds {header.get('kind')!r}, not {kind!r}"
+            f"{path} holds {_shown(header.get('kind'))}, not {kind!r}"
             + (f"; read it with {str(header['kind']).rsplit('.', 1)[-1]}.load" if isinstance(header.get("kind"), str) else "")
         )
     if header.get("header_checksum") != header_checksum(header):
@@ -261,6 +259,12 @@ def read_container(path: str | os.PathLike, kind: str) -> Container:
     if digests is not None and not (isinstance(digests, dict) and all(isinstance(value, str) for value in digests.values())):
         raise ResultFileError(f"{path}: its 'digests' must map array names to 'sha256:<hex>'; the file was edited")
     return Container(path, header, tensors)
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a crafted file's field can be megabytes long."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def read_tensors(container: Container, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:

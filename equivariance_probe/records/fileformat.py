@@ -36,7 +36,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,16 @@ __all__ = [
     "encode_array",
     "decode_array",
     "jsonable",
+    "MAX_JSON_DEPTH",
+    "parse_json",
+    "check_depth",
+    "check_finite",
 ]
+
+#: How deeply a file's JSON may nest (objects and lists). The package writes headers a few levels deep
+#: (metadata -> study -> ...); a file nested deeper was crafted, and Python's parser and every
+#: recursive walk over it would end in a bare RecursionError (its limit is about 1000 frames).
+MAX_JSON_DEPTH = 64
 
 #: The last version written as JSON (1 and 2 are read here).
 JSON_FORMAT_VERSION = 2
@@ -122,7 +131,10 @@ def write_atomically(path: str | os.PathLike, write: Callable[[Path], None], *, 
         if size is None:  # at least what was written before the failure
             with contextlib.suppress(OSError):
                 size = temporary.stat().st_size
-        temporary.unlink(missing_ok=True)
+        # The clean-up must not replace the error it cleans up after: on a read-only file system the
+        # temporary file was never created, and removing it fails too (EROFS, not ENOENT).
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
         if isinstance(error, OSError) and not isinstance(error, EquivarianceProbeError):
             raise FileWriteError(_write_failure(path, error, size=size)) from error
         raise
@@ -186,6 +198,69 @@ def _write_failure(path: Path, error: OSError, *, size: int | None = None) -> st
 
 def _megabytes(size: int) -> str:
     return f"{size / 1e6:.2f} MB ({size} bytes)"
+
+
+def parse_json(text: str | bytes, source: str, what: str = "its JSON") -> Any:
+    """``text`` parsed as JSON (bytes must be UTF-8), nested at most :data:`MAX_JSON_DEPTH` deep.
+
+    Raises:
+        ResultFileError: naming ``source`` and ``what``: not UTF-8, not JSON, or nested too deeply.
+    """
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        data = json.loads(text)
+    except UnicodeDecodeError as error:
+        raise ResultFileError(f"{source}: {what} is not valid UTF-8 (byte {error.start}: {error.reason}); the file is "
+                              "damaged or not one of equivariance_probe; use an intact copy") from None
+    except json.JSONDecodeError as error:
+        raise ResultFileError(f"{source}: {what} is not valid JSON ({error}); truncated, corrupted or edited? "
+                              "Use an intact copy") from None
+    except RecursionError:
+        raise ResultFileError(f"{source}: {what} is nested deeper than Python's parser reads (more than "
+                              f"{MAX_JSON_DEPTH} levels are never written); the file was crafted or damaged") from None
+    check_depth(data, source, what)
+    return data
+
+
+def check_depth(data: Any, source: str, what: str = "its JSON", limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse JSON data nested more than ``limit`` levels (walked without recursion, so that any depth is refused
+    by name rather than by a RecursionError).
+
+    Raises:
+        ResultFileError: naming ``source``, ``what``, the depth reached and the limit.
+    """
+    level = [data] if isinstance(data, (dict, list)) else []
+    depth = 0
+    while level:  # one level at a time, containers only: a header's thousands of numbers are never pushed
+        depth += 1
+        if depth > limit:
+            raise ResultFileError(f"{source}: {what} is nested more than {limit} levels deep (the package writes a "
+                                  "few); the file was crafted or damaged: use an intact copy")
+        level = [item for value in level for item in (value.values() if isinstance(value, dict) else value)
+                 if isinstance(item, (dict, list))]
+
+
+def check_finite(tensors: Mapping[str, np.ndarray], source: str | os.PathLike, names: Iterable[str] | None = None) -> None:
+    """Refuse float arrays holding NaN or infinity: sums the package writes are finite, so such a value comes
+    from a broken run or an edited file, and a number computed from it would look like any other.
+
+    Raises:
+        ResultFileError: naming ``source``, every such array, and how many values of each are not finite.
+    """
+    bad = []
+    for name in (tensors if names is None else names):
+        array = tensors[name]
+        if array.dtype.kind == "f":
+            count = int(array.size - np.count_nonzero(np.isfinite(array)))
+            if count:
+                bad.append(f"{name!r} ({count} of {array.size})")
+    if bad:
+        raise ResultFileError(
+            f"{source}: non-finite values (NaN or infinity) in the array{'s' if len(bad) > 1 else ''} {', '.join(bad)}; "
+            "the sums a run writes are finite, so the file comes from a broken run or was edited (its digests were "
+            "recomputed): use an intact copy, or run again"
+        )
 
 
 def checksum(statistics: dict[str, Any]) -> str:
@@ -328,6 +403,7 @@ def read_json_result(data: dict[str, Any], source: str = "result") -> tuple[dict
             if tuple(array.shape) != shape:
                 raise ResultFileError(f"{source}: array {name!r} has shape {tuple(array.shape)}, expected {shape}")
             arrays[name] = array
+        check_finite({name: array.numpy() for name, array in arrays.items()}, source)
         sample = stats_data.get("sample")
         if sample is not None:
             columns = {c: decode_array(v).numpy() for c, v in sample["columns"].items()}

@@ -40,7 +40,6 @@ them.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,9 +51,9 @@ import torch
 from ..errors import ResultFileError, is_integer
 from ..statistics import AttentionStatistics, EntrySample
 from ..statistics.sample import COLUMNS as SAMPLE_COLUMNS
-from .container import Container, file_kind, read_container, read_tensors, tensor_checksum, write_container
+from .container import Container, check_finite, file_kind, read_container, read_tensors, tensor_checksum, write_container
 from .layouts import current_layout
-from .fileformat import NEWEST_FORMAT_VERSION, RESULT_KIND, check_config, check_version, jsonable, read_json_result, require
+from .fileformat import NEWEST_FORMAT_VERSION, RESULT_KIND, check_config, check_version, jsonable, parse_json, read_json_result, require
 
 __all__ = [
     "FORMAT_VERSION",
@@ -178,6 +177,8 @@ class ResultFile:
                 f"{self.path}: the checksum does not match the arrays (the numbers were changed or corrupted after "
                 "saving); use an intact copy"
             )
+        # A file whose digests were recomputed after its numbers were changed passes both checks above.
+        check_finite(tensors, self.path)
         sample = None
         sample_size = self._container.header["statistics"]["sample_size"]
         if sample_size is not None:
@@ -220,6 +221,7 @@ def open_result_file(path: str | os.PathLike) -> ResultFile:
     require(isinstance(header.get("checksum"), str) and header["checksum"].startswith("sha256:"), source,
              "'checksum' must be 'sha256:<hex>'")
     require(isinstance(header.get("metadata"), dict), source, "'metadata' must be an object")
+    check_metadata(header["metadata"], source)
     require(isinstance(header.get("summary"), dict), source, "'summary' must be an object")
     statistics = header.get("statistics")
     require(isinstance(statistics, dict), source, "'statistics' is missing or not an object")
@@ -228,10 +230,54 @@ def open_result_file(path: str | os.PathLike) -> ResultFile:
     require(sample_size is None or is_integer(sample_size, 1),
              source, "'statistics.sample_size' must be a positive integer or null")
     _check_tensors(container, statistics, source)
+    _check_summary(header["summary"], statistics, source)
     metadata = dict(header["metadata"])
     metadata["complete"] = header["complete"]
     return ResultFile(path, version, header["complete"], metadata, statistics["config"], statistics["n_windows"],
                       statistics["n_tokens"], header["summary"], _container=container)
+
+
+def check_metadata(metadata: dict[str, Any], source: str) -> None:
+    """The fields of a run's metadata that are read as objects (the model's and the study's records)."""
+    for name in ("model", "study", "windows", "engine"):
+        value = metadata.get(name)
+        require(value is None or isinstance(value, dict), source,
+                f"'metadata.{name}' must be an object, not {type(value).__name__}")
+
+
+#: The types of a number as JSON reads one back (``None``: ``null``, an undefined number).
+_NUMBER_TYPES = {int, float, type(None)}
+
+
+def _is_number(value: Any) -> bool:
+    """A number as JSON stores one (``null`` for an undefined one, which reads back as NaN)."""
+    return value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+
+
+def _check_summary(summary: dict[str, Any], statistics: dict[str, Any], source: str) -> None:
+    """The stored headline numbers that a result shows without its arrays (``repr``, ``_repr_html_``, ``show``,
+    the head ranking): each of its type and, for the head scores, of the configuration's shape."""
+    from ..maths.metrics import FORMS, SCALES
+
+    if not summary:  # a partial result of a run that stopped before any window has none
+        return
+    for name in ("most_position_bound_head", "least_position_bound_head"):
+        require(isinstance(summary.get(name), str), source, f"'summary.{name}' must be a string (a head such as 'L0H1')")
+    require(is_integer(summary.get("floored_entries"), 0), source, "'summary.floored_entries' must be a non-negative integer")
+    table = summary.get("query_position_r2")
+    require(isinstance(table, dict) and all(isinstance(table.get(s), dict) and all(_is_number(table[s].get(f)) for f in FORMS)
+                                            for s in SCALES), source,
+            f"'summary.query_position_r2' must hold a number (or null) for every scale {SCALES} and form {FORMS}")
+    scores = summary.get("head_scores")
+    if scores is not None:
+        config = statistics["config"]
+        shape = (config["n_layers"], config["n_heads"])
+        require(isinstance(scores, dict) and all(
+            isinstance(rows, list) and len(rows) == shape[0]
+            and all(isinstance(row, list) and len(row) == shape[1] for row in rows)
+            and {type(value) for row in rows for value in row} <= _NUMBER_TYPES
+            for rows in scores.values()), source,
+            f"'summary.head_scores' must map each score to a [layer][head] list of numbers of shape {list(shape)}")
 
 
 def _check_tensors(container: Container, statistics: dict[str, Any], source: str) -> None:
@@ -285,12 +331,13 @@ def _check_group_tensors(container: Container, statistics: dict[str, Any], sourc
 
 def _open_json(path: Path) -> ResultFile:
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except json.JSONDecodeError as error:
-        raise ResultFileError(f"{path} is not valid JSON (truncated or corrupted?): {error}") from error
+        raw = path.read_bytes()
+    except OSError as error:
+        raise ResultFileError(f"cannot read {str(path)!r}: {error.strerror or error}") from None
+    data = parse_json(raw, str(path))
     version = data.get("format_version") if isinstance(data, dict) else None
     data, statistics = read_json_result(data, source=str(path))
+    check_metadata(data.get("metadata", {}), str(path))
     metadata = dict(data.get("metadata", {}))
     metadata["complete"] = data["complete"]
     return ResultFile(path, version, data["complete"], metadata, statistics.config(),

@@ -38,15 +38,16 @@ import json
 import os
 import re
 import socket
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, check_integer, option
+from ..errors import CheckpointError, EmptyCorpusError, EquivarianceProbeError, FileWriteError, ResultFileError, check_integer, option
 from ..probe import MeasurementOptions, counted, progress_bar
-from ..records.fileformat import make_folder, write_json_atomically
+from ..records.fileformat import make_folder, parse_json, write_json_atomically
 from ..records.provenance import config_fingerprint
 from ..records.result_file import RESULT_SUFFIX
 from ..result import ProbeResult
@@ -104,9 +105,20 @@ def clear_checkpoint(folder: str | os.PathLike) -> None:
         folder.rmdir()
 
 
+#: Output folders whose lock this process holds (resolved path -> how many holders): an entry point that writes
+#: a folder takes its lock, and one called inside another (the command line's ``run`` saving a study) holds it
+#: again rather than refusing its own process (``flock`` locks of two descriptors exclude each other even there).
+_HELD_HERE: dict[Path, int] = {}
+_HELD_HERE_GUARD = threading.Lock()
+
+
 @contextlib.contextmanager
 def lock_output_folder(folder: str | os.PathLike) -> Iterator[Path]:
     """Hold the advisory lock of an output folder for the life of a run: one writer per folder.
+
+    Every entry point that writes an output folder takes it (the command line's commands, and from Python
+    :func:`~equivariance_probe.runs.study.run_study`'s checkpoint folder and ``Study.save``, ...); within one
+    process the lock is re-entrant, so a writer called by another writer of the same folder holds it too.
 
     ``fcntl.flock`` on ``<folder>/.equivariance-probe.lock``, which holds the holder's process id
     and host name. The kernel releases the lock when its holder exits, however it exits (SIGKILL
@@ -118,6 +130,31 @@ def lock_output_folder(folder: str | os.PathLike) -> Iterator[Path]:
     Raises:
         CheckpointError: another process holds the folder (named by its process id and host).
     """
+    key = Path(folder).resolve()
+    with _HELD_HERE_GUARD:
+        held = key in _HELD_HERE
+        if held:
+            _HELD_HERE[key] += 1
+    if held:
+        try:
+            yield Path(folder) / LOCK_FILE
+        finally:
+            with _HELD_HERE_GUARD:
+                _HELD_HERE[key] -= 1
+        return
+    with _locked(Path(folder)) as path:
+        with _HELD_HERE_GUARD:
+            _HELD_HERE[key] = 1
+        try:
+            yield path
+        finally:
+            with _HELD_HERE_GUARD:
+                del _HELD_HERE[key]
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[Path]:
+    """The ``flock`` of :func:`lock_output_folder`, taken once."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - Windows: no advisory locks of this kind
@@ -125,7 +162,11 @@ def lock_output_folder(folder: str | os.PathLike) -> Iterator[Path]:
         return
     path = Path(folder) / LOCK_FILE
     while True:
-        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise FileWriteError(f"cannot write into the output folder {str(folder)!r} (its lock file: "
+                                 f"{error.strerror or error}); write into a folder you can write to") from None
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -214,13 +255,21 @@ class CheckpointedRun:
     # -- state ------------------------------------------------------------------------
     def _restore(self, state_path: Path) -> None:
         try:
-            state = json.loads(state_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as error:
-            raise CheckpointError(f"the checkpoint {state_path} cannot be read ({error}); delete its folder and start over") from error
-        if not isinstance(state, dict) or state.get("kind") != _KIND or state.get("format_version") != _VERSION:
+            state = parse_json(state_path.read_bytes(), str(state_path))
+        except (OSError, ResultFileError) as error:
+            raise CheckpointError(f"the checkpoint {state_path} cannot be read ({error}); delete its folder and start over") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{state_path} is not a checkpoint (not a JSON object); delete its folder and start over")
+        version = state.get("format_version")
+        if state.get("kind") == _KIND and isinstance(version, int) and version > _VERSION:
+            raise CheckpointError(
+                f"{state_path} is a checkpoint of format {version}, written by a newer equivariance_probe than this one "
+                f"(format {_VERSION}); upgrade equivariance_probe to resume it, or delete its folder and start over"
+            )
+        if state.get("kind") != _KIND or version != _VERSION:
             raise CheckpointError(
                 f"{state_path} is not a checkpoint this equivariance_probe can read (kind {state.get('kind')!r}, "
-                f"format_version {state.get('format_version')!r}); delete its folder and start over"
+                f"format_version {version!r}); delete its folder and start over"
             )
         if state.get("fingerprint") != self.fingerprint:
             theirs = state.get("identity", {})

@@ -32,7 +32,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ from ..sources.corpus import load_corpus
 from ..sources.devices import parse_dtype, resolve_device
 from ..sources.models import load_config, load_model, load_tokenizer
 from ..sources.resources import MemoryEstimate, PeakMemory, check_fits, estimate_memory_of, model_size
+from .checkpoint import lock_output_folder
 from .study import Study, check_baselines, run_study
 
 __all__ = [
@@ -58,7 +59,7 @@ __all__ = [
     "DEFAULT_COMPARE_MODELS",
     "DEFAULT_COMPARISON",
     "COMPARISON_MEASUREMENT",
-    "model_folder",
+    "model_folders",
 ]
 
 #: The packaged models (:data:`equivariance_probe.sources.registry.REGISTRY`), smallest context first.
@@ -198,36 +199,60 @@ class Comparison:
         """Write ``comparison.md``, ``comparison.csv``, ``comparison.json``, and each model's study
         (:meth:`Study.save`) under ``models/<model>/``; the figure is drawn by the display layer."""
         folder = Path(folder)
-        make_folder(folder)
-        rows = self.rows()
-        paths = {"csv": folder / "comparison.csv", "json": folder / "comparison.json",
-                 "markdown": folder / "comparison.md"}
-        write_text_atomically(paths["csv"], csv_text(rows))
-        costs = {label: {"seconds": c.seconds, "load_seconds": c.load_seconds, "peak_bytes": c.peak_bytes,
-                         "peak_method": c.peak_method, "estimate": c.estimate.describe()}
-                 for label, c in self.costs.items()}
-        write_text_atomically(paths["json"], json.dumps({"config": self.config, "rows": rows, "costs": costs}, indent=2) + "\n")
-        method = next(iter(self.costs.values())).peak_method if self.costs else ""
-        write_text_atomically(
-            paths["markdown"],
-            "# Equivariance probe: comparison across models\n\n"
-            f"{self.config.get('windows_description', '')}\n\n"
-            "QPVE: query-position R² over every visible entry (log scale: y = log max(a, eps)). "
-            "P(dt): R² of each fit to the persistence curve. Toeplitz: mean over windows and heads of "
-            "the per-window Toeplitz R². Brackets: 95 % intervals over windows (delete-a-group jackknife); "
-            "trained − baseline: the difference over the same windows, in the baseline's column. "
-            "Cost: windows per minute of each variant (building the "
-            f"baseline included) and the model's peak resident memory ({method}).\n\n"
-            f"{self.table()}\n\nConfiguration: `{json.dumps(self.config.get('arguments', {}))}`\n",
-        )
-        for label, study in self.studies.items():
-            study.save(folder / "models" / model_folder(label))
-        return paths
+        with lock_output_folder(make_folder(folder)):
+            rows = self.rows()
+            paths = {"csv": folder / "comparison.csv", "json": folder / "comparison.json",
+                     "markdown": folder / "comparison.md"}
+            write_text_atomically(paths["csv"], csv_text(rows))
+            costs = {label: {"seconds": c.seconds, "load_seconds": c.load_seconds, "peak_bytes": c.peak_bytes,
+                             "peak_method": c.peak_method, "estimate": c.estimate.describe()}
+                     for label, c in self.costs.items()}
+            folders = model_folders(self.studies)
+            write_text_atomically(paths["json"], json.dumps({"config": self.config, "rows": rows, "costs": costs,
+                                                             "folders": folders}, indent=2) + "\n")
+            method = next(iter(self.costs.values())).peak_method if self.costs else ""
+            write_text_atomically(
+                paths["markdown"],
+                "# Equivariance probe: comparison across models\n\n"
+                f"{self.config.get('windows_description', '')}\n\n"
+                "QPVE: query-position R² over every visible entry (log scale: y = log max(a, eps)). "
+                "P(dt): R² of each fit to the persistence curve. Toeplitz: mean over windows and heads of "
+                "the per-window Toeplitz R². Brackets: 95 % intervals over windows (delete-a-group jackknife); "
+                "trained − baseline: the difference over the same windows, in the baseline's column. "
+                "Cost: windows per minute of each variant (building the "
+                f"baseline included) and the model's peak resident memory ({method}).\n\n"
+                f"{self.table()}\n\nConfiguration: `{json.dumps(self.config.get('arguments', {}))}`\n",
+            )
+            for label, study in self.studies.items():
+                study.save(folder / "models" / folders[label])
+            return paths
 
 
-def model_folder(label: str) -> str:
-    """The folder of a model's study in a saved comparison (``models/<folder>/``): its label, safe as a file name."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("_") or "model"
+def model_folders(labels: Iterable[str]) -> dict[str, str]:
+    """The folder of each model's study in a saved comparison (``models/<folder>/``): its label, safe as one file
+    name, and unique.
+
+    A label is the user's (a path, a hub name): every character but letters, digits, ``.``, ``_`` and ``-``
+    becomes ``_``, and leading and trailing ``_`` and ``.`` go, so no folder is ``.``, ``..`` or hidden and none
+    leaves ``models/``. Two labels that come out the same (``org/model`` and ``org_model``; or differing only in
+    case, one folder on macOS and Windows) are told apart by ``-2``, ``-3``, ... in the order given; the mapping
+    is recorded in ``comparison.json`` under ``"folders"``.
+
+    Example:
+        >>> model_folders(["org/model", "org_model", ".."])
+        {'org/model': 'org_model', 'org_model': 'org_model-2', '..': 'model'}
+    """
+    folders: dict[str, str] = {}
+    used: set[str] = set()
+    for label in labels:
+        base = re.sub(r"[^A-Za-z0-9._-]+", "_", str(label)).strip("_.") or "model"
+        name, number = base, 1
+        while name.lower() in used:
+            number += 1
+            name = f"{base}-{number}"
+        used.add(name.lower())
+        folders[label] = name
+    return folders
 
 
 # ----------------------------------------------------------------------------- windows

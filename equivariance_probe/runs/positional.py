@@ -60,9 +60,9 @@ from ..analyses.positional import (
     positional_logits,
     score_profile,
 )
-from ..errors import InputError, ResultFileError
+from ..errors import InputError, ResultFileError, is_integer
 from ..records.container import file_kind, read_container, read_tensors, tensor_checksum, write_container
-from ..records.fileformat import check_version
+from ..records.fileformat import parse_json
 from ..sources.baselines import random_init_like
 from ..sources.corpus import load_corpus
 from ..probe import EquivarianceProbe, MeasurementOptions
@@ -79,6 +79,9 @@ POSITIONAL_KIND = "equivariance_probe.PositionalStudy"
 POSITIONAL_FORMAT_VERSION = 2
 #: What version-1 JSON files call their format and version.
 _JSON_FORMAT, _JSON_VERSION = "equivariance_probe.positional", 1
+#: Every part a study may hold (an analysis, or its baseline's).
+_PART_NAMES = ("gram", "attention_toeplitz", "positional_logits", "tisa", "permutation", "shrinkage",
+               "shrinkage_baseline", "correlation", "correlation_baseline")
 #: A JSON value that stands for a tensor of the file (``{"tensor": name}``).
 _TENSOR = "tensor"
 
@@ -253,8 +256,8 @@ class PositionalStudy:
         path = Path(path)
         if file_kind(path) == "json":
             try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, json.JSONDecodeError) as error:
+                data = parse_json(path.read_bytes(), str(path))
+            except OSError as error:
                 raise ResultFileError(f"cannot read positional results {str(path)!r}: {error}") from None
             if not isinstance(data, dict) or data.get("format") != _JSON_FORMAT or data.get("version") != _JSON_VERSION:
                 raise ResultFileError(
@@ -262,21 +265,45 @@ class PositionalStudy:
                     f"version={data.get('version') if isinstance(data, dict) else None!r}); write it with "
                     "'equivariance-probe positional'"
                 )
-            return cls._from_parts(data["parts"], data.get("skipped", {}), data.get("metadata", {}))
+            return cls._checked_parts(path, data, data.get("parts"))
         container = read_container(path, POSITIONAL_KIND)
         header = container.header
-        check_version(header.get("format_version"), str(path))
-        if header.get("format_version") != POSITIONAL_FORMAT_VERSION or not isinstance(header.get("parts"), dict):
+        version = header.get("format_version")
+        if is_integer(version, 1) and version > POSITIONAL_FORMAT_VERSION:
+            raise ResultFileError(f"{path} is a positional study of format {version}, newer than this equivariance_probe "
+                                  f"reads ({POSITIONAL_FORMAT_VERSION}); upgrade equivariance_probe (pip install -U "
+                                  "equivariance_probe) to read it")
+        if version != POSITIONAL_FORMAT_VERSION or not isinstance(header.get("parts"), dict):
             raise ResultFileError(f"{path}: a positional study must have format_version {POSITIONAL_FORMAT_VERSION} and "
                                   "'parts'; the file is malformed (was it edited?)")
         tensors = read_tensors(container)  # each array checked against its digest
         if tensor_checksum(tensors) != header.get("checksum"):
             raise ResultFileError(f"{path}: the checksum does not match the arrays (changed or corrupted after saving)")
-        try:
-            parts = _tensors_to_arrays(header["parts"], tensors)
-            return cls._from_parts(parts, header.get("skipped", {}), header.get("metadata", {}))
-        except (KeyError, TypeError, ValueError) as error:
-            raise ResultFileError(f"{path} is missing or has a malformed field: {error!r}") from None
+        missing = sorted({name for name in _tensor_names(header["parts"]) if name not in tensors})
+        if missing:
+            raise ResultFileError(f"{path}: 'parts' names arrays the file does not hold: {missing}; the file was edited")
+        return cls._checked_parts(path, header, _tensors_to_arrays(header["parts"], tensors))
+
+    @classmethod
+    def _checked_parts(cls, path: Path, data: dict[str, Any], parts: Any) -> PositionalStudy:
+        """The study of a file's parsed ``parts``, every part known and complete, or the part named."""
+        if not isinstance(parts, dict):
+            raise ResultFileError(f"{path}: 'parts' is missing or not an object; the file is malformed (was it edited?)")
+        unknown = sorted(set(parts) - set(_PART_NAMES))
+        if unknown:
+            raise ResultFileError(f"{path}: unknown part{'s' if len(unknown) > 1 else ''} {unknown}; a positional study "
+                                  f"holds {list(_PART_NAMES)}. Written by a newer equivariance_probe? Upgrade it to read "
+                                  "the file")
+        for name in ("skipped", "metadata"):
+            if not isinstance(data.get(name, {}), dict):
+                raise ResultFileError(f"{path}: {name!r} must be an object, not {type(data[name]).__name__}")
+        for name, value in parts.items():
+            try:
+                cls._from_parts({name: value}, {}, {})
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+                raise ResultFileError(f"{path}: the part {name!r} is missing a field or has a malformed one ({error!r}); "
+                                      "the file was edited or damaged") from None
+        return cls._from_parts(parts, data.get("skipped", {}), data.get("metadata", {}))
 
 
 def _arrays_to_tensors(value: Any, name: str, tensors: dict[str, np.ndarray]) -> Any:
@@ -294,6 +321,21 @@ def _arrays_to_tensors(value: Any, name: str, tensors: dict[str, np.ndarray]) ->
             return {_TENSOR: name}
         return [_arrays_to_tensors(item, f"{name}/{index}", tensors) for index, item in enumerate(value)]
     return value
+
+
+def _tensor_names(value: Any) -> set[str]:
+    """Every tensor name that ``{"tensor": name}`` values inside ``value`` refer to."""
+    names, stack = set(), [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            if set(item) == {_TENSOR}:
+                names.add(str(item[_TENSOR]))
+            else:
+                stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return names
 
 
 def _tensors_to_arrays(value: Any, tensors: dict[str, np.ndarray]) -> Any:

@@ -67,6 +67,7 @@ from ..sources.models import load_config, load_model, load_tokenizer
 from ..sources.packing import PackedWindows, document_separator, pack_stream, special_prefix, token_stream
 from ..sources.resources import MemoryEstimate, ModelSize, check_fits, estimate_memory_of, model_size
 from ..statistics.masks import LAYER_GROUPS  # the groups in table order (ProbeResult.layer_groups)
+from .checkpoint import lock_output_folder
 from .study import check_baselines, result_filename, variant_builders
 from ..records.fileformat import make_folder, write_text_atomically
 from .tables import csv_text, interval_bounds, markdown_table, row_cell, summary_value
@@ -280,34 +281,34 @@ class ContextScan:
         (``T<length>/results.safetensors``, ``T<length>/baseline_<name>.safetensors``); the figure
         is drawn by the display layer (:func:`~equivariance_probe.display.scan.save_scan`)."""
         folder = Path(folder)
-        make_folder(folder)
-        for length, variants in self.results.items():
-            for variant, result in variants.items():
-                path = folder / length_folder(length) / result_filename(variant)
-                if not path.is_file():
-                    make_folder(path.parent)
-                    result.save(path)
-        rows = self.rows()
-        paths = {"csv": folder / "scan.csv", "json": folder / "scan.json", "markdown": folder / "scan.md"}
-        write_text_atomically(paths["csv"], csv_text(rows))
-        document = {"config": self.config, "rows": rows, "windows": {str(t): w for t, w in self.windows.items()},
-                    "estimates": {str(t): e.describe() for t, e in self.estimates.items()},
-                    "timings": {str(t): v for t, v in self.timings.items()},
-                    "reused": {str(t): v for t, v in self.reused.items()}}
-        write_text_atomically(paths["json"], json.dumps(document, indent=1, allow_nan=False, default=_json_number) + "\n")
-        write_text_atomically(
-            paths["markdown"],
-            f"# Equivariance probe: context-length scan of {self.config.get('model')}\n\n"
-            f"{self.config.get('text_description', '')}\n\n"
-            "QPVE: query-position R² over every visible entry of the layers in the group (log scale: "
-            "y = log max(a, eps)). P(dt): R² of each fit to the group's persistence curve. Layer groups are "
-            "the model's declared kinds (sliding-window and global layers), whatever T.\n\n"
-            f"{self.table()}\n\n"
-            "Differences with their 95 % intervals, paired span by span (the delete-a-group jackknife deletes "
-            "the same text at both lengths, or in both variants):\n\n"
-            f"{self.difference_table()}\n\nConfiguration: `{json.dumps(self.config.get('arguments', {}))}`\n",
-        )
-        return paths
+        with lock_output_folder(make_folder(folder)):
+            for length, variants in self.results.items():
+                for variant, result in variants.items():
+                    path = folder / length_folder(length) / result_filename(variant)
+                    if not path.is_file():
+                        make_folder(path.parent)
+                        result.save(path)
+            rows = self.rows()
+            paths = {"csv": folder / "scan.csv", "json": folder / "scan.json", "markdown": folder / "scan.md"}
+            write_text_atomically(paths["csv"], csv_text(rows))
+            document = {"config": self.config, "rows": rows, "windows": {str(t): w for t, w in self.windows.items()},
+                        "estimates": {str(t): e.describe() for t, e in self.estimates.items()},
+                        "timings": {str(t): v for t, v in self.timings.items()},
+                        "reused": {str(t): v for t, v in self.reused.items()}}
+            write_text_atomically(paths["json"], json.dumps(document, indent=1, allow_nan=False, default=_json_number) + "\n")
+            write_text_atomically(
+                paths["markdown"],
+                f"# Equivariance probe: context-length scan of {self.config.get('model')}\n\n"
+                f"{self.config.get('text_description', '')}\n\n"
+                "QPVE: query-position R² over every visible entry of the layers in the group (log scale: "
+                "y = log max(a, eps)). P(dt): R² of each fit to the group's persistence curve. Layer groups are "
+                "the model's declared kinds (sliding-window and global layers), whatever T.\n\n"
+                f"{self.table()}\n\n"
+                "Differences with their 95 % intervals, paired span by span (the delete-a-group jackknife deletes "
+                "the same text at both lengths, or in both variants):\n\n"
+                f"{self.difference_table()}\n\nConfiguration: `{json.dumps(self.config.get('arguments', {}))}`\n",
+            )
+            return paths
 
 
 

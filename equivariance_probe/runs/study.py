@@ -11,6 +11,7 @@ figures are drawn by :mod:`~equivariance_probe.display` from the :class:`Study` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -32,7 +33,7 @@ from ..sources.corpus import load_corpus
 from ..sources.devices import parse_dtype, resolve_device
 from ..sources.models import load_model
 from ..sources.packing import pack_documents
-from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun
+from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun, lock_output_folder
 
 __all__ = ["Study", "run_study", "result_filename", "load_study_baselines", "BASELINES", "DEFAULT_STUDY",
            "STUDY_MEASUREMENT"]
@@ -107,9 +108,17 @@ class Study:
 
     def save(self, folder: str | os.PathLike) -> dict[str, Path]:
         """Write ``results.safetensors`` (trained) and ``baseline_<name>.safetensors`` (result files,
-        :meth:`ProbeResult.save`), plus ``summary.md``."""
+        :meth:`ProbeResult.save`), plus ``summary.md``, holding the folder's lock while it writes.
+
+        Raises:
+            CheckpointError: another process holds the folder (see
+                :func:`~equivariance_probe.runs.checkpoint.lock_output_folder`).
+        """
         folder = Path(folder)
-        make_folder(folder)
+        with lock_output_folder(make_folder(folder)):
+            return self._save(folder)
+
+    def _save(self, folder: Path) -> dict[str, Path]:
         paths = {}
         for name, result in self.results.items():
             filename = result_filename(name)
@@ -264,66 +273,71 @@ def run_study(
         options = options.replace(context_length=STUDY_MEASUREMENT.context_length)
     context_length = options.context_length
     check_baselines(baselines)
-    timings: dict[str, float] = {}
-    shard = Shard.parse(shard) if isinstance(shard, str) else shard
-    start = time.perf_counter()
-    all_docs = load_corpus(corpus, n_docs=n_docs)
-    corpus_identity = corpus_fingerprint(all_docs)
-    timings["load_corpus"] = time.perf_counter() - start
-    start = time.perf_counter()
-    if loaded is not None:
-        network, tokenizer = loaded
-    else:
-        network, tokenizer = load_model(model, backend, cache_dir=cache_dir, device=resolve_device(device),
-                                        dtype=parse_dtype(dtype), attn_implementation=attn_implementation)
-    timings["load_model"] = time.perf_counter() - start
-    # Packed, the units of shards and checkpoints are the windows (the documents fill them unevenly).
-    units = pack_documents(all_docs, tokenizer, context_length) if pack else all_docs
-    docs = units[slice(*shard.bounds(len(units)))] if shard is not None else units
-    config = {
-        "model": str(model),
-        # Where the documents came from, so that a report can reload one to view heads.
-        "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
-        "backend": backend,
-        "n_docs": len(all_docs),
-        "context_length": context_length,
-        "batch_size": options.batch_size,
-        "exclude_keys": list(options.exclude_keys),
-        "seed": seed,
-        "baselines": list(baselines),
-        "sample_size": options.sample_size,
-        "keep_pattern": bool(options.keep_pattern),
-        "checkpoint_every": checkpoint_every if checkpoint_dir is not None else None,
-        "attn_implementation": attn_implementation if loaded is None else None,
-        "interval_groups": options.interval_groups,
-    }
-    if pack:  # only then, so that the fingerprints of unpacked studies stay what they were
-        config["pack"] = True
-    identity = {"model": model_identity(network), "corpus": corpus_identity,
-                "config": {**config, "shard": None if shard is None else str(shard)}}
-    # What the numbers depend on (not batch size, sample size or checkpoints): results that differ
-    # in it never merge.
-    measured = {k: config[k] for k in ("backend", "context_length", "exclude_keys", "seed", "pack") if k in config}
-    provenance = {"model": identity["model"], "corpus": corpus_identity, "config_sha256": config_fingerprint(measured)}
-    runner = CheckpointedRun(checkpoint_dir, every=config["checkpoint_every"], identity=identity, resume=resume)
-    if shard is not None:
-        config["shard"] = str(shard)
-    results: dict[str, ProbeResult] = {}
-    for index, (name, build) in enumerate(variant_builders(network, baselines, seed)):
+    # The lock belongs to whoever writes the folder: a Python caller holds the checkpoint folder's as the
+    # command line holds its output folder's, taken before the corpus and the model are loaded.
+    with contextlib.ExitStack() as held:
+        if checkpoint_dir is not None:
+            held.enter_context(lock_output_folder(make_folder(checkpoint_dir)))
+        timings: dict[str, float] = {}
+        shard = Shard.parse(shard) if isinstance(shard, str) else shard
         start = time.perf_counter()
-        metadata = {"label": name, "study": config, "provenance": provenance}
+        all_docs = load_corpus(corpus, n_docs=n_docs)
+        corpus_identity = corpus_fingerprint(all_docs)
+        timings["load_corpus"] = time.perf_counter() - start
+        start = time.perf_counter()
+        if loaded is not None:
+            network, tokenizer = loaded
+        else:
+            network, tokenizer = load_model(model, backend, cache_dir=cache_dir, device=resolve_device(device),
+                                            dtype=parse_dtype(dtype), attn_implementation=attn_implementation)
+        timings["load_model"] = time.perf_counter() - start
+        # Packed, the units of shards and checkpoints are the windows (the documents fill them unevenly).
+        units = pack_documents(all_docs, tokenizer, context_length) if pack else all_docs
+        docs = units[slice(*shard.bounds(len(units)))] if shard is not None else units
+        config = {
+            "model": str(model),
+            # Where the documents came from, so that a report can reload one to view heads.
+            "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
+            "backend": backend,
+            "n_docs": len(all_docs),
+            "context_length": context_length,
+            "batch_size": options.batch_size,
+            "exclude_keys": list(options.exclude_keys),
+            "seed": seed,
+            "baselines": list(baselines),
+            "sample_size": options.sample_size,
+            "keep_pattern": bool(options.keep_pattern),
+            "checkpoint_every": checkpoint_every if checkpoint_dir is not None else None,
+            "attn_implementation": attn_implementation if loaded is None else None,
+            "interval_groups": options.interval_groups,
+        }
+        if pack:  # only then, so that the fingerprints of unpacked studies stay what they were
+            config["pack"] = True
+        identity = {"model": model_identity(network), "corpus": corpus_identity,
+                    "config": {**config, "shard": None if shard is None else str(shard)}}
+        # What the numbers depend on (not batch size, sample size or checkpoints): results that differ
+        # in it never merge.
+        measured = {k: config[k] for k in ("backend", "context_length", "exclude_keys", "seed", "pack") if k in config}
+        provenance = {"model": identity["model"], "corpus": corpus_identity, "config_sha256": config_fingerprint(measured)}
+        runner = CheckpointedRun(checkpoint_dir, every=config["checkpoint_every"], identity=identity, resume=resume)
         if shard is not None:
-            metadata["shards"] = shard_metadata(shard, len(units), corpus_identity["sha256"])
-        if pack:  # the whole run's windows (each checkpoint chunk records only its own)
-            metadata["windows"] = docs.describe()
-        results[name] = runner.run_variant(
-            name,
-            lambda build=build: EquivarianceProbe(build(), tokenizer=tokenizer),
-            docs,
-            seed_parts=(seed, index, 0 if shard is None else shard.index + 1),
-            metadata=metadata,
-            options=options,
-            progress=progress,
-        )
-        timings[name] = time.perf_counter() - start
-    return Study(results, config, timings, checkpoint=runner)
+            config["shard"] = str(shard)
+        results: dict[str, ProbeResult] = {}
+        for index, (name, build) in enumerate(variant_builders(network, baselines, seed)):
+            start = time.perf_counter()
+            metadata = {"label": name, "study": config, "provenance": provenance}
+            if shard is not None:
+                metadata["shards"] = shard_metadata(shard, len(units), corpus_identity["sha256"])
+            if pack:  # the whole run's windows (each checkpoint chunk records only its own)
+                metadata["windows"] = docs.describe()
+            results[name] = runner.run_variant(
+                name,
+                lambda build=build: EquivarianceProbe(build(), tokenizer=tokenizer),
+                docs,
+                seed_parts=(seed, index, 0 if shard is None else shard.index + 1),
+                metadata=metadata,
+                options=options,
+                progress=progress,
+            )
+            timings[name] = time.perf_counter() - start
+        return Study(results, config, timings, checkpoint=runner)

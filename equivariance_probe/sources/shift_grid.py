@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ContextLengthError, EmptyCorpusError, InputError, check_choice, option
+from ..errors import ContextLengthError, EmptyCorpusError, InputError, check_choice, check_integer, option
 from .packing import special_prefix
 
 __all__ = ["SHIFT_MODES", "ShiftGrid", "shift_grid", "check_shift_options", "default_offsets", "split_documents",
@@ -111,13 +111,38 @@ def default_offsets(max_context: int | None, prefix_length: int, segment_length:
     return tuple(sorted(offsets))
 
 
+def check_offsets(offsets: Any) -> tuple[int, ...]:
+    """The distinct offsets, sorted, each checked as the user typed it: an integer of at least 0 (``2.5`` is
+    not run as 2, nor ``True`` as 1, nor ``"4"`` as 4).
+
+    Raises:
+        InputError: naming the first offset that is not a non-negative integer, or offsets that are not a sequence.
+    """
+    if isinstance(offsets, (str, bytes)) or not isinstance(offsets, Iterable):
+        raise InputError(f"offsets={offsets!r} must be a list of non-negative integers; pass e.g. "
+                         f"{option('offsets', [0, 256, 512])}")
+    offsets = list(offsets)
+    for value in offsets:
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() and value.dtype != torch.bool:
+            continue
+        check_integer("offsets", value, minimum=0, message=(
+            f"offsets must be non-negative integers; {value!r} is not one (of {offsets!r}): pass whole numbers of "
+            f"tokens, e.g. {option('offsets', [0, 256, 512])}"))
+    return tuple(sorted({int(s) for s in offsets}))
+
+
 def _ids(item: Any, tokenizer: Any, what: str) -> list[int]:
     if isinstance(item, str):
         if tokenizer is None:
             raise InputError(f"{what} are strings but the model has no tokenizer; pass token ids (lists of ints)")
         return list(tokenizer(item, add_special_tokens=False)["input_ids"])
     if isinstance(item, torch.Tensor):
-        return [int(t) for t in item.reshape(-1).tolist()]
+        if item.is_floating_point() or item.is_complex() or item.dtype == torch.bool:
+            raise InputError(f"{what} hold token ids as a {item.dtype} tensor; token ids are integers (a float id "
+                             "would be truncated): convert with .long() where the values are whole numbers")
+        if item.dim() > 1:
+            raise InputError(f"each of the {what} must be a 1-D tensor of token ids, got shape {tuple(item.shape)}")
+        return item.tolist()
     if isinstance(item, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in item):
         return list(item)
     raise InputError(f"each of the {what} must be a string or a list/1-D tensor of token ids, got {type(item).__name__}")
@@ -179,8 +204,8 @@ def check_shift_options(*, offsets: Sequence[int] | None, segment_length: int, m
                          f"sits, got {n_contexts}; pass {option('n_contexts', 4)}, or {option('mode', 'position_ids')}")
     if offsets is None:
         return None
-    unique = tuple(sorted({int(s) for s in offsets}))
-    if len(unique) < 2 or unique[0] < 0:
+    unique = check_offsets(offsets)
+    if len(unique) < 2:
         raise InputError(f"offsets={list(unique)} must hold at least two distinct non-negative offsets: with one there "
                          f"is nothing to compare; pass more through {option('offsets')}, e.g. 0, 256 and 512")
     return unique
@@ -208,6 +233,9 @@ def shift_grid(segments: Iterable[Any], contexts: Iterable[Any] | None, tokenize
             than the largest offset.
     """
     offsets = check_shift_options(offsets=offsets, segment_length=segment_length, mode=mode)
+    for what, items in (("segments", segments), ("contexts", contexts)):
+        if isinstance(items, (str, bytes)):  # iterating a string would move each of its characters
+            raise InputError(f"{what} must be a list of texts or token-id lists, not one string; pass {what}=[{items[:20]!r}, ...]")
     prefix = special_prefix(tokenizer) if tokenizer is not None else ()
     segment_ids = []
     for index, segment in enumerate(segments):
