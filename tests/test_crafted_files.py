@@ -37,7 +37,7 @@ def result_path(tmp_path_factory):
 def _shift_result(path, config=None):
     """A shift result with known sums: the offset's share of the centred logits is 0.012 in every cell."""
     config = config or ShiftConfig(n_layers=2, n_heads=2, offsets=(0, 8, 16), n_contexts=3, segment_length=4,
-                                   interval_groups=2, sliding_windows=(None, None))
+                                   interval_groups=2, sliding_windows=(None, None), hidden_size=4)
     statistics = ShiftStatistics(config)
     rng = np.random.default_rng(0)
     for name, array in statistics.arrays.items():

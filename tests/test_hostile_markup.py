@@ -200,7 +200,7 @@ def _shift(strings):
     from equivariance_probe.statistics.shift import ShiftConfig, ShiftStatistics
 
     config = ShiftConfig(n_layers=2, n_heads=2, offsets=(0, 8, 16), n_contexts=3, segment_length=4, interval_groups=2,
-                         sliding_windows=(None, None))
+                         sliding_windows=(None, None), hidden_size=4)
     statistics = ShiftStatistics(config)
     for name, array in statistics.arrays.items():
         array[...] = {"count": 1.0, "total": 0.0, "cell_square": 0.0, "within": 100.0}.get(name.rsplit("/", 1)[-1], 1.0)

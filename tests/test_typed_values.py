@@ -101,7 +101,7 @@ def test_the_probe_s_run_checks_token_ids_against_the_vocabulary_too(probe):
 # -- refusals that name what differs -------------------------------------------------------------------------------
 def _result(offsets=(0, 7, 30), mode="text", model="model-a", weights="a" * 64, fingerprints=(1, 2)):
     config = ShiftConfig(n_layers=1, n_heads=1, offsets=offsets, n_contexts=2 if mode == "text" else 1,
-                         segment_length=4, mode=mode, interval_groups=2, sliding_windows=(None,))
+                         segment_length=4, mode=mode, interval_groups=2, sliding_windows=(None,), hidden_size=4)
     statistics = ShiftStatistics(config)
     statistics.segment_fingerprints = np.asarray(fingerprints, dtype=np.uint64)
     return ShiftResult(statistics, {"model": {"name": model, "weights_sha256": weights}, "contexts_sha256": "c" * 64})
