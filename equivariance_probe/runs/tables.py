@@ -115,8 +115,8 @@ def _sink_value(summary: dict[str, Any], cell: Any) -> str:
 def _sink_rate_cell(summary: dict[str, Any]) -> str:
     """``0.4375 [0.4062, 0.4688]``: the sink rate with its interval where the summary stores one."""
     def cell(sinks: dict[str, Any]) -> str:
-        bounds = sinks.get("rate_interval")
-        return _number(sinks["rate"]) if not bounds else format_interval(sinks["rate"], *bounds)
+        bounds = sinks.get("rate_interval")  # a list, or None (NaN once loaded: how JSON holds it) without intervals
+        return format_interval(sinks["rate"], *bounds) if isinstance(bounds, list) else _number(sinks["rate"])
 
     return _sink_value(summary, cell)
 
