@@ -213,14 +213,19 @@ def heatmaps_figure(result: ProbeResult) -> Figure:
     n_layers, n_heads = result.n_layers, result.n_heads
     fig, axes = plt.subplots(1, len(panels), figsize=(3 + 2.2 * len(panels) * max(n_heads, 4) / 4, 1.5 + 0.25 * n_layers), squeeze=False)
     for ax, (title, values) in zip(axes[0], panels.items()):
-        image = ax.imshow(values, vmin=0, vmax=1, cmap="magma", aspect="auto")
-        _axes_title(ax, title, fontsize=9)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        fig.colorbar(image, ax=ax)
+        _head_panel(fig, ax, values, title, "magma")
     figure_title(fig, f"Per-head scores: {_label(result)}")
     fig.tight_layout()
     return fig
+
+
+def _head_panel(fig: Any, ax: Any, values: np.ndarray, title: str, cmap: str) -> None:
+    """One ``[layer, head]`` heat map on the scale ``[0, 1]``, titled, with its colour bar."""
+    image = ax.imshow(values, vmin=0, vmax=1, cmap=cmap, aspect="auto")
+    _axes_title(ax, title, fontsize=9)
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    fig.colorbar(image, ax=ax)
 
 
 def first_token_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
@@ -233,11 +238,8 @@ def first_token_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
     width = 2.2 + 2.4 * max(n_heads, 4) / 4
     fig, axes = plt.subplots(1, len(results), figsize=(width * len(results), 1.8 + 0.25 * n_layers), squeeze=False)
     for ax, (label, result) in zip(axes[0], results.items()):
-        image = ax.imshow(result.first_token_weight("head"), vmin=0, vmax=1, cmap="viridis", aspect="auto")
-        _axes_title(ax, f"{label}: sink rate {result.sink_rate():.1%} (α₁ > 0.3)", fontsize=9)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        fig.colorbar(image, ax=ax)
+        _head_panel(fig, ax, result.first_token_weight("head"), f"{label}: sink rate {result.sink_rate():.1%} (α₁ > 0.3)",
+                    "viridis")
     figure_title(fig, f"Mean attention weight α₁ on the first token ({first.first_token}), per head")
     fig.tight_layout()
     return fig
