@@ -40,7 +40,7 @@ from .maths.intervals import Interval, check_level, is_undefined, jackknife_inte
 from .maths.persistence import PersistenceCurves, lag_curves, persistence_curves
 from .records.result_file import FORMAT_VERSION, ResultFile, open_result_file, write_result_file
 from .records.sharding import merged_provenance
-from .sources.packing import merged_windows_record
+from .sources.packing import merged_first_token, merged_windows_record
 from .sources.registry import display_name
 from .statistics import AttentionStatistics
 from .statistics.masks import key_bin_edges, lag_values, layer_groups
@@ -629,6 +629,8 @@ class ProbeResult:
         metadata["merged_from"] = [self.metadata.get("run_id"), other.metadata.get("run_id")]
         if "windows" in self.metadata or "windows" in other.metadata:  # the windows of both parts, as measured
             metadata["windows"] = merged_windows_record(self.metadata.get("windows"), other.metadata.get("windows"))
+        if "first_token" in self.metadata or "first_token" in other.metadata:  # what the sink numbers weighed, in both
+            metadata["first_token"] = merged_first_token(self.metadata.get("first_token"), other.metadata.get("first_token"))
         metadata.update(provenance)
         metadata["complete"] = self.complete and other.complete
         return ProbeResult(statistics, metadata)

@@ -240,3 +240,15 @@ def test_a_file_written_before_the_sink_sums_loads_and_says_to_run_again(tmp_pat
     legacy = ProbeResult.load(Path(__file__).parent / "data" / "result_format_v2.json")
     with pytest.raises(NotRunError, match="first_key_sum"):
         legacy.sink_rate()
+
+
+def test_a_merge_names_the_first_token_of_both_parts():
+    tokens = torch.randint(3, 90, (4, 12), generator=torch.Generator().manual_seed(2))
+    tokens[:, 0] = 7
+    model = tiny_gpt2()
+    a, b = (EquivarianceProbe(model).run(part, progress=False) for part in (tokens[:2], tokens[2:]))
+    assert (a + b).metadata["first_token"]["ids"] == {"7": 4} and "(id 7) at position 0" in (a + b).first_token
+    other = tokens[2:].clone()
+    other[:, 0] = 8
+    mixed = a + EquivarianceProbe(model).run(other, progress=False)
+    assert mixed.metadata["first_token"]["ids"] == {"7": 2, "8": 2} and "at least 2 distinct ids" in mixed.first_token

@@ -63,6 +63,7 @@ __all__ = [
     "token_stream",
     "special_prefix",
     "first_token_record",
+    "merged_first_token",
     "document_separator",
     "windows_record",
     "merged_windows_record",
@@ -211,6 +212,24 @@ def first_token_record(counts: Mapping[int, int], tokenizer: Any = None) -> dict
     else:
         record["text"] = "no window"
     return record
+
+
+def merged_first_token(mine: dict[str, Any] | None, theirs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``metadata["first_token"]`` of a merge: one record when both parts started every window with the same token,
+    else the first text token of each window, with both parts' most common ids added up (``distinct`` then
+    counts at least as many ids as either part had)."""
+    if theirs is None or mine is None:
+        return mine if theirs is None else theirs
+    counts: dict[int, int] = {}
+    for record in (mine, theirs):
+        for token, windows in record.get("ids", {}).items():
+            counts[int(token)] = counts.get(int(token), 0) + int(windows)
+    if len(counts) == 1 and mine.get("distinct") == theirs.get("distinct") == 1:
+        return {**mine, "ids": {str(token): windows for token, windows in counts.items()}}
+    distinct = max(len(counts), int(mine.get("distinct", 0)), int(theirs.get("distinct", 0)))
+    common = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:FIRST_TOKEN_IDS]
+    return {"ids": {str(token): windows for token, windows in common}, "distinct": distinct, "bos": mine.get("bos"),
+            "text": f"the first text token of each window (at least {distinct} distinct ids over the merged parts)"}
 
 
 def _token_name(tokenizer: Any, token: int) -> str:
