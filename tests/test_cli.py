@@ -267,7 +267,7 @@ def test_run_with_the_sink_protocol_measures_64_token_windows_without_exclusions
                  "--baselines", "zero", "--no-progress", "--sample-size", "0"]) == 0
     printed = capsys.readouterr().out
     assert "| attention sinks | sink rate: share of heads with α₁ > 0.3 (Gu et al.) |" in printed
-    assert "attention sinks:" in printed and (out / "sink_rate.png").exists() and (out / "first_token.png").exists()
+    assert "attention sinks (Gu et al.'s sink rate):" in printed and (out / "sink_rate.png").exists() and (out / "first_token.png").exists()
     result = ProbeResult.load(out / "results.safetensors")
     assert result.context_length == 64 and result.excluded_keys == () and result.metadata["study"]["n_docs"] == 5
     assert "BOS token '<bos>'" in result.first_token  # Gemma's tokenizer puts BOS first

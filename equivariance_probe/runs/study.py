@@ -111,8 +111,8 @@ class Study:
         )
         sinks = summary.get("sinks") or {}
         if "rate" in sinks:
-            text += (f"\nattention sinks: {sinks['rate']:.2%} of heads put more than {sinks['epsilon']:g} of their "
-                     f"attention on the first token, {sinks['first_token']} (Gu et al.'s Sink rate)")
+            text += (f"\nattention sinks (Gu et al.'s sink rate): {sinks['rate']:.2%} of heads put more than "
+                     f"{sinks['epsilon']:g} of their attention on the first token ({sinks['first_token']})")
         return text
 
     def save(self, folder: str | os.PathLike) -> dict[str, Path]:
