@@ -332,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate) or the Slurm array task "
                           "(SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of SLURM_ARRAY_TASK_COUNT, sbatch --array). "
                           "Merge the shards' results.safetensors")
+    run.add_argument("--sink-protocol", action="store_true",
+                     help="Gu et al.'s attention-sink protocol (ICLR 2025, Table 1): 100 documents, 64-token windows, no "
+                          "excluded keys, in place of --n-docs, --context-length and --exclude-keys, so that the sink "
+                          "rate (share of heads with α₁ > 0.3) compares with their table")
     add_shared_options(run, "no_figures", "figure_format")
 
     merge = command("merge", "merge result files of shards into one",
@@ -594,6 +598,11 @@ def _run(args: argparse.Namespace) -> int:
         clear_checkpoint(out / CHECKPOINT_FOLDER)
         print(f"the run in {out} had finished: its results are in {out / 'results.safetensors'}")
         return 0
+    if args.sink_protocol:
+        from .runs.study import SINK_PROTOCOL
+
+        for name, value in SINK_PROTOCOL.items():
+            setattr(args, name, value)
     if args.memory_limit_gib is not None:
         _check_study_fits(args)
     documents = _documents(args)

@@ -49,7 +49,7 @@ from .records.provenance import (
 from .result import ProbeResult
 from .shift_result import ShiftResult, shift_check
 from .sources.devices import resolve_device
-from .sources.packing import PackedWindows, special_prefix, windows_record
+from .sources.packing import PackedWindows, first_token_record, special_prefix, windows_record
 from .sources.shift_grid import default_offsets, shift_grid
 from .sources.padding import check_not_left_padded, rows_from_encoding
 from .statistics import AttentionStatistics
@@ -376,6 +376,7 @@ class EquivarianceProbe:
         unit = counted(docs)
         bar = progress_bar(bool(progress), _count(docs), progress if isinstance(progress, str) else unit, unit)
         skipped = 0
+        first_tokens: dict[int, int] = {}  # windows by their first token id: what the sink numbers weigh
         try:
             batch: list[list[int]] = []
             batch_keys: list[int] = []
@@ -390,6 +391,7 @@ class EquivarianceProbe:
                     continue
                 batch.append(row)
                 batch_keys.append(read - 1)
+                first_tokens[int(row[0])] = first_tokens.get(int(row[0]), 0) + 1
                 if max_windows is not None and statistics.n_windows + len(batch) >= max_windows:
                     break
                 if len(batch) == batch_size:
@@ -415,6 +417,7 @@ class EquivarianceProbe:
             raise
         finally:
             bar.close()
+            metadata["first_token"] = first_token_record(first_tokens, self.adapter.tokenizer)
         metadata["skipped_windows"] = skipped
         if statistics.n_windows == 0:
             raise EmptyCorpusError(

@@ -35,12 +35,12 @@ from .analyses.heads import TOP_K, HeadRanking, rank_heads
 from .analyses.summary import head_label, result_summary
 from .errors import IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_choice, check_integer
 from .markup import Markup
-from .maths import fitting, metrics
+from .maths import fitting, metrics, sinks
 from .maths.intervals import Interval, check_level, is_undefined, jackknife_interval, windows_for_half_width
 from .maths.persistence import PersistenceCurves, lag_curves, persistence_curves
 from .records.result_file import FORMAT_VERSION, ResultFile, open_result_file, write_result_file
 from .records.sharding import merged_provenance
-from .sources.packing import merged_windows_record
+from .sources.packing import merged_first_token, merged_windows_record
 from .sources.registry import display_name
 from .statistics import AttentionStatistics
 from .statistics.masks import key_bin_edges, lag_values, layer_groups
@@ -401,6 +401,99 @@ class ProbeResult:
         out[t + dt, t] = key_lag[t, dt]
         return out
 
+    # -- attention sinks ---------------------------------------------------------------------------
+    @property
+    def first_token(self) -> str:
+        """What the windows' first token was, in words (``metadata["first_token"]``, recorded by the run: the
+        tokenizer's BOS where every window starts with it, else the first text token of each window)."""
+        record = self.metadata.get("first_token")
+        if isinstance(record, dict) and record.get("text"):
+            return str(record["text"])
+        return "the first token of each window (not recorded by the run that wrote this result)"
+
+    @property
+    def keeps_first_token(self) -> bool:
+        """Whether this result has the first token's sums behind :meth:`first_token_weight` and :meth:`sink_rate`
+        (results written before them, or run with ``keep_first_key=False``, have not)."""
+        return bool(self._config().get("keep_first_key", False))
+
+    def _first_token_sums(self) -> tuple[np.ndarray, float]:
+        """``(first_key_sum [L, H], N)``: the first token's weights summed over queries and windows, and the
+        real queries behind them.
+
+        Raises:
+            NotRunError: the result keeps no first-token sums (written before they existed, or with
+                ``keep_first_key=False``), saying to run it again.
+        """
+        if not self.keeps_first_token:
+            raise NotRunError(
+                "this result keeps no first-token weights (first_key_sum), so it has no attention-sink numbers: "
+                "it was written before the probe kept them, or run with keep_first_key=False; run it again with "
+                "this version of equivariance_probe (the first token's weights are kept by default)"
+            )
+        arrays = self._require_data()
+        return arrays["first_key_sum"].sum(-1), float(arrays["windows_covering"].sum())
+
+    def first_token_weight(self, by: str | None = "head", interval: float | None = None) -> Any:
+        """``α₁``: each head's mean attention weight on the window's first token (Gu et al., ICLR 2025).
+
+        ``α₁(l, h) = Σ_windows Σ_q a[l, h, q, 0] / Σ_windows (real queries)``, over every real query
+        of every window, whatever ``excluded_keys`` says (an excluded key stays in the softmax), a query
+        whose mask hides the first token (a sliding window at ``q >= w``) adding 0. With windows of one
+        length it equals Gu et al.'s mean over sequences of the per-window means. Which token the first
+        one was: :attr:`first_token`.
+
+        Args:
+            by: ``"head"`` (``[layer, head]``), ``"layer"`` (the mean over each layer's heads, ``[layer]``)
+                or ``None`` (the mean over every head).
+            interval: a confidence level (``0.95``) for an :class:`Interval` over windows (the delete-a-group
+                jackknife; clipped to ``[0, 1]``).
+
+        Raises:
+            NotRunError: a result without the first token's sums (see :meth:`sink_rate`).
+
+        Example:
+            >>> result.first_token_weight()[0, 0]  # doctest: +SKIP
+            0.62
+        """
+        check_choice("by", by, sinks.SINK_BY)
+        if interval is not None:
+            return self._sink_interval(lambda alpha: sinks.split_heads(alpha, by), interval)
+        total, count = self._first_token_sums()
+        return sinks.split_heads(sinks.first_token_weight(total, count), by)
+
+    def sink_rate(self, epsilon: float = sinks.SINK_EPSILON, by: str | None = None, interval: float | None = None) -> Any:
+        """``Sink^ε₁``: the share of heads whose first-token weight ``α₁`` (:meth:`first_token_weight`) is above
+        ``epsilon`` (Gu et al., ICLR 2025: ``ε = 0.3``; their Table 1 prints it in percent).
+
+        Args:
+            epsilon: the threshold ``ε`` in ``[0, 1)``.
+            by: ``None`` (one share over every head of the model) or ``"layer"`` (``[layer]``).
+            interval: a confidence level (``0.95``) for an :class:`Interval` over windows: the share is
+                recomputed on every window but one group's (a head far from ``ε`` never changes side; the
+                interval measures how the windows move the heads near it), clipped to ``[0, 1]``.
+
+        Raises:
+            NotRunError: a result written before the first token's sums were kept (or with
+                ``keep_first_key=False``): run it again.
+            InputError: ``epsilon`` outside ``[0, 1)``.
+        """
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0.0 <= float(epsilon) < 1.0:
+            raise InputError(f"epsilon={epsilon!r} must be a weight threshold in [0, 1), e.g. 0.3 (Gu et al.)")
+        check_choice("by", by, ("layer", None))
+        if interval is not None:
+            return self._sink_interval(lambda alpha: sinks.sink_rate(alpha, float(epsilon), by), interval)
+        return sinks.sink_rate(self.first_token_weight("head"), float(epsilon), by)
+
+    def _sink_interval(self, statistic: Any, level: float) -> Interval:
+        """The jackknife interval of ``statistic(α₁ [..., L, H])`` from the groups' first-token sums."""
+        level = check_level(level)
+        total, count = self._first_token_sums()
+        sums = self.replicates().sums()
+        replicates = statistic(sinks.first_token_weight(sums["first_key_sum"], sums["real_queries"]))
+        return jackknife_interval(statistic(sinks.first_token_weight(total, count)), replicates, level=level,
+                                  upper=1.0, lower=0.0)
+
     # -- intervals over windows ------------------------------------------------------------------
     def interval(self, statistic: str, by: str | None = None, level: float = 0.95) -> Any:
         """A number's confidence interval over windows, by the delete-a-group jackknife.
@@ -536,6 +629,8 @@ class ProbeResult:
         metadata["merged_from"] = [self.metadata.get("run_id"), other.metadata.get("run_id")]
         if "windows" in self.metadata or "windows" in other.metadata:  # the windows of both parts, as measured
             metadata["windows"] = merged_windows_record(self.metadata.get("windows"), other.metadata.get("windows"))
+        if "first_token" in self.metadata or "first_token" in other.metadata:  # what the sink numbers weighed, in both
+            metadata["first_token"] = merged_first_token(self.metadata.get("first_token"), other.metadata.get("first_token"))
         metadata.update(provenance)
         metadata["complete"] = self.complete and other.complete
         return ProbeResult(statistics, metadata)
@@ -556,7 +651,9 @@ class ProbeResult:
         ``least_position_bound_head`` (log η²); ``head_scores`` (every score of
         :data:`~equivariance_probe.analyses.heads.RANKING_SCORES` as ``[layer][head]`` lists);
         ``layer_groups`` (for models with sliding-window and global layers: per group its
-        ``layers``, ``query_position_r2`` and ``persistence_fit_r2``; empty otherwise).
+        ``layers``, ``query_position_r2`` and ``persistence_fit_r2``; empty otherwise); ``sinks`` (the
+        attention-sink rate at ``ε = 0.3`` with its interval, per layer, and the first token's weight
+        per head: :func:`~equivariance_probe.analyses.summary.sink_summary`).
         NaN where a number is undefined.
 
         A loaded result returns the numbers stored in its file without reading any array.

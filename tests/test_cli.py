@@ -278,3 +278,20 @@ def test_backend_is_now_framework_and_the_old_spelling_says_so(tiny, tmp_path, c
                  "--backend", "huggingface"]) == 0
     assert "--backend is deprecated; use --framework" in capsys.readouterr().err
     assert ProbeResult.load(out / "results.safetensors").metadata["study"]["backend"] == "huggingface"
+
+
+def test_run_with_the_sink_protocol_measures_64_token_windows_without_exclusions(tiny, capsys):
+    from equivariance_probe import ProbeResult
+
+    root, model, corpus = tiny
+    out = root / "sinks"
+    assert main(["run", "-o", str(out), "--model", model, "--corpus", corpus, "--sink-protocol", "--exclude-keys", "0",
+                 "--baselines", "zero", "--no-progress", "--sample-size", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "| attention sinks | sink rate: share of heads with α₁ > 0.3 (Gu et al.) |" in printed
+    assert "attention sinks (Gu et al.'s sink rate):" in printed and (out / "sink_rate.png").exists() and (out / "first_token.png").exists()
+    result = ProbeResult.load(out / "results.safetensors")
+    assert result.context_length == 64 and result.excluded_keys == () and result.metadata["study"]["n_docs"] == 5
+    assert "BOS token '<bos>'" in result.first_token  # Gemma's tokenizer puts BOS first
+    zero = ProbeResult.load(out / "baseline_zero.safetensors")
+    assert zero.sink_rate() == 0.0  # uniform heads: α₁ = mean 1/(q + 1) < 0.3 over a long enough window

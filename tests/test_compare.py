@@ -175,7 +175,7 @@ def test_memory_estimate_follows_the_engine_and_peak():
     widths = ACTIVATION_WIDTHS["hidden"] * 32 + ACTIVATION_WIDTHS["intermediate"] * 64 + ACTIVATION_WIDTHS["attention"] * 32
     assert estimate.activations == int(tokens * 4 * widths)
     assert estimate.attention == 2 * tokens * 8192 + max(2**20, 2 * 4 * 8192 * 96)   # masks + one query block
-    assert estimate.statistics == 8 * (5 * 3 * 4 * 8192 * 3 + 2 * 3 * 8192 + 3 * 64 * 8192)
+    assert estimate.statistics == 8 * (6 * 3 * 4 * 8192 * 3 + 2 * 3 * 8192 + 3 * 64 * 8192)
     assert estimate.base == BASE_BYTES
     assert estimate.total == (estimate.weights + estimate.activations + estimate.attention + estimate.statistics
                               + estimate.base)

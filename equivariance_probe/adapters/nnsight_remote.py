@@ -137,8 +137,9 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
         float64 tensors for ``W`` = the batch's width and ``L`` layers:
         ``raw_sum, raw_sq, log_sum, log_sq, lag_sum: [L, head, W]``;
         ``floored, doc_toeplitz_sum, doc_toeplitz_count: [L, head]``;
-        ``key_lag_sum: [K, W]`` (summed over layers); ``outside_mass: [L]``; and, if
-        ``keep_pattern``, ``pattern_sum: [L, head, W, W]``.
+        ``key_lag_sum: [K, W]`` (summed over layers); ``outside_mass: [L]``; if
+        ``keep_pattern``, ``pattern_sum: [L, head, W, W]``; and, if ``keep_first_key``,
+        ``first_key_sum: [L, head, W]``.
     """
     # No typing names in here: annotations would make the payload import `typing`.
     per_layer: dict[str, list[torch.Tensor]] = {}
@@ -331,14 +332,17 @@ REMOTE_MODULES = (
 
 
 # -- outside the trace: sizes, the API key, and failures ---------------------------------------
-def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bool = False, key_bins: int = KEY_BINS) -> int:
+def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bool = False, key_bins: int = KEY_BINS,
+                 keep_first_key: bool = True) -> int:
     """Bytes of float64 sums one trace sends back, from the shapes alone.
 
-    ``8·(L·(5·H·T + 3·H + 1) + K·T)`` with ``K = min(T, key_bins)`` key bins, plus ``8·L·H·T²`` with
-    ``keep_pattern``; it does not depend on the number of windows in the batch. For comparison,
-    the bf16 patterns of one window are ``2·L·H·T²`` bytes.
+    ``8·(L·((5 + f)·H·T + 3·H + 1) + K·T)`` with ``K = min(T, key_bins)`` key bins and ``f = 1`` with
+    ``keep_first_key`` (the first token's weights), plus ``8·L·H·T²`` with ``keep_pattern``; it does
+    not depend on the number of windows in the batch. For comparison, the bf16 patterns of one
+    window are ``2·L·H·T²`` bytes.
     """
-    n = n_layers * (5 * n_heads * n_positions + 3 * n_heads + 1) + min(n_positions, key_bins) * n_positions
+    per_row = 6 if keep_first_key else 5
+    n = n_layers * (per_row * n_heads * n_positions + 3 * n_heads + 1) + min(n_positions, key_bins) * n_positions
     if keep_pattern:
         n += n_layers * n_heads * n_positions**2
     return 8 * n

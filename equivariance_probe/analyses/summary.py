@@ -14,11 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import IntervalUnavailableError, UndefinedStatisticError
+from ..errors import IntervalUnavailableError, NotRunError, UndefinedStatisticError
 from ..maths import fitting, metrics
+from ..maths.sinks import SINK_EPSILON, sink_rate
 from .heads import TOP_K, head_scores, ranking_stability
 
-__all__ = ["result_summary", "head_label"]
+__all__ = ["result_summary", "head_label", "sink_summary"]
 
 
 def head_label(values: np.ndarray, pick: Any) -> str:
@@ -71,6 +72,32 @@ def result_summary(result: Any, *, key_bins: int, level: float) -> dict[str, Any
         "undefined": result.undefined(),
         "intervals": _interval_summary(result, level),
         "head_stability": ranking_stability(result, "log_eta2", TOP_K),
+        "sinks": sink_summary(result, level),
+    }
+
+
+def sink_summary(result: Any, level: float, epsilon: float = SINK_EPSILON) -> dict[str, Any]:
+    """The attention-sink numbers (Gu et al., ICLR 2025): ``epsilon``, the sink ``rate`` (share of heads with
+    ``α₁ > ε``) with its ``rate_interval`` (``[low, high]``, or ``None`` without intervals), ``rate_by_layer``,
+    the ``mean_weight`` of the first token over every head, ``weight_by_head`` (``α₁`` as ``[layer][head]``)
+    and the ``first_token`` in words; or ``{"unavailable": why}`` for a result that keeps no first-token sums."""
+    try:
+        alpha = result.first_token_weight("head")
+    except NotRunError as error:
+        return {"unavailable": str(error)}
+    try:
+        found = result.sink_rate(epsilon, interval=level)
+        bounds: list[float] | None = [found.low, found.high]
+    except IntervalUnavailableError:
+        bounds = None
+    return {
+        "epsilon": epsilon,
+        "rate": float(sink_rate(alpha, epsilon)),
+        "rate_interval": bounds,
+        "rate_by_layer": sink_rate(alpha, epsilon, by="layer").tolist(),
+        "mean_weight": float(np.mean(alpha)),
+        "weight_by_head": alpha.tolist(),
+        "first_token": result.first_token,
     }
 
 

@@ -10,6 +10,9 @@ matplotlib is imported when a figure is drawn, never at package import.
 * ``scatter``      — Fig. 1d: attention against the uniform prior, log-log, from the
   run's bounded entry sample, with the query-position R² in the title.
 * ``heatmaps``     — per-head query-position R² (log, fitted) and Toeplitz R².
+* ``first_token``  — the first token's mean weight ``α₁`` of every head (attention sinks, Gu et
+  al. ICLR 2025), one panel per result.
+* ``sink_rate``    — the share of each layer's heads with ``α₁ > ε``, one line per result.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ __all__ = [
     "fit_by_key_figure",
     "scatter_figure",
     "heatmaps_figure",
+    "first_token_figure",
+    "sink_rate_figure",
     "study_figures",
     "save_figures",
     "figure_formats",
@@ -213,12 +218,52 @@ def heatmaps_figure(result: ProbeResult) -> Figure:
     n_layers, n_heads = result.n_layers, result.n_heads
     fig, axes = plt.subplots(1, len(panels), figsize=(3 + 2.2 * len(panels) * max(n_heads, 4) / 4, 1.5 + 0.25 * n_layers), squeeze=False)
     for ax, (title, values) in zip(axes[0], panels.items()):
-        image = ax.imshow(values, vmin=0, vmax=1, cmap="magma", aspect="auto")
-        _axes_title(ax, title, fontsize=9)
-        ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        fig.colorbar(image, ax=ax)
+        _head_panel(fig, ax, values, title, "magma")
     figure_title(fig, f"Per-head scores: {_label(result)}")
+    fig.tight_layout()
+    return fig
+
+
+def _head_panel(fig: Any, ax: Any, values: np.ndarray, title: str, cmap: str) -> None:
+    """One ``[layer, head]`` heat map on the scale ``[0, 1]``, titled, with its colour bar."""
+    image = ax.imshow(values, vmin=0, vmax=1, cmap=cmap, aspect="auto")
+    _axes_title(ax, title, fontsize=9)
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    fig.colorbar(image, ax=ax)
+
+
+def first_token_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
+    """The first token's mean weight ``α₁`` (:meth:`~equivariance_probe.result.ProbeResult.first_token_weight`)
+    of every head, one heat map per result on one scale ``[0, 1]``, with each result's sink rate at ε = 0.3."""
+    plt = pyplot()
+    results = _results(results)
+    first = next(iter(results.values()))
+    n_layers, n_heads = first.n_layers, first.n_heads
+    width = 2.2 + 2.4 * max(n_heads, 4) / 4
+    fig, axes = plt.subplots(1, len(results), figsize=(width * len(results), 1.8 + 0.25 * n_layers), squeeze=False)
+    for ax, (label, result) in zip(axes[0], results.items()):
+        _head_panel(fig, ax, result.first_token_weight("head"), f"{label}: sink rate {result.sink_rate():.1%} (α₁ > 0.3)",
+                    "viridis")
+    figure_title(fig, f"Mean attention weight α₁ on the first token ({first.first_token}), per head")
+    fig.tight_layout()
+    return fig
+
+
+def sink_rate_figure(results: ProbeResult | dict[str, ProbeResult], epsilon: float = 0.3) -> Figure:
+    """The share of each layer's heads whose first-token weight ``α₁`` is above ``epsilon``, one line per result
+    (the trained model and its baselines on one axes)."""
+    plt = pyplot()
+    results = _results(results)
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for label, result in results.items():
+        rate = result.sink_rate(epsilon, by="layer")
+        ax.plot(np.arange(len(rate)), 100 * rate, marker="o", ms=3, label=f"{label} ({result.sink_rate(epsilon):.1%} overall)")
+    ax.set_ylim(-3, 103)
+    ax.set_xlabel("layer")
+    ax.set_ylabel(f"heads with α₁ > {epsilon:g} (%)")
+    _axes_title(ax, f"Sink rate by layer (Gu et al., ICLR 2025: ε = {epsilon:g})")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -235,6 +280,9 @@ def study_figures(result: ProbeResult, baselines: dict[str, ProbeResult] | None 
     }
     if result.statistics.sample is not None and len(result.statistics.sample):
         figures["scatter"] = scatter_figure(result)
+    if all(variant.keeps_first_token for variant in variants.values()):
+        figures["first_token"] = first_token_figure(variants)
+        figures["sink_rate"] = sink_rate_figure(variants)
     return figures
 
 

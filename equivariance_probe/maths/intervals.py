@@ -33,12 +33,15 @@ import numpy as np
 from ..errors import InputError, IntervalUnavailableError
 
 __all__ = ["Interval", "jackknife_interval", "check_level", "windows_for_half_width", "format_interval",
-           "PLAIN", "CLIPPED"]
+           "PLAIN", "CLIPPED", "CLIPPED_RANGE"]
 
 #: ``Interval.method`` of the plain interval ``θ ± t·se``.
 PLAIN = "jackknife t"
 #: ``Interval.method`` of an interval of a bounded statistic (an R² ≤ 1) with an end clipped at the bound.
 CLIPPED = "jackknife t, clipped at the bound (R² ≤ 1)"
+#: ``Interval.method`` of an interval of a statistic with both bounds (a weight or a share of heads, in
+#: ``[0, 1]``) with an end clipped at one of them.
+CLIPPED_RANGE = "jackknife t, clipped to the statistic's range [0, 1]"
 
 
 def check_level(level: Any) -> float:
@@ -85,6 +88,8 @@ class Interval:
         """``t·se``, the ``±`` of the unclipped interval (``(high - low) / 2`` where nothing was clipped)."""
         if self.method == PLAIN:
             return np.subtract(self.high, self.low) / 2
+        if self.method == CLIPPED_RANGE:
+            return np.maximum(np.subtract(self.estimate, self.low), np.subtract(self.high, self.estimate))
         return np.subtract(self.estimate, self.low)
 
     def __str__(self) -> str:
@@ -95,7 +100,7 @@ class Interval:
     def __repr__(self) -> str:
         if np.ndim(self.estimate):
             return str(self)
-        clipped = "" if self.method == PLAIN else ", clipped at R² = 1"
+        clipped = {PLAIN: "", CLIPPED: ", clipped at R² = 1"}.get(self.method, ", clipped to [0, 1]")
         return f"Interval({self}, {self.level:.0%} over {self.n_groups} groups of windows{clipped})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,7 +124,8 @@ def format_interval(estimate: Any, low: Any, high: Any, digits: int = 4) -> str:
     return f"{number(estimate)} [{number(low)}, {number(high)}]"
 
 
-def jackknife_interval(estimate: Any, replicates: Any, *, level: float = 0.95, upper: float | None = None) -> Interval:
+def jackknife_interval(estimate: Any, replicates: Any, *, level: float = 0.95, upper: float | None = None,
+                       lower: float | None = None) -> Interval:
     """The delete-a-group jackknife interval of ``estimate`` (see the module docstring).
 
     Args:
@@ -128,6 +134,8 @@ def jackknife_interval(estimate: Any, replicates: Any, *, level: float = 0.95, u
         level: confidence level in ``(0, 1)``.
         upper: the statistic's upper bound ``b`` (1 for an R²): ends above it are clipped to it;
             ``None`` for the plain interval.
+        lower: the statistic's lower bound (0 for a weight or a share, with ``upper=1``): ends below it
+            are clipped to it (the method is then :data:`CLIPPED_RANGE`).
 
     Returns:
         An :class:`Interval` (arrays where ``estimate`` is one; NaN where an element's estimate or
@@ -154,7 +162,10 @@ def jackknife_interval(estimate: Any, replicates: Any, *, level: float = 0.95, u
     method = PLAIN
     if upper is not None and bool(np.any(high > upper)):
         low, high = np.minimum(low, upper), np.minimum(high, upper)
-        method = CLIPPED
+        method = CLIPPED if lower is None else CLIPPED_RANGE
+    if lower is not None and bool(np.any(low < lower)):
+        low, high = np.maximum(low, lower), np.maximum(high, lower)
+        method = CLIPPED_RANGE
     if estimate_array.ndim == 0:
         return Interval(float(estimate_array), float(low), float(high), level, count, float(standard_error), method)
     return Interval(estimate_array, low, high, level, count, standard_error, method)

@@ -36,7 +36,7 @@ from ..sources.packing import pack_documents
 from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun, lock_output_folder
 
 __all__ = ["Study", "run_study", "result_filename", "load_study_baselines", "BASELINES", "DEFAULT_STUDY",
-           "STUDY_MEASUREMENT"]
+           "STUDY_MEASUREMENT", "SINK_PROTOCOL"]
 
 #: Baselines: name -> what it is.
 BASELINES = {
@@ -46,6 +46,11 @@ BASELINES = {
 
 #: The default study, sized to finish in about 10 minutes on 2 CPU cores.
 DEFAULT_STUDY = {"n_docs": 24, "context_length": 1024, "batch_size": 4}
+
+#: Gu et al.'s protocol for the attention-sink rate ("When Attention Sink Emerges in Language Models: An
+#: Empirical View", ICLR 2025, Table 1): 100 sequences of 64 tokens, every key kept, so that
+#: :meth:`~equivariance_probe.result.ProbeResult.sink_rate` of GPT2-XL compares with their 77.00 % on natural text.
+SINK_PROTOCOL = {"n_docs": 100, "context_length": 64, "exclude_keys": []}
 
 #: How a study measures unless told otherwise: :class:`~equivariance_probe.probe.MeasurementOptions`'
 #: defaults, at the study's window length and batch size, keeping an entry sample for the scatter plot.
@@ -99,12 +104,17 @@ class Study:
         return "\n\n".join(parts)
 
     def heads(self) -> str:
-        """The most and least position-bound heads of the trained model (log η²)."""
+        """The most and least position-bound heads of the trained model (log η²), and its attention sinks."""
         summary = self.trained.summary()
-        return (
+        text = (
             f"most position-bound head: {summary['most_position_bound_head']}; "
             f"least: {summary['least_position_bound_head']} (query-position η², log scale)"
         )
+        sinks = summary.get("sinks") or {}
+        if "rate" in sinks:
+            text += (f"\nattention sinks (Gu et al.'s sink rate): {sinks['rate']:.2%} of heads put more than "
+                     f"{sinks['epsilon']:g} of their attention on the first token ({sinks['first_token']})")
+        return text
 
     def save(self, folder: str | os.PathLike) -> dict[str, Path]:
         """Write ``results.safetensors`` (trained) and ``baseline_<name>.safetensors`` (result files,

@@ -94,10 +94,32 @@ def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False
             lambda s: "not kept" if is_undefined(s.get("toeplitz_r2_mean_pattern_mean")) else _number(s["toeplitz_r2_mean_pattern_mean"]))
         row("heads", "most position-bound (log η²)", lambda s: str(s["most_position_bound_head"]))
         row("heads", "least position-bound (log η²)", lambda s: str(s["least_position_bound_head"]))
+    row("attention sinks", "sink rate: share of heads with α₁ > 0.3 (Gu et al.)", _sink_rate_cell)
+    if extended:
+        row("attention sinks", "mean first-token weight α₁ over heads",
+            lambda s: _sink_value(s, lambda sinks: _number(sinks["mean_weight"])))
+        row("attention sinks", "first token", lambda s: _sink_value(s, lambda sinks: str(sinks["first_token"])))
     row("", "windows / tokens", lambda s: f"{s['n_windows']} / {s['n_tokens']}")
     if extended:
         row("", "floored entries (log scale)", lambda s: f"{s['floored_entries']} of {s['n_entries']:,}")
     return rows
+
+
+def _sink_value(summary: dict[str, Any], cell: Any) -> str:
+    """A cell of the attention-sink rows, or why a result has none (a file written before the sink sums)."""
+    sinks = summary.get("sinks")
+    if not sinks or "unavailable" in sinks:
+        return "not kept (run again)"
+    return cell(sinks)
+
+
+def _sink_rate_cell(summary: dict[str, Any]) -> str:
+    """``0.4375 [0.4062, 0.4688]``: the sink rate with its interval where the summary stores one."""
+    def cell(sinks: dict[str, Any]) -> str:
+        bounds = sinks.get("rate_interval")  # a list, or None (NaN once loaded: how JSON holds it) without intervals
+        return format_interval(sinks["rate"], *bounds) if isinstance(bounds, list) else _number(sinks["rate"])
+
+    return _sink_value(summary, cell)
 
 
 def difference_table(results: dict[str, ProbeResult], reference: str = "trained", level: float = SUMMARY_LEVEL) -> str:

@@ -46,7 +46,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +62,8 @@ __all__ = [
     "pack_stream",
     "token_stream",
     "special_prefix",
+    "first_token_record",
+    "merged_first_token",
     "document_separator",
     "windows_record",
     "merged_windows_record",
@@ -174,6 +176,68 @@ def special_prefix(tokenizer: Any) -> tuple[int, ...]:
         if with_special[cut : cut + len(bare)] == bare:
             return tuple(int(i) for i in with_special[:cut])
     return ()
+
+
+#: How many of the most common first tokens :func:`first_token_record` keeps.
+FIRST_TOKEN_IDS = 8
+
+
+def first_token_record(counts: Mapping[int, int], tokenizer: Any = None) -> dict[str, Any]:
+    """What the windows' first token was (the attention-sink numbers read the weight on it), as a run records it
+    in ``metadata["first_token"]``.
+
+    Args:
+        counts: ``{token id: windows starting with it}``.
+        tokenizer: the model's tokenizer, to name the token (``None``: ids only).
+
+    Returns:
+        ``ids`` (the :data:`FIRST_TOKEN_IDS` most common ``{id: windows}``, ids as strings for JSON),
+        ``distinct`` (how many ids), ``bos`` (the tokenizer's BOS id, or ``None``), ``text``: the tokenizer's
+        BOS where every window starts with it (Gemma, Llama: the special prefix of
+        :func:`special_prefix`), one named token where every window starts with the same other token,
+        else the first text token of each window (GPT-2, which puts nothing before a text).
+    """
+    bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    common = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    record: dict[str, Any] = {"ids": {str(i): int(n) for i, n in common[:FIRST_TOKEN_IDS]}, "distinct": len(counts),
+                              "bos": None if bos is None else int(bos)}
+    if len(counts) == 1:
+        token = common[0][0]
+        name = _token_name(tokenizer, token)
+        kind = "the tokenizer's BOS token" if bos is not None and int(token) == int(bos) else "the token"
+        record["text"] = f"{kind} {name} (id {token}) at position 0 of every window"
+    elif counts:
+        record["text"] = (f"the first text token of each window ({len(counts)} distinct ids; no special token is "
+                          "put before the text)")
+    else:
+        record["text"] = "no window"
+    return record
+
+
+def merged_first_token(mine: dict[str, Any] | None, theirs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``metadata["first_token"]`` of a merge: one record when both parts started every window with the same token,
+    else the first text token of each window, with both parts' most common ids added up (``distinct`` then
+    counts at least as many ids as either part had)."""
+    if theirs is None or mine is None:
+        return mine if theirs is None else theirs
+    counts: dict[int, int] = {}
+    for record in (mine, theirs):
+        for token, windows in record.get("ids", {}).items():
+            counts[int(token)] = counts.get(int(token), 0) + int(windows)
+    if len(counts) == 1 and mine.get("distinct") == theirs.get("distinct") == 1:
+        return {**mine, "ids": {str(token): windows for token, windows in counts.items()}}
+    distinct = max(len(counts), int(mine.get("distinct", 0)), int(theirs.get("distinct", 0)))
+    common = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:FIRST_TOKEN_IDS]
+    return {"ids": {str(token): windows for token, windows in common}, "distinct": distinct, "bos": mine.get("bos"),
+            "text": f"the first text token of each window (at least {distinct} distinct ids over the merged parts)"}
+
+
+def _token_name(tokenizer: Any, token: int) -> str:
+    """``'<bos>'``: how the tokenizer spells a token id (``'?'`` without one)."""
+    try:
+        return repr(str(tokenizer.convert_ids_to_tokens(int(token))))
+    except Exception:  # noqa: BLE001 - any tokenizer (or none) that cannot name it: the id alone says enough
+        return "'?'"
 
 
 def document_separator(tokenizer: Any) -> tuple[int, ...]:

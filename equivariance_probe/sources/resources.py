@@ -101,8 +101,9 @@ class MemoryEstimate:
       (:data:`ACTIVATION_WIDTHS`; one layer at a time, the projection to the vocabulary skipped);
     * ``attention = mask_kinds × B·T²`` (one boolean sdpa mask per kind of layer)
       ``+ max(block budget, B·H·T × 96 B)`` (one query block's temporaries, 96 MiB by default);
-    * ``statistics = 8 × (5·L·H·T + 5·L·H·B·T + 2·L·T + 3·64·T)`` (the float64 sums and one batch's
-      per-window sums) ``+ 8·L·H·T²`` with ``keep_pattern`` (the summed pattern);
+    * ``statistics = 8 × (6·L·H·T + 6·L·H·B·T + 2·L·T + 3·64·T)`` (the float64 sums, the first
+      token's among them, and one batch's per-window sums) ``+ 8·L·H·T²`` with ``keep_pattern`` (the
+      summed pattern);
     * ``base``: the interpreter, the libraries and the probe's fixed cost (:data:`BASE_BYTES`, 0.75 GiB).
 
     Every weight counts as resident. Weights read from a memory-mapped file that the run never
@@ -168,7 +169,7 @@ def estimate_memory(
     tokens = batch_size * context_length
     widths = (ACTIVATION_WIDTHS["hidden"] * hidden_size + ACTIVATION_WIDTHS["intermediate"] * intermediate_size
               + ACTIVATION_WIDTHS["attention"] * attention_width)
-    per_layer_sums = 5 * n_layers * n_heads * context_length
+    per_layer_sums = 6 * n_layers * n_heads * context_length  # raw, log (Σ and Σ²), lag and first-token sums
     return MemoryEstimate(
         n_parameters=int(n_parameters),
         weights=int(n_parameters) * itemsize * copies,

@@ -91,11 +91,12 @@ class AttentionStatistics:
         block_size: int | None = None,
         causal: bool = True,
         interval_groups: int = DEFAULT_INTERVAL_GROUPS,
+        keep_first_key: bool = True,
     ) -> None:
         settings = StatisticsConfig(
             n_layers=n_layers, n_heads=n_heads, n_positions=n_positions, sliding_windows=tuple(sliding_windows),
             log_floor=log_floor, excluded_keys=tuple(excluded_keys), keep_pattern=keep_pattern, key_bins=key_bins,
-            causal=causal, interval_groups=interval_groups,
+            causal=causal, interval_groups=interval_groups, keep_first_key=keep_first_key,
         )
         self._setup(settings, device=device, engine=engine, block_size=block_size)
         self.sample = EntrySample(sample_size, sample_seed) if sample_size else None
@@ -125,7 +126,8 @@ class AttentionStatistics:
         #: Per-group sums of the windows for intervals, or ``None`` (``interval_groups=0``).
         self.groups = None if settings.interval_groups == 0 else WindowGroups(
             settings.interval_groups, n_layers=settings.n_layers, n_heads=settings.n_heads,
-            n_positions=settings.n_positions, n_lags=settings.n_lags, device=self.device)
+            n_positions=settings.n_positions, n_lags=settings.n_lags, device=self.device,
+            first_key=settings.keep_first_key)
 
     # -- the configuration, field by field -----------------------------------------------
     n_layers = property(lambda self: self.settings.n_layers, doc="The model's attention layers.")

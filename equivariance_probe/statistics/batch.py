@@ -31,6 +31,11 @@ __all__ = ["BatchTransaction", "resampling_keys_of", "window_fingerprint_array"]
 _SHARED_FIELDS = tuple(sorted({item.name for item in fields(ReductionSpec)} & {item.name for item in fields(StatisticsConfig)}))
 
 
+#: The per-window sums with one value per query position (``[B, H, W]``), zero-padded to ``T``; the
+#: first token's weights only where the statistics keep them (``keep_first_key``).
+_ROW_SUMS = ("raw_sum", "raw_sq", "log_sum", "log_sq", "first_key_sum")
+
+
 class BatchTransaction:
     """The state of one batch between ``begin_batch`` and ``end_batch``/``abort_batch``.
 
@@ -111,7 +116,7 @@ class BatchTransaction:
             Toeplitz R² and whether it has variance (``[B, H]``), for the interval groups.
         """
         causal, pad = self.config.causal, self.config.n_positions - width
-        per_window = {name: _widened(sums[name], pad) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq")}
+        per_window = {name: _widened(sums[name], pad) for name in _ROW_SUMS if name in sums}
         per_window["lag_sum"] = _widened(sums["lag_sum"], pad, centred=not causal)
         r2, has_variance = toeplitz_r2_per_window(per_window, masks["doc_lag_count"])
         reduced = {name: value.sum(0) for name, value in per_window.items()}
@@ -132,7 +137,7 @@ class BatchTransaction:
         config, pad = self.config, self.config.n_positions - width
         zero_key_lag = torch.zeros((config.key_bins, config.n_positions), dtype=torch.float64)
         for layer in range(config.n_layers):
-            reduced = {name: _widened(sums[name][layer], pad) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq", "lag_sum")}
+            reduced = {name: _widened(sums[name][layer], pad) for name in (*_ROW_SUMS, "lag_sum") if name in sums}
             for name in ("floored", "doc_toeplitz_sum", "doc_toeplitz_count"):
                 reduced[name] = sums[name][layer]
             if "pattern_sum" in sums:

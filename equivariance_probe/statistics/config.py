@@ -69,17 +69,21 @@ STATISTICS: dict[str, Sum] = {
     "doc_toeplitz_count": Sum("L H", "windows behind doc_toeplitz_sum (those with nonzero variance)"),
     "windows_covering": Sum("T", "number of windows that have a query at position q"),
     "pattern_sum": Sum("L H T T", "optional: Σ over windows of a[q, k], indexed [q, k]", kept_if="keep_pattern"),
+    "first_key_sum": Sum("L H T", "Σ over windows of a[q, 0], the weight on the window's first token of every real "
+                         "query q (excluded or not; 0 where the mask hides key 0): the attention-sink sums",
+                         kept_if="keep_first_key"),
 }
 
 #: Field names of :class:`StatisticsConfig` as files spell them, where they differ.
 _FILE_NAMES = {"sliding_windows": "windows"}
 
 #: What a file's configuration without a key meant when it was written: statistics of one key-lag
-#: row per key (before the key bins), causal, without interval groups.
+#: row per key (before the key bins), causal, without interval groups, without the first token's sums.
 _FILE_DEFAULTS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "key_bins": lambda config: config["n_positions"],
     "causal": lambda config: True,
     "interval_groups": lambda config: 0,
+    "keep_first_key": lambda config: False,
 }
 
 
@@ -99,6 +103,8 @@ class StatisticsConfig:
         key_bins: ``K``, key-position bins of the key-conditioned lag sums (at most ``T``).
         causal: ``False`` for a bidirectional encoder (no sliding windows, signed lags).
         interval_groups: ``G``, groups of windows for intervals; 0 for none.
+        keep_first_key: whether the first token's weights ``first_key_sum: [L, H, T]`` are kept (the
+            attention-sink rate); files written before them read as ``False``.
     """
 
     n_layers: int
@@ -111,6 +117,7 @@ class StatisticsConfig:
     key_bins: int = KEY_BINS
     causal: bool = True
     interval_groups: int = field(default=0)
+    keep_first_key: bool = True
 
     def __post_init__(self) -> None:
         n_positions = int(self.n_positions)
@@ -126,6 +133,7 @@ class StatisticsConfig:
             "key_bins": max(1, min(int(self.key_bins), n_positions)),
             "causal": bool(self.causal),
             "interval_groups": int(self.interval_groups),
+            "keep_first_key": bool(self.keep_first_key),
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)

@@ -21,12 +21,15 @@ name                  shape (after G)     meaning
                                           total's ``lag_sum``)
 ``doc_toeplitz_sum``  ``[L, H]``          ``Σ`` over the group's windows of the per-window Toeplitz R²
 ``doc_toeplitz_count`` ``[L, H]``         windows behind it
+``first_key_sum``     ``[L, H]``          ``Σ_q a[q, 0]``, the weight on the first token (attention
+                                          sinks; only where the statistics keep ``first_key_sum``)
 ``lengths``           ``[T + 1]``         windows of each length ``0..T``
 ====================  ==================  ===========================================================
 
 Every sum that depends on the mask alone (entry counts, the uniform prior's curves) follows from
 ``lengths`` in closed form (:func:`~equivariance_probe.statistics.masks.mask_counts`), so a
-group costs ``8·(2·L·H·T + 4·L·H + L·N + T + 1)`` bytes whatever its number of windows. Only
+group costs ``8·(2·L·H·T + 5·L·H + L·N + T + 1)`` bytes (``4·L·H`` without the first token's sums)
+whatever its number of windows. Only
 occupied groups are kept (rows sorted by group id), so state and files grow with
 ``min(windows, G)``, never with the number of documents beyond that.
 
@@ -61,8 +64,12 @@ GROUP_SUMS: dict[str, str] = {
     "lag_sum": "L N",
     "doc_toeplitz_sum": "L H",
     "doc_toeplitz_count": "L H",
+    "first_key_sum": "L H",
     "lengths": "T+1",
 }
+
+#: Group sums kept only where the statistics keep the total they split (files written before them load without).
+OPTIONAL_GROUP_SUMS = ("first_key_sum",)
 
 #: Where the windows' keys came from: their fingerprints, keys the caller gave, their order in the
 #: stream (windows added without either: groups valid, but not the same in another batching), or
@@ -111,6 +118,7 @@ class WindowGroups:
         n_positions: ``T``.
         n_lags: ``N``, lags of the total's ``lag_sum``.
         device: where the sums live while streaming.
+        first_key: keep ``first_key_sum`` (statistics with ``keep_first_key``).
 
     Streaming follows the statistics' batches: :meth:`begin` with the batch's keys and lengths,
     :meth:`stage` per layer with that layer's per-window sums, :meth:`commit` once every layer is
@@ -119,7 +127,7 @@ class WindowGroups:
     """
 
     def __init__(self, n_groups: int, *, n_layers: int, n_heads: int, n_positions: int, n_lags: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", first_key: bool = False) -> None:
         if isinstance(n_groups, bool) or not isinstance(n_groups, int) or n_groups < 2:
             raise InputError(f"interval_groups={n_groups!r}: a jackknife needs at least 2 groups of windows; pass "
                              f"{option('interval_groups', DEFAULT_INTERVAL_GROUPS)} (the default), or "
@@ -127,7 +135,8 @@ class WindowGroups:
         self.n_groups = n_groups
         self.device = torch.device(device)
         sizes = {"L": n_layers, "H": n_heads, "T": n_positions, "N": n_lags, "T+1": n_positions + 1}
-        self.shapes = {name: tuple(sizes[s] for s in spec.split()) for name, spec in GROUP_SUMS.items()}
+        kept = {name: spec for name, spec in GROUP_SUMS.items() if first_key or name not in OPTIONAL_GROUP_SUMS}
+        self.shapes = {name: tuple(sizes[s] for s in spec.split()) for name, spec in kept.items()}
         #: Sorted ids of the occupied groups, one per row of :attr:`rows`.
         self.ids = np.zeros(0, dtype=np.int64)
         self.rows: dict[str, torch.Tensor] = self._empty(0)
@@ -167,7 +176,8 @@ class WindowGroups:
 
         Args:
             layer: the layer.
-            sums: ``log_sum, raw_sum, log_sq, raw_sq: [W, H, T]`` and ``lag_sum: [W, H, N]``, per window
+            sums: ``log_sum, raw_sum, log_sq, raw_sq: [W, H, T]``, ``lag_sum: [W, H, N]`` and, where the
+                groups keep it, ``first_key_sum: [W, H, T]``, per window
                 (``W = B``) or, for a batch whose windows all share one group, summed over it (``W = 1``).
             toeplitz_r2: ``[W, H]`` per-window Toeplitz R² (summed over the windows when ``W = 1``).
             toeplitz_count: ``[W, H]`` windows behind it (1 or 0 per window: 0 where a window has no variance).
@@ -200,6 +210,8 @@ class WindowGroups:
             "doc_toeplitz_sum": grouped(toeplitz_r2),
             "doc_toeplitz_count": grouped(toeplitz_count),
         }
+        if "first_key_sum" in self.shapes:
+            self._pending[layer]["first_key_sum"] = grouped(sums["first_key_sum"].sum(-1))
 
     def commit(self) -> None:
         """Add the batch's pending sums and lengths to the groups' rows."""
@@ -324,7 +336,8 @@ class WindowGroups:
         Returns:
             numpy float64, ``R`` the occupied groups: ``group: [R]`` (ids), ``windows: [R]``
             (windows in group ``g``), ``query_count: [R, L, T]``, ``log_sum, raw_sum: [R, L, H, T]``,
-            ``log_sq, raw_sq, doc_toeplitz_sum, doc_toeplitz_count: [R, L, H]``, ``lag_sum:
+            ``log_sq, raw_sq, doc_toeplitz_sum, doc_toeplitz_count: [R, L, H]`` (and ``first_key_sum`` where
+            kept), ``real_queries: [R]`` (real tokens of the replicate's windows), ``lag_sum:
             [R, L, 1, N]`` (summed over heads, a head axis of 1 kept so that code written for the
             total's ``[L, H, N]`` reads it), ``lag_count, lag_prior_sum: [R, L, N]`` (per head).
         """
@@ -337,6 +350,7 @@ class WindowGroups:
         lengths = rows["lengths"]
         used = np.flatnonzero(lengths.sum(0) > 0)
         complement = (lengths.sum(0, keepdims=True) - lengths)[:, used]  # [R, U] windows of each used length
+        out["real_queries"] = complement @ used.astype(np.float64)
         n_positions = lengths.shape[-1] - 1
         mask_sums: dict[int | None, dict[str, np.ndarray]] = {}
         for window in dict.fromkeys(sliding_windows):

@@ -149,8 +149,10 @@ def block_from_scores(
 
     Returns:
         ``padded_weights`` (``[B, H, rows, pad + keys + pad_after]`` float64, 0 where not visible),
-        the per-row ``Σa, Σa², Σy, Σy²`` (``[B, H, rows]`` float64) and the floored entries per
-        ``(b, h)`` (``[B, H]`` float64).
+        the per-row ``Σa, Σa², Σy, Σy²`` (``[B, H, rows]`` float64), the floored entries per
+        ``(b, h)`` (``[B, H]`` float64) and the weights' first key column ``[B, H, rows]`` (a view,
+        unmasked: the sink sums read it, masked, in :func:`accumulate_block` before the next block
+        reuses the buffer).
 
     Elementwise maths and row reductions only, so ``torch.compile`` can fuse it.
     """
@@ -163,7 +165,7 @@ def block_from_scores(
     # The floor, then 0 for every entry the statistics do not read (a product with the 0/1 mask,
     # which the clamp keeps finite), written as float64 in the same pass.
     logs = torch.mul(log_weights.clamp_min_(log_eps), visible, out=take("logs", scores.shape, torch.float64))
-    return _moments(padded, kept, logs, visible, row_count, floored, take)
+    return (*_moments(padded, kept, logs, visible, row_count, floored, take), weights[..., 0])
 
 
 def _padded_float64(
@@ -202,7 +204,7 @@ def block_from_weights(
     logs = take("logs", weights.shape, torch.float64).copy_(log_weights).masked_fill_(hidden, 0.0)
     padded, kept = _padded_float64(weights, pad, pad_after, None, take)
     kept.masked_fill_(hidden, 0.0)
-    return _moments(padded, kept, logs, visible, row_count, floored, take)
+    return (*_moments(padded, kept, logs, visible, row_count, floored, take), weights[..., 0])
 
 
 def _moments(
@@ -284,9 +286,18 @@ def accumulate_block(
     k1: int,
     block: tuple[torch.Tensor, ...],
 ) -> None:
-    """Add one block's results (from ``block_from_*``) to the sums."""
-    padded, raw_sum, raw_sq, log_sum, log_sq, floored = block
+    """Add one block's results (from ``block_from_*``) to the sums.
+
+    ``first_key_sum`` (when asked for) takes the block's first key column only where the block starts at
+    key 0 (a block of a sliding window that starts later holds rows that cannot see key 0: they stay 0),
+    on the rows :meth:`~.spec.Layout.first_key_seen` names; ``torch.where``, not a product, because
+    captured weights outside the mask may hold NaN.
+    """
+    padded, raw_sum, raw_sq, log_sum, log_sq, floored, first = block
     rows, n_keys = q1 - q0, k1 - k0
+    if "first_key_sum" in out and k0 == 0:
+        seen = layout.first_key_seen(q0, q1)
+        out["first_key_sum"][..., q0:q1] = torch.where(seen, first, torch.zeros((), dtype=first.dtype, device=first.device))
     out["raw_sum"][..., q0:q1] = raw_sum
     out["raw_sq"][..., q0:q1] = raw_sq
     out["log_sum"][..., q0:q1] = log_sum

@@ -172,14 +172,25 @@ def reduce_layer(
 def reduce_pattern(pattern: torch.Tensor, lengths: torch.Tensor, spec: dict, visible=None) -> dict:
     """The in-trace engine: one layer's sums of ``pattern: [batch, head, query, key]`` under a reduction spec
     in plain form (:meth:`~equivariance_probe.statistics.engines.spec.ReductionSpec.plain`: ``window``,
-    ``excluded_keys``, ``log_floor``, ``key_bin``, ``n_key_bins``, ``keep_pattern``), as :func:`reduce_layer`
-    returns them; ``visible`` (:func:`visible_mask`) when the caller already has it for this window."""
+    ``excluded_keys``, ``log_floor``, ``key_bin``, ``n_key_bins``, ``keep_pattern``, ``keep_first_key``), as
+    :func:`reduce_layer` returns them, with ``first_key_sum: [head, T]`` (``Σ_b a[b, h, q, 0]`` over the
+    real queries whose mask shows key 0, excluded or not: the attention-sink sums) when
+    ``keep_first_key``; ``visible`` (:func:`visible_mask`) when the caller already has it for this window."""
     # No typing names in here: annotations would make the payload import `typing`.
     n_positions = pattern.shape[-1]
     if visible is None:
         visible = visible_mask(n_positions, spec["window"], lengths, spec["excluded_keys"])
     key_bin = torch.tensor(spec["key_bin"][:n_positions], dtype=torch.long, device=pattern.device)
-    return reduce_layer(pattern, visible, spec["log_floor"], key_bin, spec["n_key_bins"], keep_pattern=spec["keep_pattern"])
+    out = reduce_layer(pattern, visible, spec["log_floor"], key_bin, spec["n_key_bins"], keep_pattern=spec["keep_pattern"])
+    if spec.get("keep_first_key"):
+        # Read from the pattern, not through `visible`: an excluded key 0 is still in the softmax.
+        query = torch.arange(n_positions, device=pattern.device).view(1, -1)
+        seen = query < lengths.to(pattern.device).view(-1, 1)
+        if spec["window"] is not None:
+            seen = seen & (query < spec["window"])
+        first = pattern[..., 0].to(torch.float64)
+        out["first_key_sum"] = torch.where(seen.unsqueeze(1), first, torch.zeros_like(first)).sum(0)
+    return out
 
 
 def attention_scores(

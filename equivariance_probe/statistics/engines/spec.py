@@ -41,6 +41,10 @@ class ReductionSpec:
         key_bin: ``[T]`` non-decreasing bin of each key position; ``None``: one bin per key.
         n_key_bins: ``K``; ``None``: ``key_bin.max() + 1``.
         keep_pattern: also return ``pattern_sum: [H, T, T]`` (query-key layout, summed over the batch).
+        keep_first_key: also return ``first_key_sum: [B, H, T]``, the model's weight ``a[q, 0]`` on the
+            window's first token for every real query ``q``, whatever ``excluded_keys`` says (an excluded
+            key stays in the softmax, and its weight is what an attention-sink rate reads), 0 where the
+            model's mask hides key 0 (a sliding window at ``q >= w``) and on padding rows.
         scaling: score scale; ``None`` means ``d**-0.5``.
         softcap: logit soft-capping ``c`` (``s -> c·tanh(s/c)``), or ``None``.
         block_size: query rows per block (the torch engine) or per tile (the Triton kernel, rounded up
@@ -58,6 +62,7 @@ class ReductionSpec:
     key_bin: torch.Tensor | None = None
     n_key_bins: int | None = None
     keep_pattern: bool = False
+    keep_first_key: bool = False
     scaling: float | None = None
     softcap: float | None = None
     block_size: int | None = None
@@ -162,6 +167,16 @@ class Layout:
         excluded key among ``[k0, k1)``, or a padding row among ``[q0, q1)``."""
         return any(k0 <= key < k1 for key in self.excluded) or min(self.host_lengths, default=q1) < q1
 
+    def first_key_seen(self, q0: int, q1: int) -> torch.Tensor:
+        """Rows ``[q0, q1)`` whose weight on the window's first token counts for the sink sums: real queries
+        whose mask shows key 0 (every one but those at ``q >= w`` under a sliding window ``w``), whether or
+        not key 0 is excluded from the other sums. ``[B, 1, rows]`` bool."""
+        query = torch.arange(q0, q1, device=self.device).view(1, -1)
+        seen = query < self.lengths.view(-1, 1)
+        if self.causal and self.window is not None:
+            seen = seen & (query < self.window)
+        return seen.view(-1, 1, q1 - q0)
+
     def visible(self, q0: int, q1: int, k0: int, k1: int, allowed: torch.Tensor) -> torch.Tensor:
         """Entries the statistics read in the block: ``[B, 1, rows, keys]`` bool."""
         real = torch.arange(q0, q1, device=self.device).view(1, -1) < self.lengths.view(-1, 1)
@@ -210,9 +225,10 @@ def layout(spec: ReductionSpec, *, batch: int, heads: int, n_positions: int, dev
                   causal=bool(spec.causal))
 
 
-def empty_sums(layout: Layout, keep_pattern: bool) -> dict[str, torch.Tensor]:
+def empty_sums(layout: Layout, keep_pattern: bool, keep_first_key: bool = False) -> dict[str, torch.Tensor]:
     """Zeroed per-window sums of a batch: ``raw_sum, raw_sq, log_sum, log_sq: [B, H, T]``, ``lag_sum: [B, H, D]``,
-    ``floored: [B, H]``, ``key_lag_sum: [K, D]`` and, if ``keep_pattern``, ``pattern_sum: [H, T, T]``."""
+    ``floored: [B, H]``, ``key_lag_sum: [K, D]``, if ``keep_pattern`` ``pattern_sum: [H, T, T]`` and, if
+    ``keep_first_key``, ``first_key_sum: [B, H, T]``."""
     shape = (layout.batch, layout.heads, layout.n_positions)
     zeros = lambda *size: torch.zeros(size, dtype=torch.float64, device=layout.device)  # noqa: E731
     out = {name: zeros(*shape) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq")}
@@ -221,4 +237,6 @@ def empty_sums(layout: Layout, keep_pattern: bool) -> dict[str, torch.Tensor]:
     out["key_lag_sum"] = zeros(layout.n_key_bins, layout.n_lags)
     if keep_pattern:
         out["pattern_sum"] = zeros(layout.heads, layout.n_positions, layout.n_positions)
+    if keep_first_key:
+        out["first_key_sum"] = zeros(*shape)
     return out

@@ -42,19 +42,21 @@ Conventions (those of today's per-layer reduction and of the nnsight adapter's
 
 The sums (float64, on the input's device):
 
-==============  ===============  ====================================================
-name            shape            meaning
-==============  ===============  ====================================================
-``raw_sum``     ``[B, H, T]``    ``Σ_k a[q, k]`` over the visible keys of row ``q``
-``raw_sq``      ``[B, H, T]``    ``Σ_k a[q, k]²``
-``log_sum``     ``[B, H, T]``    ``Σ_k y[q, k]``
-``log_sq``      ``[B, H, T]``    ``Σ_k y[q, k]²``
-``floored``     ``[B, H]``       visible entries with ``log a < log eps``
-``lag_sum``     ``[B, H, T]``    ``Σ_t a[t + dt, t]`` by lag ``dt = q - k``
-``key_lag_sum`` ``[K, T]``       ``Σ`` over windows and heads of ``a[q, k]`` with
-                                 ``key_bin[k] = κ`` and ``q - k = dt``, ``[κ, dt]``
-``pattern_sum`` ``[H, T, T]``    optional: ``Σ_b a[b, h, q, k]``, query-key layout
-==============  ===============  ====================================================
+=================  ===============  ====================================================
+name               shape            meaning
+=================  ===============  ====================================================
+``raw_sum``        ``[B, H, T]``    ``Σ_k a[q, k]`` over the visible keys of row ``q``
+``raw_sq``         ``[B, H, T]``    ``Σ_k a[q, k]²``
+``log_sum``        ``[B, H, T]``    ``Σ_k y[q, k]``
+``log_sq``         ``[B, H, T]``    ``Σ_k y[q, k]²``
+``floored``        ``[B, H]``       visible entries with ``log a < log eps``
+``lag_sum``        ``[B, H, T]``    ``Σ_t a[t + dt, t]`` by lag ``dt = q - k``
+``key_lag_sum``    ``[K, T]``       ``Σ`` over windows and heads of ``a[q, k]`` with
+                                    ``key_bin[k] = κ`` and ``q - k = dt``, ``[κ, dt]``
+``pattern_sum``    ``[H, T, T]``    optional: ``Σ_b a[b, h, q, k]``, query-key layout
+``first_key_sum``  ``[B, H, T]``    optional: ``a[q, 0]``, the weight on the window's first
+                                    token, excluded or not (0 where the mask hides it)
+=================  ===============  ====================================================
 
 Rows of padding queries (``q >= lengths[b]``) are 0 everywhere. The mask-only sums
 (entry counts and the uniform prior's curves) do not depend on the model; they come in
@@ -369,13 +371,13 @@ def attention_sums_from_qk(
     Returns:
         float64 tensors on ``query.device``: ``raw_sum, raw_sq, log_sum, log_sq: [B, H, T]``,
         ``lag_sum: [B, H, D]``, ``floored: [B, H]``, ``key_lag_sum: [K, D]`` (``D`` lags: ``T``
-        causal, ``2T - 1`` bidirectional) and, if ``keep_pattern``, ``pattern_sum: [H, T, T]``
-        (see the module docstring).
+        causal, ``2T - 1`` bidirectional), if ``keep_pattern``, ``pattern_sum: [H, T, T]`` and, if
+        ``keep_first_key``, ``first_key_sum: [B, H, T]`` (see the module docstring).
     """
     spec = ReductionSpec.of(spec, **options)
     laid_out, grouped_query, work_key, dtype, scale = _scores_inputs(query, key, spec)
     log_eps = math.log(laid_out.log_floor)
-    out = empty_sums(laid_out, spec.keep_pattern)
+    out = empty_sums(laid_out, spec.keep_pattern, spec.keep_first_key)
     workspace = BlockWorkspace() if workspace is None else workspace
     with full_float32_matmul(query.device), torch.no_grad():
         for q0, q1, k0, k1 in _blocks(laid_out, spec.block_size, dtype):
@@ -426,7 +428,7 @@ def attention_sums_from_weights(
     laid_out = layout(spec, batch=batch, heads=heads, n_positions=n_positions, device=pattern.device,
                       input_dtype=pattern.dtype)
     dtype = work_dtype(pattern.dtype)
-    out = empty_sums(laid_out, spec.keep_pattern)
+    out = empty_sums(laid_out, spec.keep_pattern, spec.keep_first_key)
     workspace = BlockWorkspace() if workspace is None else workspace
     with torch.no_grad():
         for q0, q1, k0, k1 in _blocks(laid_out, spec.block_size, dtype):

@@ -127,7 +127,7 @@ def attention_sums_triton(
     batch, heads, kv_heads, n_positions, dim = check_qk(query, key)
     laid_out = layout(spec, batch=batch, heads=heads, n_positions=n_positions, device=query.device,
                       input_dtype=query.dtype)
-    out = empty_sums(laid_out, keep_pattern=False)
+    out = empty_sums(laid_out, keep_pattern=False, keep_first_key=spec.keep_first_key)
     n_real = max(laid_out.host_lengths, default=0)
     if n_real > 0:
         use_fp64 = query.dtype == torch.float64
@@ -142,7 +142,7 @@ def attention_sums_triton(
         _attention_sums_kernel[grid](
             q, k, laid_out.lengths, laid_out.key_keep.to(torch.int8), laid_out.key_bin, params,
             out["raw_sum"], out["raw_sq"], out["log_sum"], out["log_sq"], floored_rows,
-            out["lag_sum"], out["key_lag_sum"],
+            out["lag_sum"], out["key_lag_sum"], out.get("first_key_sum", floored_rows),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             heads, heads // kv_heads, n_positions, 0 if laid_out.window is None else laid_out.window,
             HEAD_DIM=dim,
@@ -153,6 +153,7 @@ def attention_sums_triton(
             HAS_WINDOW=laid_out.window is not None,
             HAS_SOFTCAP=spec.softcap is not None,
             HAS_EXCLUDED=bool(laid_out.excluded),
+            HAS_FIRST_KEY=spec.keep_first_key,
             num_warps=WARPS if tile >= 32 else 4,
         )
         out["floored"] = floored_rows.sum(-1)

@@ -16,8 +16,9 @@ rows), in the manner of a flash-attention forward pass:
 2. Pass 2 over the same tiles, recomputing ``s``: ``a = exp(s - m) / l`` and
    ``y = (s - m) - log l`` (``= s - logsumexp(s) = log a``, as in the torch path), and
    accumulating per row ``Σa, Σa², Σy, Σy²`` (``y`` floored at ``log eps``) in float64
-   from the float32 values, the visible and floored counts, and the lag and key-bin
-   lag sums with float64 atomic adds (one per lag, or per key bin and lag, of a tile).
+   from the float32 values, the visible and floored counts, the lag and key-bin
+   lag sums with float64 atomic adds (one per lag, or per key bin and lag, of a tile)
+   and, in the tile of key 0, each row's weight on key 0 (the attention-sink sums).
 
 Grouped-query attention reads key head ``h // (H / H_kv)`` by index: no repeated keys.
 
@@ -221,16 +222,19 @@ if triton is not None:
     @triton.jit
     def _attention_sums_kernel(
         q_ptr, k_ptr, lengths_ptr, keep_ptr, key_bin_ptr, params_ptr,
-        raw_sum_ptr, raw_sq_ptr, log_sum_ptr, log_sq_ptr, floored_ptr, lag_sum_ptr, key_lag_ptr,
+        raw_sum_ptr, raw_sq_ptr, log_sum_ptr, log_sq_ptr, floored_ptr, lag_sum_ptr, key_lag_ptr, first_key_ptr,
         stride_qb, stride_qh, stride_qt, stride_kb, stride_kh, stride_kt,
         n_heads, group, n_positions, window,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, DTYPE: tl.constexpr,
         DOT_DTYPE: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_EXCLUDED: tl.constexpr,
+        HAS_FIRST_KEY: tl.constexpr,
     ):
         """Sums of one (window, query head, block of ``BLOCK`` query rows); see the module docstring.
 
         Outputs are float64: per row ``[B, H, T]`` (stored, each row owned by one program),
-        ``lag_sum [B, H, T]`` and ``key_lag_sum [K, T]`` (atomic adds; zeroed by the caller).
+        ``lag_sum [B, H, T]`` and ``key_lag_sum [K, T]`` (atomic adds; zeroed by the caller) and, with
+        ``HAS_FIRST_KEY``, ``first_key_sum [B, H, T]`` (stored: each row's weight on key 0 under the
+        model's mask, ``allowed & real``, not ``visible``: an excluded key 0 keeps its weight there).
         ``params`` holds ``(scaling, softcap, log eps)`` in float64.
         """
         pid_m = tl.program_id(0)
@@ -301,6 +305,7 @@ if triton is not None:
             last_low = (offs[:, None] + offs[None, :]) == BLOCK - 1
             carried_sum = tl.zeros([BLOCK], tl.float64)
             carried_lag = q0 - lo - offs
+            first_a = tl.zeros([BLOCK], tl.float64)
             for n0 in range(lo, hi, BLOCK):
                 cols, s, allowed = _masked_tile(q, k_base, n0, offs, dims, rows, hi, window, stride_kt, scaling,
                                                 softcap, HEAD_DIM, DTYPE, DOT_DTYPE, HAS_SOFTCAP, HAS_WINDOW)
@@ -322,6 +327,10 @@ if triton is not None:
                 differ_a += tl.sum((visible & (a != c_a[:, None])).to(tl.int32), 1)
                 differ_y += tl.sum((visible & (floored_y != c_y[:, None])).to(tl.int32), 1)
                 n_floored += tl.sum((visible & (y < log_eps)).to(tl.int32), 1)
+                if HAS_FIRST_KEY:
+                    if n0 == 0:  # only the first tile holds key 0
+                        at_first = allowed & real[:, None] & (cols[None, :] == 0)
+                        first_a += tl.sum(tl.where(at_first, tl.exp(shifted) / l_row[:, None], 0.0).to(tl.float64), 1)
 
                 # Lag sums: BLOCK atomic adds per tile instead of BLOCK². A tile's second lags
                 # (high) are the previous tile's first ones (low), so those are carried over and
@@ -387,6 +396,8 @@ if triton is not None:
             tl.store(log_sum_ptr + out, sum_y, mask=row_ok)
             tl.store(log_sq_ptr + out, sq_y, mask=row_ok)
             tl.store(floored_ptr + out, n_floored.to(tl.float64), mask=row_ok)
+            if HAS_FIRST_KEY:
+                tl.store(first_key_ptr + out, first_a, mask=row_ok)
 
 else:  # no Triton here: the engine refuses to run, and attention_sums_triton says why
     _tanh64 = _score_tile = _masked_tile = _add_within_segment = _attention_sums_kernel = None
