@@ -43,7 +43,8 @@ Heads and reports: :func:`rank_heads` / :class:`HeadRanking`, :func:`head_views`
 
 Further analyses: :func:`toeplitz_r2`, :func:`gram_toeplitz`, :func:`positional_logits`,
 :func:`score_profile`, :func:`fit_tisa_kernel`, :func:`permutation_sensitivity`,
-:func:`representation_sums`, :class:`VarianceShrinkage`, :func:`position_correlation`.
+:func:`representation_sums`, :class:`VarianceShrinkage`, :func:`position_correlation`,
+:func:`position_probe` / :class:`PositionProbe` (linear position probes on the residual stream).
 
 Errors: :class:`EquivarianceProbeError` and its subclasses (:mod:`equivariance_probe.errors`).
 """
@@ -53,6 +54,7 @@ from __future__ import annotations
 from .adapters import SUPPORTED_MODELS, Adapter, AttentionLayout, get_adapter
 from .analyses.heads import HeadRanking, rank_heads
 from .analyses.order import VarianceShrinkage, permutation_sensitivity, position_correlation, representation_sums
+from .analyses.position_probe import PositionProbe, position_probe
 from .analyses.positional import gram_toeplitz, positional_logits, score_profile
 from .display.report import RenderedReport, ReportSection, render_report
 from .display.shift import ShiftView, render_shift_report, shift_figures, shift_report_section, shift_view
@@ -169,6 +171,8 @@ __all__ = [
     "representation_sums",
     "VarianceShrinkage",
     "position_correlation",
+    "position_probe",
+    "PositionProbe",
     # errors
     "EquivarianceProbeError",
     "InputError",
