@@ -17,7 +17,7 @@ files it wrote.
 * ``scan``       — the same text at several context lengths, trained vs baselines, per layer group:
   one table and figure, and a result file per length and variant (reused when run again).
 * ``positional`` — where order comes from: position-embedding Gram matrices, TISA kernel fits,
-  permutation sensitivity, variance shrinkage, position correlations.
+  permutation sensitivity, variance shrinkage, position correlations, linear position probes.
 
 Options shared by several commands are declared once (:func:`shared_options`) and each subcommand takes
 them with :func:`add_shared_options`, so a flag has one spelling and one meaning everywhere; where a
@@ -322,7 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = command("show", "print the headline numbers of result files",
                    "Reads each file's header only: instant, whatever the file's size. Shift results "
-                   "(shift_<variant>.safetensors, from 'shift') print as one table, a row per file, read whole.")
+                   "(shift_<variant>.safetensors, from 'shift') print as one table, a row per file, read whole; "
+                   "positional studies (positional.safetensors) as each file's table of analyses, read whole.")
     show.set_defaults(handler=_show)
     show.add_argument("results", nargs="+", help="result files (any format version), one column each; or shift "
                                                  "results, one row each")
@@ -405,7 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "default random_init: every baseline is measured at every length")})
 
     positional = command("positional", "where order comes from: Gram/TISA Toeplitzness, permutation symmetry, "
-                         "variance shrinkage, position correlations",
+                         "variance shrinkage, position correlations, linear position probes",
                          "The analyses read hidden states and position embeddings of the Hugging Face model (no "
                          "--framework) in a few short windows, one per document (no --pack), on the CPU in float32 as "
                          "loaded (no --device, --dtype or --memory-limit-gib); no checkpoints or shards, no "
@@ -428,6 +429,14 @@ def build_parser() -> argparse.ArgumentParser:
     positional.add_argument("--n-permutations", type=_positive, default=8,
                             help="random orders of each prompt's tokens in the permutation analysis (default %(default)s)")
     positional.add_argument("--kernels", type=_positive, default=5, help="S, kernels of the TISA fit")
+    positional.add_argument("--probe-positions", type=_positive, default=32,
+                            help="positions per window of the linear position probes, a stratified sample of 1..T-1 "
+                                 "(default %(default)s)")
+    positional.add_argument("--windows-per-doc", type=_positive, default=2,
+                            help="consecutive windows of each document for the probes, whose folds hold documents "
+                                 "out (default %(default)s)")
+    positional.add_argument("--folds", type=_integer_at_least(2, "an integer of at least 2"), default=5,
+                            help="document folds (GroupKFold) of the probes' held-out scores (default %(default)s)")
     positional.add_argument("--baseline", dest="baselines", type=_names, action=_Deprecated,
                             help="deprecated spelling of --baselines (removed in the next release)")
     _add_shift_command(command("shift", "move the same texts through the window: what their attention, residual stream "
@@ -623,6 +632,7 @@ def _merge(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from .records.container import file_kind, header_kind
     from .result import ProbeResult
+    from .runs.positional import POSITIONAL_KIND
     from .runs.study import BASELINES
     from .runs.tables import summary_table
     from .shift_result import SHIFT_KIND
@@ -636,6 +646,13 @@ def _show(args: argparse.Namespace) -> int:
             raise InputError(f"show puts shift results and probe results in different tables; {others[0]!r} is not a "
                              "shift result: show each kind on its own")
         return _show_shift(args)
+    positional_files = [path for path in args.results if header_kind(path) == POSITIONAL_KIND]
+    if positional_files:
+        if len(positional_files) != len(args.results):
+            others = [str(path) for path in args.results if path not in positional_files]
+            raise InputError(f"show prints positional studies and probe results in different tables; {others[0]!r} is "
+                             "not a positional study: show each kind on its own")
+        return _show_positional(args)
     results = {str(path): ProbeResult.load(path) for path in args.results}
     if args.verify:
         for result in results.values():
@@ -685,6 +702,23 @@ def _verification_note(results: dict[str, Any], verified: bool) -> str:
                  f"{'was' if len(older) == 1 else 'were'} written before per-array digests"
                  + (" (a whole-file checksum, where the format has one, was checked instead)" if verified else ""))
     return note
+
+
+def _show_positional(args: argparse.Namespace) -> int:
+    """``show`` of positional studies (``positional.safetensors``): each file's table of analyses, read whole (its
+    arrays checked against its checksum), or with ``--json`` the stored summaries."""
+    from .runs.positional import PositionalStudy
+
+    studies = {str(path): PositionalStudy.load(path) for path in args.results}
+    if args.json:
+        print(json.dumps(jsonable({path: {"model": study.model_name, "metadata": study.metadata,
+                                          "summary": study.summary(), "skipped": study.skipped}
+                                   for path, study in studies.items()}), indent=1))
+        return 0
+    for path, study in studies.items():
+        print(f"{path}: positional analyses of {study.model_name}\n")
+        print(study.table() + "\n")
+    return 0
 
 
 def _show_shift(args: argparse.Namespace) -> int:
@@ -848,6 +882,7 @@ def _positional(args: argparse.Namespace) -> int:
         n_docs=args.n_docs, context_length=args.context_length, n_prompts=args.n_prompts,
         prompt_length=args.prompt_length, n_permutations=args.n_permutations, n_kernels=args.kernels,
         baseline=_positional_baseline(args.baselines),
+        probe_positions=args.probe_positions, windows_per_doc=args.windows_per_doc, n_folds=args.folds,
     )
     study = positional["study"]
     _print(args, study.table(), study.summary(), positional["wrote"])

@@ -99,9 +99,16 @@ def test_command_line_writes_json_figures_and_the_report_section(tmp_path, capsy
     assert "<h2>Where order comes from:" in report and "Permutation sensitivity" in report
 
     assert main(["positional", "--out", str(tmp_path / "p"), "--model", model, "--corpus", corpus,
-                 "--analyses", "tisa,correlation", "--n-docs", "2", "--context-length", "12", "--kernels", "2",
-                 "--baseline", "none"]) == 0
-    assert set(PositionalStudy.load(tmp_path / "p" / "positional.safetensors").parts) == {"tisa", "correlation"}
+                 "--analyses", "tisa,correlation,probe", "--n-docs", "2", "--context-length", "12", "--kernels", "2",
+                 "--probe-positions", "4", "--windows-per-doc", "3", "--folds", "2", "--baseline", "none"]) == 0
+    study = PositionalStudy.load(tmp_path / "p" / "positional.safetensors")
+    assert set(study.parts) == {"tisa", "correlation", "probe"}
+    probe = study.parts["probe"]  # 2 documents, 3 windows each (after the BOS): the folds hold documents out
+    assert probe.positions.shape == (6, 4) and probe.n_folds == 2 and probe.n_documents == 2
+    assert (tmp_path / "p" / "positional_probe.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "p" / "positional.safetensors")]) == 0
+    assert "held-out R² of the position (trained)" in capsys.readouterr().out
     assert len(WORDS) > 0
 
 
