@@ -639,20 +639,16 @@ def _show(args: argparse.Namespace) -> int:
 
     for path in args.results:
         file_kind(path)  # a file that cannot be read is named as such, whatever kind the others are
-    shift_files = [path for path in args.results if header_kind(path) == SHIFT_KIND]
-    if shift_files:
-        if len(shift_files) != len(args.results):
-            others = [str(path) for path in args.results if path not in shift_files]
-            raise InputError(f"show puts shift results and probe results in different tables; {others[0]!r} is not a "
-                             "shift result: show each kind on its own")
-        return _show_shift(args)
-    positional_files = [path for path in args.results if header_kind(path) == POSITIONAL_KIND]
-    if positional_files:
-        if len(positional_files) != len(args.results):
-            others = [str(path) for path in args.results if path not in positional_files]
-            raise InputError(f"show prints positional studies and probe results in different tables; {others[0]!r} is "
-                             "not a positional study: show each kind on its own")
-        return _show_positional(args)
+    # Shift results and positional studies each print as their own table, never beside probe results.
+    for kind, handler, plural, one in ((SHIFT_KIND, _show_shift, "shift results", "a shift result"),
+                                       (POSITIONAL_KIND, _show_positional, "positional studies", "a positional study")):
+        files = [path for path in args.results if header_kind(path) == kind]
+        if files:
+            if len(files) != len(args.results):
+                others = [str(path) for path in args.results if path not in files]
+                raise InputError(f"show puts {plural} and probe results in different tables; {others[0]!r} is not "
+                                 f"{one}: show each kind on its own")
+            return handler(args)
     results = {str(path): ProbeResult.load(path) for path in args.results}
     if args.verify:
         for result in results.values():
