@@ -297,8 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", dest="framework", choices=["huggingface", "transformer_lens", "nnsight"],
                      action=_Deprecated, help="deprecated spelling of --framework (removed in the next release)")
     add_shared_options(run, "analyses", differ={"analyses": ({"default": [], "help": (
-        "also run positional analyses (at most 8 windows of 256 tokens), comma-separated as for 'positional', "
-        "or 'all'")}, "default none: the study alone, the analyses only when asked for")})
+        "also run positional analyses (at most 8 windows of 256 tokens, one per document; the probes 2 per "
+        "document), comma-separated as for 'positional', or 'all'")}, "default none: the study alone, the analyses only when asked for")})
     run.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_CHECKPOINT_EVERY,
                      help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
     run.add_argument("--resume", action="store_true",
