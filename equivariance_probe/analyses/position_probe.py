@@ -7,8 +7,8 @@ probe), keeps each layer's residual stream at a bounded sample of positions per 
 the ridge probes of :mod:`~equivariance_probe.maths.probing` on them, scored on held-out documents
 (docs/methods.md#probe). Haviv et al. 2022 ("Transformer Language Models without Positional
 Encodings Still Learn Positional Information") decode position from each layer this way; the
-shift test's residual-stream offset η² (docs/methods.md#shift) is the variance view of the same
-question, a probe the decoding view.
+shift test's residual-stream offset η² (docs/methods.md#shift-representations) is the variance
+view of the same question, a probe the decoding view.
 
 * **Layers.** Row ``0`` is the residual stream entering the first block (the embeddings, position
   embeddings added where the model has them), row ``l ≥ 1`` the output of block ``l - 1``: the
