@@ -6,7 +6,8 @@ For each model: :func:`~equivariance_probe.run_positional` with ``analyses=("pro
 (16 documents of the packaged corpus, 2 consecutive windows of 256 tokens each, 32 positions per window,
 5 document folds), saved as ``<out>/<model>/positional.safetensors`` with its figure; then, on the same windows,
 the plain forward passes (the model's base, 4 windows per pass) timed alone, so that the probe's cost reads
-against them (``--n-docs``, ``--windows-per-doc``: fewer windows for a larger model on a busy machine).
+against them (``--n-docs``, ``--windows-per-doc``, ``--context-length``: fewer tokens for a larger model on a
+busy machine).
 Prints one JSON line per model (the numbers of docs/guide/positional.md's table).
 """
 
@@ -66,10 +67,11 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--n-docs", type=int, default=SETTINGS["n_docs"])
     parser.add_argument("--windows-per-doc", type=int, default=SETTINGS["windows_per_doc"])
+    parser.add_argument("--context-length", type=int, default=SETTINGS["context_length"])
     args = parser.parse_args()
     for name in args.models.split(","):
         print(json.dumps(study_one(name.strip(), Path(args.out), n_docs=args.n_docs,
-                                   windows_per_doc=args.windows_per_doc)), flush=True)
+                                   windows_per_doc=args.windows_per_doc, context_length=args.context_length)), flush=True)
 
 
 if __name__ == "__main__":
