@@ -45,7 +45,8 @@ as PNG, SVG or PDF files).
 
 Further analyses: :func:`toeplitz_r2`, :func:`gram_toeplitz`, :func:`positional_logits`,
 :func:`score_profile`, :func:`fit_tisa_kernel`, :func:`permutation_sensitivity`,
-:func:`representation_sums`, :class:`VarianceShrinkage`, :func:`position_correlation`.
+:func:`representation_sums`, :class:`VarianceShrinkage`, :func:`position_correlation`,
+:func:`position_probe` / :class:`PositionProbe` (linear position probes on the residual stream).
 
 Errors: :class:`EquivarianceProbeError` and its subclasses (:mod:`equivariance_probe.errors`).
 """
@@ -55,6 +56,7 @@ from __future__ import annotations
 from .adapters import SUPPORTED_MODELS, Adapter, AttentionLayout, get_adapter
 from .analyses.heads import HeadRanking, rank_heads
 from .analyses.order import VarianceShrinkage, permutation_sensitivity, position_correlation, representation_sums
+from .analyses.position_probe import PositionProbe, position_probe
 from .analyses.positional import gram_toeplitz, positional_logits, score_profile
 from .display.figures import save_figures, study_figures
 from .display.report import RenderedReport, ReportSection, render_report
@@ -177,6 +179,8 @@ __all__ = [
     "representation_sums",
     "VarianceShrinkage",
     "position_correlation",
+    "position_probe",
+    "PositionProbe",
     # errors
     "EquivarianceProbeError",
     "InputError",

@@ -17,7 +17,7 @@ files it wrote.
 * ``scan``       — the same text at several context lengths, trained vs baselines, per layer group:
   one table and figure, and a result file per length and variant (reused when run again).
 * ``positional`` — where order comes from: position-embedding Gram matrices, TISA kernel fits,
-  permutation sensitivity, variance shrinkage, position correlations.
+  permutation sensitivity, variance shrinkage, position correlations, linear position probes.
 
 Options shared by several commands are declared once (:func:`shared_options`) and each subcommand takes
 them with :func:`add_shared_options`, so a flag has one spelling and one meaning everywhere; where a
@@ -321,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", dest="framework", choices=["huggingface", "transformer_lens", "nnsight"],
                      action=_Deprecated, help="deprecated spelling of --framework (removed in the next release)")
     add_shared_options(run, "analyses", differ={"analyses": ({"default": [], "help": (
-        "also run positional analyses (at most 8 windows of 256 tokens), comma-separated as for 'positional', "
-        "or 'all'")}, "default none: the study alone, the analyses only when asked for")})
+        "also run positional analyses (at most 8 windows of 256 tokens, one per document; the probes 2 per "
+        "document), comma-separated as for 'positional', or 'all'")}, "default none: the study alone, the analyses only when asked for")})
     run.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_CHECKPOINT_EVERY,
                      help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
     run.add_argument("--resume", action="store_true",
@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "default random_init: every baseline is measured at every length")})
 
     positional = command("positional", "where order comes from: Gram/TISA Toeplitzness, permutation symmetry, "
-                         "variance shrinkage, position correlations",
+                         "variance shrinkage, position correlations, linear position probes",
                          "The analyses read hidden states and position embeddings of the Hugging Face model (no "
                          "--framework) in a few short windows, one per document (no --pack), on the CPU in float32 as "
                          "loaded (no --device, --dtype or --memory-limit-gib); no checkpoints or shards, no "
@@ -468,6 +468,14 @@ def build_parser() -> argparse.ArgumentParser:
     positional.add_argument("--n-permutations", type=_positive, default=8,
                             help="random orders of each prompt's tokens in the permutation analysis (default %(default)s)")
     positional.add_argument("--kernels", type=_positive, default=5, help="S, kernels of the TISA fit")
+    positional.add_argument("--probe-positions", type=_positive, default=32,
+                            help="positions per window of the linear position probes, a stratified sample of 1..T-1 "
+                                 "(default %(default)s)")
+    positional.add_argument("--windows-per-doc", type=_positive, default=2,
+                            help="consecutive windows of each document for the probes, whose folds hold documents "
+                                 "out (default %(default)s)")
+    positional.add_argument("--folds", type=_integer_at_least(2, "an integer of at least 2"), default=5,
+                            help="document folds (GroupKFold) of the probes' held-out scores (default %(default)s)")
     positional.add_argument("--baseline", dest="baselines", type=_names, action=_Deprecated,
                             help="deprecated spelling of --baselines (removed in the next release)")
     _add_shift_command(command("shift", "move the same texts through the window: what their attention, residual stream "
@@ -669,8 +677,8 @@ def _merge(args: argparse.Namespace) -> int:
 def _show(args: argparse.Namespace) -> int:
     from .records.container import file_kind, header_kind
     from .result import ProbeResult
-    from .runs.study import BASELINES
     from .runs.positional import POSITIONAL_KIND
+    from .runs.study import BASELINES
     from .runs.tables import summary_table
     from .shift_result import SHIFT_KIND
 
@@ -679,15 +687,18 @@ def _show(args: argparse.Namespace) -> int:
     if args.csv and args.json:
         raise InputError("show prints one form: pass --csv (the long table) or --json (the summaries and the same "
                          "rows), not both")
-    if args.csv or any(header_kind(path) == POSITIONAL_KIND for path in args.results):
+    if args.csv:
         return _show_rows(args)
-    shift_files = [path for path in args.results if header_kind(path) == SHIFT_KIND]
-    if shift_files:
-        if len(shift_files) != len(args.results):
-            others = [str(path) for path in args.results if path not in shift_files]
-            raise InputError(f"show puts shift results and probe results in different tables; {others[0]!r} is not a "
-                             "shift result: show each kind on its own")
-        return _show_shift(args)
+    # Shift results and positional studies each print as their own table, never beside probe results.
+    for kind, handler, plural, one in ((SHIFT_KIND, _show_shift, "shift results", "a shift result"),
+                                       (POSITIONAL_KIND, _show_positional, "positional studies", "a positional study")):
+        files = [path for path in args.results if header_kind(path) == kind]
+        if files:
+            if len(files) != len(args.results):
+                others = [str(path) for path in args.results if path not in files]
+                raise InputError(f"show puts {plural} and probe results in different tables; {others[0]!r} is not "
+                                 f"{one}: show each kind on its own")
+            return handler(args)
     results = {str(path): ProbeResult.load(path) for path in args.results}
     if args.verify:
         for result in results.values():
@@ -739,6 +750,24 @@ def _verification_note(results: dict[str, Any], verified: bool) -> str:
     return note
 
 
+def _show_positional(args: argparse.Namespace) -> int:
+    """``show`` of positional studies (``positional.safetensors``): each file's table of analyses, read whole (its
+    arrays checked against its checksum), or with ``--json`` the stored summaries."""
+    from .runs.positional import PositionalStudy
+
+    studies = {str(path): PositionalStudy.load(path) for path in args.results}
+    if args.json:
+        print(json.dumps(jsonable({path: {"model": study.model_name, "metadata": study.metadata,
+                                          "summary": study.summary(), "skipped": study.skipped,
+                                          "rows": study.to_rows()}
+                                   for path, study in studies.items()}), indent=1))
+        return 0
+    for path, study in studies.items():
+        print(f"{path}: positional analyses of {study.model_name}\n")
+        print(study.table() + "\n")
+    return 0
+
+
 def _show_shift(args: argparse.Namespace) -> int:
     """``show`` of shift results: one row per file, labelled ``<folder>/<variant>`` (the shift command writes
     ``shift_<variant>.safetensors``), as :func:`~equivariance_probe.runs.tables.shift_table`; every file is read
@@ -775,8 +804,7 @@ def _show_shift(args: argparse.Namespace) -> int:
 
 
 def _show_rows(args: argparse.Namespace) -> int:
-    """``show --csv``: every file's long-form rows (``to_rows()`` of its result, whatever its kind) as one CSV
-    table; also ``show`` of positional studies (their tables, or ``--json``: summaries and rows)."""
+    """``show --csv``: every file's long-form rows (``to_rows()`` of its result, whatever its kind) as one CSV table."""
     from .analyses.tidy import COLUMNS
     from .records.container import header_kind
     from .result import ProbeResult
@@ -784,23 +812,15 @@ def _show_rows(args: argparse.Namespace) -> int:
     from .runs.tables import csv_text
     from .shift_result import SHIFT_KIND, ShiftResult
 
-    loaded = {}
+    rows = []
     for path in args.results:
         kind = header_kind(path)
-        loaded[path] = (ShiftResult.load(path) if kind == SHIFT_KIND else
-                        PositionalStudy.load(path) if kind == POSITIONAL_KIND else ProbeResult.load(path))
-        if args.verify and isinstance(loaded[path], ProbeResult):
-            loaded[path].verify()
-    if args.csv:
-        rows = [row for result in loaded.values() for row in result.to_rows()]
-        sys.stdout.write(csv_text(rows) if rows else ",".join(COLUMNS) + "\n")
-        return 0
-    if args.json:
-        print(json.dumps(jsonable({str(path): {"model": result.model_name, "summary": result.summary(),
-                                               "rows": result.to_rows()} for path, result in loaded.items()}), indent=1))
-        return 0
-    for path, result in loaded.items():
-        print(f"{path}: model {result.model_name}\n\n{result.table()}\n")
+        result = (ShiftResult.load(path) if kind == SHIFT_KIND else
+                  PositionalStudy.load(path) if kind == POSITIONAL_KIND else ProbeResult.load(path))
+        if args.verify and isinstance(result, ProbeResult):
+            result.verify()
+        rows += result.to_rows()
+    sys.stdout.write(csv_text(rows) if rows else ",".join(COLUMNS) + "\n")
     return 0
 
 
@@ -934,6 +954,7 @@ def _positional(args: argparse.Namespace) -> int:
         n_docs=args.n_docs, context_length=args.context_length, n_prompts=args.n_prompts,
         prompt_length=args.prompt_length, n_permutations=args.n_permutations, n_kernels=args.kernels,
         baseline=_positional_baseline(args.baselines),
+        probe_positions=args.probe_positions, windows_per_doc=args.windows_per_doc, n_folds=args.folds,
     )
     study = positional["study"]
     _print(args, study.table(), study.summary(), positional["wrote"])

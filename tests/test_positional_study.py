@@ -29,7 +29,7 @@ def gpt2_study() -> PositionalStudy:
 
 
 def test_every_analysis_runs_on_a_gpt2_and_round_trips(gpt2_study, tmp_path):
-    assert set(gpt2_study.parts) == set(ANALYSES) | {"shrinkage_baseline", "correlation_baseline"}
+    assert set(gpt2_study.parts) == set(ANALYSES) | {"shrinkage_baseline", "correlation_baseline", "probe_baseline"}
     assert not gpt2_study.skipped
     summary = gpt2_study.summary()
     assert summary["gram"]["n_positions"] == 64 and len(summary["positional_logits"]["per_head"]) == 4
@@ -40,19 +40,24 @@ def test_every_analysis_runs_on_a_gpt2_and_round_trips(gpt2_study, tmp_path):
     assert json.dumps(loaded.summary(), sort_keys=True) == json.dumps(summary, sort_keys=True)
     np.testing.assert_array_equal(loaded.parts["correlation"], gpt2_study.parts["correlation"])
     np.testing.assert_array_equal(loaded.parts["tisa"]["profile"].sums, gpt2_study.parts["tisa"]["profile"].sums)
+    probe = gpt2_study.parts["probe"]  # 4 token rows, each its own document: 4 folds over 19 positions each
+    assert probe.n_folds == 4 and probe.positions.shape == (4, 19) and summary["probe"]["n_documents"] == 4
+    np.testing.assert_array_equal(loaded.parts["probe"].r2["position"], probe.r2["position"])
+    np.testing.assert_array_equal(loaded.parts["probe_baseline"].mae["position"], gpt2_study.parts["probe_baseline"].mae["position"])
 
 
 def test_figures_and_html_section(gpt2_study):
     figures = positional_figures(gpt2_study)
     assert set(figures) == {"gram", "positional_logits", "tisa", "permutation", "shrinkage", "correlation",
-                            "correlation_baseline"}
+                            "correlation_baseline", "probe"}
     import matplotlib.pyplot as plt
 
     for figure in figures.values():
         plt.close(figure)
     section = render_positional_section(gpt2_study)
-    assert section.startswith('<section class="positional">') and section.count("data:image/png;base64,") == 7
+    assert section.startswith('<section class="positional">') and section.count("data:image/png;base64,") == 8
     assert "Toeplitz R² (diagonal excluded)" in section and "no_mask+no_positions" in section
+    assert "Linear position probes" in section and "held-out R²" in section
 
 
 def test_rotary_models_skip_the_gram_analyses_and_encoders_the_causal_ones():
@@ -94,9 +99,16 @@ def test_command_line_writes_json_figures_and_the_report_section(tmp_path, capsy
     assert "<h2>Where order comes from:" in report and "Permutation sensitivity" in report
 
     assert main(["positional", "--out", str(tmp_path / "p"), "--model", model, "--corpus", corpus,
-                 "--analyses", "tisa,correlation", "--n-docs", "2", "--context-length", "12", "--kernels", "2",
-                 "--baseline", "none"]) == 0
-    assert set(PositionalStudy.load(tmp_path / "p" / "positional.safetensors").parts) == {"tisa", "correlation"}
+                 "--analyses", "tisa,correlation,probe", "--n-docs", "2", "--context-length", "12", "--kernels", "2",
+                 "--probe-positions", "4", "--windows-per-doc", "3", "--folds", "2", "--baseline", "none"]) == 0
+    study = PositionalStudy.load(tmp_path / "p" / "positional.safetensors")
+    assert set(study.parts) == {"tisa", "correlation", "probe"}
+    probe = study.parts["probe"]  # 2 documents, 3 windows each (after the BOS): the folds hold documents out
+    assert probe.positions.shape == (6, 4) and probe.n_folds == 2 and probe.n_documents == 2
+    assert (tmp_path / "p" / "positional_probe.png").stat().st_size > 0
+    capsys.readouterr()
+    assert main(["show", str(tmp_path / "p" / "positional.safetensors")]) == 0
+    assert "held-out R² of the position (trained)" in capsys.readouterr().out
     assert len(WORDS) > 0
 
 

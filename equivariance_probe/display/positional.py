@@ -13,6 +13,9 @@ Figures:
 * ``permutation``       — KL and relative hidden-state change under permutations, per ablation.
 * ``shrinkage``         — variance by position (log-log) and the fitted exponent per layer, trained vs untrained.
 * ``correlation``       — position correlation matrices of the residual stream, selected layers.
+* ``probe``             — held-out R² of the linear position probes by layer (position and
+  ``log(1 + position)``) and their mean absolute error, trained against the random initialisation,
+  with the intervals over document folds.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ __all__ = [
     "permutation_figure",
     "shrinkage_figure",
     "correlation_figure",
+    "position_probe_figure",
     "positional_figures",
     "positional_report_section",
     "render_positional_body",
@@ -174,6 +178,38 @@ def correlation_figure(correlation: np.ndarray, max_layers: int = 6, title: str 
     return fig
 
 
+def position_probe_figure(probe: Any, baseline: Any | None = None) -> Figure:
+    """Held-out R² (position, ``log(1 + position)``) and MAE by layer, trained (solid) against untrained (dashed).
+
+    Each point is the mean over document folds, its bar the interval over folds
+    (:meth:`~equivariance_probe.analyses.position_probe.PositionProbe.interval`).
+    """
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    panels = (("position", "r2", "held-out R², position"), ("log1p_position", "r2", "held-out R², log(1 + position)"),
+              ("position", "mae", "held-out mean |error| (tokens)"))
+    for ax, (target, score, label) in zip(axes, panels):
+        for name, result, style, color in (("trained", probe, "-", "tab:blue"), ("untrained", baseline, "--", "tab:orange")):
+            if result is None:
+                continue
+            interval = result.interval(target, score)
+            layers = np.arange(len(interval.estimate))
+            estimate = np.asarray(interval.estimate)
+            ax.errorbar(layers, estimate, yerr=[estimate - interval.low, interval.high - estimate], ls=style,
+                        color=color, marker="o", ms=3, capsize=2, lw=1, label=name)
+        if score == "r2":
+            ax.axhline(0.0, color="black", lw=0.8, ls=":")
+        ax.set_xlabel("layer (0: embeddings)")
+        ax.set_title(label, fontsize=9)
+        ax.legend(fontsize=8)
+    figure_title(fig, f"Linear position probes: ridge on the residual stream, {probe.n_windows} windows of "
+                      f"{probe.context_length} tokens from {probe.n_documents} documents, {probe.positions.shape[1]} "
+                      f"positions each, {probe.n_folds} document folds ({probe.level:.0%} t intervals over folds)",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def positional_figures(study: PositionalStudy) -> dict[str, Figure]:
     """Every figure of a study, by name (the analyses that ran)."""
     parts = study.parts
@@ -192,6 +228,8 @@ def positional_figures(study: PositionalStudy) -> dict[str, Figure]:
         figures["correlation"] = correlation_figure(parts["correlation"])
     if "correlation_baseline" in parts:
         figures["correlation_baseline"] = correlation_figure(parts["correlation_baseline"], title="Untrained: ")
+    if "probe" in parts:
+        figures["probe"] = position_probe_figure(parts["probe"], parts.get("probe_baseline"))
     return figures
 
 
@@ -248,10 +286,41 @@ def render_positional_body(study: PositionalStudy) -> Markup:
         rows = [[label, ", ".join(_number(v) for v in summary[key]["mean_off_diagonal_by_layer"])]
                 for key, label in (("correlation", "trained"), ("correlation_baseline", "untrained")) if key in summary]
         blocks.append(Markup("<h3>Position correlations: mean over i ≠ j per layer</h3>") + _table(["model", "by layer"], rows))
+    if "probe" in summary:
+        blocks.append(_probe_table(summary))
     if study.skipped:
         blocks.append(Markup("<p>Skipped: {}</p>").format(
             Markup("; ").join(Markup("{} ({})").format(k, v) for k, v in study.skipped.items())))
     return Markup("").join(blocks) + figures_html(positional_figures(study))
+
+
+def _probe_table(summary: dict) -> Markup:
+    """Per layer, the probes' held-out R² and MAE with their intervals over folds, trained beside untrained."""
+    probe, baseline = summary["probe"], summary.get("probe_baseline")
+
+    def cell(part: dict | None, target: str, score: str, layer: int) -> str:
+        if part is None:
+            return "–"
+        values = part[target]
+        return (f"{_number(values[score][layer])} [{_number(values[score + '_low'][layer])}, "
+                f"{_number(values[score + '_high'][layer])}]")
+
+    header = ["layer", "R² position (trained)", "R² position (untrained)", "R² log(1+position) (trained)",
+              "R² log(1+position) (untrained)", "MAE tokens (trained)", "MAE tokens (untrained)"]
+    rows = [[str(layer), cell(probe, "position", "r2", layer), cell(baseline, "position", "r2", layer),
+             cell(probe, "log1p_position", "r2", layer), cell(baseline, "log1p_position", "r2", layer),
+             cell(probe, "position", "mae", layer), cell(baseline, "position", "mae", layer)]
+            for layer in range(len(probe["position"]["r2"]))]
+    intro = Markup(
+        "<h3>Linear position probes</h3><p>Ridge regression (standardised features, penalty chosen by "
+        "leave-one-out on the training rows) from each layer's residual stream to the token's position, "
+        "held-out R² and mean absolute error over {folds} folds of {documents} documents ({windows} windows of "
+        "{length} tokens, {positions} positions each from {first} on); brackets: {interval}, {level}. Layer 0 is "
+        "the embeddings, layer l the output of block l − 1.</p>"
+    ).format(folds=probe["n_folds"], documents=probe["n_documents"], windows=probe["n_windows"],
+             length=probe["context_length"], positions=probe["positions_per_window"], first=probe["min_position"],
+             interval=probe["position"]["interval"], level=f"{probe['level']:.0%}")
+    return intro + _table(header, rows)
 
 
 def _attention_beside_gram(summary: dict) -> Markup:

@@ -24,6 +24,12 @@ Analyses (``ANALYSES``):
 * ``shrinkage`` — variance by position and its exponent, for the model and (with a baseline)
   its random initialisation.
 * ``correlation`` — per-layer position correlation matrices of the residual stream.
+* ``probe`` — linear position probes (docs/methods.md#probe): per layer, held-out R² and mean
+  absolute error of a ridge regression from the residual stream at sampled positions to the
+  position, over GroupKFold folds of documents, for the model and (with a baseline) its random
+  initialisation. Its windows are ``windows_per_doc`` consecutive windows of each document
+  (``pack_documents(..., protocol="document_prefixes")``), so that folds hold documents out, not
+  windows; token tensors are used as given, each row its own document.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from ..analyses.order import (
     representation_sums,
     token_windows,
 )
+from ..analyses.position_probe import PositionProbe, position_probe
 from ..analyses.positional import (
     AttentionToeplitz,
     GramToeplitz,
@@ -65,12 +72,13 @@ from ..records.container import file_kind, read_container, read_tensors, tensor_
 from ..records.fileformat import parse_json
 from ..sources.baselines import random_init_like
 from ..sources.corpus import load_corpus
+from ..sources.packing import pack_documents, special_prefix
 from ..probe import EquivarianceProbe, MeasurementOptions
 from ..sources.registry import name_of_converted_copy
 
 __all__ = ["ANALYSES", "PositionalStudy", "run_positional", "POSITIONAL_KIND", "POSITIONAL_FORMAT_VERSION"]
 
-ANALYSES = ("gram", "attention_toeplitz", "positional_logits", "tisa", "permutation", "shrinkage", "correlation")
+ANALYSES = ("gram", "attention_toeplitz", "positional_logits", "tisa", "permutation", "shrinkage", "correlation", "probe")
 #: Analyses that need a causal language model with a decoder-layer stack.
 _CAUSAL_ONLY = ("permutation", "shrinkage", "correlation")
 #: The ``kind`` of a positional study's file header.
@@ -140,6 +148,9 @@ class PositionalStudy:
         for key in ("correlation", "correlation_baseline"):
             if key in self.parts:
                 out[key] = {"mean_off_diagonal_by_layer": _mean_off_diagonal(self.parts[key]).tolist()}
+        for key in ("probe", "probe_baseline"):
+            if key in self.parts:
+                out[key] = self.parts[key].summary()
         return out
 
     def to_rows(self) -> list[dict[str, Any]]:
@@ -195,6 +206,13 @@ class PositionalStudy:
             if key in summary:
                 rows.append((key, f"mean correlation over i ≠ j by layer ({label}): "
                                   f"{spread(summary[key]['mean_off_diagonal_by_layer'])}"))
+        for key, label in (("probe", "trained"), ("probe_baseline", "untrained")):
+            if key in summary:
+                best = summary[key]["position"]
+                layer = best["best_layer"]
+                rows.append((key, f"held-out R² of the position ({label}), best layer {layer}: {best['best_r2']:.3f} "
+                                  f"[{best['r2_low'][layer]:.3f}, {best['r2_high'][layer]:.3f}], MAE "
+                                  f"{best['best_mae']:.1f} tokens; by layer {spread(best['r2'])}"))
         rows += [(name, f"skipped: {reason}") for name, reason in self.skipped.items()]
         return "\n".join(["| analysis | result |", "|---|---|"] + [f"| {name} | {text} |" for name, text in rows])
 
@@ -216,7 +234,8 @@ class PositionalStudy:
         readers = {"gram": GramToeplitz.from_dict, "positional_logits": PositionalLogits.from_dict,
                    "attention_toeplitz": AttentionToeplitz.from_dict,
                    "permutation": PermutationSensitivity.from_dict, "shrinkage": VarianceShrinkage.from_dict,
-                   "shrinkage_baseline": VarianceShrinkage.from_dict}
+                   "shrinkage_baseline": VarianceShrinkage.from_dict, "probe": PositionProbe.from_dict,
+                   "probe_baseline": PositionProbe.from_dict}
         parts: dict[str, Any] = {}
         for name, value in parts_data.items():
             if name == "tisa":
@@ -403,6 +422,9 @@ def run_positional(
     n_permutations: int = 8,
     n_kernels: int = 5,
     baseline: str | None = "random_init",
+    probe_positions: int = 32,
+    windows_per_doc: int = 2,
+    n_folds: int = 5,
     seed: int = 0,
     options: MeasurementOptions | None = None,
     progress: bool = True,
@@ -421,8 +443,13 @@ def run_positional(
         prompt_length: tokens per prompt.
         n_permutations: permutations per prompt.
         n_kernels: ``S`` of the TISA fits.
-        baseline: ``"random_init"`` (shrinkage and correlations also on the model's own random
-            initialisation, seed ``seed``) or ``None``.
+        baseline: ``"random_init"`` (shrinkage, correlations and the probe also on the model's own
+            random initialisation, seed ``seed``) or ``None``.
+        probe_positions: positions per window of the ``probe`` analysis (a stratified sample of
+            ``1 .. T-1``; position 0 holds the same special token in every window of many models).
+        windows_per_doc: consecutive windows per document of the ``probe`` analysis (``n_docs``
+            documents, each window after the tokenizer's special prefix).
+        n_folds: ``k`` of the probe's GroupKFold over documents.
         seed: seed of permutations and baseline.
         options: how the windows are measured, a :class:`~equivariance_probe.probe.MeasurementOptions`
             (default: ``context_length=256``): ``context_length`` (the windows' length), ``batch_size``
@@ -457,7 +484,8 @@ def run_positional(
         "analyses": list(analyses),
         "settings": {"n_docs": n_docs, "context_length": context_length, "n_prompts": n_prompts,
                      "prompt_length": prompt_length, "n_permutations": n_permutations, "n_kernels": n_kernels,
-                     "baseline": baseline, "seed": seed, "exclude_keys": list(exclude_keys)},
+                     "baseline": baseline, "seed": seed, "exclude_keys": list(exclude_keys),
+                     "probe_positions": probe_positions, "windows_per_doc": windows_per_doc, "n_folds": n_folds},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "conventions": "lag k = query - key position; Toeplitz R² 'whole' includes the main diagonal, "
                        "'off_diagonal' excludes it; permutations keep the first token and the last",
@@ -507,12 +535,39 @@ def run_positional(
         prompts = token_windows(docs, tokenizer, prompt_length, n_prompts)
         study.parts["permutation"] = permutation_sensitivity(hf, prompts, n_permutations=n_permutations, seed=seed)
         say("permutation: " + ", ".join(f"{k} KL {v['kl_mean']:.3g}" for k, v in study.parts["permutation"].summary().items()))
+    untrained = random_init_like(hf, seed=seed) if baseline == "random_init" and (
+        {"shrinkage", "correlation"} & set(needs_windows) or "probe" in analyses) else None
     if ("shrinkage" in needs_windows) or ("correlation" in needs_windows):
         study.parts.update(_representation_parts(hf, windows, analyses, batch_size, ""))
-        if baseline == "random_init":
-            untrained = random_init_like(hf, seed=seed)
+        if untrained is not None:
             study.parts.update(_representation_parts(untrained, windows, analyses, batch_size, "_baseline"))
-            del untrained
         if "shrinkage" in study.parts:
             say(f"shrinkage: attention-output exponent per layer {np.round(study.parts['shrinkage'].exponent['attention'], 2)}")
+    if "probe" in analyses:
+        tokens, groups = _probe_windows(docs, tokenizer, context_length, n_docs, windows_per_doc)
+        study.metadata["probe_windows"] = [int(tokens.shape[0]), int(tokens.shape[1]), int(len(np.unique(groups)))]
+        for suffix, subject in (("", hf), ("_baseline", untrained)):
+            if subject is None:
+                continue
+            part = position_probe(subject, tokens, groups=groups, positions_per_window=probe_positions,
+                                  n_folds=n_folds, batch_size=batch_size, seed=seed)
+            study.parts["probe" + suffix] = part
+            best = part.best_layer()
+            say(f"probe{suffix}: held-out R² of the position by layer {np.round(part.r2['position'].mean(1), 3)} "
+                f"(best layer {best}, MAE {part.mae['position'][best].mean():.1f} tokens)")
     return study
+
+
+def _probe_windows(docs: Any, tokenizer: Any, context_length: int, n_docs: int,
+                   windows_per_doc: int) -> tuple[torch.Tensor, np.ndarray]:
+    """The probe's windows ``[n, T]`` and each one's document: ``windows_per_doc`` consecutive windows of
+    each of the first ``n_docs`` documents long enough (each after the special prefix), or token rows as
+    given, each its own document."""
+    if isinstance(docs, torch.Tensor):
+        tokens = token_windows(docs, tokenizer, context_length, n_docs * windows_per_doc)
+        return tokens, np.arange(len(tokens))
+    if tokenizer is None:
+        raise InputError("strings need a tokenizer; pass tokenizer=..., or token ids as a LongTensor [n, T]")
+    windows = pack_documents(docs, tokenizer, context_length, protocol="document_prefixes", max_spans=n_docs,
+                             span_tokens=windows_per_doc * (context_length - len(special_prefix(tokenizer))))
+    return windows.tokens, windows.spans.numpy()
