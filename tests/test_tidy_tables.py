@@ -163,7 +163,7 @@ def test_show_csv_and_json_print_the_same_rows_as_to_rows(files, capsys):
     assert json.loads(capsys.readouterr().out)["tidy0/trained"]["rows"] == \
         json.loads(json.dumps(files["shift"].to_rows()))
     assert main(["show", str(paths["positional"])]) == 0
-    assert f"{paths['positional']}: model GPT2LMHeadModel\n\n| analysis | result |" in capsys.readouterr().out
+    assert f"{paths['positional']}: positional analyses of GPT2LMHeadModel\n\n| analysis |" in capsys.readouterr().out
 
     assert main(["show", "--csv", "--json", str(paths["trained"])]) == 2
     assert "pass --csv (the long table) or --json" in capsys.readouterr().err

@@ -89,7 +89,7 @@ POSITIONAL_FORMAT_VERSION = 2
 _JSON_FORMAT, _JSON_VERSION = "equivariance_probe.positional", 1
 #: Every part a study may hold (an analysis, or its baseline's).
 _PART_NAMES = ("gram", "attention_toeplitz", "positional_logits", "tisa", "permutation", "shrinkage",
-               "shrinkage_baseline", "correlation", "correlation_baseline")
+               "shrinkage_baseline", "correlation", "correlation_baseline", "probe", "probe_baseline")
 #: A JSON value that stands for a tensor of the file (``{"tensor": name}``).
 _TENSOR = "tensor"
 
