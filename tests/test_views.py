@@ -156,7 +156,7 @@ def test_report_holds_the_bundle_once_for_every_view_and_extra_sections(probe_an
     assert page.count("CircuitsVis.render(") - bundle.count("CircuitsVis.render(") == 4
     assert page.index(bundle) < page.index('class="circuitsvis-view"')  # drawn from the bundle in <head>
     titles = re.findall(r"<h2>(.*?)</h2>", page)
-    assert titles == ["Summary", "Figures", "Heads ranked by how position-bound they are",
+    assert titles == ["Summary", "Figures", "Heads ranked by how position-bound they are", "Attention sinks",
                       "Heads on one document (CircuitsVis)", "Positional analyses"]
     assert not EXTERNAL_URL.search(page.replace(bundle, ""))
     assert str(render_report(result, views=views[0])).count(bundle) == 1

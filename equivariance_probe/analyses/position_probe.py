@@ -281,8 +281,8 @@ def position_probe(
         :class:`PositionProbe`.
 
     Example:
-        >>> probe = position_probe(model, windows.tokens, groups=windows.spans)   # doctest: +SKIP
-        >>> probe.interval("position").estimate                                     # doctest: +SKIP
+        >>> fitted = position_probe(model, windows.tokens, groups=windows.spans)   # doctest: +SKIP
+        >>> fitted.interval("position").estimate                                     # doctest: +SKIP
     """
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     if tokens.dim() != 2:
