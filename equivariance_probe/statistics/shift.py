@@ -85,8 +85,8 @@ PREDICTION_ARRAYS: dict[str, Sum] = {
 }
 _DECOMPOSITION_MEANINGS = {
     "count": "entries (i, j) or (i, d) of every cell of the grid",
-    "total": "Σ (Y − c)², c the entry's first value (Welford's shift)",
-    "cell_square": "Σ over entries of F·S·(mean of the entry over the grid)², shifted",
+    "total": "Σ Y over every entry and cell of the grid",
+    "cell_square": "Σ over entries of F·S·(mean of the entry over the grid)²",
     "within": "Σ over entries of Σ (Y − entry mean)²",
     "offset": "SS_offset: Σ over entries of F·Σ_s (offset mean − entry mean)²",
     "context": "SS_context: Σ over entries of S·Σ_f (context mean − entry mean)²",
