@@ -45,7 +45,10 @@ def grid_values(seed: int = 0, segments: int = 5, contexts: int = 3, offsets: in
     return 50.0 + pair + offset + context + 0.05 * rng.normal(size=shape)
 
 
-def stream(values: np.ndarray, fingerprints, groups: int = 4) -> ShiftStatistics:
+def stream(values: np.ndarray, fingerprints, groups: int = 4,
+           attention: tuple[str, ...] = ("centred_logits", "conditional_weights", "raw_weights")) -> ShiftStatistics:
+    """``values [G, F, S, L, H, E]`` through the streaming sums: each ``[H, E]`` cell as every attention representation
+    of ``attention`` and, flattened, as the residual stream (``H`` its tokens, ``E`` its hidden dimensions)."""
     segments, contexts, offsets, layers, heads, entries = values.shape
     config = ShiftConfig(n_layers=layers, n_heads=heads, offsets=tuple(range(offsets)), n_contexts=contexts,
                          segment_length=4, interval_groups=groups, predictions=False, hidden_size=entries)
@@ -55,7 +58,7 @@ def stream(values: np.ndarray, fingerprints, groups: int = 4) -> ShiftStatistics
         for f in range(contexts):
             for s in range(offsets):
                 for layer in range(layers):
-                    for rep in ("centred_logits", "conditional_weights", "raw_weights"):
+                    for rep in attention:
                         grid.add(rep, layer, s, torch.from_numpy(values[g, f, s, layer]))
                     grid.add("residual", layer, s, torch.from_numpy(values[g, f, s, layer].reshape(1, -1)))
             grid.end_context()

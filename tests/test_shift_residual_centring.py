@@ -13,6 +13,7 @@ import torch
 
 from synthetic import tiny_gemma3
 from test_shift import design, run
+from test_shift_decomposition import stream as stream_grid
 
 from equivariance_probe import ShiftResult
 from equivariance_probe.errors import IncompatibleResultsError, InputError, SupersededSumsError
@@ -63,19 +64,7 @@ def direct_terms(y: np.ndarray) -> dict[str, np.ndarray]:
 
 def stream(y: np.ndarray, fingerprints, groups: int = 3) -> ShiftStatistics:
     """The residual stream ``y [G, F, S, L, I, D]`` through the streaming sums, as a run adds it."""
-    segments, contexts, offsets, layers, _, dims = y.shape
-    config = ShiftConfig(n_layers=layers, n_heads=1, offsets=tuple(range(offsets)), n_contexts=contexts,
-                         segment_length=y.shape[4], interval_groups=groups, predictions=False, hidden_size=dims)
-    statistics = ShiftStatistics(config)
-    for g, fingerprint in enumerate(fingerprints):
-        grid = statistics.new_segment(fingerprint)
-        for f in range(contexts):
-            for s in range(offsets):
-                for layer in range(layers):
-                    grid.add("residual", layer, s, torch.from_numpy(y[g, f, s, layer].reshape(1, -1)))
-            grid.end_context()
-        statistics.add_segment(fingerprint, fingerprint % groups, grid)
-    return statistics
+    return stream_grid(y, fingerprints, groups, attention=())
 
 
 def result_of(y: np.ndarray) -> ShiftResult:
