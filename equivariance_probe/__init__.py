@@ -54,6 +54,7 @@ Errors: :class:`EquivarianceProbeError` and its subclasses (:mod:`equivariance_p
 from __future__ import annotations
 
 from .adapters import SUPPORTED_MODELS, Adapter, AttentionLayout, get_adapter
+from .adapters.request_sizes import RequestLimits, RequestPlan
 from .analyses.heads import HeadRanking, rank_heads
 from .analyses.order import VarianceShrinkage, permutation_sensitivity, position_correlation, representation_sums
 from .analyses.position_probe import PositionProbe, position_probe
@@ -84,6 +85,7 @@ from .errors import (
     RemoteExecutionError,
     RemoteResultTooLargeError,
     RemoteTimeoutError,
+    RequestTooLongError,
     ModelNotDeployedError,
     ServerUnreachableError,
     ResultFileError,
@@ -145,6 +147,8 @@ __all__ = [
     "load_positional_model",
     # studies
     "run_study",
+    "RequestLimits",
+    "RequestPlan",
     "Study",
     "Shard",
     "window_fingerprint",
@@ -198,6 +202,7 @@ __all__ = [
     "RemoteExecutionError",
     "RemoteResultTooLargeError",
     "RemoteTimeoutError",
+    "RequestTooLongError",
     "ModelNotDeployedError",
     "ServerUnreachableError",
     "MissingAPIKeyError",

@@ -42,6 +42,7 @@ __all__ = [
     "ServerUnreachableError",
     "ModelNotDeployedError",
     "RemoteTimeoutError",
+    "RequestTooLongError",
     "RemoteResultTooLargeError",
     # results, files and checkpoints
     "NotRunError",
@@ -145,6 +146,12 @@ class ModelNotDeployedError(RemoteExecutionError):
 
 class RemoteTimeoutError(RemoteExecutionError, TimeoutError):
     """The server stopped the request at its execution timeout."""
+
+
+class RequestTooLongError(RemoteTimeoutError):
+    """A remote request is predicted, from the first request's measured time, to come near the server's
+    execution timeout or nnsight's read timeout even at its smallest, so it is not sent (the finished ones
+    are kept)."""
 
 
 class RemoteResultTooLargeError(RemoteExecutionError):

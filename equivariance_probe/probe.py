@@ -187,6 +187,12 @@ def _check_measurement_values(options: MeasurementOptions) -> None:
                          f"not {floor!r}; pass e.g. {option('log_floor', 1e-6)}")
 
 
+def _record_requests(metadata: dict[str, Any], adapter: Adapter) -> None:
+    """Record in ``metadata["requests"]`` what a remote adapter planned for its requests (nothing for local ones)."""
+    if adapter.request_plan is not None:
+        metadata["requests"] = adapter.request_plan.to_dict()
+
+
 class EquivarianceProbe:
     """Measure how much a model's attention depends on absolute position.
 
@@ -394,7 +400,7 @@ class EquivarianceProbe:
                 first_tokens[int(row[0])] = first_tokens.get(int(row[0]), 0) + 1
                 if max_windows is not None and statistics.n_windows + len(batch) >= max_windows:
                     break
-                if len(batch) == batch_size:
+                if len(batch) >= self.adapter.request_windows(batch_size):
                     _stop_if_requested()
                     self._run_batch(batch, statistics, None if keys is None else keys[batch_keys])
                     batch, batch_keys = [], []
@@ -412,6 +418,7 @@ class EquivarianceProbe:
             metadata["engine"] = self._engine(statistics)
             metadata["skipped_windows"] = skipped
             metadata["complete"] = False
+            _record_requests(metadata, self.adapter)
             with contextlib.suppress(AttributeError, TypeError):  # exceptions with __slots__ take no attribute
                 error.partial_result = result  # type: ignore[attr-defined]
             raise
@@ -426,6 +433,7 @@ class EquivarianceProbe:
             )
         metadata["complete"] = True
         metadata["engine"] = self._engine(statistics)
+        _record_requests(metadata, self.adapter)
         if statistics.device.type != "cpu":
             result.statistics = statistics.to("cpu")
         return result

@@ -193,6 +193,23 @@ class Adapter(ABC):
         real queries, so no attention mask is passed.
         """
 
+    #: What the adapter planned for its remote requests from the first one's measured time
+    #: (:class:`~equivariance_probe.adapters.request_sizes.RequestPlan`), or ``None`` (a local model, or
+    #: nothing sent yet). Settable, so that a resumed run sends the requests the interrupted one planned.
+    request_plan: Any = None
+
+    #: Whether a run's batches go to a server as requests (a remote nnsight model), so that a checkpointed run
+    #: keeps each finished request (:mod:`~equivariance_probe.runs.checkpoint`).
+    sends_requests: bool = False
+
+    def restore_request_plan(self, values: dict[str, Any]) -> None:
+        """Take up the plan an interrupted run recorded (:meth:`RequestPlan.to_dict`); nothing for a local model."""
+
+    def request_windows(self, batch_size: int) -> int:
+        """Windows the next forward pass (for a remote model: the next request) carries when ``batch_size``
+        was asked for: ``batch_size`` here; a remote adapter plans it from its first request's time."""
+        return batch_size
+
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Run a batch and add its attention to ``statistics`` (an ``AttentionStatistics``
         on which ``begin_batch`` was called).

@@ -54,6 +54,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Iterator, Sequence
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -67,6 +68,7 @@ from ..errors import (
     RemoteExecutionError,
     RemoteResultTooLargeError,
     RemoteTimeoutError,
+    RequestTooLongError,
     ServerUnreachableError,
     UnsupportedModelError,
     check_choice,
@@ -84,6 +86,7 @@ from .base import (
 from .huggingface import PATTERN_SOURCES, HuggingFaceAdapter
 from .internals import AttentionCall, recompute_tolerance
 from .modules import inner_module, parent_layer
+from .request_sizes import RequestLimits, RequestPlan, plan_requests
 from .segments import (
     check_predicts,
     judged_recompute_check,
@@ -131,6 +134,12 @@ class NNsightAdapter(Adapter):
             NDIF and run it here).
         pattern_source: ``"weights"``, ``"recompute"`` or ``"auto"`` (see the module
             docstring).
+        request_limits: what a remote request is sized against (the server's execution timeout,
+            nnsight's read timeout, the reply limit, the share of them a request may take) and the
+            overrides (``request_seconds``, ``documents_per_request``); default
+            :class:`~equivariance_probe.adapters.request_sizes.RequestLimits` ``()``: a request is planned
+            to take at most 150 s, a quarter of nnsight's 600 s read timeout
+            (:mod:`~equivariance_probe.adapters.request_sizes` states the rule).
 
     Raises:
         MissingAPIKeyError: ``remote`` is ``True`` or a URL and no NDIF API key is set.
@@ -153,13 +162,20 @@ class NNsightAdapter(Adapter):
         *,
         remote: bool | str = False,
         pattern_source: str = "auto",
+        request_limits: RequestLimits | None = None,
     ) -> None:
         super().__init__(model, tokenizer)
         check_choice("pattern_source", pattern_source, PATTERN_SOURCES)
         if not isinstance(remote, (bool, str)):
             raise InputError(f"remote must be True, False, 'local' or a host URL, not {remote!r}")
+        if request_limits is not None and not isinstance(request_limits, RequestLimits):
+            raise InputError(f"request_limits must be a RequestLimits, not {type(request_limits).__name__}; pass "
+                             "e.g. request_limits=RequestLimits(execution_timeout=600, request_seconds=60)")
         self.remote = remote
         self.pattern_source = pattern_source
+        self.request_limits = request_limits if request_limits is not None else RequestLimits()
+        #: What was planned from the first segment's request of the shift test (see :attr:`request_plan`).
+        self.segment_plan: RequestPlan | None = None
         inner = inner_module(model)
         try:
             from transformers import PreTrainedModel
@@ -527,9 +543,11 @@ class NNsightAdapter(Adapter):
                 "predictions": targets is not None, "hidden_size": config.sizes()["D"]}
         runs = [[self._segment_trace_inputs(batch, config.segment_length, targets is not None) for batch in context]
                 for context in contexts]
+        self._refuse_if_planned(self.segment_plan, "segment")
         model, attention = self.model, self._attention_envoys()
         layers = [model.get(path) for path in self.layer_paths]
         sums = None
+        started = perf_counter()
         # The session's body reads only these locals, the shipped functions and nnsight: what the request carries.
         with self._translate_errors("recompute", "segment"), self._shipped_by_value():
             with model.session(**self._trace_options()):
@@ -550,6 +568,13 @@ class NNsightAdapter(Adapter):
                 f"the {'remote ' if self.is_remote else ''}session returned no shift sums (got {type(sums).__name__}); "
                 "this segment was not added, the segments before it are kept (probe.last_result). Run again; if it "
                 "persists, report it with nnsight's version")
+        if self.segment_plan is None:
+            # One request is one segment's whole grid, which cannot be split: the decomposition's sums are about
+            # the grid's own means (grid_sums: the offset and context sums of squares), which the sums of two
+            # halves of the contexts do not give. So the plan only says whether the next segment may be sent.
+            self.segment_plan = plan_requests(
+                perf_counter() - started, 1, _nbytes(sums), self.request_limits, upper=1,
+                unit="segment's grid", fix="fewer contexts or offsets (one request runs every context at every offset)")
         return {name: value.numpy() for name, value in sums.items()}
 
     @staticmethod
@@ -573,6 +598,37 @@ class NNsightAdapter(Adapter):
                 f"the segment blocks of a remote nnsight model (remote={self.remote!r}) stay on the server: only the "
                 "shift test's sums come back (probe.shift runs remotely). For the blocks themselves (the shift "
                 "view), pass remote=False (a model whose weights are here) or use the Hugging Face model directly")
+
+    @property
+    def sends_requests(self) -> bool:  # type: ignore[override]
+        """Whether each batch is a request (remote, ``"local"`` included)."""
+        return bool(self.remote)
+
+    def restore_request_plan(self, values: dict[str, Any]) -> None:
+        """:meth:`Adapter.restore_request_plan`: the interrupted run's measurement, planned again under this
+        adapter's limits (the same plan where the limits are the same, so the resumed run sends the same
+        requests; a plan that was refused is lifted by larger limits)."""
+        measured = RequestPlan.from_dict(values)
+        self.request_plan = self._plan_windows(measured.measured_seconds, measured.measured_documents,
+                                               measured.reply_bytes)
+
+    def _plan_windows(self, seconds: float, windows: int, reply_bytes: int) -> RequestPlan:
+        """The main run's plan after a first request of ``windows`` windows (at most that many per request: the
+        batch asked for). Its reply's sums have fixed shapes (:func:`reply_nbytes`), so the reply is recorded,
+        not planned."""
+        return plan_requests(seconds, windows, reply_bytes, self.request_limits, upper=windows, unit="window",
+                             fix="a shorter context_length")
+
+    def request_windows(self, batch_size: int) -> int:
+        """:meth:`Adapter.request_windows`: remotely (``"local"`` included), one request is one batch, and after the
+        first request its windows are what :func:`~equivariance_probe.adapters.request_sizes.plan_requests` planned
+        from that request's wall time (never more than ``batch_size``, unless ``documents_per_request`` says so)."""
+        if not self.remote:
+            return batch_size
+        plan, explicit = self.request_plan, self.request_limits.documents_per_request
+        if plan is None or plan.refused is not None:
+            return explicit or batch_size  # a refused plan stops the next request when it is sent
+        return plan.documents if explicit else min(batch_size, plan.documents)
 
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Run a batch and add it to ``statistics`` (between ``begin_batch``/``end_batch``).
@@ -603,11 +659,28 @@ class NNsightAdapter(Adapter):
         if statistics.log_floor is None:
             # What an eager run of this model would use, so the sums merge with local ones.
             statistics.log_floor = default_log_floor(self.dtype)
+        self._refuse_if_planned(self.request_plan, "batch")
         source = self.resolved_source()
         width = int(tokens.shape[1])
         plan = {"source": source, "model_windows": list(self.layout.sliding_windows), **statistics.reduction_plan(width)}
+        started = perf_counter()
         sums = self._trace_statistics(tokens, lengths.cpu(), plan, source)
+        elapsed = perf_counter() - started
         statistics.add_batch_sums(sums, width)
+        if self.request_plan is None:
+            self.request_plan = self._plan_windows(elapsed, int(tokens.shape[0]), _nbytes(sums))
+
+    @staticmethod
+    def _refuse_if_planned(plan: RequestPlan | None, unit: str) -> None:
+        """Raise :class:`RequestTooLongError` before a request that the first one's time says would come near
+        the server's limits."""
+        if plan is None or plan.refused is None:
+            return
+        units = {"batch": "batches", "segment": "segments"}[unit]
+        raise RequestTooLongError(
+            f"the next request is not sent: {plan.refused}. The {units} finished so far are kept (probe.last_result, "
+            "or the error's partial_result; a checkpointed run_study keeps them in its checkpoint and resume=True "
+            "goes on from them)")
 
     def _trace_statistics(self, tokens: torch.Tensor, lengths: torch.Tensor, plan: dict[str, Any], source: str) -> dict[str, torch.Tensor]:
         import nnsight
@@ -654,6 +727,9 @@ class NNsightAdapter(Adapter):
                     "merges with them (result_a + result_b)"
                 )
                 kind, fix = remote_failure_kind(error)
+                if kind == "timeout" and unit == "segment":
+                    fix = fix.replace("(a smaller batch_size or context_length)",
+                                      "(fewer contexts or offsets: one request is one segment's whole grid)")
                 named = {"unreachable": ServerUnreachableError, "not_deployed": ModelNotDeployedError,
                          "timeout": RemoteTimeoutError, "too_large": RemoteResultTooLargeError}.get(kind)
                 if named is not None:
@@ -674,6 +750,11 @@ class NNsightAdapter(Adapter):
                 ) from error
             raise
 
+
+
+def _nbytes(sums: dict[str, torch.Tensor]) -> int:
+    """Bytes of the float64 sums a request sent back (before nnsight's compression)."""
+    return sum(int(value.numel()) * value.element_size() for value in sums.values() if isinstance(value, torch.Tensor))
 
 
 def attention_call(layer: int, module: Any) -> AttentionCall:

@@ -349,12 +349,20 @@ class CheckpointedRun:
             total = self._load(self.current["file"]) if self.current["file"] else None
         every = self.every or max(len(docs), 1)
         probe = build_probe()
+        adapter = probe.adapter
+        # A remote model's batches are requests to a server: each is its own chunk, so that every finished
+        # request is in the checkpoint, and its size is what the adapter planned from the first request's time
+        # (recorded in the state, so a resumed run sends the requests the interrupted one would have).
+        per_request = adapter.sends_requests
+        if per_request and self.current is not None and self.current.get("requests"):
+            adapter.restore_request_plan(self.current["requests"])
         unit = counted(docs)
         bar = progress_bar(progress, len(docs), f"{name}: {unit}", unit)
         bar.update(position)
         try:
-            for start in range(position, len(docs), every):
-                chunk = docs[start : start + every]
+            start = position
+            while start < len(docs):
+                chunk = docs[start : start + (adapter.request_windows(options.batch_size) if per_request else every)]
                 try:
                     part = probe.run(chunk, options.replace(sample_seed=chunk_seed(*seed_parts, start // every)),
                                      progress=False)
@@ -372,10 +380,10 @@ class CheckpointedRun:
                 else:
                     skipped += int(part.metadata.get("skipped_windows", 0))
                     total = part if total is None else _add(total, part)
-                position = start + len(chunk)
+                position = start = start + len(chunk)
                 bar.update(len(chunk))
                 if self.folder is not None and position < len(docs):
-                    self._checkpoint(name, position, skipped, total)
+                    self._checkpoint(name, position, skipped, total, adapter.request_plan)
         finally:
             bar.close()
         if total is None:
@@ -413,7 +421,8 @@ class CheckpointedRun:
         path = self.folder / self.done[name]
         return path if path.is_file() else None
 
-    def _checkpoint(self, name: str, position: int, skipped: int, total: ProbeResult | None) -> None:
+    def _checkpoint(self, name: str, position: int, skipped: int, total: ProbeResult | None,
+                    requests: Any = None) -> None:
         assert self.folder is not None
         filename = None
         if total is not None:
@@ -422,6 +431,8 @@ class CheckpointedRun:
             total.save(self.folder / filename)
         # file is None while every document so far was skipped: only the position is saved.
         self.current = {"variant": name, "position": position, "skipped": skipped, "file": filename}
+        if requests is not None:  # a remote run's plan of its requests (RequestPlan.to_dict)
+            self.current["requests"] = requests.to_dict()
         self._save_state()
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..adapters.request_sizes import RequestLimits
 from ..errors import InputError
 from ..probe import EquivarianceProbe, MeasurementOptions
 from ..records.fileformat import make_folder, write_text_atomically
@@ -231,6 +232,8 @@ def run_study(
     dtype: str | None = None,
     attn_implementation: str = "sdpa",
     pack: bool = False,
+    remote: bool | str = False,
+    request_limits: RequestLimits | None = None,
     **measurement: Any,
 ) -> Study:
     """Run the study: the trained model and each baseline on the same documents.
@@ -268,6 +271,14 @@ def run_study(
             exactly ``context_length`` tokens, each after the tokenizer's special prefix
             (:func:`~equivariance_probe.sources.packing.pack_documents`), instead of one window per
             document; checkpoints and shards then count windows, not documents.
+        remote: run the trained model on an NDIF server (``True``, a host URL, or ``"local"``, nnsight's
+            simulation): ``loaded`` is then an nnsight ``TransformersModel`` built from the hub id (weights stay
+            on the server) with its tokenizer, ``backend="nnsight"`` and ``baselines=()`` (a baseline's weights
+            would have to be made here). Each batch is one request; with ``checkpoint_dir`` every finished
+            request is checkpointed, and ``resume=True`` sends only the rest.
+        request_limits: how remote requests are sized (:class:`~equivariance_probe.adapters.request_sizes.
+            RequestLimits`; default: planned from the first request's time to take at most a quarter of the
+            smaller of NDIF's execution timeout and nnsight's 600 s read timeout).
         **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
             those of ``options``: ``context_length`` (window length in tokens), ``batch_size``
             (windows per forward pass), ``exclude_keys`` (key positions left out of every statistic,
@@ -283,6 +294,18 @@ def run_study(
         options = options.replace(context_length=STUDY_MEASUREMENT.context_length)
     context_length = options.context_length
     check_baselines(baselines)
+    adapter_options: dict[str, Any] = {}
+    if remote:
+        if backend != "nnsight" or loaded is None or list(baselines):
+            raise InputError(
+                f"remote={remote!r} runs an nnsight model on a server: pass backend='nnsight', loaded=(model, "
+                "tokenizer) with model = nnsight.TransformersModel(hub_id), and baselines=() (a baseline's weights "
+                f"would be made here); got backend={backend!r}, loaded={'given' if loaded is not None else None}, "
+                f"baselines={list(baselines)!r}")
+        adapter_options = {"remote": remote, "request_limits": request_limits}
+    elif request_limits is not None:
+        raise InputError("request_limits sizes remote requests only; pass remote=True (or a host URL) with it, "
+                         "or leave it out")
     # The lock belongs to whoever writes the folder: a Python caller holds the checkpoint folder's as the
     # command line holds its output folder's, taken before the corpus and the model are loaded.
     with contextlib.ExitStack() as held:
@@ -323,6 +346,8 @@ def run_study(
         }
         if pack:  # only then, so that the fingerprints of unpacked studies stay what they were
             config["pack"] = True
+        if remote:  # likewise
+            config["remote"] = remote if isinstance(remote, str) else True
         identity = {"model": model_identity(network), "corpus": corpus_identity,
                     "config": {**config, "shard": None if shard is None else str(shard)}}
         # What the numbers depend on (not batch size, sample size or checkpoints): results that differ
@@ -342,7 +367,7 @@ def run_study(
                 metadata["windows"] = docs.describe()
             results[name] = runner.run_variant(
                 name,
-                lambda build=build: EquivarianceProbe(build(), tokenizer=tokenizer),
+                lambda build=build: EquivarianceProbe(build(), tokenizer=tokenizer, **adapter_options),
                 docs,
                 seed_parts=(seed, index, 0 if shard is None else shard.index + 1),
                 metadata=metadata,
