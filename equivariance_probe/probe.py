@@ -400,7 +400,7 @@ class EquivarianceProbe:
                 first_tokens[int(row[0])] = first_tokens.get(int(row[0]), 0) + 1
                 if max_windows is not None and statistics.n_windows + len(batch) >= max_windows:
                     break
-                if len(batch) >= self.adapter.request_windows(batch_size):
+                if len(batch) >= self.adapter.request_windows(batch_size, context_length):
                     _stop_if_requested()
                     self._run_batch(batch, statistics, None if keys is None else keys[batch_keys])
                     batch, batch_keys = [], []

@@ -125,7 +125,7 @@ def test_requests_after_the_first_carry_what_its_time_allows(requests):
     assert result.metadata["requests"] == {"documents": 4, "predicted_seconds": 2.0, "target_seconds": 2.0,
                                            "measured_seconds": 4.0, "measured_documents": 8,
                                            "reply_bytes": result.metadata["requests"]["reply_bytes"],
-                                           "refused": None}
+                                           "refused": None, "context_length": 12}
     hf_model = tiny_gemma3()
     hf_model.set_attn_implementation("eager")
     local = EquivarianceProbe(hf_model).run(tokens, batch_size=8, progress=False, interval_groups=0)

@@ -205,9 +205,10 @@ class Adapter(ABC):
     def restore_request_plan(self, values: dict[str, Any]) -> None:
         """Take up the plan an interrupted run recorded (:meth:`RequestPlan.to_dict`); nothing for a local model."""
 
-    def request_windows(self, batch_size: int) -> int:
+    def request_windows(self, batch_size: int, context_length: int | None = None) -> int:
         """Windows the next forward pass (for a remote model: the next request) carries when ``batch_size``
-        was asked for: ``batch_size`` here; a remote adapter plans it from its first request's time."""
+        was asked for, for windows of ``context_length`` tokens: ``batch_size`` here; a remote adapter plans it
+        from its first request's time."""
         return batch_size
 
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:

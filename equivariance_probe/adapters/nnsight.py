@@ -610,23 +610,26 @@ class NNsightAdapter(Adapter):
         requests; a plan that was refused is lifted by larger limits)."""
         measured = RequestPlan.from_dict(values)
         self.request_plan = self._plan_windows(measured.measured_seconds, measured.measured_documents,
-                                               measured.reply_bytes)
+                                               measured.reply_bytes, measured.context_length)
 
-    def _plan_windows(self, seconds: float, windows: int, reply_bytes: int) -> RequestPlan:
-        """The main run's plan after a first request of ``windows`` windows (at most that many per request: the
-        batch asked for). Its reply's sums have fixed shapes (:func:`reply_nbytes`), so the reply is recorded,
-        not planned."""
-        return plan_requests(seconds, windows, reply_bytes, self.request_limits, upper=windows, unit="window",
-                             fix="a shorter context_length")
+    def _plan_windows(self, seconds: float, windows: int, reply_bytes: int, context_length: int | None
+                      ) -> RequestPlan:
+        """The main run's plan after a first request of ``windows`` windows of ``context_length`` tokens (the
+        batch size asked for bounds it in :meth:`request_windows`). Its reply's sums have fixed shapes
+        (:func:`reply_nbytes`), so the reply is recorded, not planned."""
+        return plan_requests(seconds, windows, reply_bytes, self.request_limits, unit="window",
+                             fix="a shorter context_length", context_length=context_length)
 
-    def request_windows(self, batch_size: int) -> int:
+    def request_windows(self, batch_size: int, context_length: int | None = None) -> int:
         """:meth:`Adapter.request_windows`: remotely (``"local"`` included), one request is one batch, and after the
-        first request its windows are what :func:`~equivariance_probe.adapters.request_sizes.plan_requests` planned
-        from that request's wall time (never more than ``batch_size``, unless ``documents_per_request`` says so)."""
+        first request of windows of ``context_length`` tokens its windows are what
+        :func:`~equivariance_probe.adapters.request_sizes.plan_requests` planned from that request's wall time
+        (never more than ``batch_size``, unless ``documents_per_request`` says so). Another window length is
+        measured again."""
         if not self.remote:
             return batch_size
         plan, explicit = self.request_plan, self.request_limits.documents_per_request
-        if plan is None or plan.refused is not None:
+        if plan is None or plan.refused is not None or plan.context_length != context_length:
             return explicit or batch_size  # a refused plan stops the next request when it is sent
         return plan.documents if explicit else min(batch_size, plan.documents)
 
@@ -659,6 +662,8 @@ class NNsightAdapter(Adapter):
         if statistics.log_floor is None:
             # What an eager run of this model would use, so the sums merge with local ones.
             statistics.log_floor = default_log_floor(self.dtype)
+        if self.request_plan is not None and self.request_plan.context_length != statistics.n_positions:
+            self.request_plan = None  # measured at another window length: measure this one
         self._refuse_if_planned(self.request_plan, "batch")
         source = self.resolved_source()
         width = int(tokens.shape[1])
@@ -668,7 +673,7 @@ class NNsightAdapter(Adapter):
         elapsed = perf_counter() - started
         statistics.add_batch_sums(sums, width)
         if self.request_plan is None:
-            self.request_plan = self._plan_windows(elapsed, int(tokens.shape[0]), _nbytes(sums))
+            self.request_plan = self._plan_windows(elapsed, int(tokens.shape[0]), _nbytes(sums), statistics.n_positions)
 
     @staticmethod
     def _refuse_if_planned(plan: RequestPlan | None, unit: str) -> None:

@@ -127,6 +127,8 @@ class RequestPlan:
         measured_seconds, measured_documents, reply_bytes: the first request's wall time, documents and
             reply size.
         refused: why no further request may be sent (``None``: they may).
+        context_length: the window length the measurement holds for (a request's time grows with it), where
+            the caller records one.
     """
 
     documents: int
@@ -136,6 +138,7 @@ class RequestPlan:
     measured_documents: int
     reply_bytes: int
     refused: str | None = None
+    context_length: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values (for a result's metadata and a checkpoint's state); :meth:`from_dict` reads them back."""
@@ -153,7 +156,8 @@ class RequestPlan:
 
 def plan_requests(seconds: float, documents: int, reply_bytes: int, limits: RequestLimits, *,
                   upper: int | None = None, reply_grows: bool = False, unit: str = "window",
-                  fix: str = "fewer tokens per window (a shorter context_length)") -> RequestPlan:
+                  fix: str = "fewer tokens per window (a shorter context_length)",
+                  context_length: int | None = None) -> RequestPlan:
     """Documents per request after a first request of ``documents`` that took ``seconds`` and replied
     ``reply_bytes``: ``n = ⌊target · d₁ / t₁⌋``, clamped to ``[1, upper]`` (see the module docstring).
 
@@ -167,6 +171,7 @@ def plan_requests(seconds: float, documents: int, reply_bytes: int, limits: Requ
             reply_bytes`` too); a fixed reply is only recorded.
         unit: what one document is, for the refusal's message.
         fix: what makes one ``unit`` cheaper, for the refusal's message.
+        context_length: recorded in the plan (the window length it holds for).
 
     Example:
         >>> limits = RequestLimits(execution_timeout=40.0, read_timeout=None)   # target 10 s
@@ -180,7 +185,7 @@ def plan_requests(seconds: float, documents: int, reply_bytes: int, limits: Requ
     target = limits.target_seconds
     per_document = max(float(seconds), 0.0) / documents
     plan = dict(target_seconds=target, measured_seconds=float(seconds), measured_documents=int(documents),
-                reply_bytes=int(reply_bytes))
+                reply_bytes=int(reply_bytes), context_length=context_length)
     if limits.documents_per_request is not None:
         n = limits.documents_per_request
         return RequestPlan(documents=n, predicted_seconds=n * per_document, **plan)

@@ -362,7 +362,7 @@ class CheckpointedRun:
         try:
             start = position
             while start < len(docs):
-                chunk = docs[start : start + (adapter.request_windows(options.batch_size) if per_request else every)]
+                chunk = docs[start : start + (adapter.request_windows(options.batch_size, options.context_length) if per_request else every)]
                 try:
                     part = probe.run(chunk, options.replace(sample_seed=chunk_seed(*seed_parts, start // every)),
                                      progress=False)
