@@ -393,6 +393,8 @@ class CheckpointedRun:
             )
         total.metadata["skipped_windows"] = skipped
         total.metadata["complete"] = True
+        if per_request and adapter.request_plan is not None:  # the plan the last requests were sent under
+            total.metadata["requests"] = adapter.request_plan.to_dict()
         total.metadata["checkpoint"] = {"every": self.every, "resumed_from": self.resumed_from}
         total.metadata.update(metadata or {})
         if self.folder is not None:

@@ -73,6 +73,7 @@ def ndif_server(tmp_path_factory):
         "gemma": save_model(tiny_gemma3(window=8, max_positions=1024), folder / "gemma"),
         "llama": save_model(tiny_llama(), folder / "llama"),  # never deployed
         "gemma_timeout": save_model(tiny_gemma3(window=8), folder / "gemma_timeout"),
+        "gemma_short": save_model(tiny_gemma3(window=8), folder / "gemma_short"),  # a timeout of a few seconds
     }
     # Results over 1 MiB cannot ride Redis pub/sub back (ndif's inline cap follows this limit).
     stack = new_stack(pubsub_limit="0 1mb 60")

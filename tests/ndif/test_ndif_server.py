@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import client_model, token_windows
+from conftest import client_model, tiny_tokenizer, token_windows
 
-from equivariance_probe import EquivarianceProbe
+from equivariance_probe import EquivarianceProbe, RequestLimits, RequestTooLongError, run_study
 from equivariance_probe.adapters.nnsight import NNsightAdapter
 from equivariance_probe.adapters.nnsight_remote import reply_nbytes
 from equivariance_probe.errors import (
@@ -146,3 +146,67 @@ def test_a_request_over_the_server_timeout_is_named(ndif_server):
     ndif_server.stack.deploy(client_model(folder).to_model_key(), folder, timeout_seconds=0.001)
     with pytest.raises(RemoteTimeoutError, match="execution timeout"):
         remote_probe(folder).run(token_windows(1, WIDTH), batch_size=1, progress=False)
+
+
+#: The execution timeout of the deployment below: a few seconds, as a server sets with its per-model
+#: ``execution_timeout_seconds`` (NDIF's public service: 3,600 s).
+SHORT_TIMEOUT = 8.0
+
+
+@pytest.fixture(scope="module")
+def short_timeout_model(ndif_server) -> str:
+    folder = ndif_server.folders["gemma_short"]
+    ndif_server.stack.deploy(client_model(folder).to_model_key(), folder, timeout_seconds=SHORT_TIMEOUT)
+    return folder
+
+
+def test_requests_are_sized_to_a_quarter_of_a_short_server_timeout(short_timeout_model, sent_and_received):
+    """Told the server's 8 s timeout, the run plans requests of at most 2 s from its first one (4 windows); every
+    request completes, each later one carries what the plan allows, and the sums are the local run's. Where this
+    machine is so busy that one window already takes over 2 s, the next request is refused by name instead,
+    the first one kept; either way no request is sent that the first one's time says would come near 8 s."""
+    tokens = token_windows(12, WIDTH, seed=3)
+    probe = remote_probe(short_timeout_model, request_limits=RequestLimits(execution_timeout=SHORT_TIMEOUT))
+    try:
+        with pytest.warns(UserWarning, match="interval groups dropped"):
+            result = probe.run(tokens, batch_size=4, progress=False)
+    except RequestTooLongError as refused:
+        plan = probe.adapter.request_plan
+        assert plan.predicted_seconds > SHORT_TIMEOUT / 4 and plan.measured_documents == 4
+        assert refused.partial_result.statistics.n_windows == 4 and len(sent_and_received["received"]) == 1
+        return
+    plan = result.metadata["requests"]
+    assert plan["target_seconds"] == SHORT_TIMEOUT / 4 and plan["refused"] is None
+    assert plan["predicted_seconds"] <= SHORT_TIMEOUT / 4 and plan["measured_documents"] == 4
+    per_request = min(4, plan["documents"])
+    assert len(sent_and_received["received"]) == 1 + -(-8 // per_request)
+    assert_same_statistics(result, local_run(short_timeout_model, tokens, batch_size=4, interval_groups=0))
+
+
+def test_a_refused_remote_study_keeps_its_requests_and_resumes_from_them(short_timeout_model, sent_and_received,
+                                                                           tmp_path):
+    """A checkpointed study whose target (1 µs) no request can meet stops after its first request, before the
+    second is sent, and its checkpoint holds that request; resumed under the server's 8 s timeout it sends only
+    the windows left, and the result is the local run's."""
+    from transformers import AutoModelForCausalLM
+
+    corpus = [" ".join(f"t{int(t)}" for t in row) for row in token_windows(6, WIDTH, seed=4)]
+
+    def study(resume: bool, **limits):
+        return run_study(corpus=corpus, n_docs=6, baselines=(), backend="nnsight", remote=True,
+                         loaded=(client_model(short_timeout_model), tiny_tokenizer()), progress=False,
+                         request_limits=RequestLimits(**limits), checkpoint_dir=tmp_path, resume=resume,
+                         context_length=WIDTH, batch_size=2, sample_size=0, interval_groups=0)
+
+    with pytest.raises(RequestTooLongError, match="one window is predicted") as caught:
+        study(False, request_seconds=1e-6)
+    assert caught.value.partial_result.statistics.n_windows == 2 and len(sent_and_received["received"]) == 1
+    resumed = study(True, execution_timeout=SHORT_TIMEOUT).trained
+    assert resumed.metadata["checkpoint"]["resumed_from"]["current"]["position"] == 2
+    plan = resumed.metadata["requests"]
+    assert plan["measured_documents"] == 2 and plan["target_seconds"] == SHORT_TIMEOUT / 4  # measured, re-planned
+    assert len(sent_and_received["received"]) - 1 == -(-4 // min(2, plan["documents"]))  # only the 4 windows left
+    model = AutoModelForCausalLM.from_pretrained(short_timeout_model, attn_implementation="eager").eval()
+    local = EquivarianceProbe(model, tokenizer=tiny_tokenizer()).run(corpus, context_length=WIDTH, batch_size=2,
+                                                                     interval_groups=0, progress=False)
+    assert_same_statistics(resumed, local)
