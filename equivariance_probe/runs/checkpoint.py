@@ -9,6 +9,12 @@ interrupted, so a resumed run performs exactly the additions of an uninterrupted
 sums are **bitwise** equal. (Against a run with another ``every`` or no checkpoints they agree
 to float64 rounding, like any two batchings.)
 
+A remote model's batches are requests to a server (NDIF), and there each request is a chunk of its own,
+so that every finished request is on disk: the chunk's size is what the adapter planned from the first
+request's measured time (:mod:`~equivariance_probe.adapters.request_sizes`), recorded in the state
+(``current["requests"]``) and planned again from the same measurement on resume, so that, under the same
+limits, a resumed run sends the requests the interrupted one would have sent and its sums are bitwise equal.
+
 The entry sample (bottom-k, :mod:`equivariance_probe.statistics.sample`) is drawn per chunk with the seed
 ``SeedSequence([seed, variant, shard, chunk])`` and merged exactly across chunks, so it also
 resumes exactly; it depends on ``every`` (another chunking draws another, equally uniform,
@@ -18,7 +24,8 @@ Folder layout (``<out>/checkpoint/``), every file written to a temporary name, f
 disk and renamed, so a kill leaves either the old or the new version, never half of one:
 
 * ``state.json`` — ``{"kind", "format_version", "fingerprint", "identity", "every", "done":
-  {variant: file}, "current": {"variant", "position", "skipped", "file"} | null}``;
+  {variant: file}, "current": {"variant", "position", "skipped", "file"[, "requests"]} | null}`` (``requests``:
+  a remote run's plan of its requests);
 * ``<variant>-<position>.safetensors`` — the variant's partial :class:`ProbeResult` (``complete:
   false``) after ``position`` documents, in the result file format with its window fingerprints
   (:mod:`equivariance_probe.records.result_file`); ``<variant>-done.safetensors`` — its finished
