@@ -159,6 +159,10 @@ def test_a_segment_predicted_near_the_timeout_is_refused_before_it_is_sent(monke
         probe.shift(segments, contexts, offsets=[0, 4, 8], segment_length=6, batch_size=2, progress=False)
     assert caught.value.partial_result.metadata["complete"] is False
     assert caught.value.partial_result.statistics.n_segments == 1
+    # Another grid is measured again: its first segment is sent, and the second refused.
+    with pytest.raises(RequestTooLongError) as again:
+        probe.shift(segments, contexts, offsets=[0, 4], segment_length=6, batch_size=2, progress=False)
+    assert again.value.partial_result.statistics.n_segments == 1
 
 
 def test_a_checkpointed_remote_study_keeps_every_request_and_resumes_bitwise(requests, tmp_path):

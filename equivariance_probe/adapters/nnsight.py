@@ -174,8 +174,10 @@ class NNsightAdapter(Adapter):
         self.remote = remote
         self.pattern_source = pattern_source
         self.request_limits = request_limits if request_limits is not None else RequestLimits()
-        #: What was planned from the first segment's request of the shift test (see :attr:`request_plan`).
+        #: What was planned from the first segment's request of the shift test (see :attr:`request_plan`), and the
+        #: grid it was measured on (contexts, offsets, segment length): another grid is measured again.
         self.segment_plan: RequestPlan | None = None
+        self._segment_grid: tuple[int, int, int] | None = None
         inner = inner_module(model)
         try:
             from transformers import PreTrainedModel
@@ -543,6 +545,9 @@ class NNsightAdapter(Adapter):
                 "predictions": targets is not None, "hidden_size": config.sizes()["D"]}
         runs = [[self._segment_trace_inputs(batch, config.segment_length, targets is not None) for batch in context]
                 for context in contexts]
+        grid = (len(contexts), len(config.offsets), int(config.segment_length))
+        if grid != self._segment_grid:
+            self.segment_plan, self._segment_grid = None, grid
         self._refuse_if_planned(self.segment_plan, "segment")
         model, attention = self.model, self._attention_envoys()
         layers = [model.get(path) for path in self.layer_paths]
