@@ -21,7 +21,7 @@ from ..errors import EquivarianceProbeError, InputError
 from ..records.fileformat import jsonable, write_text_atomically
 
 __all__ = ["HELD", "check_corpus", "check_writable", "checkpoint_note", "finished", "read_documents", "measurement",
-           "study_options", "check_study_fits", "memory_limit", "print_result", "positional_into"]
+           "study_options", "model_source_of", "check_study_fits", "memory_limit", "print_result", "positional_into"]
 
 #: While a command runs: the output folders' locks it holds, released when it ends.
 HELD: ContextVar[contextlib.ExitStack | None] = ContextVar("equivariance_probe_held_locks", default=None)
@@ -95,8 +95,19 @@ def measurement(args: argparse.Namespace, **changes: Any) -> Any:
 
 def study_options(args: argparse.Namespace, documents: Any) -> dict[str, Any]:
     """The keyword arguments ``run`` and ``compare`` pass alike to their study function."""
-    return dict(corpus=documents, n_docs=args.n_docs, baselines=args.baselines, seed=args.seed, cache_dir=args.cache_dir,
-                progress=not args.no_progress, attn_implementation=args.attn_implementation)
+    return dict(corpus=documents, n_docs=args.n_docs, baselines=args.baselines, seed=args.seed,
+                progress=not args.no_progress)
+
+
+def model_source_of(args: argparse.Namespace, name: str | None = None) -> Any:
+    """The :class:`~equivariance_probe.sources.model_source.ModelSource` the command's model options say (``name``: a
+    model other than ``--model``, as ``compare``'s ``--models``); an option the command does not take keeps the
+    spec's default."""
+    from ..sources.model_source import ModelSource
+
+    given = {key: getattr(args, key) for key in ("framework", "cache_dir", "device", "dtype", "attn_implementation")
+             if getattr(args, key, None) is not None}
+    return ModelSource(args.model if name is None else name, **given)
 
 
 def check_study_fits(args: argparse.Namespace) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..common import check_writable, measurement, memory_limit, print_result, read_documents, study_options
+from ..common import (check_writable, measurement, memory_limit, model_source_of, print_result, read_documents,
+                      study_options)
 from ..options import MEASURED, add_shared_options, names
 
 NAME = "compare"
@@ -47,8 +48,9 @@ def handle(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     check_writable(out)
-    comparison = compare_models(args.models, **study_options(args, read_documents(args)), options=measurement(args),
-                                memory_limit=memory_limit(args), device=args.device, dtype=args.dtype)
+    comparison = compare_models([model_source_of(args, name) for name in args.models],
+                                **study_options(args, read_documents(args)), options=measurement(args),
+                                memory_limit=memory_limit(args))
     paths = save_comparison(comparison, out, format=args.figure_format)
     print_result(args, comparison.table(), comparison.rows(), list(paths.values()) + [out / "models"])
     return 0

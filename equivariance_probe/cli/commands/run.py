@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..common import (check_study_fits, check_writable, finished, measurement, positional_into, print_result,
-                      read_documents, study_options)
+from ..common import (check_study_fits, check_writable, finished, measurement, model_source_of, positional_into,
+                      print_result, read_documents, study_options)
 from ..options import MEASURED, MODEL_OPTIONS, Deprecated, add_shared_options, non_negative
 
 NAME = "run"
@@ -79,16 +79,13 @@ def handle(args: argparse.Namespace) -> int:
         check_study_fits(args)
     documents = read_documents(args)
     study = run_study(
-        args.model,
+        model_source_of(args),
         **study_options(args, documents),
         options=measurement(args),
-        backend=args.framework,
         checkpoint_dir=None if args.checkpoint_every == 0 else out / CHECKPOINT_FOLDER,
         checkpoint_every=args.checkpoint_every or None,
         resume=args.resume,
         shard=shard,
-        device=args.device,
-        dtype=args.dtype,
         pack=args.pack,
     )
     # results.safetensors is written only here, after every variant finished (complete: true); a run that

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..common import check_writable, measurement, memory_limit, print_result, read_documents
+from ..common import check_writable, measurement, memory_limit, model_source_of, print_result, read_documents
 from ..options import MEASURED, MODEL_OPTIONS, add_shared_options, int_list, positive
 
 NAME = "scan"
@@ -52,11 +52,9 @@ def handle(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_writable(out)
     scan = scan_context_lengths(
-        args.model, context_lengths=args.context_lengths, corpus=read_documents(args), n_tokens=args.n_tokens,
+        model_source_of(args), context_lengths=args.context_lengths, corpus=read_documents(args), n_tokens=args.n_tokens,
         pack=args.pack, baselines=args.baselines, batch_size=args.batch_size, seed=args.seed,
-        options=measurement(args), out=out, cache_dir=args.cache_dir,
-        memory_limit=memory_limit(args), device=args.device, dtype=args.dtype,
-        progress=not args.no_progress, attn_implementation=args.attn_implementation,
+        options=measurement(args), out=out, memory_limit=memory_limit(args), progress=not args.no_progress,
     )
     paths = save_scan(scan, out, format=args.figure_format)
     measured = [out / length_folder(length) / result_filename(variant) for length, variants in scan.results.items()
