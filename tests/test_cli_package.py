@@ -74,3 +74,18 @@ def test_the_flag_table_is_read_from_the_parser():
         "backend": "--framework", "format": "--figure-format"}
     # Deprecated spellings are never the one a message names.
     assert flags["out"] == "--out" and flags["framework"] == "--framework" and flags["baselines"] == "--baselines"
+
+
+def test_a_new_shared_option_is_one_declaration(monkeypatch):
+    from equivariance_probe.cli import options
+
+    declared = options.shared_options()
+    declared["demo_level"] = (("--demo-level",), {"type": int, "default": 3, "help": "a level (default %(default)s)",
+                                                  "commands": ("run", "shift")})
+    monkeypatch.setattr(options, "shared_options", lambda: declared)
+    parser = build_parser()
+    subs = _subparsers(parser)
+    for name in ("run", "shift"):
+        assert subs[name].parse_known_args(["--out", "x", "--demo-level", "5"])[0].demo_level == 5
+    assert not any(action.dest == "demo_level" for action in subs["scan"]._actions)
+    assert api_flags(parser)["demo_level"] == "--demo-level"

@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import InputError, command_line_options
 
 __all__ = ["shared_options", "add_shared_options", "HelpFormatter", "Deprecated", "WHY", "api_flags", "API_NAMES",
-           "MODEL_OPTIONS", "MEASURED", "int_list", "integer_at_least", "positive", "non_negative", "names"]
+           "MODEL_OPTIONS", "MEASURED", "int_list", "integer_at_least", "positive", "non_negative", "names", "declared_for"]
 
 #: The Python API's arguments whose flag is spelt otherwise (API name -> the flag's ``dest``), so that an
 #: error raised under a command names the flag the user typed (:func:`~equivariance_probe.errors.option`).
@@ -144,6 +144,9 @@ WHY = "here"
 def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
     """Every option that several subcommands take, declared once: name -> ``(flags, argparse keywords)``.
 
+    A declaration's keywords may also say ``"commands"``: the subcommands that take it without naming it
+    (:func:`declared_for`), so that a new option is one declaration here.
+
     A subcommand takes them with :func:`add_shared_options`, naming the ones that make sense for it
     and, where its default differs, the default and why.
     """
@@ -212,6 +215,12 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
 _DEFAULT_CLAUSE = re.compile(r"\s*\(default\b[^()]*(?:\([^()]*\)[^()]*)*\)")
 
 
+def declared_for(command: str) -> list[str]:
+    """The shared options whose declaration names ``command`` among its ``"commands"``: a new option is then one
+    declaration, added to those commands by :func:`~equivariance_probe.cli.program.build_parser`."""
+    return [name for name, (_, keywords) in shared_options().items() if command in keywords.get("commands", ())]
+
+
 def add_shared_options(parser: argparse.ArgumentParser, *names: str,
                        differ: dict[str, tuple[dict[str, Any], str]] | None = None) -> argparse.ArgumentParser:
     """Give ``parser`` the shared options ``names`` (:func:`shared_options`), spelt and explained as everywhere.
@@ -229,7 +238,7 @@ def add_shared_options(parser: argparse.ArgumentParser, *names: str,
         raise ValueError(f"no shared options {unknown}; declare them in shared_options()")
     for name in names:
         flags, keywords = declared[name]
-        keywords = dict(keywords)
+        keywords = {key: value for key, value in keywords.items() if key != "commands"}
         if name in differ:
             changes, why = differ[name]
             keywords.update(changes)

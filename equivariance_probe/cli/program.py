@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import EquivarianceProbeError, FileWriteError, StopRequested, command_line_options
 from .commands import command_modules
 from .common import HELD, checkpoint_note
-from .options import HelpFormatter, api_flags
+from .options import HelpFormatter, add_shared_options, api_flags, declared_for
 
 __all__ = ["main", "build_parser"]
 
@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(module.NAME, help=summary, formatter_class=HelpFormatter,
                                   description=f"{summary[0].upper()}{summary[1:]}. {module.DETAILS}".strip())
         module.arguments(sub)
+        taken = {action.dest for action in sub._actions}
+        add_shared_options(sub, *[name for name in declared_for(module.NAME) if name not in taken])
         sub.set_defaults(handler=module.handle)
     return parser
 
