@@ -29,7 +29,8 @@ Measure:
 * :func:`get_adapter`, :class:`Adapter`, :class:`AttentionLayout`, :data:`SUPPORTED_MODELS` —
   the framework seam.
 
-Models and documents: :func:`load_model`, :func:`load_tokenizer`, :func:`random_init_like`,
+Models and documents: :class:`ModelSource` (which model a run measures and how it loads: framework, device,
+dtype, kernel), :func:`load_model`, :func:`load_tokenizer`, :func:`random_init_like`,
 :func:`zero_like`, :func:`load_corpus` (``pack=T``: :class:`PackedWindows`), :data:`REGISTRY` / :class:`ModelSpec` (the packaged
 models), :func:`load_positional_model`.
 
@@ -111,6 +112,7 @@ from .runs.study import Study, run_study
 from .sources.baselines import random_init_like, zero_like
 from .sources.corpus import load_corpus
 from .sources.packing import PackedWindows
+from .sources.model_source import ModelSource
 from .sources.models import load_model, load_positional_model, load_tokenizer
 from .sources.registry import REGISTRY, ModelSpec
 from .statistics import AttentionStatistics
@@ -122,6 +124,7 @@ __all__ = [
     # measure
     "EquivarianceProbe",
     "MeasurementOptions",
+    "ModelSource",
     "ProbeResult",
     "PersistenceCurves",
     "Interval",

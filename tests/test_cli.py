@@ -209,7 +209,8 @@ def test_every_shared_option_has_one_spelling_and_one_meaning_and_every_command_
     shared = {flag: uses for flag, uses in by_flag.items() if len(uses) > 1}
     assert {"--out", "--model", "--context-length", "--exclude-keys", "--interval-groups", "--no-progress"} <= set(shared)
     reference = argparse.ArgumentParser(add_help=False)  # each shared option as declared
-    actions = [reference.add_argument(*flags, **keywords) for flags, keywords in shared_options().values()]
+    actions = [reference.add_argument(*flags, **{k: v for k, v in keywords.items() if k != "commands"})
+               for flags, keywords in shared_options().values()]
     declared = {flag: action for action in actions for flag in action.option_strings}
     for flag, uses in shared.items():
         assert flag in declared, f"{flag} is on {[name for name, _ in uses]} but not declared once in shared_options()"

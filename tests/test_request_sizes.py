@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from equivariance_probe import EquivarianceProbe, RequestLimits, RequestPlan, RequestTooLongError, run_study
+from equivariance_probe import EquivarianceProbe, ModelSource, RequestLimits, RequestPlan, RequestTooLongError, run_study
 from equivariance_probe.adapters.request_sizes import plan_requests
 from equivariance_probe.errors import InputError, RemoteTimeoutError
 
@@ -174,7 +174,7 @@ def test_a_checkpointed_remote_study_keeps_every_request_and_resumes_bitwise(req
     corpus = [" ".join(generator.choice(vocabulary, size=12)) for _ in range(20)]
 
     def study(folder, resume=False, **limits):
-        return run_study(corpus=corpus, n_docs=20, baselines=(), backend="nnsight", progress=False,
+        return run_study(ModelSource(framework="nnsight"), corpus=corpus, n_docs=20, baselines=(), progress=False,
                          loaded=(transformers_model(tiny_gemma3()), tiny_tokenizer()), remote="local",
                          request_limits=RequestLimits(**limits), checkpoint_dir=folder, resume=resume,
                          context_length=12, batch_size=8, sample_size=0, interval_groups=0)
@@ -195,5 +195,5 @@ def test_request_limits_are_for_remote_runs_only():
     with pytest.raises(InputError, match="request_limits sizes remote requests only"):
         run_study(corpus=["t5 t6 t7"], n_docs=1, baselines=(), request_limits=RequestLimits(), progress=False)
     with pytest.raises(InputError, match="baselines=\\(\\)"):
-        run_study(corpus=["t5 t6 t7"], n_docs=1, backend="nnsight", remote=True, progress=False,
+        run_study(ModelSource(framework="nnsight"), corpus=["t5 t6 t7"], n_docs=1, remote=True, progress=False,
                   loaded=(object(), None))

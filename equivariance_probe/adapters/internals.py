@@ -161,28 +161,8 @@ def intercept_attention(
     # The function the model would call: its own eager function, or the registry's entry.
     registered = None if name == "eager" else ALL_ATTENTION_FUNCTIONS[name]
 
-    def intercepted(module, query, key, value, attention_mask, *args, **kwargs):
-        layer = (layer_of.get(id(module)) if layers is not None else layer_of.setdefault(id(module), len(layer_of))
-                 ) if id(module) in own else None
-        mask = None if (drop_mask and layer is not None) else attention_mask
-        function = _eager_function(module) if registered is None else registered
-        output = function(module, query, key, value, mask, *args, **kwargs)
-        if layer is not None:
-            seen.append(layer)
-            if on_call is not None:
-                on_call(
-                    AttentionCall(
-                        layer=layer,
-                        query=query.detach(),
-                        key=key.detach(),
-                        attention_mask=None if mask is None else mask.detach(),
-                        scaling=kwargs.get("scaling"),
-                        softcap=kwargs.get("softcap"),
-                        weights=output[1].detach() if keep_weights and output[1] is not None else None,
-                        extra={"sliding_window": kwargs.get("sliding_window")},
-                    )
-                )
-        return output
+    intercepted = _interceptor(own, layer_of, layers is not None, registered, seen, on_call, drop_mask=drop_mask,
+                               keep_weights=keep_weights)
 
     had_local = name in ALL_ATTENTION_FUNCTIONS._local_mapping
     previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(name)
@@ -208,6 +188,38 @@ def intercept_attention(
             del ALL_ATTENTION_FUNCTIONS[name]
         if switched and original_impl is not None:
             _switch_back(model, original_impl)
+
+
+def _interceptor(own: set[int], layer_of: dict[int, int], numbered: bool, registered: Callable | None, seen: list[int],
+                 on_call: Callable[[AttentionCall], None] | None, *, drop_mask: bool, keep_weights: bool) -> Callable:
+    """The attention function :func:`intercept_attention` installs: it runs ``registered`` (or the module's own eager
+    function), and for the modules of the model (``own``) records the layer in ``seen`` and hands ``on_call`` an
+    :class:`AttentionCall`; ``numbered``: ``layer_of`` already numbers the modules (else in the order they run)."""
+
+    def intercepted(module, query, key, value, attention_mask, *args, **kwargs):
+        layer = (layer_of.get(id(module)) if numbered else layer_of.setdefault(id(module), len(layer_of))
+                 ) if id(module) in own else None
+        mask = None if (drop_mask and layer is not None) else attention_mask
+        function = _eager_function(module) if registered is None else registered
+        output = function(module, query, key, value, mask, *args, **kwargs)
+        if layer is not None:
+            seen.append(layer)
+            if on_call is not None:
+                on_call(
+                    AttentionCall(
+                        layer=layer,
+                        query=query.detach(),
+                        key=key.detach(),
+                        attention_mask=None if mask is None else mask.detach(),
+                        scaling=kwargs.get("scaling"),
+                        softcap=kwargs.get("softcap"),
+                        weights=output[1].detach() if keep_weights and output[1] is not None else None,
+                        extra={"sliding_window": kwargs.get("sliding_window")},
+                    )
+                )
+        return output
+
+    return intercepted
 
 
 def _switch_back(model: torch.nn.Module, implementation: str) -> None:

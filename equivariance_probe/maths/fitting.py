@@ -265,8 +265,7 @@ def fit_tisa_kernel(
         seed: seed of the random starts.
         max_evaluations: residual evaluations per start.
 
-    Returns:
-        :class:`KernelFit`, kernels sorted by centre.
+    Returns :class:`KernelFit`, its kernels sorted by centre.
     """
     from scipy.optimize import least_squares
 

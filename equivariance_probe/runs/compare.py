@@ -45,8 +45,7 @@ from ..result import DIFFERENCE_STATISTICS, paired_differences
 from ..records.fileformat import make_folder, write_text_atomically
 from .tables import csv_text, interval_bounds, markdown_table, row_cell, summary_value
 from ..sources.corpus import load_corpus
-from ..sources.devices import parse_dtype, resolve_device
-from ..sources.models import load_config, load_model, load_tokenizer
+from ..sources.model_source import LOADING_KEYWORDS, ModelSource, model_source
 from ..sources.resources import MemoryEstimate, PeakMemory, check_fits, estimate_memory_of, model_size
 from .checkpoint import lock_output_folder
 from .study import Study, check_baselines, run_study
@@ -316,27 +315,22 @@ def common_windows(texts: Sequence[str], tokenizers: Mapping[str, Any], context_
 
 
 def compare_models(
-    models: Sequence[str] | Mapping[str, str | tuple[Any, Any]] = DEFAULT_COMPARE_MODELS,
+    models: Sequence[str | ModelSource] | Mapping[str, str | ModelSource | tuple[Any, Any]] = DEFAULT_COMPARE_MODELS,
     *,
     corpus: Any = None,
     n_docs: int = DEFAULT_COMPARISON["n_docs"],
     baselines: Sequence[str] = DEFAULT_COMPARISON["baselines"],
     seed: int = 0,
     options: MeasurementOptions | None = None,
-    cache_dir: str | os.PathLike | None = None,
     memory_limit: int | None = None,
     progress: bool = True,
-    attn_implementation: str = "sdpa",
-    device: str | None = "cpu",
-    dtype: str | None = None,
     **measurement: Any,
 ) -> Comparison:
     """Run the study on several models over the same windows and collect one table.
 
     Args:
-        models: model names (packaged, local folders or cached hub names, loaded one at a time
-            with :func:`~equivariance_probe.sources.models.load_model`), or a mapping label -> name or
-            an already loaded ``(model, tokenizer)``.
+        models: models by name or :class:`~equivariance_probe.sources.model_source.ModelSource` (loaded one at a
+            time), or a mapping label -> name, spec or an already loaded ``(model, tokenizer)``.
         corpus: anything :func:`~equivariance_probe.sources.corpus.load_corpus` reads (``None``: the
             packaged Wikipedia articles).
         n_docs: windows (one per document).
@@ -345,20 +339,12 @@ def compare_models(
         options: how every model is measured, a :class:`~equivariance_probe.probe.MeasurementOptions`
             (default :data:`COMPARISON_MEASUREMENT`: ``context_length=512``, ``batch_size=4``, no entry
             sample); ``context_length`` is the tokens per window ``T``, the same for every model.
-        cache_dir: where converted packaged models are cached.
         memory_limit: bytes a model may use; ``None``: the memory available now.
         progress: show progress bars.
-        attn_implementation: the attention kernel each model runs (see
-            :func:`~equivariance_probe.runs.study.run_study`).
-        device: where the models load by name run: ``"cpu"`` (default), ``"auto"`` (CUDA if available),
-            ``"cuda"``, ``"cuda:N"``.
-        dtype: their parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); ``None``: float32.
         **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
-            those of ``options``: ``context_length``, ``batch_size`` (windows per forward pass),
-            ``exclude_keys`` (key positions left out of every statistic), ``interval_groups`` (groups of
-            windows for the 95 % intervals and the trained-minus-baseline differences, per model:
-            windows are grouped by their token ids' fingerprints, which differ between tokenizers; 0
-            for none), ...
+            those of ``options`` (``interval_groups`` groups windows by their token ids' fingerprints, which
+            differ between tokenizers, so per model). The loading keywords taken before :class:`ModelSource`
+            apply to every model named, deprecated.
 
     Returns:
         A :class:`Comparison`.
@@ -369,7 +355,10 @@ def compare_models(
         EmptyCorpusError: too few documents are long enough for every tokenizer.
         InputError: bad arguments.
     """
-    entries: dict[str, Any] = dict(models) if isinstance(models, Mapping) else {str(m): str(m) for m in models}
+    legacy = {k: measurement.pop(k) for k in LOADING_KEYWORDS if k in measurement}
+    entries: dict[str, Any] = (dict(models) if isinstance(models, Mapping) else
+                               {m.name if isinstance(m, ModelSource) else str(m): m for m in models})
+    entries = {label: model_source(entry, legacy, where="compare_models") for label, entry in entries.items()}
     if not entries:
         raise InputError("models is empty; pass at least one model name, e.g. ['gemma-3-270m'].")
     check_baselines(baselines)
@@ -377,41 +366,21 @@ def compare_models(
     context_length, batch_size = options.context_length, options.batch_size
     for name, value in (("n_docs", n_docs), ("context_length", context_length), ("batch_size", batch_size)):
         check_integer(name, value, message=f"{name} must be a positive integer, got {value!r}")
-
-    # Tokenizers first (converting packaged models once, without keeping their weights), then
-    # the memory check for every model, before any model is loaded.
-    tokenizers = {label: (load_tokenizer(e, cache_dir=cache_dir) if isinstance(e, str) else e[1])
-                  for label, e in entries.items()}
-    estimates: dict[str, MemoryEstimate] = {}
-    for label, entry in entries.items():
-        size = model_size(load_config(entry, cache_dir=cache_dir) if isinstance(entry, str) else entry[0])
-        estimates[label] = estimate_memory_of(size, context_length=context_length, batch_size=batch_size,
-                                              copies=2 if baselines else 1)
-    check_fits(estimates, memory_limit, what="",
-               fix="Lower batch_size or context_length, leave these models out, or free memory.")
-
-    documents = load_corpus(corpus)
-    texts = common_windows(documents, tokenizers, context_length, n_docs)
-
+    tokenizers, estimates = _tokenizers_that_fit(entries, context_length, batch_size, 2 if baselines else 1,
+                                                 memory_limit)
+    texts = common_windows(load_corpus(corpus), tokenizers, context_length, n_docs)
     studies: dict[str, Study] = {}
     costs: dict[str, ModelCost] = {}
     for label, entry in entries.items():
         with PeakMemory() as peak:
             start = time.perf_counter()
-            loaded = (load_model(entry, cache_dir=cache_dir, attn_implementation=attn_implementation,
-                                 device=resolve_device(device), dtype=parse_dtype(dtype))
-                      if isinstance(entry, str) else entry)
+            loaded = entry.load() if isinstance(entry, ModelSource) else entry
             load_seconds = time.perf_counter() - start
-            study = run_study(label, corpus=texts, n_docs=len(texts), baselines=baselines, seed=seed, options=options,
-                              cache_dir=cache_dir, progress=progress, loaded=loaded)
+            study = run_study(label, corpus=texts, n_docs=len(texts),
+                              baselines=baselines, seed=seed, options=options, progress=progress, loaded=loaded)
             del loaded
             gc.collect()  # one model in memory at a time
-        for variant, result in study.results.items():
-            if result.n_tokens != len(texts) * context_length:
-                raise IncompatibleResultsError(
-                    f"{label} ({variant}) read {result.n_tokens} tokens, not {len(texts)} × {context_length}; "
-                    "the windows were not cut to the same length for every model (please report this)."
-                )
+        _check_same_tokens(label, study, len(texts), context_length)
         studies[label] = study
         costs[label] = ModelCost(seconds={v: study.timings[v] for v in study.results}, load_seconds=load_seconds,
                                  peak_bytes=peak.bytes, peak_method=peak.method, estimate=estimates[label])
@@ -419,10 +388,36 @@ def compare_models(
         "arguments": {"models": list(entries), "n_docs": n_docs, "context_length": context_length,
                       "batch_size": batch_size, "baselines": list(baselines), "exclude_keys": list(options.exclude_keys),
                       "seed": seed, "interval_groups": options.interval_groups},
-        "windows_description": (
-            f"{len(texts)} windows of exactly {context_length} tokens per model, cut from the same "
-            f"{len(texts)} documents ({'the packaged Wikipedia articles' if corpus is None else 'the given corpus'}) "
-            "so that every model's tokenizer yields at least that many tokens, each model with its own tokenizer."
-        ),
+        "windows_description": _windows_description(len(texts), context_length, corpus),
     }
     return Comparison(studies, costs, config)
+
+
+def _tokenizers_that_fit(entries: dict[str, Any], context_length: int, batch_size: int, copies: int,
+                         memory_limit: int | None) -> tuple[dict[str, Any], dict[str, MemoryEstimate]]:
+    """``(tokenizers, estimates)``: each model's tokenizer (converting packaged models once, without keeping their
+    weights) and its memory estimate, checked against ``memory_limit`` for every model before any is loaded."""
+    tokenizers = {label: e.load_tokenizer() if isinstance(e, ModelSource) else e[1] for label, e in entries.items()}
+    estimates = {label: estimate_memory_of(model_size(e.load_config() if isinstance(e, ModelSource) else e[0]),
+                                           context_length=context_length, batch_size=batch_size, copies=copies)
+                 for label, e in entries.items()}
+    check_fits(estimates, memory_limit, what="",
+               fix="Lower batch_size or context_length, leave these models out, or free memory.")
+    return tokenizers, estimates
+
+
+def _windows_description(n_windows: int, context_length: int, corpus: Any) -> str:
+    """How the comparison's windows were cut, in words."""
+    return (f"{n_windows} windows of exactly {context_length} tokens per model, cut from the same "
+            f"{n_windows} documents ({'the packaged Wikipedia articles' if corpus is None else 'the given corpus'}) "
+            "so that every model's tokenizer yields at least that many tokens, each model with its own tokenizer.")
+
+
+def _check_same_tokens(label: str, study: Study, n_windows: int, context_length: int) -> None:
+    """Every variant of ``label`` read ``n_windows × context_length`` tokens, as every other model did."""
+    for variant, result in study.results.items():
+        if result.n_tokens != n_windows * context_length:
+            raise IncompatibleResultsError(
+                f"{label} ({variant}) read {result.n_tokens} tokens, not {n_windows} × {context_length}; "
+                "the windows were not cut to the same length for every model (please report this)."
+            )

@@ -39,6 +39,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -438,87 +439,120 @@ def run_positional(
         tokenizer: its tokenizer (default: the probe's or model's own).
         docs: strings or a LongTensor ``[n, T]`` (default: the packaged Wikipedia articles).
         analyses: a subset of ``ANALYSES``.
-        n_docs: windows for ``attention_toeplitz``, ``tisa``, ``shrinkage`` and ``correlation``.
-        n_prompts: prompts of the permutation protocol.
-        prompt_length: tokens per prompt.
-        n_permutations: permutations per prompt.
+        n_docs: windows for ``attention_toeplitz``, ``tisa``, ``shrinkage``, ``correlation`` (documents for ``probe``).
+        n_prompts, prompt_length, n_permutations: the permutation protocol's prompts, their tokens, and
+            permutations per prompt.
         n_kernels: ``S`` of the TISA fits.
-        baseline: ``"random_init"`` (shrinkage, correlations and the probe also on the model's own
-            random initialisation, seed ``seed``) or ``None``.
-        probe_positions: positions per window of the ``probe`` analysis (a stratified sample of
-            ``1 .. T-1``; position 0 holds the same special token in every window of many models).
-        windows_per_doc: consecutive windows per document of the ``probe`` analysis (``n_docs``
-            documents, each window after the tokenizer's special prefix).
-        n_folds: ``k`` of the probe's GroupKFold over documents.
-        seed: seed of permutations and baseline.
-        options: how the windows are measured, a :class:`~equivariance_probe.probe.MeasurementOptions`
-            (default: ``context_length=256``): ``context_length`` (the windows' length), ``batch_size``
-            (windows per forward pass) and ``exclude_keys`` (key positions left out of the ``tisa``
-            profiles and the attention Toeplitz R², e.g. ``[0]``, a BOS sink) are read; the attention
-            Toeplitz R² always keeps the summed pattern it needs.
+        baseline: ``"random_init"`` (shrinkage, correlations and the probe also on the model's own random
+            initialisation) or ``None``.
+        probe_positions, windows_per_doc, n_folds: the ``probe`` analysis' positions per window (a stratified
+            sample of ``1 .. T-1``), consecutive windows per document, and ``k`` of its GroupKFold over documents.
+        seed: seed of the permutations, the baseline and the probes' folds.
+        options: a :class:`~equivariance_probe.probe.MeasurementOptions` (default ``context_length=256``), of which
+            ``context_length``, ``batch_size`` and ``exclude_keys`` (left out of the ``tisa`` profiles and the
+            attention Toeplitz R²) are read; ``**measurement`` sets any of its fields by name.
         progress: print one line per analysis.
-        **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
-            those of ``options`` (``context_length=256, batch_size=4, exclude_keys=[0]``).
-
-    Returns:
-        :class:`PositionalStudy`.
     """
+    options, analyses = _checked_arguments(options, measurement, analyses, baseline)
+    context_length, batch_size, exclude_keys = options.context_length, options.batch_size, options.exclude_keys
+    hf = hf_model_of(model)
+    # A probe's adapter knows the tokenizer; TransformerLens and nnsight models carry one.
+    if tokenizer is None:
+        tokenizer = getattr(getattr(model, "adapter", None), "tokenizer", None) or getattr(model, "tokenizer", None)
+    docs = load_corpus() if docs is None else docs
+    study = PositionalStudy(metadata=_study_metadata(hf, analyses, {
+        "n_docs": n_docs, "context_length": context_length, "n_prompts": n_prompts, "prompt_length": prompt_length,
+        "n_permutations": n_permutations, "n_kernels": n_kernels, "baseline": baseline, "seed": seed,
+        "exclude_keys": list(exclude_keys), "probe_positions": probe_positions, "windows_per_doc": windows_per_doc,
+        "n_folds": n_folds}))
+    say = _reporter(progress)
+    study.skipped.update({name: f"needs a causal language model; {type(hf).__name__} is not one"
+                          for name in analyses if name in _CAUSAL_ONLY and not is_causal_lm(hf)})
+    _embedding_parts(study, hf, analyses, context_length, say)
+    needs_windows = [a for a in ("attention_toeplitz", "tisa", "shrinkage", "correlation")
+                     if a in analyses and a not in study.skipped]
+    windows = token_windows(docs, tokenizer, context_length, n_docs) if needs_windows else None
+    study.metadata.update({} if windows is None else {"windows": [int(windows.shape[0]), int(windows.shape[1])]})
+    _pattern_parts(study, hf, tokenizer, windows, analyses, options, n_kernels, seed, say)
+    if "permutation" in analyses and "permutation" not in study.skipped:
+        study.parts["permutation"] = permutation_sensitivity(hf, token_windows(docs, tokenizer, prompt_length, n_prompts),
+                                                             n_permutations=n_permutations, seed=seed)
+        say("permutation: " + ", ".join(f"{k} KL {v['kl_mean']:.3g}" for k, v in study.parts["permutation"].summary().items()))
+    untrained = random_init_like(hf, seed=seed) if baseline == "random_init" and (
+        {"shrinkage", "correlation"} & set(needs_windows) or "probe" in analyses) else None
+    subjects = {"": hf, "_baseline": untrained}
+    if ("shrinkage" in needs_windows) or ("correlation" in needs_windows):
+        for suffix, subject in subjects.items():
+            study.parts.update(_representation_parts(subject, windows, analyses, batch_size, suffix) if subject else {})
+        if "shrinkage" in study.parts:
+            say(f"shrinkage: attention-output exponent per layer {np.round(study.parts['shrinkage'].exponent['attention'], 2)}")
+    if "probe" in analyses:
+        _probe_parts(study, subjects, docs, tokenizer, context_length, n_docs, windows_per_doc, probe_positions, n_folds,
+                     batch_size, seed, say)
+    return study
+
+
+def _reporter(progress: bool) -> Callable[[str], None]:
+    """What the study says of each analysis as it ends: a printed line, or nothing."""
+    def say(message: str) -> None:
+        if progress:
+            print(f"[positional] {message}", flush=True)
+    return say
+
+
+def _checked_arguments(options: MeasurementOptions | None, measurement: dict[str, Any], analyses: Any,
+                       baseline: str | None) -> tuple[MeasurementOptions, tuple[str, ...]]:
+    """The study's measurement options (the positional defaults, ``context_length`` 256) and its analyses, checked."""
     options = MeasurementOptions.of(POSITIONAL_MEASUREMENT if options is None else options, **measurement)
     if options.context_length is None:
         options = options.replace(context_length=POSITIONAL_MEASUREMENT.context_length)
-    context_length, batch_size, exclude_keys = options.context_length, options.batch_size, options.exclude_keys
     analyses = tuple(analyses)
     unknown = [a for a in analyses if a not in ANALYSES]
     if unknown:
         raise InputError(f"unknown analyses {unknown}; choose from {list(ANALYSES)}")
     if baseline not in (None, "none", "random_init"):
         raise InputError(f"baseline must be 'random_init' or None, got {baseline!r}")
-    hf = hf_model_of(model)
-    if tokenizer is None:  # a probe's adapter knows the tokenizer; TransformerLens and nnsight models carry one
-        tokenizer = getattr(getattr(model, "adapter", None), "tokenizer", None) or getattr(model, "tokenizer", None)
-    if docs is None:
-        docs = load_corpus()
-    study = PositionalStudy(metadata={
+    return options, analyses
+
+
+def _study_metadata(hf: Any, analyses: tuple[str, ...], settings: dict[str, Any]) -> dict[str, Any]:
+    """What a positional study records of its model, analyses and settings."""
+    return {
         "model": str(getattr(hf.config, "_name_or_path", "") or type(hf).__name__),
         "architecture": type(hf).__name__,
         "analyses": list(analyses),
-        "settings": {"n_docs": n_docs, "context_length": context_length, "n_prompts": n_prompts,
-                     "prompt_length": prompt_length, "n_permutations": n_permutations, "n_kernels": n_kernels,
-                     "baseline": baseline, "seed": seed, "exclude_keys": list(exclude_keys),
-                     "probe_positions": probe_positions, "windows_per_doc": windows_per_doc, "n_folds": n_folds},
+        "settings": settings,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "conventions": "lag k = query - key position; Toeplitz R² 'whole' includes the main diagonal, "
                        "'off_diagonal' excludes it; permutations keep the first token and the last",
-    })
+    }
 
-    def say(message: str) -> None:
-        if progress:
-            print(f"[positional] {message}", flush=True)
 
-    for name in analyses:
-        if name in _CAUSAL_ONLY and not is_causal_lm(hf):
-            study.skipped[name] = f"needs a causal language model; {type(hf).__name__} is not one"
-    if any(a in analyses for a in ("gram", "positional_logits")):
-        if not position_embedding_modules(hf):
-            for name in ("gram", "positional_logits"):
-                if name in analyses:
-                    study.skipped[name] = (
-                        f"{type(hf).__name__} has no learned absolute position embeddings (no nn.Embedding named "
-                        "wpe, position_embeddings or embed_positions)"
-                    )
-        else:
-            table, offset = position_embedding_table(hf)
-            if "gram" in analyses:
-                study.parts["gram"] = gram_toeplitz(table, offset)
-                say(f"gram: Toeplitz R² whole {study.parts['gram'].r2_whole:.4f}, off-diagonal {study.parts['gram'].r2_off_diagonal:.4f}")
-            if "positional_logits" in analyses:
-                study.parts["positional_logits"] = positional_logits(hf, min(context_length, len(table)))
-                say(f"positional logits: Toeplitz R² per head {np.round(study.parts['positional_logits'].toeplitz_r2, 3)}")
-    needs_windows = [a for a in ("attention_toeplitz", "tisa", "shrinkage", "correlation")
-                     if a in analyses and a not in study.skipped]
-    windows = token_windows(docs, tokenizer, context_length, n_docs) if needs_windows else None
-    if windows is not None:
-        study.metadata["windows"] = [int(windows.shape[0]), int(windows.shape[1])]
+def _embedding_parts(study: PositionalStudy, hf: Any, analyses: tuple[str, ...], context_length: int,
+                     say: Callable[[str], None]) -> None:
+    """The analyses of a learned absolute position table (``gram``, ``positional_logits``), or why they are skipped."""
+    if not any(a in analyses for a in ("gram", "positional_logits")):
+        return
+    if not position_embedding_modules(hf):
+        for name in ("gram", "positional_logits"):
+            if name in analyses:
+                study.skipped[name] = (
+                    f"{type(hf).__name__} has no learned absolute position embeddings (no nn.Embedding named "
+                    "wpe, position_embeddings or embed_positions)"
+                )
+        return
+    table, offset = position_embedding_table(hf)
+    if "gram" in analyses:
+        study.parts["gram"] = gram_toeplitz(table, offset)
+        say(f"gram: Toeplitz R² whole {study.parts['gram'].r2_whole:.4f}, off-diagonal {study.parts['gram'].r2_off_diagonal:.4f}")
+    if "positional_logits" in analyses:
+        study.parts["positional_logits"] = positional_logits(hf, min(context_length, len(table)))
+        say(f"positional logits: Toeplitz R² per head {np.round(study.parts['positional_logits'].toeplitz_r2, 3)}")
+
+
+def _pattern_parts(study: PositionalStudy, hf: Any, tokenizer: Any, windows: Any, analyses: tuple[str, ...],
+                   options: MeasurementOptions, n_kernels: int, seed: int, say: Callable[[str], None]) -> None:
+    """The analyses of the attention in the windows: ``attention_toeplitz`` and the ``tisa`` score profiles' fits."""
     if "attention_toeplitz" in analyses:
         result = EquivarianceProbe(hf, tokenizer=tokenizer).run(windows, options.replace(keep_pattern=True), progress=False)
         study.parts["attention_toeplitz"] = AttentionToeplitz(
@@ -527,35 +561,27 @@ def run_positional(
         say(f"attention toeplitz: per-head R² of the document-averaged pattern, median "
             f"{np.nanmedian(study.parts['attention_toeplitz'].mean_pattern):.3f}")
     if "tisa" in analyses:
-        profile = score_profile(hf, windows, batch_size=batch_size, exclude_keys=exclude_keys)
+        profile = score_profile(hf, windows, batch_size=options.batch_size, exclude_keys=options.exclude_keys)
         fits = fit_score_profiles(profile, n_kernels, seed=seed)
         study.parts["tisa"] = {"profile": profile, "fits": fits}
         say(f"tisa: kernel fit R² median {np.nanmedian(fits.r2()):.3f} over {fits.r2().size} heads")
-    if "permutation" in analyses and "permutation" not in study.skipped:
-        prompts = token_windows(docs, tokenizer, prompt_length, n_prompts)
-        study.parts["permutation"] = permutation_sensitivity(hf, prompts, n_permutations=n_permutations, seed=seed)
-        say("permutation: " + ", ".join(f"{k} KL {v['kl_mean']:.3g}" for k, v in study.parts["permutation"].summary().items()))
-    untrained = random_init_like(hf, seed=seed) if baseline == "random_init" and (
-        {"shrinkage", "correlation"} & set(needs_windows) or "probe" in analyses) else None
-    if ("shrinkage" in needs_windows) or ("correlation" in needs_windows):
-        study.parts.update(_representation_parts(hf, windows, analyses, batch_size, ""))
-        if untrained is not None:
-            study.parts.update(_representation_parts(untrained, windows, analyses, batch_size, "_baseline"))
-        if "shrinkage" in study.parts:
-            say(f"shrinkage: attention-output exponent per layer {np.round(study.parts['shrinkage'].exponent['attention'], 2)}")
-    if "probe" in analyses:
-        tokens, groups = _probe_windows(docs, tokenizer, context_length, n_docs, windows_per_doc)
-        study.metadata["probe_windows"] = [int(tokens.shape[0]), int(tokens.shape[1]), int(len(np.unique(groups)))]
-        for suffix, subject in (("", hf), ("_baseline", untrained)):
-            if subject is None:
-                continue
-            part = position_probe(subject, tokens, groups=groups, positions_per_window=probe_positions,
-                                  n_folds=n_folds, batch_size=batch_size, seed=seed)
-            study.parts["probe" + suffix] = part
-            best = part.best_layer()
-            say(f"probe{suffix}: held-out R² of the position by layer {np.round(part.r2['position'].mean(1), 3)} "
-                f"(best layer {best}, MAE {part.mae['position'][best].mean():.1f} tokens)")
-    return study
+
+
+def _probe_parts(study: PositionalStudy, subjects: dict[str, Any], docs: Any, tokenizer: Any, context_length: int,
+                 n_docs: int, windows_per_doc: int, probe_positions: int, n_folds: int, batch_size: int, seed: int,
+                 say: Callable[[str], None]) -> None:
+    """The linear position probes of the model (and of its random initialisation, suffix ``_baseline``)."""
+    tokens, groups = _probe_windows(docs, tokenizer, context_length, n_docs, windows_per_doc)
+    study.metadata["probe_windows"] = [int(tokens.shape[0]), int(tokens.shape[1]), int(len(np.unique(groups)))]
+    for suffix, subject in subjects.items():
+        if subject is None:
+            continue
+        part = position_probe(subject, tokens, groups=groups, positions_per_window=probe_positions,
+                              n_folds=n_folds, batch_size=batch_size, seed=seed)
+        study.parts["probe" + suffix] = part
+        best = part.best_layer()
+        say(f"probe{suffix}: held-out R² of the position by layer {np.round(part.r2['position'].mean(1), 3)} "
+            f"(best layer {best}, MAE {part.mae['position'][best].mean():.1f} tokens)")
 
 
 def _probe_windows(docs: Any, tokenizer: Any, context_length: int, n_docs: int,

@@ -46,7 +46,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,8 +62,8 @@ from ..probe import EquivarianceProbe, MeasurementOptions
 from ..records.provenance import corpus_fingerprint, model_identity, window_fingerprints
 from ..result import ProbeResult, paired_difference
 from ..sources.corpus import load_corpus
-from ..sources.devices import parse_dtype, resolve_device
-from ..sources.models import load_config, load_model, load_tokenizer
+from ..sources.model_source import LOADING_KEYWORDS, ModelSource, model_source
+from ..sources.registry import DEFAULT_MODEL
 from ..sources.packing import PackedWindows, document_separator, pack_stream, special_prefix, token_stream
 from ..sources.resources import MemoryEstimate, ModelSize, check_fits, estimate_memory_of, model_size
 from ..statistics.masks import LAYER_GROUPS  # the groups in table order (ProbeResult.layer_groups)
@@ -438,7 +438,7 @@ def _reusable(path: Path, identity: dict[str, Any], windows: PackedWindows) -> P
 
 
 def scan_context_lengths(
-    model: str | tuple[Any, Any] = "gemma-3-270m",
+    model: str | ModelSource | tuple[Any, Any] = DEFAULT_MODEL,
     *,
     context_lengths: Sequence[int] = DEFAULT_CONTEXT_LENGTHS,
     corpus: Any = None,
@@ -449,19 +449,15 @@ def scan_context_lengths(
     seed: int = 0,
     options: MeasurementOptions | None = None,
     out: str | os.PathLike | None = None,
-    cache_dir: str | os.PathLike | None = None,
     memory_limit: int | None = None,
     progress: bool = True,
-    attn_implementation: str = "sdpa",
-    device: str | None = "cpu",
-    dtype: str | None = None,
     **measurement: Any,
 ) -> ContextScan:
     """Run the trained model and its baselines on the same text at every context length.
 
     Args:
-        model: a model name (packaged, local folder or cached hub name; loaded with
-            :func:`~equivariance_probe.sources.models.load_model`) or a loaded ``(model, tokenizer)``.
+        model: a :class:`~equivariance_probe.sources.model_source.ModelSource`, a model's name alone for its defaults,
+            or a loaded ``(model, tokenizer)``.
         context_lengths: the lengths ``T`` (any order; run shortest first).
         corpus: anything :func:`~equivariance_probe.sources.corpus.load_corpus` reads (``None``: the
             packaged Wikipedia articles).
@@ -471,25 +467,15 @@ def scan_context_lengths(
         baselines: any of ``"random_init"``, ``"zero"``.
         batch_size: windows per forward pass at every length; ``None``: ``max(1, 4096 // T)``.
         seed: seed of the random initialisation.
-        options: how each length is measured, a :class:`~equivariance_probe.probe.MeasurementOptions`
-            (default: its defaults); its ``context_length`` and ``batch_size`` are each length's (the
-            two arguments above), and each window's interval group is its span's, so that every length
-            resamples the same text regions.
+        options: how each length is measured, a :class:`~equivariance_probe.probe.MeasurementOptions`; its
+            ``context_length`` and ``batch_size`` are each length's, and each window's interval group is its
+            span's, so that every length resamples the same text regions.
         out: folder for the result files, written as each is measured; complete files of the same
             scan already there are reused.
-        cache_dir: where converted packaged models are cached.
         memory_limit: bytes a length may need; ``None``: the memory available now.
         progress: show progress bars.
-        attn_implementation: the attention kernel the model runs (``"sdpa"``, ``"eager"``, ...).
-        device: where the models load by name run: ``"cpu"`` (default), ``"auto"`` (CUDA if available),
-            ``"cuda"``, ``"cuda:N"``.
-        dtype: their parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``); ``None``: float32.
-        **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
-            those of ``options``: ``exclude_keys`` (key positions left out of every statistic),
-            ``interval_groups``, ...
-
-    Returns:
-        A :class:`ContextScan`.
+        **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over those of
+            ``options``. The loading keywords taken before :class:`ModelSource` still work, deprecated.
 
     Raises:
         ContextLengthError: a length exceeds the model's maximum context (checked before anything runs).
@@ -498,29 +484,65 @@ def scan_context_lengths(
         CheckpointError: ``out`` holds a result file of another scan.
         InputError: bad arguments.
     """
+    spec = model_source(model, {k: measurement.pop(k) for k in LOADING_KEYWORDS if k in measurement},
+                      where="scan_context_lengths")
     lengths = _check_lengths(context_lengths, n_tokens, batch_size)
     check_baselines(baselines)
     options = MeasurementOptions.of(options, **measurement)
-    exclude_keys = options.exclude_keys
-    loaded = model if isinstance(model, tuple) else None
-    name = str(model) if loaded is None else None
-    size = model_size(loaded[0] if loaded is not None else load_config(name, cache_dir=cache_dir))
+    loaded = spec if isinstance(spec, tuple) else None
+    size = model_size(loaded[0] if loaded is not None else spec.load_config())
     estimates = _check_fits(size, lengths, batch_size, 2 if baselines else 1, memory_limit)
-
-    tokenizer = loaded[1] if loaded is not None else load_tokenizer(name, cache_dir=cache_dir)
+    tokenizer = loaded[1] if loaded is not None else spec.load_tokenizer()
     windows = scan_windows(load_corpus(corpus), tokenizer, lengths, n_tokens, pack=pack)
-    longest = windows[lengths[-1]]
     start = time.perf_counter()
-    network = loaded[0] if loaded is not None else load_model(name, cache_dir=cache_dir,
-                                                              attn_implementation=attn_implementation,
-                                                              device=resolve_device(device), dtype=parse_dtype(dtype))[0]
-    load_seconds = time.perf_counter() - start
+    network = loaded[0] if loaded is not None else spec.load()[0]
+    measured, config = _scan_identity(network, windows[lengths[-1]], options, pack, None if loaded else spec)
+    config["arguments"].update(context_lengths=lengths, n_tokens=n_tokens, pack=pack, baselines=list(baselines),
+                               batch_size=batch_size, seed=seed, corpus="default" if corpus is None else
+                               str(corpus) if isinstance(corpus, (str, os.PathLike)) else None)
+    config["load_seconds"] = time.perf_counter() - start
+    results: dict[int, dict[str, ProbeResult]] = {t: {} for t in lengths}
+    timings: dict[int, dict[str, float]] = {t: {} for t in lengths}
+    reused: dict[int, list[str]] = {t: [] for t in lengths}
+    for variant, build in variant_builders(network, baselines, seed):
+        identity = {**measured, "variant": variant, "seed": seed if variant == "random_init" else None}
+        for length, result, seconds, was_reused in _variant_lengths(build, tokenizer, windows, lengths, identity, out,
+                                                                     variant, options, batch_size, progress, config):
+            results[length][variant], timings[length][variant] = result, seconds
+            if was_reused:
+                reused[length].append(variant)
+        gc.collect()  # the baseline just measured leaves memory before the next is built
+    return ContextScan(results, {t: w.describe() for t, w in windows.items()}, estimates, timings, reused, config)
+
+
+def _variant_lengths(build: Any, tokenizer: Any, windows: dict[int, Any], lengths: list[int], identity: dict[str, Any],
+                     out: str | os.PathLike | None, variant: str, options: MeasurementOptions, batch_size: int | None,
+                     progress: bool, config: dict[str, Any]) -> Iterator[tuple[int, ProbeResult, float, bool]]:
+    """``(length, result, seconds, reused)`` of one variant at each length: a complete result file of the same scan
+    in ``out`` is reused, the rest measured (the variant is built only if one of its lengths must be)."""
+    probe = None
+    for length in lengths:
+        path = Path(out) / length_folder(length) / result_filename(variant) if out is not None else None
+        existing = _reusable(path, identity, windows[length]) if path is not None else None
+        if existing is not None:
+            yield length, existing, 0.0, True
+            continue
+        probe = probe or EquivarianceProbe(build(), tokenizer=tokenizer)
+        start = time.perf_counter()
+        result = _measure_length(probe, windows[length], length, options, batch_size, progress, variant, identity,
+                                 config, path)
+        yield length, result, time.perf_counter() - start, False
+
+
+def _scan_identity(network: Any, longest: Any, options: MeasurementOptions, pack: bool,
+                   spec: ModelSource | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(identity, config)``: what the numbers depend on (the model's weights, the text, how it is measured: a
+    result file of the scan is reused only under the same identity and windows), and the scan's recorded
+    configuration (its ``arguments`` completed by the caller); ``spec``: the spec the scan loaded, if it did."""
     stream = longest.tokens[:, len(longest.prefix):]
-    # What the numbers depend on: the model's weights, the text, and how it is measured. A result
-    # file of the scan is reused only under the same identity (and the same windows).
     measured = {"model": model_identity(network), "stream": corpus_fingerprint([stream])["sha256"],
                 "protocol": longest.protocol, "span_tokens": longest.span_tokens, "n_spans": longest.n_spans,
-                "prefix": list(longest.prefix), "exclude_keys": list(exclude_keys)}
+                "prefix": list(longest.prefix), "exclude_keys": list(options.exclude_keys)}
     defaults = MeasurementOptions()
     stored = {name: getattr(options, name) for name in _STORED_OPTIONS if getattr(options, name) != getattr(defaults, name)}
     if stored:
@@ -530,50 +552,32 @@ def scan_context_lengths(
                if pack else f"(the first {longest.span_tokens} tokens of {longest.n_documents} documents)")
             + f", each window after the special prefix {list(longest.prefix)}; every length reads the same spans.")
     config = {
-        "model": name if name is not None else measured["model"].get("name_or_path") or measured["model"]["class"],
-        "arguments": {"context_lengths": lengths, "n_tokens": n_tokens, "pack": pack, "baselines": list(baselines),
-                      "batch_size": batch_size, "exclude_keys": list(exclude_keys), "seed": seed,
-                      "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
-                      "attn_implementation": attn_implementation if loaded is None else None, **stored},
+        "model": spec.name if spec is not None else measured["model"].get("name_or_path") or measured["model"]["class"],
+        "arguments": {"exclude_keys": list(options.exclude_keys),
+                      "attn_implementation": spec.attn_implementation if spec is not None else None, **stored},
         "text_description": text,
-        "load_seconds": load_seconds,
     }
-    variants = variant_builders(network, baselines, seed)
+    return measured, config
 
-    results: dict[int, dict[str, ProbeResult]] = {t: {} for t in lengths}
-    timings: dict[int, dict[str, float]] = {t: {} for t in lengths}
-    reused: dict[int, list[str]] = {t: [] for t in lengths}
-    folder = Path(out) if out is not None else None
-    for variant, build in variants:
-        identity = {**measured, "variant": variant, "seed": seed if variant == "random_init" else None}
-        probe = None  # a baseline is built only if one of its lengths must be measured
-        for length in lengths:
-            path = folder / length_folder(length) / result_filename(variant) if folder is not None else None
-            existing = _reusable(path, identity, windows[length]) if path is not None else None
-            if existing is not None:
-                results[length][variant], timings[length][variant] = existing, 0.0
-                reused[length].append(variant)
-                continue
-            if probe is None:
-                probe = EquivarianceProbe(build(), tokenizer=tokenizer)
-            start = time.perf_counter()
-            # Interval groups by span, not by window: every length then resamples the same text regions,
-            # so that two lengths pair group by group (ContextScan.difference).
-            result = probe.run(windows[length], options.replace(context_length=length,
-                                                                batch_size=_batch_size(length, batch_size)),
-                               progress=progress and f"T={length}, {variant}: windows", resampling_keys=windows[length].spans)
-            timings[length][variant] = time.perf_counter() - start
-            # The study's metadata, so that a report of one length shows its baselines beside it.
-            result.metadata.update(
-                label=variant,
-                study={"model": config["model"], "context_length": length, "baselines": list(baselines),
-                       "exclude_keys": list(exclude_keys), "seed": seed},
-                scan={"identity": identity, "context_lengths": lengths, "n_tokens": n_tokens, "pack": pack},
-            )
-            if path is not None:
-                make_folder(path.parent)
-                result.save(path)
-            results[length][variant] = result
-        del probe
-        gc.collect()  # the baseline just measured leaves memory before the next is built
-    return ContextScan(results, {t: w.describe() for t, w in windows.items()}, estimates, timings, reused, config)
+
+def _measure_length(probe: EquivarianceProbe, windows: Any, length: int, options: MeasurementOptions,
+                    batch_size: int | None, progress: bool, variant: str, identity: dict[str, Any],
+                    config: dict[str, Any], path: Path | None) -> ProbeResult:
+    """One variant at one length, with the study's metadata (so that a report of one length shows its baselines
+    beside it), written to ``path`` as soon as it is measured."""
+    # Interval groups by span, not by window: every length then resamples the same text regions,
+    # so that two lengths pair group by group (ContextScan.difference).
+    result = probe.run(windows, options.replace(context_length=length, batch_size=_batch_size(length, batch_size)),
+                       progress=progress and f"T={length}, {variant}: windows", resampling_keys=windows.spans)
+    arguments = config["arguments"]
+    result.metadata.update(
+        label=variant,
+        study={"model": config["model"], "context_length": length, "baselines": arguments["baselines"],
+               "exclude_keys": arguments["exclude_keys"], "seed": arguments["seed"]},
+        scan={"identity": identity, "context_lengths": arguments["context_lengths"],
+              "n_tokens": arguments["n_tokens"], "pack": arguments["pack"]},
+    )
+    if path is not None:
+        make_folder(path.parent)
+        result.save(path)
+    return result

@@ -15,7 +15,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,8 +31,8 @@ from ..result import ProbeResult
 from .tables import difference_table, summary_table, windows_needed_text
 from ..sources.baselines import random_init_like, zero_like
 from ..sources.corpus import load_corpus
-from ..sources.devices import parse_dtype, resolve_device
-from ..sources.models import load_model
+from ..sources.model_source import LOADING_KEYWORDS, ModelSource, model_source
+from ..sources.registry import DEFAULT_MODEL
 from ..sources.packing import pack_documents
 from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun, lock_output_folder
 
@@ -213,24 +213,19 @@ def _link(source: Path, destination: Path) -> bool:
 
 
 def run_study(
-    model: str = "gemma-3-270m",
+    model: str | ModelSource = DEFAULT_MODEL,
     *,
-    backend: str = "huggingface",
     corpus: Any = None,
     n_docs: int = DEFAULT_STUDY["n_docs"],
     baselines: Sequence[str] = tuple(BASELINES),
     seed: int = 0,
     options: MeasurementOptions | None = None,
-    cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
     loaded: tuple[Any, Any] | None = None,
     checkpoint_dir: str | os.PathLike | None = None,
     checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY,
     resume: bool = False,
     shard: Shard | str | None = None,
-    device: str | None = "auto",
-    dtype: str | None = None,
-    attn_implementation: str = "sdpa",
     pack: bool = False,
     remote: bool | str = False,
     request_limits: RequestLimits | None = None,
@@ -239,140 +234,146 @@ def run_study(
     """Run the study: the trained model and each baseline on the same documents.
 
     Args:
-        model: a packaged model name (``"gemma-3-270m"``), a local folder, or a cached hub name.
-        backend: ``"huggingface"``, ``"transformer_lens"`` or ``"nnsight"``.
-        corpus: anything :func:`~equivariance_probe.sources.corpus.load_corpus` reads (``None``: the
-            packaged default corpus).
+        model: a :class:`~equivariance_probe.sources.model_source.ModelSource` (which model, framework, device, dtype,
+            kernel), or a model's name alone for its defaults.
+        corpus: what :func:`~equivariance_probe.sources.corpus.load_corpus` reads (``None``: the packaged corpus).
         n_docs: documents (one window each).
         baselines: any of ``"random_init"``, ``"zero"``.
         seed: seed of the random initialisation and of the entry sample.
         options: how each variant is measured, a :class:`~equivariance_probe.probe.MeasurementOptions`
-            (default :data:`STUDY_MEASUREMENT`: ``context_length=1024``, ``batch_size=4``,
-            ``sample_size=20000``). Its ``sample_seed`` is replaced by one drawn from ``seed`` for each
-            checkpoint chunk, variant and shard; a ``context_length`` of ``None`` is the study's 1024.
-        cache_dir: where converted packaged models are cached.
+            (default :data:`STUDY_MEASUREMENT`); its ``sample_seed`` is replaced by one drawn from ``seed`` for
+            each checkpoint chunk, variant and shard; a ``context_length`` of ``None`` is the study's 1024.
         progress: show progress bars.
-        loaded: an already loaded ``(model, tokenizer)``, to skip loading.
-        checkpoint_dir: save a checkpoint there every ``checkpoint_every`` documents
-            (:mod:`equivariance_probe.runs.checkpoint`); ``None``: no checkpoints.
-        checkpoint_every: documents between checkpoints (only with ``checkpoint_dir``).
-        resume: continue from the checkpoint in ``checkpoint_dir``; refused if it was made
-            with another model, corpus or configuration.
-        shard: ``Shard(i, n)`` or ``"i/n"``: run only the i-th of n contiguous slices of the
-            ``n_docs`` documents (:mod:`equivariance_probe.records.sharding`); merge the shards' results.
-        device: where the model runs: ``"auto"`` (CUDA if available, else CPU), ``"cpu"``, ``"cuda"``,
-            ``"cuda:N"`` (the sums live there too unless ``options.device`` says otherwise).
-        dtype: the model's parameter dtype (``"float32"``, ``"bfloat16"``, ``"float16"``);
-            ``None``: as loaded (float32).
-        attn_implementation: the attention kernel the model runs (``"sdpa"``, ``"eager"``,
-            ``"flash_attention_2"``); the probe reads queries and keys whatever the kernel, so the
-            numbers agree to float32 rounding, and the fused kernels are faster.
-        pack: concatenate the ``n_docs`` documents (EOS between them) and cut them into windows of
-            exactly ``context_length`` tokens, each after the tokenizer's special prefix
-            (:func:`~equivariance_probe.sources.packing.pack_documents`), instead of one window per
-            document; checkpoints and shards then count windows, not documents.
-        remote: run the trained model on an NDIF server (``True``, a host URL, or ``"local"``, nnsight's
-            simulation): ``loaded`` is then an nnsight ``TransformersModel`` built from the hub id (weights stay
-            on the server) with its tokenizer, ``backend="nnsight"`` and ``baselines=()`` (a baseline's weights
-            would have to be made here). Each batch is one request; with ``checkpoint_dir`` every finished
-            request is checkpointed, and ``resume=True`` sends only the rest.
+        loaded: an already loaded ``(model, tokenizer)``, to skip loading (``model`` then only names it).
+        checkpoint_dir, checkpoint_every: save a checkpoint there (holding its lock) every ``checkpoint_every``
+            documents (:mod:`equivariance_probe.runs.checkpoint`); ``None``: no checkpoints.
+        resume: continue from the checkpoint in ``checkpoint_dir`` (refused if another model, corpus or setting).
+        shard: ``Shard(i, n)`` or ``"i/n"``: only the i-th of n slices of the documents (merge the shards' results).
+        pack: concatenate the documents (EOS between them) and cut windows of exactly ``context_length`` tokens
+            (:func:`~equivariance_probe.sources.packing.pack_documents`); checkpoints and shards then count windows.
+        remote: ``True``, a host URL or ``"local"``: the trained model runs on an NDIF server (``loaded``: an nnsight
+            ``TransformersModel`` from its hub id, and its tokenizer; ``framework="nnsight"``; no baselines), one
+            request per batch, every finished request checkpointed (docs/guide/remote.md).
         request_limits: how remote requests are sized (:class:`~equivariance_probe.adapters.request_sizes.
-            RequestLimits`; default: planned from the first request's time to take at most a quarter of the
-            smaller of NDIF's execution timeout and nnsight's 600 s read timeout).
-        **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
-            those of ``options``: ``context_length`` (window length in tokens), ``batch_size``
-            (windows per forward pass), ``exclude_keys`` (key positions left out of every statistic,
-            e.g. ``[0]``), ``sample_size`` (entries kept for the scatter plot), ``keep_pattern`` (also
-            keep the window-summed pattern, ``8·L·H·T²`` bytes per variant, in memory and in each
-            result file, for :meth:`ProbeResult.toeplitz_r2` ``by="head"`` and
-            :meth:`ProbeResult.mean_pattern`), ``interval_groups`` (groups of windows for the 95 %
-            intervals, by window fingerprint, so the variants, shards and resumed runs share them;
-            0 for none), ...
+            RequestLimits`; default: to a quarter of NDIF's execution timeout or nnsight's 600 s read timeout).
+        **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over those of
+            ``options`` (``context_length``, ``batch_size``, ``exclude_keys``, ``sample_size``, ``keep_pattern``,
+            ``interval_groups``, ...). The loading keywords the function took before :class:`ModelSource`
+            (``backend``, ``cache_dir``, ``device``, ``dtype``, ``attn_implementation``) still work, deprecated.
     """
+    legacy = {k: measurement.pop(k) for k in LOADING_KEYWORDS if k in measurement}
+    source = model_source(model, legacy, where="run_study")
     options = MeasurementOptions.of(STUDY_MEASUREMENT if options is None else options, **measurement)
     if options.context_length is None:
         options = options.replace(context_length=STUDY_MEASUREMENT.context_length)
-    context_length = options.context_length
     check_baselines(baselines)
-    adapter_options: dict[str, Any] = {}
-    if remote:
-        if backend != "nnsight" or loaded is None or list(baselines):
-            raise InputError(
-                f"remote={remote!r} runs an nnsight model on a server: pass backend='nnsight', loaded=(model, "
-                "tokenizer) with model = nnsight.TransformersModel(hub_id), and baselines=() (a baseline's weights "
-                f"would be made here); got backend={backend!r}, loaded={'given' if loaded is not None else None}, "
-                f"baselines={list(baselines)!r}")
-        adapter_options = {"remote": remote, "request_limits": request_limits}
-    elif request_limits is not None:
-        raise InputError("request_limits sizes remote requests only; pass remote=True (or a host URL) with it, "
-                         "or leave it out")
-    # The lock belongs to whoever writes the folder: a Python caller holds the checkpoint folder's as the
-    # command line holds its output folder's, taken before the corpus and the model are loaded.
+    adapter_options = _remote_options(remote, request_limits, source, loaded, baselines)
+    # Whoever writes a folder holds its lock (as the command line does), from before the corpus and model load.
     with contextlib.ExitStack() as held:
         if checkpoint_dir is not None:
             held.enter_context(lock_output_folder(make_folder(checkpoint_dir)))
         timings: dict[str, float] = {}
         shard = Shard.parse(shard) if isinstance(shard, str) else shard
-        start = time.perf_counter()
-        all_docs = load_corpus(corpus, n_docs=n_docs)
+        all_docs, timings["load_corpus"] = _timed(load_corpus, corpus, n_docs=n_docs)
         corpus_identity = corpus_fingerprint(all_docs)
-        timings["load_corpus"] = time.perf_counter() - start
-        start = time.perf_counter()
-        if loaded is not None:
-            network, tokenizer = loaded
-        else:
-            network, tokenizer = load_model(model, backend, cache_dir=cache_dir, device=resolve_device(device),
-                                            dtype=parse_dtype(dtype), attn_implementation=attn_implementation)
-        timings["load_model"] = time.perf_counter() - start
+        (network, tokenizer), timings["load_model"] = _timed(source.load) if loaded is None else (loaded, 0.0)
         # Packed, the units of shards and checkpoints are the windows (the documents fill them unevenly).
-        units = pack_documents(all_docs, tokenizer, context_length) if pack else all_docs
+        units = pack_documents(all_docs, tokenizer, options.context_length) if pack else all_docs
         docs = units[slice(*shard.bounds(len(units)))] if shard is not None else units
-        config = {
-            "model": str(model),
-            # Where the documents came from, so that a report can reload one to view heads.
-            "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
-            "backend": backend,
-            "n_docs": len(all_docs),
-            "context_length": context_length,
-            "batch_size": options.batch_size,
-            "exclude_keys": list(options.exclude_keys),
-            "seed": seed,
-            "baselines": list(baselines),
-            "sample_size": options.sample_size,
-            "keep_pattern": bool(options.keep_pattern),
-            "checkpoint_every": checkpoint_every if checkpoint_dir is not None else None,
-            "attn_implementation": attn_implementation if loaded is None else None,
-            "interval_groups": options.interval_groups,
-        }
-        if pack:  # only then, so that the fingerprints of unpacked studies stay what they were
-            config["pack"] = True
-        if remote:  # likewise
-            config["remote"] = remote if isinstance(remote, str) else True
-        identity = {"model": model_identity(network), "corpus": corpus_identity,
-                    "config": {**config, "shard": None if shard is None else str(shard)}}
-        # What the numbers depend on (not batch size, sample size or checkpoints): results that differ
-        # in it never merge.
-        measured = {k: config[k] for k in ("backend", "context_length", "exclude_keys", "seed", "pack") if k in config}
-        provenance = {"model": identity["model"], "corpus": corpus_identity, "config_sha256": config_fingerprint(measured)}
+        config = _study_config(source, corpus, len(all_docs), options, seed, baselines, pack,
+                               checkpoint_every if checkpoint_dir is not None else None, loaded is None, remote)
+        identity, provenance = _identity(network, corpus_identity, config, shard)
         runner = CheckpointedRun(checkpoint_dir, every=config["checkpoint_every"], identity=identity, resume=resume)
         if shard is not None:
             config["shard"] = str(shard)
         results: dict[str, ProbeResult] = {}
-        for index, (name, build) in enumerate(variant_builders(network, baselines, seed)):
-            start = time.perf_counter()
-            metadata = {"label": name, "study": config, "provenance": provenance}
-            if shard is not None:
-                metadata["shards"] = shard_metadata(shard, len(units), corpus_identity["sha256"])
-            if pack:  # the whole run's windows (each checkpoint chunk records only its own)
-                metadata["windows"] = docs.describe()
-            results[name] = runner.run_variant(
-                name,
-                lambda build=build: EquivarianceProbe(build(), tokenizer=tokenizer, **adapter_options),
-                docs,
-                seed_parts=(seed, index, 0 if shard is None else shard.index + 1),
-                metadata=metadata,
-                options=options,
-                progress=progress,
-            )
-            timings[name] = time.perf_counter() - start
+        for name, result, seconds in _run_variants(runner, network, tokenizer, docs, len(units), baselines, seed,
+                                                   shard, corpus_identity, pack, options, progress,
+                                                   {"study": config, "provenance": provenance}, adapter_options):
+            results[name], timings[name] = result, seconds
         return Study(results, config, timings, checkpoint=runner)
+
+
+def _run_variants(runner: CheckpointedRun, network: Any, tokenizer: Any, docs: Any, n_units: int,
+                  baselines: Sequence[str], seed: int, shard: Shard | None, corpus_identity: dict[str, Any], pack: bool,
+                  options: MeasurementOptions, progress: bool, metadata: dict[str, Any],
+                  adapter_options: dict[str, Any]) -> Iterator[tuple[str, ProbeResult, float]]:
+    """``(variant, result, seconds)`` of the trained model and each baseline in turn, each built only when its turn
+    comes (one baseline in memory at a time), run through ``runner``'s checkpoints; ``adapter_options``: the
+    probe's remote settings."""
+    for index, (name, build) in enumerate(variant_builders(network, baselines, seed)):
+        start = time.perf_counter()
+        variant_metadata = {"label": name, **metadata}
+        if shard is not None:
+            variant_metadata["shards"] = shard_metadata(shard, n_units, corpus_identity["sha256"])
+        if pack:  # the whole run's windows (each checkpoint chunk records only its own)
+            variant_metadata["windows"] = docs.describe()
+        result = runner.run_variant(
+            name, lambda build=build: EquivarianceProbe(build(), tokenizer=tokenizer, **adapter_options), docs,
+            seed_parts=(seed, index, 0 if shard is None else shard.index + 1), metadata=variant_metadata,
+            options=options, progress=progress)
+        yield name, result, time.perf_counter() - start
+
+
+def _remote_options(remote: bool | str, request_limits: RequestLimits | None, source: ModelSource, loaded: Any,
+                    baselines: Sequence[str]) -> dict[str, Any]:
+    """The probe's keywords of a remote study (none for a local one), refusing what a remote study cannot do."""
+    if not remote:
+        if request_limits is not None:
+            raise InputError("request_limits sizes remote requests only; pass remote=True (or a host URL) with it, "
+                             "or leave it out")
+        return {}
+    if source.framework != "nnsight" or loaded is None or list(baselines):
+        raise InputError(
+            f"remote={remote!r} runs an nnsight model on a server: pass ModelSource(name, framework='nnsight'), "
+            "loaded=(model, tokenizer) with model = nnsight.TransformersModel(hub_id), and baselines=() (a baseline's "
+            f"weights would be made here); got framework={source.framework!r}, "
+            f"loaded={'given' if loaded is not None else None}, baselines={list(baselines)!r}")
+    return {"remote": remote, "request_limits": request_limits}
+
+
+def _identity(network: Any, corpus_identity: dict[str, Any], config: dict[str, Any],
+              shard: Shard | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(identity, provenance)``: what a checkpoint must match to be resumed, and what each result records of
+    where its numbers come from."""
+    identity = {"model": model_identity(network), "corpus": corpus_identity,
+                "config": {**config, "shard": None if shard is None else str(shard)}}
+    # What the numbers depend on (not batch size, sample size or checkpoints): results that differ in it never merge.
+    measured = {k: config[k] for k in ("backend", "context_length", "exclude_keys", "seed", "pack") if k in config}
+    return identity, {"model": identity["model"], "corpus": corpus_identity,
+                      "config_sha256": config_fingerprint(measured)}
+
+
+def _study_config(source: ModelSource, corpus: Any, n_docs: int, options: MeasurementOptions, seed: int,
+                  baselines: Sequence[str], pack: bool, checkpoint_every: int | None, loads: bool,
+                  remote: bool | str = False) -> dict[str, Any]:
+    """The study's recorded configuration (``Study.config``, each result's ``metadata["study"]``); ``loads``: the
+    study loaded the model itself (else its kernel is the caller's and not recorded)."""
+    config = {
+        "model": source.name,
+        # Where the documents came from, so that a report can reload one to view heads.
+        "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
+        "backend": source.framework,
+        "n_docs": n_docs,
+        "context_length": options.context_length,
+        "batch_size": options.batch_size,
+        "exclude_keys": list(options.exclude_keys),
+        "seed": seed,
+        "baselines": list(baselines),
+        "sample_size": options.sample_size,
+        "keep_pattern": bool(options.keep_pattern),
+        "checkpoint_every": checkpoint_every,
+        "attn_implementation": source.attn_implementation if loads else None,
+        "interval_groups": options.interval_groups,
+    }
+    if pack:  # only then, so that the fingerprints of unpacked studies stay what they were
+        config["pack"] = True
+    if remote:  # likewise for local studies
+        config["remote"] = remote if isinstance(remote, str) else True
+    return config
+
+
+def _timed(function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, float]:
+    """``(function(*args, **kwargs), seconds it took)``."""
+    start = time.perf_counter()
+    return function(*args, **kwargs), time.perf_counter() - start

@@ -18,6 +18,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -114,14 +115,7 @@ def convert_packaged_model(
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **gguf_kwargs)
         log("loaded and dequantised the GGUF model (once; later loads use the converted copy)", start)
 
-        # save_pretrained refuses a model loaded through a quantizer; the weights are plain
-        # float32 tensors after dequantisation, so dropping the quantizer loses nothing.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        # GGUF configs carry no architectures; the TransformerLens bridge rejects None.
-        if not model.config.architectures:
-            model.config.architectures = [type(model).__name__]
+        _make_saveable(model)
 
         start = time.perf_counter()
         staging = scratch / "model"
@@ -130,38 +124,10 @@ def convert_packaged_model(
         log(f"saved the float32 copy to {target}", start)
 
         start = time.perf_counter()
-        copy_model = AutoModelForCausalLM.from_pretrained(
-            str(staging), dtype=torch.float32, attn_implementation="eager", local_files_only=True
-        ).eval()
-        copy_tokenizer = AutoTokenizer.from_pretrained(str(staging), local_files_only=True)
-        ids = tokenizer(_CHECK_PROMPT, return_tensors="pt").input_ids
-        if not torch.equal(ids, copy_tokenizer(_CHECK_PROMPT, return_tensors="pt").input_ids):
-            raise ModelFileError(
-                "The converted tokenizer encodes differently from the GGUF tokenizer; please report this with "
-                "your transformers version."
-            )
-        with torch.no_grad():
-            expected, got = model(ids).logits, copy_model(ids).logits
-        if not torch.equal(expected, got):
-            raise ModelFileError(
-                "The converted copy does not reproduce the GGUF model's logits (max abs difference "
-                f"{(expected - got).abs().max().item():.3g}); please report this with your "
-                "transformers version."
-            )
+        _check_copy(model, tokenizer, staging)
         log("checked that the copy gives identical logits", start)
 
-        marker = {
-            "name": spec.name,
-            "source": spec.gguf_name,
-            "sha256": spec.gguf_sha256,
-            "quantisation": spec.quantisation,
-            "instruction_tuned": spec.instruction_tuned,
-            "dtype": "float32",
-            "provenance": spec.provenance,
-            "license": spec.license,
-            "transformers_version": __import__("transformers").__version__,
-        }
-        (staging / _MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+        (staging / _MARKER).write_text(json.dumps(_marker(spec), indent=2) + "\n", encoding="utf-8")
         try:
             os.replace(staging, target)
         except OSError:
@@ -169,6 +135,61 @@ def convert_packaged_model(
             if not _is_converted(target):
                 raise
     return target
+
+
+def _make_saveable(model: Any) -> None:
+    """Let a GGUF-loaded model be saved as a plain float32 copy."""
+    # save_pretrained refuses a model loaded through a quantizer; the weights are plain
+    # float32 tensors after dequantisation, so dropping the quantizer loses nothing.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    # GGUF configs carry no architectures; the TransformerLens bridge rejects None.
+    if not model.config.architectures:
+        model.config.architectures = [type(model).__name__]
+
+
+def _check_copy(model: Any, tokenizer: Any, staging: Path) -> None:
+    """Reload the copy in ``staging`` and check that it encodes and predicts exactly as the GGUF-loaded model.
+
+    Raises:
+        ModelFileError: its tokenizer or its logits differ.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    copy_model = AutoModelForCausalLM.from_pretrained(
+        str(staging), dtype=torch.float32, attn_implementation="eager", local_files_only=True
+    ).eval()
+    copy_tokenizer = AutoTokenizer.from_pretrained(str(staging), local_files_only=True)
+    ids = tokenizer(_CHECK_PROMPT, return_tensors="pt").input_ids
+    if not torch.equal(ids, copy_tokenizer(_CHECK_PROMPT, return_tensors="pt").input_ids):
+        raise ModelFileError(
+            "The converted tokenizer encodes differently from the GGUF tokenizer; please report this with "
+            "your transformers version."
+        )
+    with torch.no_grad():
+        expected, got = model(ids).logits, copy_model(ids).logits
+    if not torch.equal(expected, got):
+        raise ModelFileError(
+            "The converted copy does not reproduce the GGUF model's logits (max abs difference "
+            f"{(expected - got).abs().max().item():.3g}); please report this with your "
+            "transformers version."
+        )
+
+
+def _marker(spec: Any) -> dict[str, Any]:
+    """What the converted copy's marker file records: its source file, quantisation, provenance and licence."""
+    return {
+        "name": spec.name,
+        "source": spec.gguf_name,
+        "sha256": spec.gguf_sha256,
+        "quantisation": spec.quantisation,
+        "instruction_tuned": spec.instruction_tuned,
+        "dtype": "float32",
+        "provenance": spec.provenance,
+        "license": spec.license,
+        "transformers_version": __import__("transformers").__version__,
+    }
 
 
 def clear_model_cache(name: str = DEFAULT_MODEL, *, cache_dir: str | os.PathLike[str] | None = None) -> None:

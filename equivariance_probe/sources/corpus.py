@@ -222,6 +222,18 @@ def load_corpus(
                          "(e.g. load_tokenizer(name), or the one load_model returns)")
 
     texts, description = _iter_source(source, text_field=text_field, split=split, separator=separator)
+    documents = _kept_documents(texts, n_docs, min_chars, description)
+    if pack is not None:
+        return pack_documents(documents, tokenizer, pack)
+    return documents
+
+
+def _kept_documents(texts: Iterable[str], n_docs: int | None, min_chars: int, description: str) -> list[str]:
+    """The first ``n_docs`` texts with at least ``min_chars`` characters, stripped, in order.
+
+    Raises:
+        EmptyCorpusError: none is left, saying whether the source held nothing or only shorter texts.
+    """
     documents: list[str] = []
     seen = 0
     for text in texts:
@@ -240,6 +252,4 @@ def load_corpus(
             f"The corpus from {description} is empty: {reason}. Point {option('source', '...')} at a corpus with "
             f"text in it (or {option('source', None)} for the default corpus), or lower min_chars."
         )
-    if pack is not None:
-        return pack_documents(documents, tokenizer, pack)
     return documents

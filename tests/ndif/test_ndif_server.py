@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import client_model, tiny_tokenizer, token_windows
 
-from equivariance_probe import EquivarianceProbe, RequestLimits, RequestTooLongError, run_study
+from equivariance_probe import EquivarianceProbe, ModelSource, RequestLimits, RequestTooLongError, run_study
 from equivariance_probe.adapters.nnsight import NNsightAdapter
 from equivariance_probe.adapters.nnsight_remote import reply_nbytes
 from equivariance_probe.errors import (
@@ -193,7 +193,7 @@ def test_a_refused_remote_study_keeps_its_requests_and_resumes_from_them(short_t
     corpus = [" ".join(f"t{int(t)}" for t in row) for row in token_windows(6, WIDTH, seed=4)]
 
     def study(resume: bool, **limits):
-        return run_study(corpus=corpus, n_docs=6, baselines=(), backend="nnsight", remote=True,
+        return run_study(ModelSource(framework="nnsight"), corpus=corpus, n_docs=6, baselines=(), remote=True,
                          loaded=(client_model(short_timeout_model), tiny_tokenizer()), progress=False,
                          request_limits=RequestLimits(**limits), checkpoint_dir=tmp_path, resume=resume,
                          context_length=WIDTH, batch_size=2, sample_size=0, interval_groups=0)

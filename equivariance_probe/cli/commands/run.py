@@ -1,0 +1,110 @@
+"""``equivariance-probe run``: the whole study on a model and corpus, trained weights against their baselines,
+writing results, figures and a summary (:func:`~equivariance_probe.runs.study.run_study`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..common import (check_study_fits, check_writable, finished, measurement, model_source_of, positional_into,
+                      print_result, read_documents, study_options)
+from ..options import MEASURED, MODEL_OPTIONS, Deprecated, add_shared_options, non_negative
+
+NAME = "run"
+#: Its place in ``equivariance-probe --help``.
+ORDER = 10
+SUMMARY = 'run the study on a model and corpus and write results, figures and a summary'
+DETAILS = (
+    'Trained weights vs baselines over the same windows; the only command that checkpoints (--checkpoint-'
+    'every, --resume) and splits the corpus into shards (--shard).'
+)
+
+__all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]
+
+
+def arguments(parser: argparse.ArgumentParser) -> None:
+    """``run``'s options."""
+    from ...runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
+
+    add_shared_options(parser, "out", *MODEL_OPTIONS, "framework", "corpus", "text_field", "n_docs", "context_length",
+                       "batch_size", "pack", "baselines", *MEASURED, "sample_size", "memory_limit_gib", "no_progress",
+                       "json", differ={"memory_limit_gib": ({"help": "refuse a study whose estimated memory exceeds "
+                                                                      "this many GiB"},
+                                                             "default: no check, the study runs as loaded")})
+    parser.add_argument("--backend", dest="framework", choices=["huggingface", "transformer_lens", "nnsight"],
+                        action=Deprecated, help="deprecated spelling of --framework (removed in the next release)")
+    add_shared_options(parser, "analyses", differ={"analyses": ({"default": [], "help": (
+        "also run positional analyses (at most 8 windows of 256 tokens, one per document; the probes 2 per "
+        "document), comma-separated as for 'positional', or 'all'")}, "default none: the study alone, the analyses only when asked for")})
+    parser.add_argument("--checkpoint-every", type=non_negative, default=DEFAULT_CHECKPOINT_EVERY,
+                        help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
+    parser.add_argument("--shard", default=None, metavar="I/N",
+                        help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
+                             "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate) or the Slurm array task "
+                             "(SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of SLURM_ARRAY_TASK_COUNT, sbatch --array). "
+                             "Merge the shards' results.safetensors")
+    parser.add_argument("--sink-protocol", action="store_true",
+                        help="Gu et al.'s attention-sink protocol (ICLR 2025, Table 1): 100 documents, 64-token windows, no "
+                             "excluded keys, in place of --n-docs, --context-length and --exclude-keys, so that the sink "
+                             "rate (share of heads with α₁ > 0.3) compares with their table")
+    add_shared_options(parser, "no_figures", "figure_format")
+
+
+def handle(args: argparse.Namespace) -> int:
+    from ...display.figures import heatmaps_figure, save_figures, study_figures
+    from ...records.sharding import Shard
+    from ...runs.checkpoint import CHECKPOINT_FOLDER, clear_checkpoint, has_checkpoint
+    from ...runs.study import run_study
+
+    out = Path(args.out)
+    shard = None
+    if args.shard is not None:  # each shard writes its own subfolder, so all ranks can share one --out
+        shard = Shard.from_environment() if args.shard.strip() == "auto" else Shard.parse(args.shard)
+        out = out / f"shard-{shard.index}-of-{shard.count}"
+    check_writable(out)
+    args.checkpoint_folder = out / CHECKPOINT_FOLDER  # for the note of a run that stops (see main)
+    if args.resume and not has_checkpoint(out / CHECKPOINT_FOLDER) and finished(out / "results.safetensors"):
+        # Killed after its results were written, while its checkpoint was being cleared: nothing is left to run.
+        clear_checkpoint(out / CHECKPOINT_FOLDER)
+        print(f"the run in {out} had finished: its results are in {out / 'results.safetensors'}")
+        return 0
+    if args.sink_protocol:
+        from ...runs.study import SINK_PROTOCOL
+
+        for name, value in SINK_PROTOCOL.items():
+            setattr(args, name, value)
+    if args.memory_limit_gib is not None:
+        check_study_fits(args)
+    documents = read_documents(args)
+    study = run_study(
+        model_source_of(args),
+        **study_options(args, documents),
+        options=measurement(args),
+        checkpoint_dir=None if args.checkpoint_every == 0 else out / CHECKPOINT_FOLDER,
+        checkpoint_every=args.checkpoint_every or None,
+        resume=args.resume,
+        shard=shard,
+        pack=args.pack,
+    )
+    # results.safetensors is written only here, after every variant finished (complete: true); a run that
+    # stops leaves only its checkpoint.
+    wrote = list(study.save(out).values()) + [out / "summary.md"]
+    if not args.no_figures:
+        wrote += save_figures(study_figures(study.trained, study.baselines()), out, format=args.figure_format)
+        for name, result in study.baselines().items():
+            wrote += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_",
+                                  format=args.figure_format)
+    numbers = {name: result.summary() for name, result in study.results.items()}
+    if args.analyses:
+        positional = positional_into(
+            out, args, model_name=args.model, analyses=args.analyses, documents=documents,
+            n_docs=min(args.n_docs, 8), context_length=min(args.context_length, 256),
+            prompt_length=min(args.context_length, 64),
+        )
+        wrote += positional["wrote"]
+        numbers["positional"] = positional["study"].summary()
+    print_result(args, study.report_text(), numbers, wrote)
+    clear_checkpoint(out / CHECKPOINT_FOLDER)  # only once the results are on disk
+    return 0

@@ -1,0 +1,136 @@
+"""Which model a run measures and how it is loaded, as one value: :class:`ModelSource`.
+
+Place in the seams: *sources*, in front of :func:`~equivariance_probe.sources.models.load_model`. The runs'
+entry points (:func:`~equivariance_probe.runs.study.run_study`, :func:`~equivariance_probe.runs.scan.scan_context_lengths`,
+:func:`~equivariance_probe.runs.compare.compare_models`, the shift study) take a model name or a :class:`ModelSource`,
+so that the six loading choices (name, framework, cache folder, device, dtype, attention kernel) are spelt once,
+with one default each, and travel together into the run's recorded configuration.
+
+Example:
+    >>> from equivariance_probe import ModelSource, run_study
+    >>> source = ModelSource("gemma-3-270m", device="cuda", dtype="bfloat16")
+    >>> study = run_study(source, n_docs=8)                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any
+
+from ..errors import InputError
+from .devices import DTYPES, parse_dtype, resolve_device
+from .models import BACKENDS, PACKAGED_ENCODERS, load_config, load_model, load_positional_model, load_tokenizer
+from .registry import DEFAULT_MODEL
+
+__all__ = ["ModelSource", "LOADING_KEYWORDS", "model_source"]
+
+#: The loading keywords that the runs' entry points took one by one before :class:`ModelSource` (``backend`` is
+#: the old spelling of ``framework``).
+LOADING_KEYWORDS = ("framework", "backend", "cache_dir", "device", "dtype", "attn_implementation")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """Which model and how to load it.
+
+    Args:
+        name: a packaged model (``"gemma-3-270m"``, the default), a local ``save_pretrained`` folder, or a hub name
+            already in the local cache (nothing is downloaded).
+        framework: what runs it: ``"huggingface"``, ``"transformer_lens"`` (a ``TransformerBridge``) or ``"nnsight"``;
+            every framework gives the same numbers.
+        cache_dir: where converted packaged models are cached (default: the user cache folder).
+        device: ``"auto"`` (CUDA when torch sees a GPU, ``cuda:LOCAL_RANK`` under torchrun; else the CPU),
+            ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+        dtype: the parameters' dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``; ``None``: as loaded (float32).
+        attn_implementation: the kernel the model runs, ``"sdpa"`` (default), ``"eager"`` or ``"flash_attention_2"``;
+            the probe reads queries and keys whatever the kernel, so the numbers agree to float32 rounding.
+
+    Raises:
+        InputError: a value of the wrong kind, an unknown framework or dtype (checked here, before any loading).
+    """
+
+    name: str = DEFAULT_MODEL
+    framework: str = "huggingface"
+    cache_dir: str | os.PathLike[str] | None = None
+    device: str = "auto"
+    dtype: str | None = None
+    attn_implementation: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, (str, os.PathLike)) or not str(self.name):
+            raise InputError(f"ModelSource.name must be a model name or folder, not {self.name!r}")
+        object.__setattr__(self, "name", str(self.name))
+        if self.framework not in BACKENDS:
+            raise InputError(f"ModelSource.framework {self.framework!r} is not one of {', '.join(BACKENDS)}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InputError(f"ModelSource.dtype {self.dtype!r} is not one of {sorted(DTYPES)} (or None: as loaded)")
+        if not isinstance(self.device, str):
+            object.__setattr__(self, "device", str(self.device))
+        if not isinstance(self.attn_implementation, str):
+            raise InputError(f"ModelSource.attn_implementation must be a kernel's name such as 'sdpa', not "
+                             f"{self.attn_implementation!r}")
+
+    @property
+    def is_packaged_encoder(self) -> bool:
+        """Whether ``name`` is the packaged BERT encoder (loaded by :meth:`load_positional`, Hugging Face only)."""
+        return self.name in PACKAGED_ENCODERS
+
+    def replace(self, **changes: Any) -> ModelSource:
+        """A copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+    def load(self) -> tuple[Any, Any]:
+        """``(model, tokenizer)``: :func:`~equivariance_probe.sources.models.load_model` with these choices."""
+        return load_model(self.name, self.framework, cache_dir=self.cache_dir, dtype=parse_dtype(self.dtype),
+                          attn_implementation=self.attn_implementation, device=resolve_device(self.device))
+
+    def load_positional(self) -> tuple[Any, Any]:
+        """``(model, tokenizer)`` for the positional analyses and the encoder's shift test
+        (:func:`~equivariance_probe.sources.models.load_positional_model`: the packaged encoder too), on ``device`` in
+        ``dtype``."""
+        model, tokenizer = load_positional_model(self.name, cache_dir=self.cache_dir,
+                                                 attn_implementation=self.attn_implementation)
+        return model.to(device=resolve_device(self.device), dtype=parse_dtype(self.dtype)), tokenizer
+
+    def load_tokenizer(self) -> Any:
+        """The tokenizer alone, without the weights."""
+        return load_tokenizer(self.name, cache_dir=self.cache_dir)
+
+    def load_config(self) -> Any:
+        """The Hugging Face config alone, without the weights."""
+        return load_config(self.name, cache_dir=self.cache_dir)
+
+
+def model_source(model: Any, legacy: dict[str, Any], *, where: str) -> Any:
+    """``model`` as the entry point ``where`` uses it: a :class:`ModelSource` for a name or a source, anything else
+    (an already loaded ``(model, tokenizer)``) as given.
+
+    ``legacy`` holds the loading keywords passed one by one, as the entry points took them before
+    :class:`ModelSource` (:data:`LOADING_KEYWORDS`): they still work on a name, with a ``DeprecationWarning``.
+
+    Raises:
+        InputError: an unknown keyword, or loading keywords beside a :class:`ModelSource` (one place says how).
+    """
+    unknown = sorted(set(legacy) - set(LOADING_KEYWORDS))
+    if unknown:
+        raise InputError(f"{where}() got unexpected keyword arguments {unknown}")
+    given = sorted(legacy)  # as the caller spelt them, for the warning
+    if "backend" in legacy:
+        if "framework" in legacy:
+            raise InputError(f"{where}() got both backend= and framework=; pass framework= alone")
+        legacy = {**{k: v for k, v in legacy.items() if k != "backend"}, "framework": legacy["backend"]}
+    legacy = {key: value for key, value in legacy.items() if value is not None or key in ("cache_dir", "dtype")}
+    if isinstance(model, ModelSource):
+        if legacy:
+            raise InputError(f"{where}() got a ModelSource and the loading keywords {sorted(legacy)}: set them in the "
+                             f"source instead (source.replace({', '.join(f'{k}=...' for k in sorted(legacy))}))")
+        return model
+    if not isinstance(model, (str, os.PathLike)):
+        return model
+    if legacy:
+        warnings.warn(f"{where}(model, {', '.join(f'{k}=' for k in given)}) is deprecated: pass "
+                      f"ModelSource(name, {', '.join(f'{k}=...' for k in sorted(legacy))}) as the model",
+                      DeprecationWarning, stacklevel=3)
+    return ModelSource(str(model), **legacy)
