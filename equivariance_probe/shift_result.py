@@ -193,16 +193,19 @@ class ShiftResult:
         self._check_term(term)
         by = split_axis(by, SHARE_BY)
         self._require_shares(representation)
-        groups = self.layer_groups()
 
         def value(arrays: dict[str, np.ndarray]) -> Any:
-            sums = decomposition.aggregate(self._sums(arrays, representation), by, groups)
-            if by == "layer_group":
-                return {group: decomposition.shares(part)[term] for group, part in sums.items()}
-            result = decomposition.shares(sums)[term]
-            return float(result) if np.ndim(result) == 0 else result
+            result = self._share_of(arrays, representation, term, by)
+            return result if isinstance(result, dict) or np.ndim(result) else float(result)
 
         return self._number(value, interval, upper=1.0)
+
+    def _share_of(self, arrays: dict[str, np.ndarray], representation: str, term: str, by: str | None) -> Any:
+        """The share ``term`` of ``representation`` in ``arrays`` (the totals, or the jackknife's replicates)."""
+        sums = decomposition.aggregate(self._sums(arrays, representation), by, self.layer_groups())
+        if by == "layer_group":
+            return {group: decomposition.shares(part)[term] for group, part in sums.items()}
+        return decomposition.shares(sums)[term]
 
     def offset_rms(self, representation: str = "centred_logits", by: str | None = None,
                    interval: float | None = None) -> Any:
@@ -297,19 +300,11 @@ class ShiftResult:
         _, b = baseline.statistics.replicates()
         if len(ids) < 2:
             raise IntervalUnavailableError("the segments fall into fewer than 2 interval groups: run more segments")
-        groups = self.layer_groups()
-
-        def value(arrays: dict[str, np.ndarray]) -> Any:
-            sums = decomposition.aggregate(self._sums(arrays, representation), by, groups)
-            if by == "layer_group":
-                return {group: decomposition.shares(part)[term] for group, part in sums.items()}
-            return decomposition.shares(sums)[term]
-
-        replicates_a, replicates_b = value(a), value(b)
+        replicates_a, replicates_b = (self._share_of(arrays, representation, term, by) for arrays in (a, b))
         if by == "layer_group":
             return {group: jackknife_interval(pairs[0][group] - pairs[1][group],
                                               replicates_a[group] - replicates_b[group], level=level)
-                    for group in groups}
+                    for group in pairs[0]}
         return jackknife_interval(np.subtract(*pairs), replicates_a - replicates_b, level=level)
 
     # -- merging --------------------------------------------------------------------------------------
