@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_integer
+from ..errors import EmptyResultError, InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_integer
 from ..markup import Markup
 from ..maths.fitting import curve_r2
 from ..maths.metrics import FORMS, SCALES
@@ -339,7 +339,7 @@ def rank_heads(
 
     Raises:
         InputError: ``score`` or a name in ``scores`` is not a known score, or a bad ``top_k``.
-        NotRunError: the result holds no data.
+        EmptyResultError: the result holds no data (a :class:`~equivariance_probe.errors.NotRunError`).
 
     Example:
         >>> ranking = rank_heads(result)  # doctest: +SKIP
@@ -357,7 +357,7 @@ def rank_heads(
     if score not in keep:
         keep.insert(0, score)
     if result.n_windows == 0:
-        raise NotRunError("this result holds no windows yet: call EquivarianceProbe(model).run(docs) first")
+        raise EmptyResultError("this result holds no windows yet: call EquivarianceProbe(model).run(docs) first")
     grids = head_scores(result) if known_scores is None else {name: np.asarray(known_scores[name]) for name in RANKING_SCORES}
     layers, heads = np.meshgrid(np.arange(result.n_layers), np.arange(result.n_heads), indexing="ij")
     descending = HIGHER_IS_MORE_POSITION_BOUND[score]
