@@ -18,7 +18,11 @@ Measure:
 * :class:`ProbeResult` — query-position R², persistence curves and fits, Toeplitz R²;
   ``save``/``load``/``merge``; :class:`PersistenceCurves`.
 * :class:`Interval`, :func:`paired_difference` — confidence intervals over windows (delete-a-group
-  jackknife: ``interval=0.95`` on the result's methods) and paired differences of two results.
+  jackknife: ``interval=0.95`` on the result's methods) and paired differences of two results
+  (``a.paired_difference(b, ...)`` on either kind of result).
+* :class:`Result` / :class:`MergeableResult` — what every result shares (``model_name``, ``complete``,
+  ``config``, ``undefined``, ``summary(level)``, ``table(level)``, ``to_rows(level)``; results of sums also
+  ``merge`` / ``+``, ``layer_groups()``, ``paired_difference``).
 * :class:`AttentionStatistics` — the streaming float64 sums behind every number.
 * :meth:`EquivarianceProbe.shift` → :class:`ShiftResult` — the shift test: the same text moved through
   the window (:class:`ShiftGrid`, :class:`ShiftStatistics`; :func:`split_documents` cuts segments and
@@ -60,6 +64,7 @@ from .analyses.heads import HeadRanking, rank_heads
 from .analyses.order import VarianceShrinkage, permutation_sensitivity, position_correlation, representation_sums
 from .analyses.position_probe import PositionProbe, position_probe
 from .analyses.positional import gram_toeplitz, positional_logits, score_profile
+from .analyses.results import MergeableResult, Result
 from .display.figures import save_figures, study_figures
 from .display.report import RenderedReport, ReportSection, render_report
 from .display.shift import ShiftView, render_shift_report, shift_figures, shift_report_section, shift_view
@@ -70,6 +75,7 @@ from .errors import (
     StopRequested,
     ContextLengthError,
     EmptyCorpusError,
+    EmptyResultError,
     EquivarianceProbeError,
     IncompatibleResultsError,
     InputError,
@@ -129,6 +135,8 @@ __all__ = [
     "PersistenceCurves",
     "Interval",
     "paired_difference",
+    "Result",
+    "MergeableResult",
     "AttentionStatistics",
     "ShiftResult",
     "ShiftGrid",
@@ -211,6 +219,7 @@ __all__ = [
     "MissingAPIKeyError",
     "NotRunError",
     "UndefinedStatisticError",
+    "EmptyResultError",
     "SupersededSumsError",
     "IntervalUnavailableError",
     "IncompatibleResultsError",

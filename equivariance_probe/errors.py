@@ -47,6 +47,7 @@ __all__ = [
     # results, files and checkpoints
     "NotRunError",
     "UndefinedStatisticError",
+    "EmptyResultError",
     "SupersededSumsError",
     "IntervalUnavailableError",
     "IncompatibleResultsError",
@@ -166,6 +167,12 @@ class NotRunError(EquivarianceProbeError, RuntimeError):
 class UndefinedStatisticError(EquivarianceProbeError, ValueError):
     """A statistic has no value for this model or data, for a reason it names (e.g. the query-position
     prior of a bidirectional encoder is the same for every query: there is nothing for it to explain)."""
+
+
+class EmptyResultError(NotRunError, UndefinedStatisticError):
+    """A result holds nothing measured yet (no window, no segment): what every result raises when a number is
+    asked of it before a run. Catch it as :class:`NotRunError`; it is an :class:`UndefinedStatisticError` too, so
+    code that catches that around a shift result's numbers keeps catching it."""
 
 
 class SupersededSumsError(UndefinedStatisticError):

@@ -20,6 +20,7 @@ into groups by their fingerprint, as windows do in :class:`~equivariance_probe.P
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -29,8 +30,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import (IntervalUnavailableError, ResultFileError, SupersededSumsError, UndefinedStatisticError,
-                     check_choice, is_integer)
+from .analyses.results import Undefined, missing_as, split_axis
+from .errors import (EmptyResultError, IncompatibleResultsError, IntervalUnavailableError, ResultFileError,
+                     SupersededSumsError, UndefinedStatisticError, check_choice, is_integer)
 from .markup import Markup
 from .maths import shift as decomposition
 from .maths.intervals import Interval, format_interval, jackknife_interval
@@ -156,11 +158,11 @@ class ShiftResult:
 
     def _require_data(self) -> None:
         if self.n_segments == 0:
-            raise UndefinedStatisticError("this shift result holds no segment yet; run probe.shift(...) first")
+            raise EmptyResultError("this shift result holds no segment yet; run probe.shift(...) first")
 
     def decomposition(self, representation: str = "centred_logits", by: str | None = None) -> Any:
         """``{"all", "pair", "offset", "context", "residual"}`` sums of squares, summed to ``by``."""
-        check_choice("by", by, SHARE_BY)
+        by = split_axis(by, SHARE_BY)
         self._require_shares(representation)
         sums = decomposition.aggregate(self._sums(self.statistics.totals(), representation), by or None,
                                        self.layer_groups())
@@ -189,24 +191,27 @@ class ShiftResult:
                 the mean vector (run again for them).
         """
         self._check_term(term)
-        check_choice("by", by, SHARE_BY)
+        by = split_axis(by, SHARE_BY)
         self._require_shares(representation)
-        groups = self.layer_groups()
 
         def value(arrays: dict[str, np.ndarray]) -> Any:
-            sums = decomposition.aggregate(self._sums(arrays, representation), by, groups)
-            if by == "layer_group":
-                return {group: decomposition.shares(part)[term] for group, part in sums.items()}
-            result = decomposition.shares(sums)[term]
-            return float(result) if np.ndim(result) == 0 else result
+            result = self._share_of(arrays, representation, term, by)
+            return result if isinstance(result, dict) or np.ndim(result) else float(result)
 
         return self._number(value, interval, upper=1.0)
+
+    def _share_of(self, arrays: dict[str, np.ndarray], representation: str, term: str, by: str | None) -> Any:
+        """The share ``term`` of ``representation`` in ``arrays`` (the totals, or the jackknife's replicates)."""
+        sums = decomposition.aggregate(self._sums(arrays, representation), by, self.layer_groups())
+        if by == "layer_group":
+            return {group: decomposition.shares(part)[term] for group, part in sums.items()}
+        return decomposition.shares(sums)[term]
 
     def offset_rms(self, representation: str = "centred_logits", by: str | None = None,
                    interval: float | None = None) -> Any:
         """``√(SS_offset / count)``: how far the offset moves the representation, in its own unit
         (:data:`UNITS`: nats for centred logits)."""
-        check_choice("by", by, SHARE_BY)
+        by = split_axis(by, SHARE_BY)
         groups = self.layer_groups()
 
         def value(arrays: dict[str, np.ndarray]) -> Any:
@@ -219,9 +224,9 @@ class ShiftResult:
         return self._number(value, interval)
 
     @property
-    def undefined(self) -> dict[str, str]:
+    def undefined(self) -> Undefined:
         """Representations whose shares are undefined for the model, and why."""
-        out = {}
+        out = Undefined()
         for representation in REPRESENTATIONS if self.n_segments else ():
             try:
                 pair = self.share(representation, "pair")
@@ -276,11 +281,12 @@ class ShiftResult:
         same segments (the same fingerprints, so the same groups), e.g. a model and its random initialisation or
         its bfloat16 copy on one grid.
 
+        ``by`` as in :meth:`share`.
+
         Raises:
             IncompatibleResultsError: other segments, or another design.
         """
-        from .errors import IncompatibleResultsError
-
+        by = split_axis(by, SHARE_BY)
         mine, theirs = np.sort(self.statistics.segment_fingerprints), np.sort(baseline.statistics.segment_fingerprints)
         if not np.array_equal(mine, theirs) or self.config != baseline.config:
             differences = self.config.differences(baseline.config)
@@ -294,27 +300,22 @@ class ShiftResult:
         _, b = baseline.statistics.replicates()
         if len(ids) < 2:
             raise IntervalUnavailableError("the segments fall into fewer than 2 interval groups: run more segments")
-        groups = self.layer_groups()
-
-        def value(arrays: dict[str, np.ndarray]) -> Any:
-            sums = decomposition.aggregate(self._sums(arrays, representation), by, groups)
-            if by == "layer_group":
-                return {group: decomposition.shares(part)[term] for group, part in sums.items()}
-            return decomposition.shares(sums)[term]
-
-        replicates_a, replicates_b = value(a), value(b)
+        replicates_a, replicates_b = (self._share_of(arrays, representation, term, by) for arrays in (a, b))
         if by == "layer_group":
             return {group: jackknife_interval(pairs[0][group] - pairs[1][group],
                                               replicates_a[group] - replicates_b[group], level=level)
-                    for group in groups}
+                    for group in pairs[0]}
         return jackknife_interval(np.subtract(*pairs), replicates_a - replicates_b, level=level)
 
     # -- merging --------------------------------------------------------------------------------------
-    def merge(self, other: ShiftResult) -> ShiftResult:
-        """Both results' segments together (exact: the sums add); refused for a segment in both, or results
-        measured differently (another model, offsets, contexts or segment length)."""
-        from .errors import IncompatibleResultsError
-
+    def merge(self, other: ShiftResult, *, allow_duplicate_windows: bool = False) -> ShiftResult:
+        """Both results' segments together (exact: the sums add); refused for results measured differently
+        (another model, offsets, contexts or segment length), and for a segment in both unless
+        ``allow_duplicate_windows`` (the probe's name for the same choice: a segment in both then counts
+        twice, for users who weight segments twice on purpose)."""
+        if not isinstance(other, ShiftResult):
+            raise IncompatibleResultsError(f"can only merge a ShiftResult with another ShiftResult, not a "
+                                           f"{type(other).__name__}")
         mine, theirs = self.metadata.get("model", {}), other.metadata.get("model", {})
         differences = self.config.differences(other.config)
         if mine.get("weights_sha256") != theirs.get("weights_sha256"):
@@ -330,19 +331,28 @@ class ShiftResult:
         metadata = {**self.metadata, "complete": self.complete and other.complete,
                     "run_ids": list(self.metadata.get("run_ids", [self.metadata.get("run_id")]))
                     + list(other.metadata.get("run_ids", [other.metadata.get("run_id")]))}
-        merged = ShiftResult(self.statistics.merge(other.statistics), metadata)
+        theirs = other.statistics
+        if allow_duplicate_windows:  # the sums add as they are; the fingerprints are both parts' after the merge
+            theirs = copy.copy(theirs)
+            theirs.segment_fingerprints = np.empty(0, dtype=np.uint64)
+        statistics = self.statistics.merge(theirs)
+        statistics.segment_fingerprints = np.concatenate([self.statistics.segment_fingerprints,
+                                                          other.statistics.segment_fingerprints])
+        merged = ShiftResult(statistics, metadata)
         if isinstance(self.metadata.get("check"), dict):
             merged.metadata["check"] = shift_check(merged, has_rotary=bool(self.metadata["check"].get("rotary")),
                                                    dtype=str(self.metadata.get("model", {}).get("dtype", "")))
         return merged
 
-    __add__ = merge
+    def __add__(self, other: ShiftResult) -> ShiftResult:
+        return self.merge(other)
 
     # -- display ----------------------------------------------------------------------------------------
-    def summary(self, level: float = 0.95) -> dict[str, Any]:
+    def summary(self, level: float = 0.95, *, missing: Any = None) -> dict[str, Any]:
         """Headline numbers as plain JSON values: per representation the model's shares, the offset RMS and the
         shares by layer group (with intervals where there are at least two groups of segments), the predictions,
-        the built-in check, and what the offset means. Undefined values are ``None``."""
+        the built-in check, and what the offset means. Undefined values are ``missing`` (``None``, JSON's
+        ``null``; ``math.nan`` for NaN)."""
         if self.n_segments == 0:
             return {"n_segments": 0}
 
@@ -376,7 +386,7 @@ class ShiftResult:
             "model": self.model_name, "mode": self.mode, "offset_means": OFFSET_MEANING[self.mode],
             "n_segments": self.n_segments, "n_contexts": self.config.n_contexts, "offsets": list(self.offsets),
             "segment_length": self.config.segment_length, "representations": representations,
-            "undefined": self.undefined, "check": self.metadata.get("check"), "complete": self.complete,
+            "undefined": dict(self.undefined), "check": self.metadata.get("check"), "complete": self.complete,
         }
         if self.config.predictions:
             out["predictions"] = {
@@ -385,7 +395,7 @@ class ShiftResult:
                 "js_context": with_interval(lambda interval=None: self.divergence("context", interval)),
                 "js_ratio": with_interval(lambda interval=None: self.divergence("ratio", interval)),
             }
-        return out
+        return missing_as(out, missing) if missing is not None else out
 
     def table(self, level: float = 0.95) -> str:
         """A plain-text table of :meth:`summary`."""

@@ -129,7 +129,7 @@ def test_a_lag_only_pattern_has_toeplitz_r2_of_one_over_signed_lags():
 
     result = ProbeResult(stats)
     np.testing.assert_allclose(result.toeplitz_r2(by="head"), 1.0, atol=1e-12)
-    np.testing.assert_allclose(result.toeplitz_r2(by="head_per_doc"), 1.0, atol=1e-12)
+    np.testing.assert_allclose(result.toeplitz_r2(estimator="per_doc"), 1.0, atol=1e-12)
     curves = result.persistence()
     assert curves.dt[0] == -(n - 1) and curves.dt[-1] == n - 1 and len(curves.dt) == 2 * n - 1
     expected = (profile / profile.sum()).numpy()[np.arange(n)[:, None] - np.arange(n)[None, :] == 2].mean()
@@ -339,7 +339,7 @@ def test_encoder_intervals_equal_a_jackknife_over_runs_without_each_group():
         ("raw_eta2", "head", lambda r: r.query_position_r2("raw", "eta2", by="head")),
         ("power_fit", None, lambda r: r.persistence().r2("power")),
         ("exponential_fit", "layer", lambda r: r.persistence(by="layer").r2("exponential")),
-        ("toeplitz_per_doc", None, lambda r: r.toeplitz_r2("per_doc_mean")),
+        ("toeplitz_per_doc", None, lambda r: r.toeplitz_r2(None, estimator="per_doc")),
     ]:
         found = result.interval(statistic, by)
         # The groups' order is the ids' (ascending): sort the direct runs the same way.

@@ -114,7 +114,7 @@ def test_compare_two_tiny_models_end_to_end(tiny, tmp_path):
     texts = common_windows(load_corpus(corpus), {"g": load_model(gemma)[1], "l": tokenizer}, T, 3)
     direct = EquivarianceProbe(model, tokenizer=tokenizer).run(texts, context_length=T, progress=False)
     assert rows[3]["log_eta2"] == pytest.approx(direct.query_position_r2("log", "eta2"), rel=1e-12)
-    assert rows[3]["toeplitz_r2"] == pytest.approx(float(direct.toeplitz_r2("head_per_doc").mean()), rel=1e-12)
+    assert rows[3]["toeplitz_r2"] == pytest.approx(float(direct.toeplitz_r2(estimator="per_doc").mean()), rel=1e-12)
 
     paths = save_comparison(comparison, tmp_path)
     with paths["csv"].open() as stream:

@@ -44,7 +44,7 @@ def result():
 
 @pytest.mark.parametrize("key", list(RANKING_SCORES))
 def test_positional_head_ranks_first_and_previous_token_head_last_by_every_score(result, key):
-    ranking = result.rank_heads(by=key)
+    ranking = result.rank_heads(score=key)
     assert ranking.order[0] == POSITIONAL
     assert ranking.order[-1] == PREVIOUS_TOKEN
     assert ranking.top(1) == [POSITIONAL] and ranking.bottom(1) == [PREVIOUS_TOKEN]
@@ -85,7 +85,7 @@ def test_default_order_is_descending_log_eta2_with_ties_in_head_order(result):
     assert ranking.key == "log_eta2" and ranking.descending
     values = ranking.scores["log_eta2"]
     assert np.all(np.diff(values) <= 0)
-    toeplitz = result.rank_heads(by="toeplitz")
+    toeplitz = result.rank_heads(score="toeplitz")
     assert not toeplitz.descending and np.all(np.diff(toeplitz.scores["toeplitz"]) >= 0)
     assert HIGHER_IS_MORE_POSITION_BOUND["prior_fit"] and not HIGHER_IS_MORE_POSITION_BOUND["toeplitz_per_doc"]
 
@@ -107,10 +107,10 @@ def test_records_dataframe_text_and_html(result):
 
 
 def test_nan_scores_go_last_and_bad_keys_are_refused(result):
-    ranking = result.rank_heads(by="toeplitz")
+    ranking = result.rank_heads(score="toeplitz")
     assert np.isfinite(ranking.scores["toeplitz"]).all()
     with pytest.raises(ValueError, match="not a ranking score"):
-        result.rank_heads(by="eta2")
+        result.rank_heads(score="eta2")
     with pytest.raises(ValueError, match="unknown scores"):
         result.rank_heads(scores=["bogus"])
 
@@ -122,7 +122,7 @@ def test_nan_key_rows_are_ranked_last():
     adapter = SyntheticAdapter(built_heads, n_layers=2, n_heads=4, max_context=64)
     tokens = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(1))
     result = EquivarianceProbe(adapter).run(tokens, keep_pattern=False, progress=False)
-    ranking = result.rank_heads(by="toeplitz")
+    ranking = result.rank_heads(score="toeplitz")
     assert isinstance(ranking, Ranking) and np.isnan(ranking.scores["toeplitz"]).all()
     assert ranking.order == [(l, h) for l in range(2) for h in range(4)]
     assert ranking.top(1) == [] and ranking.to_records()[0]["toeplitz"] is None

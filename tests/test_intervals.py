@@ -94,7 +94,7 @@ def test_exactly_uniform_attention_gives_intervals_of_width_zero():
             assert found.width <= 1e-12, (statistic, group)
     prior = result.persistence(interval=0.95).r2_interval("prior")
     assert prior.estimate == pytest.approx(1, abs=1e-12) and prior.width <= 1e-12
-    assert np.all(result.toeplitz_r2("head_per_doc", interval=0.95).width <= 1e-12)
+    assert np.all(result.toeplitz_r2(interval=0.95, estimator="per_doc").width <= 1e-12)
 
 
 def _simulated(seed: int, n_windows: int, start: int, n_positions: int = 6) -> AttentionStatistics:
@@ -261,7 +261,7 @@ def test_every_interval_api_returns_intervals(result):
     groups = result.persistence(by="layer_group", interval=0.95)
     assert set(groups) == {"all", "sliding", "global"}
     assert groups["all"].r2_interval("prior").estimate == result.persistence().fits["prior"].r2
-    mean = result.toeplitz_r2("per_doc_mean", interval=0.95)
+    mean = result.toeplitz_r2(None, interval=0.95, estimator="per_doc")
     assert mean.estimate == pytest.approx(result.summary()["toeplitz_r2_per_doc_mean"], rel=1e-12)
     assert np.all(np.asarray(result.interval("log_eta2", "head").low) <= result.query_position_r2("log", "eta2", by="head"))
 
@@ -277,7 +277,7 @@ def test_ranking_stability_counts_replicates_that_keep_a_head_on_top():
     assert ranking.order[0] == (0, 0) and ranking.stability[0] == 1.0
     assert ranking.to_records()[0]["in_top_k"] == 1.0
     assert np.nansum(ranking.stability) == pytest.approx(1.0)  # each replicate has one top head
-    assert "no in_top_k stability" in result.rank_heads(by="prior_fit").to_text()
+    assert "no in_top_k stability" in result.rank_heads(score="prior_fit").to_text()
 
 
 # -- the command line --------------------------------------------------------------------------

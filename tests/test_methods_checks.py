@@ -66,7 +66,7 @@ def test_uniform_pattern_closed_form_toeplitz_and_lag_only_pattern_scores_one():
     )
     result = run(adapter, torch.zeros((3, n), dtype=torch.long))
     by_head = result.toeplitz_r2(by="head")
-    per_doc = result.toeplitz_r2(by="head_per_doc")
+    per_doc = result.toeplitz_r2(estimator="per_doc")
     # The probe sees float32 patterns: 1/(q+1) rounded to 24 bits.
     assert np.allclose(by_head[0], expected, rtol=1e-6) and np.allclose(per_doc[0], expected, rtol=1e-6)
     assert np.allclose(by_head[1], 1.0) and np.allclose(per_doc[1], 1.0)

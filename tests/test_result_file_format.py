@@ -217,7 +217,7 @@ def test_show_prints_every_headline_number_without_reading_an_array(result, tmp_
     # every headline number with its 95 % interval, from the header alone
     assert f"| log | eta2 | {result.query_position_r2('log', 'eta2', interval=0.95)} |" in printed
     assert f"| P(dt) | prior fit R² | {result.persistence(interval=0.95).r2_interval('prior')} |" in printed
-    assert f"| Toeplitz | mean per-window R² | {result.toeplitz_r2('per_doc_mean', interval=0.95)} |" in printed
+    assert f"| Toeplitz | mean per-window R² | {result.toeplitz_r2(None, interval=0.95, estimator='per_doc')} |" in printed
     assert main(["show", "--json", str(path)]) == 0
     shown = json.loads(capsys.readouterr().out)[str(path)]
     assert shown["summary"]["query_position_r2"]["raw"]["fitted"] == result.query_position_r2("raw", "fitted")

@@ -38,11 +38,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_integer
+from ..errors import EmptyResultError, InputError, IntervalUnavailableError, NotRunError, UndefinedStatisticError, check_integer
 from ..markup import Markup
 from ..maths.fitting import curve_r2
 from ..maths.metrics import FORMS, SCALES
 from .intervals import top_k_share
+from .results import renamed_keyword
 
 
 __all__ = [
@@ -73,7 +74,7 @@ class RankableResult(Protocol):
 
     def query_position_r2(self, scale: str = ..., form: str = ..., by: str | None = ...) -> Any: ...
 
-    def toeplitz_r2(self, by: str = ...) -> Any: ...
+    def toeplitz_r2(self, by: str | None = ..., interval: float | None = ..., *, estimator: str = ...) -> Any: ...
 
     def head_score_replicates(self, name: str) -> np.ndarray: ...
 
@@ -237,7 +238,7 @@ class HeadRanking:
 def head_scores(result: RankableResult) -> dict[str, np.ndarray]:
     """Every score of :data:`RANKING_SCORES` as a ``[layer, head]`` array (NaN ``toeplitz`` when
     the run kept no summed pattern, NaN for a query-position form the result names as undefined:
-    ``result.undefined()``)."""
+    ``result.undefined``)."""
     scores: dict[str, np.ndarray] = {}
     for name in RANKING_SCORES:
         if name in ("toeplitz", "toeplitz_per_doc", "prior_fit"):
@@ -251,7 +252,7 @@ def head_scores(result: RankableResult) -> dict[str, np.ndarray]:
         scores["toeplitz"] = result.toeplitz_r2("head")
     except NotRunError:  # the run kept no summed pattern: only the per-window score exists
         scores["toeplitz"] = np.full((result.n_layers, result.n_heads), np.nan)
-    scores["toeplitz_per_doc"] = result.toeplitz_r2("head_per_doc")
+    scores["toeplitz_per_doc"] = result.toeplitz_r2("head", estimator="per_doc")
     scores["prior_fit"] = prior_fit_by_head(result)
     return {name: scores[name] for name in RANKING_SCORES}
 
@@ -284,31 +285,36 @@ def _ranked(values: np.ndarray, descending: bool) -> np.ndarray:
     return np.lexsort((heads.ravel(), layers.ravel(), signed, np.isnan(key)))
 
 
-def ranking_stability(result: RankableResult, by: str = "log_eta2", top_k: int = TOP_K) -> dict[str, Any]:
-    """In what share of the jackknife's replicates each head is among the ``top_k`` first by ``by``.
+def ranking_stability(result: RankableResult, score: str = "log_eta2", top_k: int = TOP_K, *,
+                      by: str | None = None) -> dict[str, Any]:
+    """In what share of the jackknife's replicates each head is among the ``top_k`` first by ``score``
+    (``by=``, its older name, keeps working with a :class:`DeprecationWarning` once).
 
     Each replicate recomputes the score on every window but one group's and ranks the heads by the
     same rule as :func:`rank_heads`; a head's share is the fraction of replicates that put it in
     their top ``k``.
 
     Returns:
-        ``{"key": by, "top_k": k, "share": [layer][head] lists}``, or ``{"key", "top_k", "unavailable":
+        ``{"key": score, "top_k": k, "share": [layer][head] lists}``, or ``{"key", "top_k", "unavailable":
         why}`` (what :meth:`ProbeResult.summary` stores).
     """
+    if by is not None:
+        score = renamed_keyword("ranking_stability", "by", "score", by)
     check_integer("top_k", top_k, message=f"top_k={top_k!r} must be a positive number of heads, e.g. 10")
     try:
-        replicates = result.head_score_replicates(by)
+        replicates = result.head_score_replicates(score)
     except IntervalUnavailableError as error:
-        return {"key": by, "top_k": top_k, "unavailable": str(error)}
-    share = top_k_share(replicates, top_k, lambda values: _ranked(values, HIGHER_IS_MORE_POSITION_BOUND[by]))
-    return {"key": by, "top_k": top_k, "share": share.tolist()}
+        return {"key": score, "top_k": top_k, "unavailable": str(error)}
+    share = top_k_share(replicates, top_k, lambda values: _ranked(values, HIGHER_IS_MORE_POSITION_BOUND[score]))
+    return {"key": score, "top_k": top_k, "share": share.tolist()}
 
 
 def rank_heads(
     result: RankableResult,
-    by: str = "log_eta2",
+    score: str = "log_eta2",
     scores: Sequence[str] | None = None,
     *,
+    by: str | None = None,
     known_scores: Mapping[str, np.ndarray] | None = None,
     top_k: int | None = TOP_K,
     known_stability: Mapping[str, Any] | None = None,
@@ -317,9 +323,10 @@ def rank_heads(
 
     Args:
         result: a :class:`ProbeResult` with data.
-        by: the ordering key, one of :data:`RANKING_SCORES` (default ``"log_eta2"``). Sorted
+        score: the ordering key, one of :data:`RANKING_SCORES` (default ``"log_eta2"``). Sorted
             descending unless it is a Toeplitz score (see the module docstring).
-        scores: which score columns to keep (default: all); ``by`` is always kept.
+        scores: which score columns to keep (default: all); ``score`` is always kept.
+        by: the older name of ``score`` (keeps working, with a :class:`DeprecationWarning` once).
         known_scores: every score as a ``[layer, head]`` array when already known (a loaded
             result's stored summary); default: computed from ``result``.
         top_k: report each head's share of replicates that rank it among the ``top_k`` first
@@ -331,32 +338,34 @@ def rank_heads(
         A :class:`HeadRanking` with ``n_layers * n_heads`` rows.
 
     Raises:
-        InputError: ``by`` or a name in ``scores`` is not a known score, or a bad ``top_k``.
-        NotRunError: the result holds no data.
+        InputError: ``score`` or a name in ``scores`` is not a known score, or a bad ``top_k``.
+        EmptyResultError: the result holds no data (a :class:`~equivariance_probe.errors.NotRunError`).
 
     Example:
         >>> ranking = rank_heads(result)  # doctest: +SKIP
         >>> ranking.top(2), ranking.bottom(2)  # doctest: +SKIP
         ([(4, 3), (2, 0)], [(5, 1), (7, 2)])
     """
-    if by not in RANKING_SCORES:
-        raise InputError(f"by={by!r} is not a ranking score; choose one of {list(RANKING_SCORES)}")
+    if by is not None:
+        score = renamed_keyword("rank_heads", "by", "score", by)
+    if score not in RANKING_SCORES:
+        raise InputError(f"score={score!r} is not a ranking score; choose one of {list(RANKING_SCORES)}")
     keep = list(RANKING_SCORES) if scores is None else list(scores)
     unknown = [name for name in keep if name not in RANKING_SCORES]
     if unknown:
         raise InputError(f"unknown scores {unknown}; choose from {list(RANKING_SCORES)}")
-    if by not in keep:
-        keep.insert(0, by)
+    if score not in keep:
+        keep.insert(0, score)
     if result.n_windows == 0:
-        raise NotRunError("this result holds no windows yet: call EquivarianceProbe(model).run(docs) first")
+        raise EmptyResultError("this result holds no windows yet: call EquivarianceProbe(model).run(docs) first")
     grids = head_scores(result) if known_scores is None else {name: np.asarray(known_scores[name]) for name in RANKING_SCORES}
     layers, heads = np.meshgrid(np.arange(result.n_layers), np.arange(result.n_heads), indexing="ij")
-    descending = HIGHER_IS_MORE_POSITION_BOUND[by]
-    order = _ranked(grids[by], descending)
+    descending = HIGHER_IS_MORE_POSITION_BOUND[score]
+    order = _ranked(grids[score], descending)
     stability, note = None, None
     if top_k is not None:
         known = dict(known_stability or {})
-        found = known if (known.get("key"), known.get("top_k")) == (by, top_k) else ranking_stability(result, by, top_k)
+        found = known if (known.get("key"), known.get("top_k")) == (score, top_k) else ranking_stability(result, score, top_k)
         note = found.get("unavailable")
         share = found.get("share")
         stability = (np.full(len(order), np.nan) if not isinstance(share, list)
@@ -365,7 +374,7 @@ def rank_heads(
         layers=layers.ravel()[order],
         heads=heads.ravel()[order],
         scores={name: grids[name].ravel()[order] for name in RANKING_SCORES if name in keep},
-        key=by,
+        key=score,
         descending=descending,
         model=result.model_name,
         top_k=top_k,

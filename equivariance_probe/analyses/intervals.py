@@ -63,7 +63,7 @@ BY_CHOICES: dict[str, tuple[str | None, ...]] = {
 NO_MEAN_PATTERN_INTERVAL = (
     "the Toeplitz R² of the document-averaged pattern has no interval: its replicates would need the summed "
     "pattern of every group (G·L·H·T² sums), which no run keeps; the per-window Toeplitz R² has one "
-    "(toeplitz_r2(by='head_per_doc', interval=0.95))"
+    "(toeplitz_r2(estimator='per_doc', interval=0.95))"
 )
 
 

@@ -214,7 +214,7 @@ def heatmaps_figure(result: ProbeResult) -> Figure:
     try:
         panels["Toeplitz R² (mean pattern)"] = result.toeplitz_r2("head")
     except Exception:  # noqa: BLE001 - runs without keep_pattern still have the per-window score
-        panels["Toeplitz R² (per-window mean)"] = result.toeplitz_r2("head_per_doc")
+        panels["Toeplitz R² (per-window mean)"] = result.toeplitz_r2("head", estimator="per_doc")
     n_layers, n_heads = result.n_layers, result.n_heads
     fig, axes = plt.subplots(1, len(panels), figsize=(3 + 2.2 * len(panels) * max(n_heads, 4) / 4, 1.5 + 0.25 * n_layers), squeeze=False)
     for ax, (title, values) in zip(axes[0], panels.items()):

@@ -68,6 +68,7 @@ from ..analyses.positional import (
     positional_logits,
     score_profile,
 )
+from ..analyses.results import Undefined, missing_as
 from ..errors import InputError, ResultFileError, is_integer
 from ..records.container import file_kind, read_container, read_tensors, tensor_checksum, write_container
 from ..records.fileformat import parse_json
@@ -120,9 +121,31 @@ class PositionalStudy:
         name = str(self.metadata.get("model", "?"))
         return name_of_converted_copy(name) or name
 
+    @property
+    def complete(self) -> bool:
+        """False for a study that stopped before its analyses ran (``metadata["complete"]``)."""
+        return bool(self.metadata.get("complete", True))
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """How the analyses were run: ``metadata["settings"]`` (windows, context length, prompts, kernels,
+        baseline, seed, ...)."""
+        return dict(self.metadata.get("settings", {}))
+
+    @property
+    def undefined(self) -> Undefined:
+        """The analyses that have no numbers for this model, and why (:attr:`skipped`)."""
+        return Undefined(self.skipped)
+
     # -- numbers -------------------------------------------------------------------------
-    def summary(self) -> dict[str, Any]:
-        """Headline numbers of every analysis that ran (plain floats and lists)."""
+    def summary(self, level: float = 0.95, *, missing: Any = None) -> dict[str, Any]:
+        """Headline numbers of every analysis that ran (plain numbers and lists), ``missing`` (``None``, JSON's
+        ``null``; ``math.nan`` for NaN) where a number is undefined. ``level`` is accepted as every result's
+        :meth:`summary` accepts it: the probe's intervals over folds are at the level it was run with."""
+        return missing_as(self._summary(), missing)
+
+    def _summary(self) -> dict[str, Any]:
+        """The summary with NaN where a number is undefined, as the file's header keeps it."""
         out: dict[str, Any] = {}
         if "gram" in self.parts:
             gram = self.parts["gram"]
@@ -154,14 +177,14 @@ class PositionalStudy:
                 out[key] = self.parts[key].summary()
         return out
 
-    def to_rows(self) -> list[dict[str, Any]]:
+    def to_rows(self, level: float = 0.95) -> list[dict[str, Any]]:
         """The numbers in long form, one dict per statistic and split (model, layer, head), the random-init
         baseline's as variant ``random_init`` (:mod:`~equivariance_probe.analyses.tidy` lists the columns).
         Built from :meth:`summary`; needs no pandas. ``equivariance-probe show --csv`` prints these rows."""
         from ..analyses.tidy import positional_rows
 
         identity = {"kind": "positional", "model": self.model_name, "run_id": self.metadata.get("run_id")}
-        return positional_rows(self.summary(), identity)
+        return positional_rows(self._summary(), identity)
 
     def to_dataframe(self) -> Any:
         """:meth:`to_rows` as a pandas ``DataFrame``.
@@ -173,9 +196,10 @@ class PositionalStudy:
 
         return rows_dataframe(self.to_rows(), "PositionalStudy.to_dataframe()")
 
-    def table(self) -> str:
-        """Markdown: one row per analysis that ran (its headline numbers) and one per analysis skipped."""
-        summary = self.summary()
+    def table(self, level: float = 0.95) -> str:
+        """Markdown: one row per analysis that ran (its headline numbers) and one per analysis skipped (``level`` as
+        in :meth:`summary`)."""
+        summary = self._summary()
 
         def spread(values: Any) -> str:
             finite = [v for v in np.ravel(np.asarray(values, dtype=np.float64)) if np.isfinite(v)]
@@ -263,7 +287,7 @@ class PositionalStudy:
         parts = _arrays_to_tensors(self._parts_dict(), "parts", tensors)
         header = {"kind": POSITIONAL_KIND, "format_version": POSITIONAL_FORMAT_VERSION,
                   "checksum": tensor_checksum(tensors), "metadata": self.metadata, "skipped": self.skipped,
-                  "summary": self.summary(), "parts": parts}
+                  "summary": self._summary(), "parts": parts}
         return write_container(path, tensors, json.loads(json.dumps(header, default=_plain)))
 
     @classmethod
@@ -556,7 +580,7 @@ def _pattern_parts(study: PositionalStudy, hf: Any, tokenizer: Any, windows: Any
     if "attention_toeplitz" in analyses:
         result = EquivarianceProbe(hf, tokenizer=tokenizer).run(windows, options.replace(keep_pattern=True), progress=False)
         study.parts["attention_toeplitz"] = AttentionToeplitz(
-            result.toeplitz_r2("head"), result.toeplitz_r2("head_per_doc"), result.n_windows,
+            result.toeplitz_r2("head"), result.toeplitz_r2("head", estimator="per_doc"), result.n_windows,
             int(windows.shape[1]), result.causal)
         say(f"attention toeplitz: per-head R² of the document-averaged pattern, median "
             f"{np.nanmedian(study.parts['attention_toeplitz'].mean_pattern):.3f}")
