@@ -398,6 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--start", type=_non_negative, default=0, help="first position shown")
     report.add_argument("--stop", type=_positive, default=None, help="position after the last shown (default: start + 128)")
     report.add_argument("--decimals", type=int, default=3, help="round view values to this many decimals (default 3)")
+    report.add_argument("--overview", action="store_true",
+                        help="with --views, also draw the heads over the study's whole window in blocks of positions "
+                             "(a page of a few MB that draws in seconds at 8,192 positions); --start/--stop choose the "
+                             "range shown in full")
+    report.add_argument("--block-size", type=_positive, default=None,
+                        help="positions per block of --overview (default: the window / 256, rounded up)")
 
     compare = command("compare", "run the study on several models over the same windows: one table and figure",
                       "The models are named by --models (not --model). Every model reads the same texts, cut so "
@@ -862,7 +868,7 @@ def _report(args: argparse.Namespace) -> int:
         try:
             views, note = views_for_result(result, heads=heads, document=args.document, corpus=args.corpus,
                                            start=args.start, stop=args.stop, decimals=args.decimals,
-                                           cache_dir=args.cache_dir)
+                                           cache_dir=args.cache_dir, overview=args.overview, block_size=args.block_size)
             print(note)
         except ModelNotFoundError as error:
             print(f"writing the report without views: {error}", file=sys.stderr)
