@@ -131,8 +131,8 @@ def test_the_overview_page_does_not_grow_with_the_window():
     # 256 blocks per side whatever T: the pages differ only by the digits of the positions and numbers.
     assert all(len(_uniform_overview(n).edges) == DEFAULT_OVERVIEW_BLOCKS + 1 for n in sizes)
     assert max(sizes.values()) < 1.1 * min(sizes.values())
-    # Two arrays of 256² numbers per head, each at most "0.00123," (9 characters), plus the script and text.
-    assert max(sizes.values()) < 2 * 2 * DEFAULT_OVERVIEW_BLOCKS ** 2 * 9 + 50_000
+    # Two arrays of 256² half floats per head in base64 (8/3 characters each), plus the script and text.
+    assert max(sizes.values()) < 2 * 2 * DEFAULT_OVERVIEW_BLOCKS ** 2 * 8 / 3 + 50_000
 
 
 def test_block_excerpts_are_each_block_s_text_cut_short():
@@ -191,3 +191,19 @@ def test_report_overview_reloads_the_tiny_model_and_sums_its_whole_window(tiny_s
     assert views.overview.prior_sums[1][7, 0] == 0 and views.overview.sums[1][7, 0] == 0
     with pytest.raises(SystemExit):
         main(["report", str(results), "--views", "--overview", "--block-size", "0"])
+
+
+def test_the_page_carries_each_head_s_share_and_log_ratio_as_half_floats(probe_and_tokens):
+    import base64
+    import json
+
+    probe, tokens = probe_and_tokens
+    overview = head_views(probe, tokens, heads=HEADS, overview=True, block_size=10).overview
+    html = str(overview.body_html())
+    data = json.loads(html.rsplit("})(", 1)[1].rsplit(");</script>", 1)[0])
+    assert data["edges"] == overview.edges.tolist() and len(data["excerpts"]) == 10
+    for written, share, ratio in zip(data["heads"], overview.share(), overview.log_ratios()):
+        decoded = {name: np.frombuffer(base64.b64decode(written[name]), dtype="<f2").reshape(10, 10)
+                   for name in ("share", "ratio")}
+        np.testing.assert_allclose(decoded["share"], share, rtol=1e-3, atol=6e-8)
+        np.testing.assert_allclose(decoded["ratio"], ratio, rtol=1e-3, atol=6e-8)

@@ -31,6 +31,7 @@ script writes hover text with ``textContent`` only.
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -205,9 +206,10 @@ def block_excerpts(tokens: Sequence[str], edges: np.ndarray) -> list[str]:
     return excerpts
 
 
-def _significant(values: np.ndarray, digits: int) -> list[float]:
-    """Values rounded to ``digits`` significant digits (zeros stay 0, written as JSON's shortest form)."""
-    return [float(f"{v:.{digits}g}") for v in np.asarray(values, dtype=np.float64).ravel().tolist()]
+def _half_floats(values: np.ndarray) -> str:
+    """Values as little-endian IEEE half floats in base64: 2.7 characters a number (3 significant digits;
+    magnitudes under 6e-8 become 0), a third of the same numbers written as decimals."""
+    return base64.b64encode(np.asarray(values, dtype="<f2").tobytes()).decode("ascii")
 
 
 @dataclass(frozen=True)
@@ -222,7 +224,6 @@ class BlockOverview:
         excerpts: per block, the start of its text.
         log_floor: ``eps`` of the log-ratio.
         detail: ``(start, stop)`` of the range shown in full beside the overview (outlined), or ``None``.
-        digits: significant digits of the numbers written into the page.
         log_ratio_limit: colour range ``±limit`` of the log-ratio.
     """
 
@@ -233,7 +234,6 @@ class BlockOverview:
     excerpts: list[str]
     log_floor: float
     detail: tuple[int, int] | None = None
-    digits: int = 3
     log_ratio_limit: float = 4.0
 
     @property
@@ -269,8 +269,7 @@ class BlockOverview:
             "excerpts": list(self.excerpts),
             "detail": None if self.detail is None else [int(self.detail[0]), int(self.detail[1])],
             "limit": float(self.log_ratio_limit),
-            "heads": [{"label": label, "share": _significant(share, self.digits),
-                       "ratio": _significant(ratio, self.digits)}
+            "heads": [{"label": label, "share": _half_floats(share), "ratio": _half_floats(ratio)}
                       for label, share, ratio in zip(self.labels, self.share(), self.log_ratios())],
         }
 
@@ -325,6 +324,17 @@ _DRAW = """function (data) {
   var root = document.currentScript.parentElement;
   var holder = root.querySelector(".block-overview-heads"), hover = root.querySelector(".block-overview-hover");
   var edges = data.edges, n = edges.length - 1, scale = Math.max(1, Math.floor(512 / n));
+  function halves(text) {  // base64 of little-endian IEEE half floats
+    var bytes = atob(text), out = new Float32Array(bytes.length / 2);
+    for (var i = 0; i < out.length; i++) {
+      var h = bytes.charCodeAt(2 * i) | (bytes.charCodeAt(2 * i + 1) * 256);
+      var sign = h & 0x8000 ? -1 : 1, exponent = (h >> 10) & 31, fraction = h & 1023;
+      out[i] = exponent === 0 ? sign * fraction * Math.pow(2, -24)
+        : exponent === 31 ? (fraction ? NaN : sign * Infinity)
+        : sign * (1 + fraction / 1024) * Math.pow(2, exponent - 15);
+    }
+    return out;
+  }
   function shareColour(v) {
     var t = v <= 0 ? 0 : Math.min(1, Math.max(0, (Math.log10(v) + 4) / 4));
     return [Math.round(255 - 247 * t), Math.round(255 - 207 * t), Math.round(255 - 148 * t)];
@@ -358,7 +368,8 @@ _DRAW = """function (data) {
     }
     return big;
   }
-  data.heads.forEach(function (head) {
+  data.heads.forEach(function (written) {
+    var head = {label: written.label, share: halves(written.share), ratio: halves(written.ratio)};
     var figure = document.createElement("div");
     figure.style.display = "inline-block"; figure.style.margin = "0 16px 16px 0";
     var title = document.createElement("div");
@@ -371,8 +382,8 @@ _DRAW = """function (data) {
         var j = Math.floor((event.clientX - box.left) / scale), i = Math.floor((event.clientY - box.top) / scale);
         if (i < 0 || j < 0 || i >= n || j >= n) return;
         hover.textContent = head.label + "  queries " + edges[i] + ".." + (edges[i + 1] - 1) + " -> keys " +
-          edges[j] + ".." + (edges[j + 1] - 1) + ": share " + head.share[i * n + j] + ", log(a/u) " +
-          head.ratio[i * n + j] + "\\nqueries' text: " + JSON.stringify(data.excerpts[i]) +
+          edges[j] + ".." + (edges[j + 1] - 1) + ": share " + head.share[i * n + j].toPrecision(3) + ", log(a/u) " +
+          head.ratio[i * n + j].toPrecision(3) + "\\nqueries' text: " + JSON.stringify(data.excerpts[i]) +
           "\\nkeys' text:    " + JSON.stringify(data.excerpts[j]);
       });
       figure.appendChild(drawn);
