@@ -12,7 +12,8 @@ files it wrote.
   ``--verify`` reads every array and checks it against its digest).
 * ``verify``     — read every array of result files and check it against the digest stored when it was written.
 * ``report``     — an offline HTML report from a results file (``--views``: with CircuitsVis
-  views of the most and least position-bound heads, reloading the model the results name).
+  views of the most and least position-bound heads, reloading the model the results name;
+  ``--overview``: the same with the heads over the whole window in blocks of positions).
 * ``compare``    — the study on several models over the same windows, one table and figure.
 * ``scan``       — the same text at several context lengths, trained vs baselines, per layer group:
   one table and figure, and a result file per length and variant (reused when run again).
@@ -399,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--stop", type=_positive, default=None, help="position after the last shown (default: start + 128)")
     report.add_argument("--decimals", type=int, default=3, help="round view values to this many decimals (default 3)")
     report.add_argument("--overview", action="store_true",
-                        help="with --views, also draw the heads over the study's whole window in blocks of positions "
+                        help="views (as --views) with the heads over the study's whole window in blocks of positions "
                              "(a page of a few MB that draws in seconds at 8,192 positions); --start/--stop choose the "
                              "range shown in full")
     report.add_argument("--block-size", type=_positive, default=None,
@@ -863,7 +864,7 @@ def _report(args: argparse.Namespace) -> int:
     if missing:
         print(f"the study's baselines {missing} are not beside {args.results}; reporting without them", file=sys.stderr)
     views = None
-    if args.views:
+    if args.views or args.overview:
         heads = parse_heads(args.heads) if args.heads else None  # bad heads: exit 2, not a silent report
         try:
             views, note = views_for_result(result, heads=heads, document=args.document, corpus=args.corpus,

@@ -115,6 +115,10 @@ def test_capture_holds_the_chosen_heads_only_and_refuses_missing_ones(probe_and_
                                rtol=1e-12)
     with pytest.raises(InputError, match="L2H0 does not exist"):
         capture_head_blocks(probe.adapter, tokens, [(2, 0)], edges)
+    with pytest.raises(InputError, match=r"the range \(90, 120\) does not fit the window's 100 tokens"):
+        capture_head_blocks(probe.adapter, tokens, [(1, 3)], edges, detail=(90, 120))
+    with pytest.raises(InputError, match="the blocks end at 50 but the window has 100 tokens"):
+        capture_head_blocks(probe.adapter, tokens, [(1, 3)], block_edges(50, 25))
 
 
 def _uniform_overview(n_positions: int, n_heads: int = 2) -> BlockOverview:
@@ -177,7 +181,7 @@ def test_report_overview_reloads_the_tiny_model_and_sums_its_whole_window(tiny_s
 
     results = tiny_study / "out" / "results.safetensors"
     output = tiny_study / "overview.html"
-    assert main(["report", str(results), "--views", "--overview", "--block-size", "4", "--heads", "L2H1,L0H0",
+    assert main(["report", str(results), "--overview", "--block-size", "4", "--heads", "L2H1,L0H0",
                  "--start", "8", "--stop", "16", "-o", str(output)]) == 0
     page = output.read_text()
     assert "Overview of positions 0..31: blocks of 4 positions (8 per side)" in page and "L2H1 attention" in page

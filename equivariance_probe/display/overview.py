@@ -177,6 +177,13 @@ def capture_head_blocks(
         stop - start]`` float64 (``None`` without ``detail``).
     """
     check_heads(adapter.layout, heads)
+    n_positions = int(tokens.shape[-1])
+    if int(edges[-1]) != n_positions:
+        raise InputError(f"the blocks end at {int(edges[-1])} but the window has {n_positions} tokens; "
+                         f"pass edges=block_edges({n_positions}, ...)")
+    if detail is not None and not (0 <= detail[0] < detail[1] <= n_positions):
+        raise InputError(f"the range {detail} does not fit the window's {n_positions} tokens; "
+                         f"pass (start, stop) with 0 <= start < stop <= {n_positions}")
     n_blocks = len(edges) - 1
     sums = np.zeros((len(heads), n_blocks, n_blocks))
     pattern = None if detail is None else np.zeros((len(heads), detail[1] - detail[0], detail[1] - detail[0]))
