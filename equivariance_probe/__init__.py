@@ -44,7 +44,7 @@ windows), :func:`scan_context_lengths` / :class:`ContextScan` (the same text at 
 lengths), :func:`run_positional` / :class:`PositionalStudy` (where order comes from).
 
 Heads and reports: :func:`rank_heads` / :class:`HeadRanking`, :func:`head_views` /
-:class:`HeadViews` (offline CircuitsVis), :func:`render_report` (a :class:`RenderedReport`: drawn in a notebook, ``save(path)`` in a script) /
+:class:`HeadViews` (offline CircuitsVis; ``overview=True`` adds a :class:`BlockOverview` of a long window), :func:`render_report` (a :class:`RenderedReport`: drawn in a notebook, ``save(path)`` in a script) /
 :class:`ReportSection`; :func:`study_figures` (a study's figures) and :func:`save_figures` (any figures
 as PNG, SVG or PDF files).
 
@@ -68,6 +68,7 @@ from .analyses.results import MergeableResult, Result
 from .display.figures import save_figures, study_figures
 from .display.report import RenderedReport, ReportSection, render_report
 from .display.shift import ShiftView, render_shift_report, shift_figures, shift_report_section, shift_view
+from .display.overview import BlockOverview
 from .display.views import HeadViews, head_views
 from .errors import (
     AttentionCaptureError,
@@ -174,6 +175,7 @@ __all__ = [
     "HeadRanking",
     "head_views",
     "HeadViews",
+    "BlockOverview",
     "render_report",
     "RenderedReport",
     "ReportSection",

@@ -24,6 +24,7 @@ from equivariance_probe import EquivarianceProbe, ProbeResult, render_report
 from equivariance_probe.analyses.positional import gram_toeplitz
 from equivariance_probe.display.positional import render_positional_page, render_positional_section
 from equivariance_probe.display.shift import ShiftView
+from equivariance_probe.display.overview import BlockOverview
 from equivariance_probe.display.views import HeadViews
 from equivariance_probe.errors import ResultFileError
 from equivariance_probe.markup import Markup, json_script
@@ -142,13 +143,27 @@ def _head_views(strings):
     return HeadViews(tokens=list(strings), heads=[(0, 0)], pattern=pattern[None], sliding_windows=[None], title=strings[0])
 
 
+def _long_views(strings):
+    # The views with an overview of the same positions in blocks of 2: each block's text is hover data.
+    from dataclasses import replace
+
+    from equivariance_probe.display.overview import block_edges, block_excerpts, block_sums, prior_block_sums
+
+    views = _head_views(strings)
+    edges = block_edges(len(strings), 2)
+    overview = BlockOverview(heads=[(0, 0)], edges=edges, sums=block_sums(views.pattern[0], edges)[None],
+                             prior_sums=prior_block_sums(edges, None)[None], excerpts=block_excerpts(strings, edges),
+                             log_floor=1e-30, detail=(0, 4))
+    return replace(views, overview=overview)
+
+
 def _shift_view(strings):
     n = len(strings)
     return ShiftView(tokens=list(strings), head=(0, 1), offsets=(0, 9), conditional=np.zeros((2, n, n)),
                      centred=np.zeros((2, n, n)), entries=np.tril(np.ones((n, n))), title=strings[1])
 
 
-@pytest.mark.parametrize("build", [_head_views, _shift_view], ids=["head views", "shift view"])
+@pytest.mark.parametrize("build", [_head_views, _long_views, _shift_view], ids=["head views", "long views", "shift view"])
 def test_document_tokens_cannot_end_or_escape_the_view_s_script(build, tmp_path):
     hostile, plain = build(HOSTILE), build(PLAIN)
     assert_inert(hostile.to_html(), plain.to_html())
@@ -180,9 +195,10 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shuti
 
 @pytest.mark.browser
 @pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium; scripts/install.sh does it)")
-def test_headless_chromium_runs_no_script_from_a_view_s_tokens(tmp_path):
+@pytest.mark.parametrize("build", [_head_views, _long_views], ids=["head views", "long views"])
+def test_headless_chromium_runs_no_script_from_a_view_s_tokens(tmp_path, build):
     # The page's own script writes a marker into the title when it runs to its end; the data's would set PWNED.
-    views = _head_views(HOSTILE)
+    views = build(HOSTILE)
     page = tmp_path / "page.html"
     page.write_text(Markup("<!DOCTYPE html><html><head><title>start</title></head><body>{}<script>"
                            "document.title = 'ended ' + (typeof window.PWNED === 'undefined' ? 'clean' : 'pwned');"
@@ -192,6 +208,8 @@ def test_headless_chromium_runs_no_script_from_a_view_s_tokens(tmp_path):
                "--virtual-time-budget=5000", "--dump-dom", page.as_uri()]
     dom = subprocess.run(command, capture_output=True, text=True, timeout=180).stdout
     assert "<title>ended clean</title>" in dom
+    if views.overview is not None:  # drawn, with the hostile text as data
+        assert '<div class="block-overview" data-drawn=' in dom and dom.count('class="block-overview-canvas"') == 2
 
 
 # -- a shift result's stored model name ----------------------------------------------------------------------------

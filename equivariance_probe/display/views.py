@@ -23,6 +23,12 @@ Sizes: values are rounded to ``decimals`` (default 3) before they are written, a
 of positions keeps long contexts usable (default: the first :data:`DEFAULT_VIEW_POSITIONS`).
 Under a causal mask the rows ``q < stop`` do not depend on later tokens, so only the first
 ``stop`` tokens are run.
+
+Long windows: ``overview=True`` runs the whole document (up to ``context_length``) once and adds a
+:class:`~equivariance_probe.display.overview.BlockOverview` of the same heads over every position: their
+attention summed over blocks of positions (at most 256 blocks per side by default), drawn on canvases, so
+the page's size does not grow with the window. The CircuitsVis views then show the range
+``start..stop`` in full, outlined on the overview. Only one layer's pattern is held at a time.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from ..sources.models import load_model
 from ..sources.registry import name_of_converted_copy
 from ..statistics.engines.in_trace import default_log_floor, uniform_prior, visible_mask
 from .circuitsvis import CircuitsVisFigure, attention_heads_figure, save_views_page, views_body_html, views_html
+from .overview import BlockOverview, check_heads, overview_of
 
 __all__ = [
     "HeadViews",
@@ -77,13 +84,7 @@ def capture_head_patterns(adapter: Any, tokens: torch.Tensor, heads: Sequence[tu
     Returns:
         ``pattern: [n_heads, query, key]`` float64 (rows sum to 1 over visible keys).
     """
-    layout = adapter.layout
-    for layer, head in heads:
-        if not (0 <= layer < layout.n_layers and 0 <= head < layout.n_heads):
-            raise InputError(
-                f"head L{layer}H{head} does not exist: this model has layers 0..{layout.n_layers - 1} and "
-                f"heads 0..{layout.n_heads - 1}; pass heads=[(layer, head), ...] within those ranges"
-            )
+    check_heads(adapter.layout, heads)
     wanted: dict[int, list[int]] = {}
     for index, (layer, _) in enumerate(heads):
         wanted.setdefault(layer, []).append(index)
@@ -155,6 +156,8 @@ class HeadViews:
         title: a caption (model, document).
         scores: per head, a short text of its ranking scores (may be empty).
         log_ratio_limit: colour range ``±limit`` of the log-ratio view.
+        overview: the same heads over the whole document in blocks of positions, drawn above the views
+            (``None``: none).
     """
 
     tokens: list[str]
@@ -167,6 +170,7 @@ class HeadViews:
     title: str = ""
     scores: list[str] = field(default_factory=list)
     log_ratio_limit: float = DEFAULT_LOG_RATIO_LIMIT
+    overview: BlockOverview | None = None
 
     @property
     def stop(self) -> int:
@@ -230,14 +234,18 @@ class HeadViews:
 
         ``decimals`` overrides :attr:`decimals` (``None``: not rounded)."""
         decimals = self.decimals if decimals is ... else decimals
-        return views_body_html(self._caption(decimals), self._figures(decimals), "head-views")
+        return self._overview_html() + views_body_html(self._caption(decimals), self._figures(decimals), "head-views")
 
     def to_html(self, decimals: Any = ...) -> Markup:
         """The views as one HTML fragment carrying the CircuitsVis bundle once (offline).
 
         ``decimals`` overrides :attr:`decimals` (``None``: not rounded)."""
         decimals = self.decimals if decimals is ... else decimals
-        return views_html(self._caption(decimals), self._figures(decimals), "head-views")
+        return self._overview_html() + views_html(self._caption(decimals), self._figures(decimals), "head-views")
+
+    def _overview_html(self) -> Markup:
+        # The overview's canvases are drawn by a plain script as the page is read, before CircuitsVis' module.
+        return Markup("") if self.overview is None else self.overview.body_html()
 
     def _repr_html_(self) -> str:
         return self.to_html()
@@ -254,7 +262,8 @@ class HeadViews:
     def __repr__(self) -> str:
         return (
             f"HeadViews({', '.join(self.labels)}; positions {self.start}..{self.stop - 1}; "
-            f"{'unrounded' if self.decimals is None else f'{self.decimals} decimals'})"
+            f"{'unrounded' if self.decimals is None else f'{self.decimals} decimals'}"
+            f"{'' if self.overview is None else f'; overview of {self.overview.n_positions} positions'})"
         )
 
 
@@ -305,6 +314,8 @@ def head_views(
     decimals: int | None = 3,
     n_each: int = 2,
     tokenizer: Any | None = None,
+    overview: bool = False,
+    block_size: int | None = None,
 ) -> HeadViews:
     """Views of chosen heads on one document (see the module docstring).
 
@@ -324,6 +335,11 @@ def head_views(
         decimals: round rendered values to this many decimals (``None``: full precision).
         n_each: how many of the most and of the least position-bound heads by default.
         tokenizer: for a plain Hugging Face model, its tokenizer.
+        overview: also run the whole document (to ``context_length``) and draw an overview of the heads over
+            every position in blocks (:class:`~equivariance_probe.display.overview.BlockOverview`); the
+            CircuitsVis views keep ``start..stop``. For windows of thousands of positions.
+        block_size: positions per block of the overview (default: ``ceil(T / 256)``; at most 512 blocks
+            per side).
 
     Returns:
         :class:`HeadViews`; display it in a notebook, ``save`` it, or pass it to
@@ -332,6 +348,7 @@ def head_views(
     Example:
         >>> views = head_views(probe, docs[0], result=result, stop=96)  # doctest: +SKIP
         >>> views.save("heads.html")  # doctest: +SKIP
+        >>> long = head_views(probe, docs[0], heads="L4H3", overview=True, start=4000, stop=4096)  # doctest: +SKIP
     """
     probe = model if isinstance(model, EquivarianceProbe) else EquivarianceProbe(model, tokenizer=tokenizer)
     adapter = probe.adapter
@@ -359,8 +376,16 @@ def head_views(
             f"positions start={start}, stop={stop} do not fit the document's {len(ids)} tokens; "
             f"pass 0 <= start < stop <= {len(ids)}"
         )
-    pattern = capture_head_patterns(adapter, torch.tensor(ids[:stop], dtype=torch.long), heads)
     log_floor = result.log_floor if result is not None and result.log_floor is not None else default_log_floor(adapter.dtype)
+    sliding_windows = [adapter.layout.sliding_windows[layer] for layer, _ in heads]
+    block_overview = None
+    if overview:
+        tokens = _token_strings(adapter, ids)
+        block_overview, pattern = overview_of(adapter, ids, heads, tokens, block_size=block_size, detail=(start, stop),
+                                              log_floor=log_floor, sliding_windows=sliding_windows)
+    else:
+        tokens = _token_strings(adapter, ids[start:stop])
+        pattern = capture_head_patterns(adapter, torch.tensor(ids[:stop], dtype=torch.long), heads)[:, start:stop, start:stop]
     scores = []
     if ranking is not None:
         rows = {pair: row for row, pair in enumerate(ranking.order)}
@@ -369,15 +394,16 @@ def head_views(
             for h in heads
         ]
     return HeadViews(
-        tokens=_token_strings(adapter, ids[start:stop]),
+        tokens=tokens[start:stop] if overview else tokens,
         heads=heads,
-        pattern=pattern[:, start:stop, start:stop].copy(),
-        sliding_windows=[adapter.layout.sliding_windows[layer] for layer, _ in heads],
+        pattern=pattern.copy(),
+        sliding_windows=sliding_windows,
         start=start,
         log_floor=log_floor,
         decimals=decimals,
         title=f"Model {_display_name(adapter.model_name())}, one document of {len(ids)} tokens.",
         scores=scores,
+        overview=block_overview,
     )
 
 
@@ -391,13 +417,16 @@ def views_for_result(
     stop: int | None = None,
     decimals: int | None = 3,
     cache_dir: Any = None,
+    overview: bool = False,
+    block_size: int | None = None,
 ) -> tuple[HeadViews, str]:
     """Views for a saved result: reload its model and one document of its corpus.
 
     The model is the one the result's metadata names (the study's ``model`` argument, else
     the adapter's model name: a packaged name or a local folder), loaded offline with
     :func:`~equivariance_probe.sources.models.load_model`. The document is number ``document`` of
-    ``corpus`` (default: the corpus the study recorded, else the packaged default corpus).
+    ``corpus`` (default: the corpus the study recorded, else the packaged default corpus). ``overview`` and
+    ``block_size`` are :func:`head_views`' (the overview covers the study's context length).
 
     Returns:
         ``(views, note)`` where ``note`` says which model and document were used.
@@ -427,7 +456,8 @@ def views_for_result(
         raise InputError(f"the corpus has {len(docs)} documents, so there is no document {document}; pass a smaller index")
     model, tokenizer = load_model(str(name), cache_dir=cache_dir)
     views = head_views(
-        model, docs[document], tokenizer=tokenizer, heads=heads, result=result, start=start, stop=stop, decimals=decimals
+        model, docs[document], tokenizer=tokenizer, heads=heads, result=result, start=start, stop=stop, decimals=decimals,
+        overview=overview, block_size=block_size,
     )
     corpus_name = "the packaged corpus" if source is None else str(source)
     return views, f"views of {', '.join(views.labels)} on document {document} of {corpus_name} with model {name}"
