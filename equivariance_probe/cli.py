@@ -310,8 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     measured = ("exclude_keys", "seed", "interval_groups", "keep_pattern")
 
     run = command("run", "run the study on a model and corpus and write results, figures and a summary",
-                  "Trained weights vs baselines over the same windows; the only command that checkpoints "
-                  "(--checkpoint-every, --resume) and splits the corpus into shards (--shard).")
+                  "Trained weights vs baselines over the same windows; checkpoints (--checkpoint-every, --resume, as "
+                  "shift does) and splits the corpus into shards (--shard).")
     add_shared_options(run, "out", *model_options, "framework", "corpus", "text_field", "n_docs", "context_length",
                        "batch_size", "pack", "baselines", *measured, "sample_size", "memory_limit_gib", "no_progress",
                        "json", differ={"memory_limit_gib": ({"help": "refuse a study whose estimated memory exceeds "
@@ -486,8 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "context and a segment: --offsets, --segment-length, --n-segments, --n-contexts), --pack, "
                                "--exclude-keys, --keep-pattern, --sample-size and --analyses (they shape the study's "
                                "windows and sums, not the shift grid's), --memory-limit-gib (the grid's memory is "
-                               "one segment's, measured in the guide) and --resume, --shard, --checkpoint-every "
-                               "(run's only)."), model_options)
+                               "one segment's, measured in the guide) and --shard (run's only). Checkpoints every "
+                               "--checkpoint-every segments and goes on from the last with --resume, as run does."),
+                      model_options)
     return parser
 
 
@@ -516,13 +517,13 @@ def _check_writable(folder: Path) -> None:
 
 
 def _checkpoint_note(args: argparse.Namespace) -> str:
-    """How to continue a ``run`` that stopped: from its checkpoint with ``--resume`` where it has one."""
+    """How to continue a ``run`` or ``shift`` that stopped: from its checkpoint with ``--resume`` where it has one."""
     from .runs.checkpoint import has_checkpoint
 
     folder = getattr(args, "checkpoint_folder", None)
     if folder is not None and has_checkpoint(folder):
         return f"the checkpoint in {folder} is intact: run the same command with --resume to continue from it"
-    if args.command == "run":
+    if args.command in ("run", "shift"):
         return "no checkpoint was written yet: run the same command again"
     return "run the same command again"
 
@@ -963,6 +964,7 @@ def _positional(args: argparse.Namespace) -> int:
 
 # -- the shift test: the same text moved through the window ---------------------------------------------
 def _add_shift_command(shift: argparse.ArgumentParser, model_options: tuple[str, ...]) -> None:
+    from .runs.shift import DEFAULT_SHIFT_CHECKPOINT_EVERY
     from .sources.shift_grid import DEFAULT_SHIFT, SHIFT_MODES
 
     shift.set_defaults(handler=_shift)
@@ -986,6 +988,11 @@ def _add_shift_command(shift: argparse.ArgumentParser, model_options: tuple[str,
     shift.add_argument("--mode", choices=SHIFT_MODES, default="text",
                        help="text (default): context tokens precede the segment; position_ids: the segment alone with its "
                             "position ids moved")
+    shift.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_SHIFT_CHECKPOINT_EVERY,
+                       help="save a checkpoint in OUT/checkpoint every N segments (0: never; default %(default)s)")
+    shift.add_argument("--resume", action="store_true",
+                       help="continue the interrupted shift study whose checkpoint is in OUT/checkpoint (same model, "
+                            "corpus, options)")
     add_shared_options(shift, "no_figures", "figure_format")
     shift.add_argument("--view-head", default=None,
                        help="the head of the report's CircuitsVis view, e.g. 'L4H3' (default: the head whose centred "
@@ -993,57 +1000,33 @@ def _add_shift_command(shift: argparse.ArgumentParser, model_options: tuple[str,
 
 
 def _shift(args: argparse.Namespace) -> int:
-    """``equivariance-probe shift``: the shift test on the trained model and each baseline; one
+    """``equivariance-probe shift``: the shift study (:func:`~equivariance_probe.runs.shift.run_shift_study`); one
     ``shift_<variant>.safetensors`` per variant and a table (``--json``: the summaries)."""
-    from .probe import EquivarianceProbe
-    from .runs.study import check_baselines, variant_builders
+    from .runs.checkpoint import CHECKPOINT_FOLDER
+    from .runs.shift import run_shift_study
     from .runs.tables import shift_result_readings
-    from .sources.corpus import load_corpus
-    from .sources.devices import parse_dtype, resolve_device
-    from .sources.models import PACKAGED_ENCODERS, load_model, load_positional_model
-    from .sources.packing import special_prefix
-    from .sources.shift_grid import check_shift_options, default_offsets, split_documents
+    from .sources.shift_grid import ShiftOptions
 
     out = Path(args.out)
     _check_writable(out)
-    check_baselines(args.baselines)
-    # Everything that needs no model is checked before one loads (a minute for a packaged model's first load).
-    check_shift_options(offsets=args.offsets, segment_length=args.segment_length, mode=args.mode,
-                        n_contexts=args.n_contexts)
-    # Loaded as run_study loads it: the Hugging Face model wrapped for --framework; each baseline is built from it
-    # and wrapped the same way, so trained and baselines run through one framework.
-    if args.model in PACKAGED_ENCODERS:  # the packaged BERT encoder: the segment ends the window, attention both ways
-        if args.framework != "huggingface":
-            raise InputError(f"the packaged encoder {args.model!r} runs as a Hugging Face model only; drop --framework "
-                             f"{args.framework}")
-        model, tokenizer = load_positional_model(args.model, cache_dir=args.cache_dir)
-        model = model.to(device=resolve_device(args.device), dtype=parse_dtype(args.dtype))
-    else:
-        model, tokenizer = load_model(args.model, args.framework, cache_dir=args.cache_dir, dtype=parse_dtype(args.dtype),
-                                      attn_implementation=args.attn_implementation, device=resolve_device(args.device))
-    probe = EquivarianceProbe(model, tokenizer=tokenizer)
-    offsets = args.offsets or default_offsets(probe.adapter.layout.max_context, len(special_prefix(tokenizer)),
-                                              args.segment_length, probe.adapter.layout.sliding_windows)
-    documents = _documents(args)
-    documents = load_corpus(documents) if documents is None or isinstance(documents, (str, Path)) else documents
-    segments, contexts = split_documents(
-        documents, tokenizer, n_segments=args.n_segments, n_contexts=1 if args.mode == "position_ids" else args.n_contexts,
-        segment_length=args.segment_length, context_length=max(offsets))
-    options = dict(offsets=offsets, segment_length=args.segment_length, mode=args.mode, batch_size=args.batch_size,
-                   interval_groups=args.interval_groups)
-    results, wrote = {}, []
-    for name, build in variant_builders(model, args.baselines, args.seed):  # one baseline in memory at a time
-        results[name] = EquivarianceProbe(build(), tokenizer=tokenizer).shift(
-            segments, None if args.mode == "position_ids" else contexts,
-            progress=False if args.no_progress else f"{name}: segments", **options)
-        results[name].metadata["study"] = {"model": args.model, "variant": name}  # as the user named them
-        wrote.append(results[name].save(out / f"shift_{name}.safetensors"))
+    args.checkpoint_folder = out / CHECKPOINT_FOLDER  # for the note of a study that stops (see main)
+    options = ShiftOptions(offsets=args.offsets, segment_length=args.segment_length, mode=args.mode,
+                           batch_size=args.batch_size, interval_groups=args.interval_groups)
+    study = run_shift_study(args.model, out, options, corpus=_documents(args), n_segments=args.n_segments,
+                            n_contexts=args.n_contexts, baselines=args.baselines, seed=args.seed,
+                            checkpoint_every=args.checkpoint_every, resume=args.resume, progress=not args.no_progress,
+                            framework=args.framework, cache_dir=args.cache_dir, device=args.device, dtype=args.dtype,
+                            attn_implementation=args.attn_implementation)
+    if study.probe is None:  # killed after its files were written, while its checkpoint was cleared
+        print(f"the shift study in {out} had finished: its results are in {', '.join(map(str, study.wrote))}")
+        return 0
+    wrote = list(study.wrote)
     if not args.no_figures:
-        wrote += _shift_display(out, probe, results, segments, None if args.mode == "position_ids" else contexts,
-                                args.view_head, args.figure_format)
-    table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in results.items())
-    _print(args, f"{table}\n\n{shift_result_readings()}", {name: result.summary() for name, result in results.items()},
-           wrote)
+        wrote += _shift_display(out, study.probe, study.results, study.segments, study.contexts, args.view_head,
+                                args.figure_format)
+    table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in study.results.items())
+    _print(args, f"{table}\n\n{shift_result_readings()}",
+           {name: result.summary() for name, result in study.results.items()}, wrote)
     return 0
 
 
@@ -1075,7 +1058,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at the interpreter's exit
         return status
     except EquivarianceProbeError as error:
-        if isinstance(error, FileWriteError) and args.command == "run":  # the checkpoint is intact: say how to go on
+        if isinstance(error, FileWriteError) and args.command in ("run", "shift"):  # the checkpoint is intact: say how to go on
             error = f"{error}; {_checkpoint_note(args)}"
         print(f"equivariance-probe {args.command}: error: {error}", file=sys.stderr)
         return 2
