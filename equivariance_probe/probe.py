@@ -21,31 +21,18 @@ which of these protocols a run used.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
-import math
-import numbers
 import threading
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .adapters import Adapter, get_adapter
 from .adapters.checks import FirstBatchChecks, run_first_batch_checks
-from .adapters.segments import capture_segment_batch
-from .errors import ContextLengthError, EmptyCorpusError, InputError, StopRequested, check_integer, is_integer, option
+from .adapters.segments import capture_segment_grid
+from .errors import ContextLengthError, EmptyCorpusError, InputError, StopRequested, check_integer, is_integer
 from .progress import _bar_class, progress_bar  # noqa: F401 - _bar_class: imported from here by tests
-from .records.provenance import (
-    corpus_fingerprint,
-    library_versions,
-    model_identity,
-    model_revision,
-    window_fingerprint,
-    window_fingerprints,
-)
+from .records.provenance import corpus_fingerprint, run_metadata, window_fingerprint, window_fingerprints
 from .result import ProbeResult
 from .shift_result import ShiftResult, shift_check
 from .sources.devices import resolve_device
@@ -53,9 +40,11 @@ from .sources.packing import PackedWindows, first_token_record, special_prefix, 
 from .sources.shift_grid import ShiftOptions, shift_grid
 from .sources.padding import check_not_left_padded, rows_from_encoding
 from .statistics import AttentionStatistics
-from .statistics.groups import DEFAULT_INTERVAL_GROUPS, as_keys, group_of
+from .statistics.groups import as_keys, group_of
 from .statistics.shift import ShiftConfig, ShiftStatistics, segment_entries
 from .statistics.masks import KEY_BINS
+# MEASUREMENT_FIELDS: read from here by the command line.
+from .statistics.options import MEASUREMENT_FIELDS, MeasurementOptions, check_measurement_values  # noqa: F401
 
 __all__ = ["EquivarianceProbe", "MeasurementOptions", "ShiftOptions", "DEFAULT_CONTEXT_LENGTH", "progress_bar", "counted",
            "STOP_REQUESTED", "keeping_partial"]
@@ -103,119 +92,6 @@ def keeping_partial(result: Any, bar: Any = None, *, on_stop: Callable[[], None]
 
 #: Context length for strings when none is given (the study's), capped at the model's maximum.
 DEFAULT_CONTEXT_LENGTH = 1024
-
-
-@dataclass(frozen=True)
-class MeasurementOptions:
-    """How a run measures: one value passed whole from the command line through studies,
-    comparisons and scans down to :meth:`EquivarianceProbe.run`.
-
-    Every field has the default :meth:`EquivarianceProbe.run` uses; a study or a scan starts from its
-    own defaults and sets what it decides (:meth:`replace`). The probe checks the values against the
-    model when it runs (a context length longer than the model's maximum, excluded keys outside the
-    window), so building one never fails on a value.
-
-    Attributes:
-        context_length: window length ``T`` in tokens (``None``: 1024, capped at the model's maximum;
-            for a tensor, its width).
-        batch_size: windows per forward pass. Results do not depend on it.
-        exclude_keys: key positions left out of every statistic (e.g. ``(0,)``, the first token,
-            which many heads use as an attention sink).
-        log_floor: ``eps`` of the log scale, ``log max(a, eps)``; default the smallest normal number
-            of the attention dtype (1.2e-38 for float32 and bfloat16).
-        keep_pattern: also keep the pattern summed over windows (``8·L·H·T²`` bytes: 600 MB for
-            Gemma 3 270M at T = 1024, in memory and in the result file), which only
-            ``toeplitz_r2(by="head")``, ``mean_pattern`` and the ``toeplitz`` ranking score read.
-        min_tokens: windows with fewer tokens are skipped (and counted).
-        max_windows: stop after this many windows (``None``: no limit).
-        sample_size: also keep a uniform sample of this many visible entries (for the
-            attention-vs-prior scatter plot); 0 keeps none.
-        sample_seed: seed of that sample (use different seeds for shards to be merged).
-        device: where the float64 sums live (``None``: the model's device).
-        key_bins: key-position bins of the key-conditioned persistence curves (the study's
-            Figure 1c): one per key up to this many positions, equal-width bins beyond.
-        engine: how attention recomputed from queries and keys is reduced: ``"auto"`` (a fused
-            Triton kernel on CUDA where Triton imports, else torch in query blocks), ``"torch"`` or
-            ``"triton"``.
-        interval_groups: ``G``, groups of windows for the intervals over windows (the
-            delete-a-group jackknife); 0 for none. Each group keeps ``8·(2·L·H·T + 4·L·H + L·T + T + 1)``
-            bytes (1.2 MB for Gemma 3 270M at T = 1024); only groups that hold windows are kept.
-
-    Example:
-        >>> options = MeasurementOptions(context_length=256, exclude_keys=[0])
-        >>> options.replace(batch_size=8).batch_size, options.exclude_keys
-        (8, (0,))
-    """
-
-    context_length: int | None = None
-    batch_size: int = 4
-    exclude_keys: tuple[int, ...] = ()
-    log_floor: float | None = None
-    keep_pattern: bool = False
-    min_tokens: int = 2
-    max_windows: int | None = None
-    sample_size: int = 0
-    sample_seed: int | None = None
-    device: str | torch.device | None = None
-    key_bins: int = KEY_BINS
-    engine: str = "auto"
-    interval_groups: int = DEFAULT_INTERVAL_GROUPS
-
-    def __post_init__(self) -> None:
-        # Any iterable of positions is accepted, kept as a tuple so that the options stay hashable and
-        # frozen; the probe checks the positions against the window when it runs.
-        keys = self.exclude_keys
-        if not isinstance(keys, tuple) and isinstance(keys, Iterable) and not isinstance(keys, (str, bytes)):
-            object.__setattr__(self, "exclude_keys", tuple(keys))
-
-    def replace(self, **changes: Any) -> MeasurementOptions:
-        """A copy with ``changes`` (field name -> value).
-
-        Raises:
-            TypeError: a name that is not a measurement option (listing those that are).
-        """
-        unknown = sorted(set(changes) - set(MEASUREMENT_FIELDS))
-        if unknown:
-            raise TypeError(f"{', '.join(unknown)} {'is not a measurement option' if len(unknown) == 1 else 'are not measurement options'}; "
-                            f"the options are {', '.join(MEASUREMENT_FIELDS)}")
-        return dataclasses.replace(self, **changes) if changes else self
-
-    @classmethod
-    def of(cls, options: MeasurementOptions | None = None, /, **changes: Any) -> MeasurementOptions:
-        """``options`` (default: ``MeasurementOptions()``) with ``changes``: how a function that takes
-        both an options object and single keywords combines them (the keywords win).
-
-        Raises:
-            TypeError: ``options`` is not a :class:`MeasurementOptions` (e.g. a context length given by
-                position: pass ``context_length=...``), or a change is not a measurement option.
-        """
-        if options is not None and not isinstance(options, MeasurementOptions):
-            raise TypeError(f"options must be a MeasurementOptions, not {type(options).__name__} ({options!r}); "
-                            "pass single options by name, e.g. context_length=1024")
-        return (cls() if options is None else options).replace(**changes)
-
-
-#: The names of :class:`MeasurementOptions`' fields, in order.
-MEASUREMENT_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(MeasurementOptions))
-
-
-def _check_measurement_values(options: MeasurementOptions) -> None:
-    """Refuse, as typed, the options whose values would otherwise be coerced (``int(1.5)`` key positions, a
-    fractional sample size) or fail deep inside (a log floor given as text)."""
-    keys = options.exclude_keys
-    if not isinstance(keys, tuple):
-        raise InputError(f"exclude_keys must be a list of key positions, not {keys!r}; pass e.g. {option('exclude_keys', [0])}")
-    for key in keys:  # numpy's integers are integers too (numbers.Integral); bool and float are not
-        if isinstance(key, bool) or not isinstance(key, numbers.Integral) or key < 0:
-            raise InputError(f"exclude_keys must be non-negative integer key positions; {key!r} is not one (of "
-                             f"{list(keys)!r}); pass e.g. {option('exclude_keys', [0])}")
-    check_integer("sample_size", options.sample_size, minimum=0, message=(
-        f"sample_size must be a non-negative integer (0: no sample), not {options.sample_size!r}"))
-    floor = options.log_floor
-    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not math.isfinite(floor)
-                              or floor <= 0):
-        raise InputError(f"log_floor must be a positive finite number or None (the dtype's smallest normal number), "
-                         f"not {floor!r}; pass e.g. {option('log_floor', 1e-6)}")
 
 
 class EquivarianceProbe:
@@ -391,7 +267,7 @@ class EquivarianceProbe:
         options = MeasurementOptions.of(options, **measurement)
         batch_size, min_tokens, max_windows = options.batch_size, options.min_tokens, options.max_windows
         check_integer("batch_size", batch_size)
-        _check_measurement_values(options)
+        check_measurement_values(options)
         windows = windows_record(docs)
         if isinstance(docs, PackedWindows):
             docs = docs.tokens
@@ -400,7 +276,7 @@ class EquivarianceProbe:
         self._check_run_options(context_length, exclude_keys, min_tokens, max_windows, options.key_bins, options.device)
         statistics = self._statistics(options, context_length, exclude_keys)
         keys = _resampling_keys(resampling_keys, docs)
-        metadata = self._metadata(context_length, batch_size, min_tokens)
+        metadata = run_metadata(self.adapter, context_length, batch_size, min_tokens)
         metadata["windows"] = windows
         result = ProbeResult(statistics, metadata)
         self.last_result = result
@@ -596,9 +472,7 @@ class EquivarianceProbe:
                 :mod:`~equivariance_probe.runs.shift`): its segments are kept and the run goes on from the next,
                 adding exactly what an uninterrupted run adds.
             on_segment: called with the result after each segment is added (a checkpoint writes it).
-            **shift_options: any field of :class:`~equivariance_probe.sources.shift_grid.ShiftOptions` by name
-                (``offsets=[0, 256, 512], segment_length=64, mode="text", batch_size=1, predictions=None,
-                interval_groups=20``), over those of ``options``.
+            **shift_options: any field of ``ShiftOptions`` by name (``offsets=[0, 256, 512], segment_length=64``).
 
         Returns:
             A :class:`~equivariance_probe.ShiftResult`. Its ``metadata["check"]`` holds the built-in check: for
@@ -621,8 +495,6 @@ class EquivarianceProbe:
         self._check_vocabulary(grid.contexts, "the contexts' token ids")
         result = self._shift_result(grid, options, resume_from)
         self.last_result = result
-        # Every adapter that runs the shift test holds a Hugging Face model (raw weights) inside.
-        has_rotary = bool(rotary_modules(hf_model_of(self.adapter.model)))
         window, _ = grid.window(0, 0, grid.offsets[-1])  # the recomputed block against the model's own weights
         check = self.adapter.check_segment_recompute(torch.tensor([window]), grid.segment_length)
         if check is not None:
@@ -638,7 +510,8 @@ class EquivarianceProbe:
                 if on_segment is not None:
                     on_segment(result)
         result.metadata["complete"] = True
-        result.metadata["check"] = shift_check(result, has_rotary=has_rotary,
+        # Every adapter that runs the shift test holds a Hugging Face model (raw weights) inside.
+        result.metadata["check"] = shift_check(result, has_rotary=bool(rotary_modules(hf_model_of(self.adapter.model))),
                                                dtype=str(self.adapter.dtype).replace("torch.", ""))
         return result
 
@@ -665,7 +538,7 @@ class EquivarianceProbe:
                                  "run it is the partial result of, with the same segments, contexts and options")
             statistics.arrays = {name: value.copy() for name, value in done.arrays.items()}
             statistics.segment_fingerprints = done.segment_fingerprints.copy()
-        metadata = self._metadata(grid.longest_window(), options.batch_size, grid.segment_length)
+        metadata = run_metadata(self.adapter, grid.longest_window(), options.batch_size, grid.segment_length)
         metadata.update(shift=grid.describe(), complete=False,
                         contexts_sha256=corpus_fingerprint(grid.contexts).get("sha256"),
                         capture=self.adapter.segment_capture)
@@ -683,44 +556,8 @@ class EquivarianceProbe:
             statistics.add_segment_sums(fingerprint, group, self.adapter.segment_grid_sums(batches, config, targets))
             return
         entries = [segment_entries(config, layer) for layer in range(config.n_layers)]
-        for context in batches:
-            for batch in context:
-                capture_segment_batch(self.adapter, batch, config.segment_length, entries, state.add, targets=targets,
-                                      add_predictions=state.add_predictions)
-            state.end_context()
+        capture_segment_grid(self.adapter, batches, state, entries, targets)
         statistics.add_segment(fingerprint, group, state)
-
-    def _metadata(self, context_length: int, batch_size: int, min_tokens: int) -> dict[str, Any]:
-        info = self.adapter.info()
-        layout = self.adapter.layout
-        return {
-            "run_id": uuid.uuid4().hex,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "model": {
-                "name": info.name,
-                "framework": info.framework,
-                "dtype": info.dtype,
-                "device": info.device,
-                **info.extra,
-                "revision": model_revision(self.adapter.model),
-                # Which weights these are (a strided sample of every tensor): results of one model name
-                # with other weights (a fine-tune, a random_init_like copy) refuse to merge.
-                "weights_sha256": model_identity(self.adapter.model).get("weights_sha256"),
-            },
-            "layout": {
-                "n_layers": layout.n_layers,
-                "n_heads": layout.n_heads,
-                "windows": list(layout.sliding_windows),
-                "max_context": layout.max_context,
-                "causal": layout.causal,
-            },
-            "context_length": context_length,
-            "batch_size": batch_size,
-            "min_tokens": min_tokens,
-            "tokenisation": "each document tokenised with the model's tokenizer including its special tokens, "
-            "truncated to its first context_length tokens; token tensors used as given",
-            "versions": library_versions(),
-        }
 
 
 def counted(docs: Any) -> str:

@@ -32,10 +32,31 @@ from .modules import is_causal_lm
 
 __all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "judged_recompute_check", "segment_block", "hidden_keys", "segment_blocks", "segment_blocks_from_call", "segment_blocks_from_qk",
            "segment_rows",
-           "kept_positions", "segment_log_probs", "capture_segment_batch"]
+           "kept_positions", "segment_log_probs", "capture_segment_batch", "capture_segment_grid"]
 
 #: ``(start, length)`` of each window's segment: positions ``start .. length − 1``.
 Spans = Sequence[tuple[int, int]]
+
+
+def capture_segment_grid(adapter: Any, contexts: Sequence[Sequence[Any]], grid: Any, entries: Sequence[torch.Tensor],
+                         targets: torch.Tensor | None) -> None:
+    """Run one segment's whole grid here, context by context, into ``grid`` (a
+    :class:`~equivariance_probe.statistics.shift.SegmentGrid`): what
+    :meth:`~equivariance_probe.adapters.base.Adapter.segment_grid_sums` does where the model runs.
+
+    Args:
+        adapter: the model's adapter.
+        contexts: per context, the forward passes that cover every offset
+            (:class:`~equivariance_probe.adapters.base.SegmentBatch`).
+        grid: the segment's running sums (``add``, ``add_predictions``, ``end_context``).
+        entries: per layer, the ``[m, m]`` entries that count.
+        targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
+    """
+    for context in contexts:
+        for batch in context:
+            capture_segment_batch(adapter, batch, grid.config.segment_length, entries, grid.add, targets=targets,
+                                  add_predictions=grid.add_predictions)
+        grid.end_context()
 
 
 def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries: Sequence[torch.Tensor],
