@@ -16,16 +16,16 @@ offset is position *and* amount of preceding text.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ..adapters.base import SegmentBatch
 from ..errors import ContextLengthError, EmptyCorpusError, InputError, check_choice, check_integer, option
 from ..statistics.groups import DEFAULT_INTERVAL_GROUPS
+from ..statistics.options import Options
 from .packing import special_prefix
 
 __all__ = ["SHIFT_MODES", "ShiftGrid", "ShiftOptions", "SHIFT_FIELDS", "shift_grid", "check_shift_options",
@@ -296,7 +296,7 @@ def shift_grid(segments: Iterable[Any], contexts: Iterable[Any] | None, tokenize
 
 
 @dataclass(frozen=True)
-class ShiftOptions:
+class ShiftOptions(Options):
     """How a shift run measures: one value passed whole from the command line through the study runner
     (:func:`~equivariance_probe.runs.shift.run_shift_study`) down to :meth:`~equivariance_probe.EquivarianceProbe.shift`,
     as :class:`~equivariance_probe.probe.MeasurementOptions` is for ``run``.
@@ -326,6 +326,9 @@ class ShiftOptions:
     predictions: bool | None = None
     interval_groups: int = DEFAULT_INTERVAL_GROUPS
 
+    _option: ClassVar[str] = "shift option"
+    _example: ClassVar[str] = "offsets=[0, 256, 512]"
+
     def __post_init__(self) -> None:
         offsets = check_shift_options(offsets=self.offsets, segment_length=self.segment_length, mode=self.mode)
         object.__setattr__(self, "offsets", offsets)
@@ -335,30 +338,6 @@ class ShiftOptions:
             f"{option('interval_groups', DEFAULT_INTERVAL_GROUPS)}"))
         if self.predictions is not None and not isinstance(self.predictions, bool):
             raise InputError(f"predictions must be True, False or None (the default for the model), not {self.predictions!r}")
-
-    def replace(self, **changes: Any) -> ShiftOptions:
-        """A copy with ``changes`` (field name -> value), checked as a new one is.
-
-        Raises:
-            TypeError: a name that is not a shift option (listing those that are).
-        """
-        unknown = sorted(set(changes) - set(SHIFT_FIELDS))
-        if unknown:
-            raise TypeError(f"{', '.join(unknown)} {'is not a shift option' if len(unknown) == 1 else 'are not shift options'}; "
-                            f"the options are {', '.join(SHIFT_FIELDS)}")
-        return dataclasses.replace(self, **changes) if changes else self
-
-    @classmethod
-    def of(cls, options: ShiftOptions | None = None, /, **changes: Any) -> ShiftOptions:
-        """``options`` (default: ``ShiftOptions()``) with ``changes``, the single keywords winning.
-
-        Raises:
-            TypeError: ``options`` is not a :class:`ShiftOptions`, or a change is not a shift option.
-        """
-        if options is not None and not isinstance(options, ShiftOptions):
-            raise TypeError(f"options must be a ShiftOptions, not {type(options).__name__} ({options!r}); pass single "
-                            "options by name, e.g. offsets=[0, 256, 512]")
-        return (cls() if options is None else options).replace(**changes)
 
     def resolved(self, layout: Any, prefix_length: int) -> ShiftOptions:
         """These options with the offsets settled for a model: given ones kept, else :func:`default_offsets` of its
@@ -374,4 +353,4 @@ class ShiftOptions:
 
 
 #: The names of :class:`ShiftOptions`' fields, in order.
-SHIFT_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(ShiftOptions))
+SHIFT_FIELDS: tuple[str, ...] = ShiftOptions.field_names()

@@ -14,7 +14,7 @@ import math
 import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -22,11 +22,55 @@ from ..errors import InputError, check_integer, option
 from .groups import DEFAULT_INTERVAL_GROUPS
 from .masks import KEY_BINS
 
-__all__ = ["MeasurementOptions", "MEASUREMENT_FIELDS", "check_measurement_values"]
+__all__ = ["Options", "MeasurementOptions", "MEASUREMENT_FIELDS", "check_measurement_values"]
+
+
+class Options:
+    """What the probe's two option values share (:class:`MeasurementOptions` for ``run``,
+    :class:`~equivariance_probe.sources.shift_grid.ShiftOptions` for ``shift``): a frozen dataclass copied with
+    changes, and combined with single keywords the same way.
+
+    A subclass names what one of its fields is called in messages (``_option``) and an example keyword.
+    """
+
+    _option: ClassVar[str] = "option"
+    _example: ClassVar[str] = ""
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The names of the fields, in order."""
+        return tuple(field.name for field in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    def replace(self, **changes: Any) -> Any:
+        """A copy with ``changes`` (field name -> value).
+
+        Raises:
+            TypeError: a name that is not an option (listing those that are).
+        """
+        names = self.field_names()
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise TypeError(f"{', '.join(unknown)} {f'is not a {self._option}' if len(unknown) == 1 else f'are not {self._option}s'}; "
+                            f"the options are {', '.join(names)}")
+        return dataclasses.replace(self, **changes) if changes else self  # type: ignore[type-var]
+
+    @classmethod
+    def of(cls, options: Any = None, /, **changes: Any) -> Any:
+        """``options`` (default: the defaults) with ``changes``: how a function that takes both an options object
+        and single keywords combines them (the keywords win).
+
+        Raises:
+            TypeError: ``options`` is not of this class (e.g. a value given by position: pass it by name), or a
+                change is not an option.
+        """
+        if options is not None and not isinstance(options, cls):
+            raise TypeError(f"options must be a {cls.__name__}, not {type(options).__name__} ({options!r}); "
+                            f"pass single options by name, e.g. {cls._example}")
+        return (cls() if options is None else options).replace(**changes)
 
 
 @dataclass(frozen=True)
-class MeasurementOptions:
+class MeasurementOptions(Options):
     """How a run measures: one value passed whole from the command line through studies,
     comparisons and scans down to :meth:`EquivarianceProbe.run`.
 
@@ -81,6 +125,9 @@ class MeasurementOptions:
     engine: str = "auto"
     interval_groups: int = DEFAULT_INTERVAL_GROUPS
 
+    _option: ClassVar[str] = "measurement option"
+    _example: ClassVar[str] = "context_length=1024"
+
     def __post_init__(self) -> None:
         # Any iterable of positions is accepted, kept as a tuple so that the options stay hashable and
         # frozen; the probe checks the positions against the window when it runs.
@@ -88,35 +135,9 @@ class MeasurementOptions:
         if not isinstance(keys, tuple) and isinstance(keys, Iterable) and not isinstance(keys, (str, bytes)):
             object.__setattr__(self, "exclude_keys", tuple(keys))
 
-    def replace(self, **changes: Any) -> MeasurementOptions:
-        """A copy with ``changes`` (field name -> value).
-
-        Raises:
-            TypeError: a name that is not a measurement option (listing those that are).
-        """
-        unknown = sorted(set(changes) - set(MEASUREMENT_FIELDS))
-        if unknown:
-            raise TypeError(f"{', '.join(unknown)} {'is not a measurement option' if len(unknown) == 1 else 'are not measurement options'}; "
-                            f"the options are {', '.join(MEASUREMENT_FIELDS)}")
-        return dataclasses.replace(self, **changes) if changes else self
-
-    @classmethod
-    def of(cls, options: MeasurementOptions | None = None, /, **changes: Any) -> MeasurementOptions:
-        """``options`` (default: ``MeasurementOptions()``) with ``changes``: how a function that takes
-        both an options object and single keywords combines them (the keywords win).
-
-        Raises:
-            TypeError: ``options`` is not a :class:`MeasurementOptions` (e.g. a context length given by
-                position: pass ``context_length=...``), or a change is not a measurement option.
-        """
-        if options is not None and not isinstance(options, MeasurementOptions):
-            raise TypeError(f"options must be a MeasurementOptions, not {type(options).__name__} ({options!r}); "
-                            "pass single options by name, e.g. context_length=1024")
-        return (cls() if options is None else options).replace(**changes)
-
 
 #: The names of :class:`MeasurementOptions`' fields, in order.
-MEASUREMENT_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(MeasurementOptions))
+MEASUREMENT_FIELDS: tuple[str, ...] = MeasurementOptions.field_names()
 
 
 def check_measurement_values(options: MeasurementOptions) -> None:
