@@ -298,7 +298,15 @@ class EquivarianceProbe:
                                                    first_tokens):
                 _stop_if_requested()
                 self._run_batch(batch, statistics, None if keys is None else keys[batch_keys])
-        skipped = counts["skipped"]
+        return self._finished_run(result, counts["skipped"], min_tokens)
+
+    def _finished_run(self, result: ProbeResult, skipped: int, min_tokens: int) -> ProbeResult:
+        """``result`` of a run that read every window, marked complete, its sums on the CPU.
+
+        Raises:
+            EmptyCorpusError: every window was skipped.
+        """
+        statistics, metadata = result.statistics, result.metadata
         metadata["skipped_windows"] = skipped
         if statistics.n_windows == 0:
             raise EmptyCorpusError(
