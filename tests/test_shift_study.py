@@ -186,3 +186,59 @@ def test_shift_options_are_checked_once_and_settle_the_default_offsets():
         assert np.array_equal(none.statistics.arrays[name], value), name
     with pytest.raises(IntervalUnavailableError, match="interval_groups=0"):
         none.share("centred_logits", "offset", interval=0.95)
+
+
+def test_resume_from_a_partial_result_adds_what_the_uninterrupted_run_adds():
+    segments, contexts = _design(n_segments=4)
+    probe = EquivarianceProbe(tiny_gpt2())
+    options = ShiftOptions(offsets=OFFSETS, segment_length=M, interval_groups=2)
+    whole = probe.shift(segments, contexts, options, progress=False)
+    calls = []
+    original = probe.adapter.run_segment
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 2 * 2 * len(OFFSETS):  # two segments' grids (2 contexts × 3 offsets), then the connection drops
+            raise ConnectionError("the connection dropped")
+        return original(*args, **kwargs)
+
+    probe.adapter.run_segment = failing
+    with pytest.raises(ConnectionError) as stopped:
+        probe.shift(segments, contexts, options, progress=False)
+    partial = stopped.value.partial_result
+    assert partial.n_segments == 2 and not partial.complete
+    probe.adapter.run_segment = original
+    resumed = probe.shift(segments, contexts, options, progress=False, resume_from=partial)
+    assert resumed.complete
+    _assert_identical(resumed, whole)
+    with pytest.raises(InputError, match="another run's segments or design"):
+        probe.shift(segments[1:], contexts, options, progress=False, resume_from=partial)
+    with pytest.raises(InputError, match="interval_groups"):
+        probe.shift(segments, contexts, options.replace(interval_groups=3), progress=False, resume_from=partial)
+
+
+def test_a_locked_folder_and_a_checkpoint_of_other_options_are_refused(study, tmp_path, capsys, monkeypatch):
+    from equivariance_probe.runs.checkpoint import CheckpointedRun, lock_output_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with lock_output_folder(out):  # another process holds the folder: the study starts nothing
+        held = subprocess.run([sys.executable, "-m", "equivariance_probe.cli", *study(out)], capture_output=True,
+                              text=True, env=environment)
+    assert held.returncode == 2 and "in use by another equivariance-probe run" in held.stderr
+    assert not (out / "checkpoint").exists()
+    save_progress = CheckpointedRun.save_progress
+
+    def save_then_stop(self, *args):
+        save_progress(self, *args)
+        raise KeyboardInterrupt  # stopped right after its first checkpoint
+
+    monkeypatch.setattr(CheckpointedRun, "save_progress", save_then_stop)
+    assert main(study(out)) == 130
+    monkeypatch.setattr(CheckpointedRun, "save_progress", save_progress)
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["current"]["position"] == 1
+    capsys.readouterr()
+    assert main(study(out, "--resume", "--interval-groups", "2")) == 2
+    assert "different config" in capsys.readouterr().err
+    assert main(study(out, "--resume")) == 0
