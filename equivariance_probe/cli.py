@@ -191,6 +191,7 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
     A subcommand takes them with :func:`add_shared_options`, naming the ones that make sense for it
     and, where its default differs, the default and why.
     """
+    from .runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
     from .runs.positional import ANALYSES
     from .runs.study import BASELINES, DEFAULT_STUDY
     from .statistics.groups import DEFAULT_INTERVAL_GROUPS
@@ -242,6 +243,10 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
             "refuse work whose estimated memory exceeds this many GiB (default: the memory available)")}),
         "analyses": (("--analyses",), {"type": _analyses, "default": "all", "help": (
             f"positional analyses, comma-separated from {','.join(ANALYSES)}, or 'all' (default)")}),
+        "checkpoint_every": (("--checkpoint-every",), {"type": _non_negative, "default": DEFAULT_CHECKPOINT_EVERY, "help": (
+            "save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")}),
+        "resume": (("--resume",), {"action": "store_true", "help": (
+            "continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")}),
         "no_progress": (("--no-progress",), {"action": "store_true", "help": "no progress bars"}),
         "json": (("--json",), {"action": "store_true", "help": "print the numbers as JSON instead of a table"}),
         "no_figures": (("--no-figures",), {"action": "store_true", "help": (
@@ -289,7 +294,6 @@ def add_shared_options(parser: argparse.ArgumentParser, *names: str,
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
     from .runs.compare import DEFAULT_COMPARE_MODELS, DEFAULT_COMPARISON
     from .runs.scan import DEFAULT_CONTEXT_LENGTHS, DEFAULT_SCAN
 
@@ -323,10 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_options(run, "analyses", differ={"analyses": ({"default": [], "help": (
         "also run positional analyses (at most 8 windows of 256 tokens, one per document; the probes 2 per "
         "document), comma-separated as for 'positional', or 'all'")}, "default none: the study alone, the analyses only when asked for")})
-    run.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_CHECKPOINT_EVERY,
-                     help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
-    run.add_argument("--resume", action="store_true",
-                     help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
+    add_shared_options(run, "checkpoint_every", "resume")
     run.add_argument("--shard", default=None, metavar="I/N",
                      help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
                           "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate) or the Slurm array task "
@@ -402,7 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare = command("compare", "run the study on several models over the same windows: one table and figure",
                       "The models are named by --models (not --model). Every model reads the same texts, cut so "
                       "that each tokenizer yields T tokens (so no --pack). "
-                      "No checkpoints or shards (each model's study is short: use 'run' per model for long ones), no "
+                      "No checkpoints or shards (--checkpoint-every, --resume: each model's study is short; use 'run' per model "
+                      "for long ones), no "
                       "--sample-size (the comparison draws no scatter plot), no --analyses (run 'positional' per "
                       "model), and the Hugging Face framework only, no --framework (every framework gives the same "
                       "numbers); its table and figure are what it writes, so no --no-figures.")
@@ -423,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "table and figure",
                    "Each length of --context-lengths reads the same --n-tokens window tokens (in place of --n-docs "
                    "and --context-length). Result files are written per length and variant as they are measured, "
-                   "and reused when the scan runs again into the same --out (so it needs no --resume); no shards, "
+                   "and reused when the scan runs again into the same --out (so it needs no --resume or --checkpoint-every); no shards, "
                    "no --sample-size (no scatter plot), no --analyses (run 'positional'), and the Hugging Face "
                    "framework only, no --framework (every framework gives the same numbers); its table and figure "
                    "are what it writes, so no --no-figures.")
@@ -447,7 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "variance shrinkage, position correlations, linear position probes",
                          "The analyses read hidden states and position embeddings of the Hugging Face model (no "
                          "--framework) in a few short windows, one per document (no --pack), on the CPU in float32 as "
-                         "loaded (no --device, --dtype or --memory-limit-gib); no checkpoints or shards, no "
+                         "loaded (no --device, --dtype or --memory-limit-gib); no checkpoints or shards (--checkpoint-every, --resume), no "
                          "--interval-groups or --sample-size (their numbers have no intervals and no scatter plot), "
                          "and no --keep-pattern (the attention Toeplitz R² keeps the pattern always); its figures are "
                          "what it writes, so no --no-figures.")
@@ -988,11 +990,9 @@ def _add_shift_command(shift: argparse.ArgumentParser, model_options: tuple[str,
     shift.add_argument("--mode", choices=SHIFT_MODES, default="text",
                        help="text (default): context tokens precede the segment; position_ids: the segment alone with its "
                             "position ids moved")
-    shift.add_argument("--checkpoint-every", type=_non_negative, default=DEFAULT_SHIFT_CHECKPOINT_EVERY,
-                       help="save a checkpoint in OUT/checkpoint every N segments (0: never; default %(default)s)")
-    shift.add_argument("--resume", action="store_true",
-                       help="continue the interrupted shift study whose checkpoint is in OUT/checkpoint (same model, "
-                            "corpus, options)")
+    add_shared_options(shift, "checkpoint_every", "resume", differ={"checkpoint_every": (
+        {"default": DEFAULT_SHIFT_CHECKPOINT_EVERY, "help": "save a checkpoint in OUT/checkpoint every N segments (0: never)"},
+        "default 1: a segment's grid is many forward passes, its checkpoint one small file")})
     add_shared_options(shift, "no_figures", "figure_format")
     shift.add_argument("--view-head", default=None,
                        help="the head of the report's CircuitsVis view, e.g. 'L4H3' (default: the head whose centred "
