@@ -25,7 +25,8 @@ Measure:
   ``merge`` / ``+``, ``layer_groups()``, ``paired_difference``).
 * :class:`AttentionStatistics` — the streaming float64 sums behind every number.
 * :meth:`EquivarianceProbe.shift` → :class:`ShiftResult` — the shift test: the same text moved through
-  the window (:class:`ShiftGrid`, :class:`ShiftStatistics`; :func:`split_documents` cuts segments and
+  the window (:class:`ShiftOptions`, how it measures; :class:`ShiftGrid`, :class:`ShiftStatistics`;
+  :func:`split_documents` cuts segments and
   contexts from a corpus): offset, context and pair shares of its
   attention and residual stream, and how its predictions change; on screen: :func:`shift_figures`,
   :func:`shift_view` / :class:`ShiftView` (one head at two offsets, offline CircuitsVis),
@@ -41,7 +42,8 @@ models), :func:`load_positional_model`.
 Studies: :func:`run_study` / :class:`Study` (trained vs baselines; checkpoints, shards:
 :class:`Shard`; :func:`window_fingerprint`, by which merges refuse a window counted twice), :func:`compare_models` / :class:`Comparison` (several models on the same
 windows), :func:`scan_context_lengths` / :class:`ContextScan` (the same text at several context
-lengths), :func:`run_positional` / :class:`PositionalStudy` (where order comes from).
+lengths), :func:`run_positional` / :class:`PositionalStudy` (where order comes from),
+:func:`run_shift_study` / :class:`ShiftStudy` (the shift test on a model and its baselines, checkpointed).
 
 Heads and reports: :func:`rank_heads` / :class:`HeadRanking`, :func:`head_views` /
 :class:`HeadViews` (offline CircuitsVis; ``overview=True`` adds a :class:`BlockOverview` of a long window), :func:`render_report` (a :class:`RenderedReport`: drawn in a notebook, ``save(path)`` in a script) /
@@ -110,11 +112,12 @@ from .records.sharding import Shard
 from .maths.intervals import Interval
 from .result import PersistenceCurves, ProbeResult, paired_difference
 from .shift_result import ShiftResult
-from .sources.shift_grid import ShiftGrid, split_documents
+from .sources.shift_grid import ShiftGrid, ShiftOptions, split_documents
 from .statistics.shift import ShiftStatistics
 from .runs.compare import Comparison, compare_models
 from .runs.positional import PositionalStudy, run_positional
 from .runs.scan import ContextScan, scan_context_lengths
+from .runs.shift import ShiftStudy, run_shift_study
 from .runs.study import Study, run_study
 from .sources.baselines import random_init_like, zero_like
 from .sources.corpus import load_corpus
@@ -141,6 +144,7 @@ __all__ = [
     "AttentionStatistics",
     "ShiftResult",
     "ShiftGrid",
+    "ShiftOptions",
     "split_documents",
     "ShiftStatistics",
     "Adapter",
@@ -162,6 +166,8 @@ __all__ = [
     "RequestLimits",
     "RequestPlan",
     "Study",
+    "run_shift_study",
+    "ShiftStudy",
     "Shard",
     "window_fingerprint",
     "compare_models",

@@ -21,43 +21,33 @@ which of these protocols a run used.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime
-import math
-import numbers
-import sys
 import threading
-import uuid
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from .adapters import Adapter, get_adapter
-from .adapters.base import SegmentBatch
 from .adapters.checks import FirstBatchChecks, run_first_batch_checks
-from .errors import ContextLengthError, EmptyCorpusError, EquivarianceProbeError, InputError, StopRequested, check_integer, is_integer, option
-from .records.provenance import (
-    corpus_fingerprint,
-    library_versions,
-    model_identity,
-    model_revision,
-    window_fingerprint,
-    window_fingerprints,
-)
+from .adapters.segments import capture_segment_grid
+from .errors import ContextLengthError, EmptyCorpusError, InputError, StopRequested, check_integer, is_integer
+from .progress import _bar_class, progress_bar  # noqa: F401 - _bar_class: imported from here by tests
+from .records.provenance import corpus_fingerprint, run_metadata, window_fingerprint, window_fingerprints
 from .result import ProbeResult
 from .shift_result import ShiftResult, shift_check
 from .sources.devices import resolve_device
 from .sources.packing import PackedWindows, first_token_record, special_prefix, windows_record
-from .sources.shift_grid import default_offsets, shift_grid
+from .sources.shift_grid import ShiftOptions, shift_grid
 from .sources.padding import check_not_left_padded, rows_from_encoding
 from .statistics import AttentionStatistics
-from .statistics.groups import DEFAULT_INTERVAL_GROUPS, as_keys, group_of
-from .statistics.shift import ShiftConfig, ShiftStatistics, segment_entries, segment_representations
+from .statistics.groups import as_keys, group_of
+from .statistics.shift import ShiftConfig, ShiftStatistics, segment_entries
 from .statistics.masks import KEY_BINS
+# MEASUREMENT_FIELDS: read from here by the command line.
+from .statistics.options import MEASUREMENT_FIELDS, MeasurementOptions, check_measurement_values  # noqa: F401
 
-__all__ = ["EquivarianceProbe", "MeasurementOptions", "DEFAULT_CONTEXT_LENGTH", "progress_bar", "counted", "STOP_REQUESTED"]
+__all__ = ["EquivarianceProbe", "MeasurementOptions", "ShiftOptions", "DEFAULT_CONTEXT_LENGTH", "progress_bar", "counted",
+           "STOP_REQUESTED", "keeping_partial"]
 
 #: Set from outside (the command line sets it on SIGTERM) to stop every run before its next batch:
 #: the run raises :class:`~equivariance_probe.errors.StopRequested`, its complete batches kept as
@@ -70,121 +60,38 @@ def _stop_if_requested() -> None:
     if STOP_REQUESTED.is_set():
         raise StopRequested("a stop was requested (SIGTERM): stopped before the next batch")
 
+@contextlib.contextmanager
+def keeping_partial(result: Any, bar: Any = None, *, on_stop: Callable[[], None] | None = None,
+                    always: Callable[[], None] | None = None) -> Iterator[Any]:
+    """The scaffold of every measuring loop (``run``, ``shift`` and the study runners above them): whatever stops
+    the loop (the package's own error, an interrupt, a SIGTERM's stop, an OSError from a document generator, a
+    ValueError from a user's hook), what was measured so far is kept, marked partial, and handed to the caller as
+    the exception's ``partial_result``, so nothing computed is lost and nothing claims to be complete.
+
+    Args:
+        result: the result the loop adds to (its ``metadata["complete"]`` becomes ``False`` on a stop).
+        bar: a progress bar, closed however the loop ends.
+        on_stop: what the loop records when it stops (before the result is handed over).
+        always: what the loop records however it ends.
+    """
+    try:
+        yield result
+    except BaseException as error:
+        if on_stop is not None:
+            on_stop()
+        result.metadata["complete"] = False
+        with contextlib.suppress(AttributeError, TypeError):  # exceptions with __slots__ take no attribute
+            error.partial_result = result  # type: ignore[attr-defined]
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        if always is not None:
+            always()
+
+
 #: Context length for strings when none is given (the study's), capped at the model's maximum.
 DEFAULT_CONTEXT_LENGTH = 1024
-
-
-@dataclass(frozen=True)
-class MeasurementOptions:
-    """How a run measures: one value passed whole from the command line through studies,
-    comparisons and scans down to :meth:`EquivarianceProbe.run`.
-
-    Every field has the default :meth:`EquivarianceProbe.run` uses; a study or a scan starts from its
-    own defaults and sets what it decides (:meth:`replace`). The probe checks the values against the
-    model when it runs (a context length longer than the model's maximum, excluded keys outside the
-    window), so building one never fails on a value.
-
-    Attributes:
-        context_length: window length ``T`` in tokens (``None``: 1024, capped at the model's maximum;
-            for a tensor, its width).
-        batch_size: windows per forward pass. Results do not depend on it.
-        exclude_keys: key positions left out of every statistic (e.g. ``(0,)``, the first token,
-            which many heads use as an attention sink).
-        log_floor: ``eps`` of the log scale, ``log max(a, eps)``; default the smallest normal number
-            of the attention dtype (1.2e-38 for float32 and bfloat16).
-        keep_pattern: also keep the pattern summed over windows (``8·L·H·T²`` bytes: 600 MB for
-            Gemma 3 270M at T = 1024, in memory and in the result file), which only
-            ``toeplitz_r2(by="head")``, ``mean_pattern`` and the ``toeplitz`` ranking score read.
-        min_tokens: windows with fewer tokens are skipped (and counted).
-        max_windows: stop after this many windows (``None``: no limit).
-        sample_size: also keep a uniform sample of this many visible entries (for the
-            attention-vs-prior scatter plot); 0 keeps none.
-        sample_seed: seed of that sample (use different seeds for shards to be merged).
-        device: where the float64 sums live (``None``: the model's device).
-        key_bins: key-position bins of the key-conditioned persistence curves (the study's
-            Figure 1c): one per key up to this many positions, equal-width bins beyond.
-        engine: how attention recomputed from queries and keys is reduced: ``"auto"`` (a fused
-            Triton kernel on CUDA where Triton imports, else torch in query blocks), ``"torch"`` or
-            ``"triton"``.
-        interval_groups: ``G``, groups of windows for the intervals over windows (the
-            delete-a-group jackknife); 0 for none. Each group keeps ``8·(2·L·H·T + 4·L·H + L·T + T + 1)``
-            bytes (1.2 MB for Gemma 3 270M at T = 1024); only groups that hold windows are kept.
-
-    Example:
-        >>> options = MeasurementOptions(context_length=256, exclude_keys=[0])
-        >>> options.replace(batch_size=8).batch_size, options.exclude_keys
-        (8, (0,))
-    """
-
-    context_length: int | None = None
-    batch_size: int = 4
-    exclude_keys: tuple[int, ...] = ()
-    log_floor: float | None = None
-    keep_pattern: bool = False
-    min_tokens: int = 2
-    max_windows: int | None = None
-    sample_size: int = 0
-    sample_seed: int | None = None
-    device: str | torch.device | None = None
-    key_bins: int = KEY_BINS
-    engine: str = "auto"
-    interval_groups: int = DEFAULT_INTERVAL_GROUPS
-
-    def __post_init__(self) -> None:
-        # Any iterable of positions is accepted, kept as a tuple so that the options stay hashable and
-        # frozen; the probe checks the positions against the window when it runs.
-        keys = self.exclude_keys
-        if not isinstance(keys, tuple) and isinstance(keys, Iterable) and not isinstance(keys, (str, bytes)):
-            object.__setattr__(self, "exclude_keys", tuple(keys))
-
-    def replace(self, **changes: Any) -> MeasurementOptions:
-        """A copy with ``changes`` (field name -> value).
-
-        Raises:
-            TypeError: a name that is not a measurement option (listing those that are).
-        """
-        unknown = sorted(set(changes) - set(MEASUREMENT_FIELDS))
-        if unknown:
-            raise TypeError(f"{', '.join(unknown)} {'is not a measurement option' if len(unknown) == 1 else 'are not measurement options'}; "
-                            f"the options are {', '.join(MEASUREMENT_FIELDS)}")
-        return dataclasses.replace(self, **changes) if changes else self
-
-    @classmethod
-    def of(cls, options: MeasurementOptions | None = None, /, **changes: Any) -> MeasurementOptions:
-        """``options`` (default: ``MeasurementOptions()``) with ``changes``: how a function that takes
-        both an options object and single keywords combines them (the keywords win).
-
-        Raises:
-            TypeError: ``options`` is not a :class:`MeasurementOptions` (e.g. a context length given by
-                position: pass ``context_length=...``), or a change is not a measurement option.
-        """
-        if options is not None and not isinstance(options, MeasurementOptions):
-            raise TypeError(f"options must be a MeasurementOptions, not {type(options).__name__} ({options!r}); "
-                            "pass single options by name, e.g. context_length=1024")
-        return (cls() if options is None else options).replace(**changes)
-
-
-#: The names of :class:`MeasurementOptions`' fields, in order.
-MEASUREMENT_FIELDS: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(MeasurementOptions))
-
-
-def _check_measurement_values(options: MeasurementOptions) -> None:
-    """Refuse, as typed, the options whose values would otherwise be coerced (``int(1.5)`` key positions, a
-    fractional sample size) or fail deep inside (a log floor given as text)."""
-    keys = options.exclude_keys
-    if not isinstance(keys, tuple):
-        raise InputError(f"exclude_keys must be a list of key positions, not {keys!r}; pass e.g. {option('exclude_keys', [0])}")
-    for key in keys:  # numpy's integers are integers too (numbers.Integral); bool and float are not
-        if isinstance(key, bool) or not isinstance(key, numbers.Integral) or key < 0:
-            raise InputError(f"exclude_keys must be non-negative integer key positions; {key!r} is not one (of "
-                             f"{list(keys)!r}); pass e.g. {option('exclude_keys', [0])}")
-    check_integer("sample_size", options.sample_size, minimum=0, message=(
-        f"sample_size must be a non-negative integer (0: no sample), not {options.sample_size!r}"))
-    floor = options.log_floor
-    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, numbers.Real) or not math.isfinite(floor)
-                              or floor <= 0):
-        raise InputError(f"log_floor must be a positive finite number or None (the dtype's smallest normal number), "
-                         f"not {floor!r}; pass e.g. {option('log_floor', 1e-6)}")
 
 
 def _record_requests(metadata: dict[str, Any], adapter: Adapter) -> None:
@@ -366,7 +273,7 @@ class EquivarianceProbe:
         options = MeasurementOptions.of(options, **measurement)
         batch_size, min_tokens, max_windows = options.batch_size, options.min_tokens, options.max_windows
         check_integer("batch_size", batch_size)
-        _check_measurement_values(options)
+        check_measurement_values(options)
         windows = windows_record(docs)
         if isinstance(docs, PackedWindows):
             docs = docs.tokens
@@ -375,56 +282,38 @@ class EquivarianceProbe:
         self._check_run_options(context_length, exclude_keys, min_tokens, max_windows, options.key_bins, options.device)
         statistics = self._statistics(options, context_length, exclude_keys)
         keys = _resampling_keys(resampling_keys, docs)
-        metadata = self._metadata(context_length, batch_size, min_tokens)
+        metadata = run_metadata(self.adapter, context_length, batch_size, min_tokens)
         metadata["windows"] = windows
         result = ProbeResult(statistics, metadata)
         self.last_result = result
         unit = counted(docs)
         bar = progress_bar(bool(progress), _count(docs), progress if isinstance(progress, str) else unit, unit)
-        skipped = 0
+        counts = {"skipped": 0}
         first_tokens: dict[int, int] = {}  # windows by their first token id: what the sink numbers weigh
-        try:
-            batch: list[list[int]] = []
-            batch_keys: list[int] = []
-            read = 0
-            for read, row in enumerate(self._rows(docs, context_length), 1):
-                bar.update(1)
-                if keys is not None and read > len(keys):
-                    raise InputError(f"resampling_keys has {len(keys)} keys, but docs hold more windows; give one key per "
-                                     "window (one per string, one per row of a token tensor)")
-                if row is None or len(row) < min_tokens:
-                    skipped += 1
-                    continue
-                batch.append(row)
-                batch_keys.append(read - 1)
-                first_tokens[int(row[0])] = first_tokens.get(int(row[0]), 0) + 1
-                if max_windows is not None and statistics.n_windows + len(batch) >= max_windows:
-                    break
-                if len(batch) >= self.adapter.request_windows(batch_size, context_length):
-                    _stop_if_requested()
-                    self._run_batch(batch, statistics, None if keys is None else keys[batch_keys])
-                    batch, batch_keys = [], []
-            else:
-                if keys is not None and read != len(keys):
-                    raise InputError(f"resampling_keys has {len(keys)} keys for {read} windows; give one key per window")
-            if batch:
-                _stop_if_requested()
-                self._run_batch(batch, statistics, None if keys is None else keys[batch_keys])
-        except BaseException as error:
-            # Whatever stopped the run (the package's own error, an interrupt, an OSError from a
-            # document generator, a ValueError from a user's hook), the batches done so far are kept
-            # and marked partial, so nothing computed is lost and nothing claims to be complete.
+
+        def stopped() -> None:
             statistics.abort_batch()
             metadata["engine"] = self._engine(statistics)
-            metadata["skipped_windows"] = skipped
-            metadata["complete"] = False
+            metadata["skipped_windows"] = counts["skipped"]
             _record_requests(metadata, self.adapter)
-            with contextlib.suppress(AttributeError, TypeError):  # exceptions with __slots__ take no attribute
-                error.partial_result = result  # type: ignore[attr-defined]
-            raise
-        finally:
-            bar.close()
+
+        def first_token() -> None:
             metadata["first_token"] = first_token_record(first_tokens, self.adapter.tokenizer)
+
+        with keeping_partial(result, bar, on_stop=stopped, always=first_token):
+            for batch, batch_keys in self._batches(docs, context_length, options, keys, statistics, bar, counts,
+                                                   first_tokens):
+                _stop_if_requested()
+                self._run_batch(batch, statistics, None if keys is None else keys[batch_keys])
+        return self._finished_run(result, counts["skipped"], min_tokens)
+
+    def _finished_run(self, result: ProbeResult, skipped: int, min_tokens: int) -> ProbeResult:
+        """``result`` of a run that read every window, marked complete, its sums on the CPU.
+
+        Raises:
+            EmptyCorpusError: every window was skipped.
+        """
+        statistics, metadata = result.statistics, result.metadata
         metadata["skipped_windows"] = skipped
         if statistics.n_windows == 0:
             raise EmptyCorpusError(
@@ -437,6 +326,36 @@ class EquivarianceProbe:
         if statistics.device.type != "cpu":
             result.statistics = statistics.to("cpu")
         return result
+
+    def _batches(self, docs: Any, context_length: int, options: MeasurementOptions, keys: Any,
+                 statistics: AttentionStatistics, bar: Any, counts: dict[str, int],
+                 first_tokens: dict[int, int]) -> Iterator[tuple[list[list[int]], list[int]]]:
+        """The run's batches of windows (token rows) with their read indices, ``batch_size`` at a time, skipping
+        (and counting) windows shorter than ``min_tokens`` and stopping after ``max_windows``."""
+        batch: list[list[int]] = []
+        batch_keys: list[int] = []
+        read = 0
+        for read, row in enumerate(self._rows(docs, context_length), 1):
+            bar.update(1)
+            if keys is not None and read > len(keys):
+                raise InputError(f"resampling_keys has {len(keys)} keys, but docs hold more windows; give one key per "
+                                 "window (one per string, one per row of a token tensor)")
+            if row is None or len(row) < options.min_tokens:
+                counts["skipped"] += 1
+                continue
+            batch.append(row)
+            batch_keys.append(read - 1)
+            first_tokens[int(row[0])] = first_tokens.get(int(row[0]), 0) + 1
+            if options.max_windows is not None and statistics.n_windows + len(batch) >= options.max_windows:
+                break
+            if len(batch) >= self.adapter.request_windows(options.batch_size, context_length):
+                yield batch, batch_keys
+                batch, batch_keys = [], []
+        else:
+            if keys is not None and read != len(keys):
+                raise InputError(f"resampling_keys has {len(keys)} keys for {read} windows; give one key per window")
+        if batch:
+            yield batch, batch_keys
 
     def _statistics(self, options: MeasurementOptions, context_length: int, exclude_keys: tuple[int, ...]) -> AttentionStatistics:
         """Empty statistics for windows of ``context_length`` tokens of this model, measured as ``options`` say."""
@@ -536,14 +455,12 @@ class EquivarianceProbe:
         self,
         segments: Iterable[Any],
         contexts: Iterable[Any] | None = None,
+        options: ShiftOptions | None = None,
         *,
-        offsets: Iterable[int] | None = None,
-        segment_length: int = 64,
-        mode: str = "text",
-        batch_size: int = 1,
-        predictions: bool | None = None,
-        interval_groups: int = DEFAULT_INTERVAL_GROUPS,
         progress: bool | str = True,
+        resume_from: ShiftResult | None = None,
+        on_segment: Callable[[ShiftResult], None] | None = None,
+        **shift_options: Any,
     ) -> ShiftResult:
         """Move the same texts through the window and measure what changes (the shift test).
 
@@ -563,181 +480,100 @@ class EquivarianceProbe:
             segments: texts (strings) or token-id lists to move.
             contexts: texts or token-id lists that precede them, each at least ``max(offsets)`` tokens, none
                 equal to a segment (``None`` in ``"position_ids"`` mode).
-            offsets: the offsets ``s`` (default: six from 0 to the longest window of at most 1024 tokens, and
-                both sides of a sliding window: :func:`~equivariance_probe.sources.shift_grid.default_offsets`).
-            segment_length: ``m`` tokens per segment.
-            mode: ``"text"`` or ``"position_ids"``.
-            batch_size: windows per forward pass (windows of one context at several offsets; results do not
-                depend on it; the logits kept per pass span the batch's longest segment-to-end stretch).
-            predictions: measure next-token predictions (default: for a causal language model with its head).
-            interval_groups: groups of segments for the jackknife intervals (0: none).
-            progress: show a progress bar over segments.
+            options: how to measure, a :class:`~equivariance_probe.sources.shift_grid.ShiftOptions` (default: its
+                defaults; the offsets default to six from 0 to the longest window of at most 1024 tokens and both
+                sides of a sliding window, :func:`~equivariance_probe.sources.shift_grid.default_offsets`).
+            progress: show a progress bar over segments (a string: under that name).
+            resume_from: the partial result of an earlier run of these segments with these options (a checkpoint,
+                :mod:`~equivariance_probe.runs.shift`): its segments are kept and the run goes on from the next,
+                adding exactly what an uninterrupted run adds.
+            on_segment: called with the result after each segment is added (a checkpoint writes it).
+            **shift_options: any field of ``ShiftOptions`` by name (``offsets=[0, 256, 512], segment_length=64``).
 
         Returns:
             A :class:`~equivariance_probe.ShiftResult`. Its ``metadata["check"]`` holds the built-in check: for
             a model with rotary positions, layer 0's offset η² of the centred logits, which is at rounding level
             in exact arithmetic. If the run stops, the segments finished so far are in ``probe.last_result`` and
             the error's ``partial_result``, marked partial.
+
+        Raises:
+            TypeError: a keyword that is not a shift option.
         """
         from .adapters.internals import rotary_modules
-        from .adapters.modules import hf_model_of, is_causal_lm, residual_width
+        from .adapters.modules import hf_model_of
 
-        layout = self.adapter.layout
+        options = ShiftOptions.of(options, **shift_options)
         tokenizer = self.adapter.tokenizer
-        check_integer("batch_size", batch_size)
-        check_integer("interval_groups", interval_groups, minimum=0, message=(
-            f"interval_groups must be a non-negative integer (0: no intervals), not {interval_groups!r}; pass e.g. "
-            f"{option('interval_groups', DEFAULT_INTERVAL_GROUPS)}"))
-        if predictions is not None and not isinstance(predictions, bool):
-            raise InputError(f"predictions must be True, False or None (the default for the model), not {predictions!r}")
-        if offsets is None:
-            prefix = special_prefix(tokenizer) if tokenizer is not None else ()
-            offsets = default_offsets(layout.max_context, len(prefix), segment_length, layout.sliding_windows)
-        grid = shift_grid(segments, contexts, tokenizer, offsets=offsets, segment_length=segment_length,
-                          mode=mode, max_context=layout.max_context)
+        options = options.resolved(self.adapter.layout, len(special_prefix(tokenizer)) if tokenizer is not None else 0)
+        grid = shift_grid(segments, contexts, tokenizer, offsets=options.offsets, segment_length=options.segment_length,
+                          mode=options.mode, max_context=self.adapter.layout.max_context)
         self._check_vocabulary(grid.segments, "the segments' token ids")
         self._check_vocabulary(grid.contexts, "the contexts' token ids")
-        if predictions is None:  # a causal language model's head; a bare decoder (Gemma3TextModel) has none
-            predictions = layout.causal and (self.adapter.framework != "huggingface" or is_causal_lm(self.model))
-        predictions = bool(predictions)
-        config = ShiftConfig(n_layers=layout.n_layers, n_heads=layout.n_heads, offsets=grid.offsets,
-                             n_contexts=grid.n_contexts, segment_length=grid.segment_length,
-                             prefix_length=len(grid.prefix), mode=mode, interval_groups=max(1, interval_groups),
-                             causal=layout.causal, sliding_windows=tuple(layout.sliding_windows), predictions=predictions,
-                             hidden_size=residual_width(self.adapter.model))
-        statistics = ShiftStatistics(config)
-        metadata = self._metadata(grid.longest_window(), batch_size, grid.segment_length)
-        metadata.update(shift=grid.describe(), complete=False,
-                        contexts_sha256=corpus_fingerprint(grid.contexts).get("sha256"),
-                        capture=self.adapter.segment_capture)
-        result = ShiftResult(statistics, metadata)
-        metadata = result.metadata
+        result = self._shift_result(grid, options, resume_from)
         self.last_result = result
-        # Every adapter that runs the shift test holds a Hugging Face model (raw weights) inside.
-        has_rotary = bool(rotary_modules(hf_model_of(self.adapter.model)))
         window, _ = grid.window(0, 0, grid.offsets[-1])  # the recomputed block against the model's own weights
         check = self.adapter.check_segment_recompute(torch.tensor([window]), grid.segment_length)
         if check is not None:
-            metadata["recompute_check"] = check
-        entries = [segment_entries(config, layer) for layer in range(layout.n_layers)]
-        n_offsets = len(grid.offsets)
-        bar = progress_bar(bool(progress), int(grid.segments.shape[0]), progress if isinstance(progress, str) else "segments")
-        try:
-            for g in range(int(grid.segments.shape[0])):
-                fingerprint = window_fingerprint(grid.segments[g])
-                state = statistics.new_segment(fingerprint)
-                targets = grid.segments[g, 1:] if predictions else None
-                batches = [[self._shift_batch(grid, g, f, list(range(first, min(first + batch_size, n_offsets))))
-                            for first in range(0, n_offsets, batch_size)] for f in range(grid.n_contexts)]
-                group = int(group_of([fingerprint], config.interval_groups)[0])
-                if self.adapter.sums_segment_grid:  # summed where the model runs: only the sums come back
-                    statistics.add_segment_sums(fingerprint, group, self.adapter.segment_grid_sums(batches, config, targets))
-                else:
-                    for context in batches:
-                        for batch in context:
-                            self._run_shift_batch(grid.segment_length, batch, state, entries, targets)
-                        state.end_context()
-                    statistics.add_segment(fingerprint, group, state)
+            result.metadata["recompute_check"] = check
+        n_segments, done = int(grid.segments.shape[0]), result.n_segments
+        bar = progress_bar(bool(progress), n_segments, progress if isinstance(progress, str) else "segments", "segments")
+        bar.update(done)
+        with keeping_partial(result, bar):
+            for g in range(done, n_segments):
+                _stop_if_requested()
+                self._shift_segment(grid, g, options.batch_size, result.statistics)
                 bar.update(1)
-        except BaseException as error:
-            with contextlib.suppress(AttributeError, TypeError):
-                error.partial_result = result  # type: ignore[attr-defined]
-            raise
-        finally:
-            bar.close()
-        metadata["complete"] = True
-        metadata["check"] = shift_check(result, has_rotary=has_rotary, dtype=str(self.adapter.dtype).replace("torch.", ""))
+                if on_segment is not None:
+                    on_segment(result)
+        result.metadata["complete"] = True
+        # Every adapter that runs the shift test holds a Hugging Face model (raw weights) inside.
+        result.metadata["check"] = shift_check(result, has_rotary=bool(rotary_modules(hf_model_of(self.adapter.model))),
+                                               dtype=str(self.adapter.dtype).replace("torch.", ""))
         return result
 
-    @staticmethod
-    def _shift_batch(grid: Any, segment: int, context: int, indices: list[int]) -> SegmentBatch:
-        """The right-padded windows ``(segment, context, offsets[i])`` for ``i`` in ``indices``."""
-        rows, starts = zip(*(grid.window(segment, context, grid.offsets[i]) for i in indices))
-        lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
-        tokens = torch.zeros((len(rows), int(lengths.max())), dtype=torch.long)
-        for b, row in enumerate(rows):
-            tokens[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-        position_start = torch.tensor(starts, dtype=torch.long) if grid.mode == "position_ids" else None
-        return SegmentBatch(tokens, lengths, tuple(indices), position_start)
+    def _shift_result(self, grid: Any, options: ShiftOptions, resume_from: ShiftResult | None) -> ShiftResult:
+        """The empty result of a shift run on ``grid`` (or ``resume_from``'s sums, checked to be this run's)."""
+        from .adapters.modules import is_causal_lm, residual_width
 
-    def _run_shift_batch(self, segment_length: int, batch: SegmentBatch, state: Any, entries: list[torch.Tensor],
-                         targets: torch.Tensor | None) -> None:
-        """Run one batch of a segment's windows here and add their blocks to ``state``."""
-        indices = batch.offset_indices
-
-        def on_attention(layer: int, scores: torch.Tensor, log_normaliser: torch.Tensor) -> None:
-            for b, index in enumerate(indices):
-                for name, values in segment_representations(scores[b], log_normaliser[b], entries[layer]).items():
-                    state.add(name, layer, index, values)
-
-        def on_residual(layer: int, hidden: torch.Tensor) -> None:
-            for b, index in enumerate(indices):
-                state.add("residual", layer, index, hidden[b].reshape(1, -1))
-
-        log_probs = self.adapter.run_segment(batch.tokens, batch.lengths, segment_length, on_attention=on_attention,
-                                             on_residual=on_residual, position_start=batch.position_start,
-                                             predictions=targets is not None)
-        if targets is not None:
-            for b, index in enumerate(indices):
-                state.add_predictions(index, log_probs[b, :-1], targets)
-
-    def _metadata(self, context_length: int, batch_size: int, min_tokens: int) -> dict[str, Any]:
-        info = self.adapter.info()
         layout = self.adapter.layout
-        return {
-            "run_id": uuid.uuid4().hex,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "model": {
-                "name": info.name,
-                "framework": info.framework,
-                "dtype": info.dtype,
-                "device": info.device,
-                **info.extra,
-                "revision": model_revision(self.adapter.model),
-                # Which weights these are (a strided sample of every tensor): results of one model name
-                # with other weights (a fine-tune, a random_init_like copy) refuse to merge.
-                "weights_sha256": model_identity(self.adapter.model).get("weights_sha256"),
-            },
-            "layout": {
-                "n_layers": layout.n_layers,
-                "n_heads": layout.n_heads,
-                "windows": list(layout.sliding_windows),
-                "max_context": layout.max_context,
-                "causal": layout.causal,
-            },
-            "context_length": context_length,
-            "batch_size": batch_size,
-            "min_tokens": min_tokens,
-            "tokenisation": "each document tokenised with the model's tokenizer including its special tokens, "
-            "truncated to its first context_length tokens; token tensors used as given",
-            "versions": library_versions(),
-        }
+        predictions = options.predictions
+        if predictions is None:  # a causal language model's head; a bare decoder (Gemma3TextModel) has none
+            predictions = layout.causal and (self.adapter.framework != "huggingface" or is_causal_lm(self.model))
+        config = ShiftConfig(n_layers=layout.n_layers, n_heads=layout.n_heads, offsets=grid.offsets,
+                             n_contexts=grid.n_contexts, segment_length=grid.segment_length,
+                             prefix_length=len(grid.prefix), mode=grid.mode, interval_groups=options.interval_groups,
+                             causal=layout.causal, sliding_windows=tuple(layout.sliding_windows),
+                             predictions=bool(predictions), hidden_size=residual_width(self.adapter.model))
+        statistics = ShiftStatistics(config)
+        if resume_from is not None:
+            done = resume_from.statistics
+            expected = [window_fingerprint(grid.segments[g]) for g in range(min(done.n_segments, len(grid.segments)))]
+            if done.config != config or [int(f) for f in done.segment_fingerprints] != expected:
+                raise InputError("resume_from holds another run's segments or design ("
+                                 f"{'; '.join(done.config.differences(config)) or 'other segments'}); resume only the "
+                                 "run it is the partial result of, with the same segments, contexts and options")
+            statistics.arrays = {name: value.copy() for name, value in done.arrays.items()}
+            statistics.segment_fingerprints = done.segment_fingerprints.copy()
+        metadata = run_metadata(self.adapter, grid.longest_window(), options.batch_size, grid.segment_length)
+        metadata.update(shift=grid.describe(), complete=False,
+                        contexts_sha256=corpus_fingerprint(grid.contexts).get("sha256"),
+                        capture=self.adapter.segment_capture)
+        return ShiftResult(statistics, metadata)
 
-
-class _NoProgress:
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class _FinishOnce:
-    """A tqdm bar whose last step is drawn by ``close()`` alone: tqdm draws the step that reaches the
-    total and then draws it again when closed, which a log (stderr not a terminal) shows as two lines
-    at 100 %."""
-
-    def __init__(self, bar: Any) -> None:
-        self.bar = bar
-
-    def update(self, n: int = 1) -> None:
-        if self.bar.total is not None and self.bar.n + n >= self.bar.total:
-            self.bar.n += n  # drawn once, by close()
-        else:
-            self.bar.update(n)
-
-    def close(self) -> None:
-        self.bar.close()
+    def _shift_segment(self, grid: Any, g: int, batch_size: int, statistics: ShiftStatistics) -> None:
+        """Run segment ``g``'s whole grid and add it to ``statistics`` (in its interval group)."""
+        config = statistics.config
+        fingerprint = window_fingerprint(grid.segments[g])
+        state = statistics.new_segment(fingerprint)
+        targets = grid.segments[g, 1:] if config.predictions else None
+        batches = grid.batches(g, batch_size)
+        group = int(group_of([fingerprint], config.rows)[0])
+        if self.adapter.sums_segment_grid:  # summed where the model runs: only the sums come back
+            statistics.add_segment_sums(fingerprint, group, self.adapter.segment_grid_sums(batches, config, targets))
+            return
+        entries = [segment_entries(config, layer) for layer in range(config.n_layers)]
+        capture_segment_grid(self.adapter, batches, state, entries, targets)
+        statistics.add_segment(fingerprint, group, state)
 
 
 def counted(docs: Any) -> str:
@@ -745,31 +581,6 @@ def counted(docs: Any) -> str:
     windows: one row is one window, whatever documents it holds), ``"documents"`` for texts
     (each string becomes one window, truncated to the context)."""
     return "windows" if isinstance(docs, (torch.Tensor, PackedWindows)) else "documents"
-
-
-def _bar_class() -> Any:
-    """tqdm's widget bar inside a Jupyter kernel where ipywidgets is installed, else its plain bar.
-
-    ``tqdm.auto`` picks the widget bar in every kernel and, without ipywidgets, warns
-    ("IProgress not found") before falling back; choosing here gives the same bars without the
-    warning.
-    """
-    shell = None
-    if "IPython" in sys.modules:
-        with contextlib.suppress(Exception):
-            shell = sys.modules["IPython"].get_ipython()
-    if shell is not None and "IPKernelApp" in getattr(shell, "config", {}):
-        try:
-            import ipywidgets  # noqa: F401 - only asks whether the widget bar can draw
-        except ImportError:
-            pass
-        else:
-            from tqdm.notebook import tqdm as widget_bar
-
-            return widget_bar
-    from tqdm.std import tqdm as plain_bar
-
-    return plain_bar
 
 
 def _resampling_keys(resampling_keys: Any, docs: Any) -> Any:
@@ -788,21 +599,3 @@ def _count(docs: Any) -> int | None:
     if isinstance(docs, torch.Tensor):
         return 1 if docs.dim() == 1 else int(docs.shape[0])
     return len(docs) if hasattr(docs, "__len__") and not isinstance(docs, Mapping) else None
-
-
-def progress_bar(enabled: bool, total: int | None, description: str = "documents", unit: str = "documents") -> Any:
-    """A progress bar over ``total`` items, drawn at 100 % once, or one that shows nothing when not ``enabled``.
-
-    Args:
-        enabled: ``False`` shows nothing.
-        total: the number of items (``None``: unknown, the bar counts without a percentage).
-        description: what is measured (a study's variant: ``"trained: documents"``).
-        unit: what one step counts, in the plural (``"documents"`` or ``"windows"``, :func:`counted`).
-
-    In a Jupyter kernel the bar is tqdm's widget where ipywidgets is installed, otherwise one plain
-    line on stderr.
-    """
-    if not enabled:
-        return _NoProgress()
-    singular = unit[:-1] if unit.endswith("s") else unit
-    return _FinishOnce(_bar_class()(total=total, desc=description, unit=f" {singular}"))

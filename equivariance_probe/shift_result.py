@@ -21,7 +21,6 @@ into groups by their fingerprint, as windows do in :class:`~equivariance_probe.P
 from __future__ import annotations
 
 import copy
-import json
 import math
 import os
 from collections.abc import Callable
@@ -31,27 +30,24 @@ from typing import Any
 import numpy as np
 
 from .analyses.results import Undefined, missing_as, split_axis
-from .errors import (EmptyResultError, IncompatibleResultsError, IntervalUnavailableError, ResultFileError,
-                     SupersededSumsError, UndefinedStatisticError, check_choice, is_integer)
+from .errors import (
+    EmptyResultError,
+    IncompatibleResultsError,
+    IntervalUnavailableError,
+    SupersededSumsError,
+    UndefinedStatisticError,
+    check_choice,
+)
 from .markup import Markup
 from .maths import shift as decomposition
 from .maths.intervals import Interval, format_interval, jackknife_interval
-from .records.container import check_finite, read_container, read_tensors, tensor_checksum, write_container
-from .records.fileformat import jsonable
+from .records.shift_file import SHIFT_FORMAT_VERSION, SHIFT_KIND, ShiftFile, open_shift_file, write_shift_file
 from .sources.registry import display_name
 from .statistics.masks import layer_groups
-from .statistics.config import shapes_of
-from .statistics.shift import REPRESENTATIONS, SHIFT_ARRAYS, VECTOR_REPRESENTATIONS, ShiftConfig, ShiftStatistics
+from .statistics.shift import REPRESENTATIONS, VECTOR_REPRESENTATIONS, ShiftStatistics
 
 __all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell", "check_verdict"]
 
-#: The ``kind`` of a shift result file's header.
-SHIFT_KIND = "equivariance_probe.ShiftResult"
-#: 2: the residual stream's sums per hidden dimension (``residual/total_by_dim``) and the configuration's
-#: ``hidden_size`` and ``residual_centre``; version 1 files load, without the residual stream's shares.
-SHIFT_FORMAT_VERSION = 2
-#: The format versions this package reads.
-SHIFT_FORMAT_VERSIONS = (1, 2)
 #: ``by`` choices of the shares.
 SHARE_BY = (None, "layer", "head", "layer_group")
 #: Units of :meth:`ShiftResult.offset_rms`.
@@ -76,18 +72,35 @@ class ShiftResult:
         >>> result.share("centred_logits", "offset", by="layer", interval=0.95)  # doctest: +SKIP
     """
 
-    def __init__(self, statistics: ShiftStatistics, metadata: dict[str, Any] | None = None) -> None:
-        self.statistics = statistics
+    def __init__(self, statistics: ShiftStatistics | None, metadata: dict[str, Any] | None = None, *,
+                 file: ShiftFile | None = None) -> None:
+        if statistics is None and file is None:
+            raise TypeError("ShiftResult needs statistics (or an opened file: ShiftResult.load)")
+        self._statistics = statistics
+        self._file = file
         self.metadata = dict(metadata or {})
+
+    @property
+    def statistics(self) -> ShiftStatistics:
+        """The sums (a loaded file's arrays are read, and checked, on first use)."""
+        if self._statistics is None:
+            assert self._file is not None
+            self._statistics = self._file.statistics()
+        return self._statistics
+
+    @statistics.setter
+    def statistics(self, statistics: ShiftStatistics) -> None:
+        self._statistics = statistics
+        self._file = None
 
     # -- the design ---------------------------------------------------------------------------------
     @property
     def config(self) -> Any:
-        return self.statistics.config
+        return self._file.config if self._statistics is None and self._file is not None else self.statistics.config
 
     @property
     def n_segments(self) -> int:
-        return self.statistics.n_segments
+        return self._file.n_segments if self._statistics is None and self._file is not None else self.statistics.n_segments
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -146,6 +159,10 @@ class ShiftResult:
         estimate = function(self.statistics.totals())
         if interval is None:
             return estimate
+        if self.config.interval_groups == 0:
+            raise IntervalUnavailableError(
+                "this shift run kept no interval groups (interval_groups=0), so it has no intervals; run it again with "
+                "interval_groups=20 (--interval-groups 20) for them")
         ids, replicates = self.statistics.replicates()
         if len(ids) < 2:
             raise IntervalUnavailableError(
@@ -471,101 +488,36 @@ class ShiftResult:
         return Markup("<div><b>ShiftResult</b><pre>{}</pre></div>").format(self.table())
 
     # -- files ------------------------------------------------------------------------------------------
+    @property
+    def integrity(self) -> str | None:
+        """How a loaded result's arrays are checked when read (``None`` for a result not loaded from a file):
+        ``"digests"`` (each array against its own sha256) or ``"checksum"`` (one over every array)."""
+        return None if self._file is None else self._file.integrity
+
+    def verify(self) -> str | None:
+        """Read a loaded result's arrays now and check them (see :attr:`integrity`, which it returns).
+
+        Raises:
+            ResultFileError: an array does not match its digest (the message names the file and the array).
+        """
+        self.statistics
+        return self.integrity
+
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the sums (safetensors tensors, bitwise) and metadata and :meth:`summary` (JSON header), atomically."""
-        tensors = {name: np.ascontiguousarray(value) for name, value in self.statistics.arrays.items()}
-        tensors["segment_fingerprints"] = self.statistics.segment_fingerprints
-        header = {"kind": SHIFT_KIND, "format_version": SHIFT_FORMAT_VERSION, "checksum": tensor_checksum(tensors),
-                  "config": self.config.to_dict(), "metadata": self.metadata, "summary": self.summary()}
-        return write_container(path, tensors, json.loads(json.dumps(jsonable(header))))
+        """Write the sums (safetensors tensors, bitwise) and metadata and :meth:`summary` (JSON header), atomically
+        (:mod:`~equivariance_probe.records.shift_file`)."""
+        return write_shift_file(path, self.statistics, self.metadata, self.summary())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ShiftResult:
-        """Read a file written by :meth:`save`.
+        """Read a file written by :meth:`save` (any version): the header now, checked field by field; the arrays
+        the first time a number needs them, each checked against its digest then (:meth:`verify` reads them now).
 
         Raises:
-            ResultFileError: truncated, edited, or not a shift result.
+            ResultFileError: truncated, edited, not a shift result, or from a newer format.
         """
-        container = read_container(path, SHIFT_KIND)
-        header = container.header
-        config = _checked_header(container, str(path))  # before any array is read or allocated
-        tensors = read_tensors(container)
-        if tensor_checksum(tensors) != header.get("checksum"):
-            raise ResultFileError(f"{path}: the checksum does not match the arrays (changed or corrupted after saving)")
-        check_finite(tensors, path)
-        try:
-            statistics = ShiftStatistics.from_dict({
-                "config": config, "segment_fingerprints": tensors["segment_fingerprints"],
-                "arrays": {name: tensors[name] for name in SHIFT_ARRAYS if name in tensors}})
-        except (KeyError, TypeError, ValueError) as error:
-            raise ResultFileError(f"{path} is missing or has a malformed field: {error!r}") from None
-        return cls(statistics, header.get("metadata", {}))
-
-
-#: A shift configuration's integer fields and the least value each may take.
-_CONFIG_INTEGERS = {"n_layers": 1, "n_heads": 1, "n_contexts": 1, "segment_length": 1, "prefix_length": 0,
-                    "interval_groups": 1}
-
-
-def _checked_header(container: Any, source: str) -> dict[str, Any]:
-    """A shift result file's header checked against its schema, from the header alone: version, every
-    configuration field's type, sign and allowed values, the metadata's type, and every array's dtype and
-    shape against the configuration (which ties the sizes the configuration claims to the file's own bytes,
-    so that no absurd size is ever allocated). Returns the configuration.
-
-    Raises:
-        ResultFileError: naming the file, the field, its value and what was expected.
-    """
-    header = container.header
-
-    def require(condition: bool, what: str) -> None:
-        if not condition:
-            raise ResultFileError(f"{source}: {what}; the file is malformed (edited, or written by another program?)")
-
-    version = header.get("format_version")
-    if is_integer(version, 1) and version > SHIFT_FORMAT_VERSION:
-        raise ResultFileError(f"{source} is a shift result of format {version}, newer than this equivariance_probe "
-                              f"reads ({SHIFT_FORMAT_VERSION}); upgrade equivariance_probe (pip install -U "
-                              "equivariance_probe) to read it")
-    require(version in SHIFT_FORMAT_VERSIONS,
-            f"'format_version' must be one of {list(SHIFT_FORMAT_VERSIONS)}, not {version!r}")
-    require(isinstance(header.get("metadata", {}), dict), "'metadata' must be an object")
-    config = header.get("config")
-    require(isinstance(config, dict), "'config' is missing or not an object")
-    for name, minimum in _CONFIG_INTEGERS.items():
-        require(is_integer(config.get(name), minimum),
-                f"'config.{name}' must be an integer of at least {minimum}, not {config.get(name)!r}")
-    offsets = config.get("offsets")
-    require(isinstance(offsets, list) and len(offsets) >= 2 and all(is_integer(o, 0) for o in offsets)
-            and len(set(offsets)) == len(offsets),
-            f"'config.offsets' must be a list of at least two distinct non-negative integers, not {offsets!r}")
-    require(config.get("mode") in ("text", "position_ids"),
-            f"'config.mode' must be 'text' or 'position_ids', not {config.get('mode')!r}")
-    for name in ("causal", "predictions"):
-        require(isinstance(config.get(name), bool), f"'config.{name}' must be true or false, not {config.get(name)!r}")
-    windows = config.get("sliding_windows")
-    require(isinstance(windows, list) and len(windows) in (0, config["n_layers"])
-            and all(w is None or is_integer(w, 1) for w in windows),
-            f"'config.sliding_windows' must be a list of null or positive widths, one per layer, not {windows!r}")
-    if "hidden_size" in config:
-        require(is_integer(config["hidden_size"], 0),
-                f"'config.hidden_size' must be an integer of at least 0, not {config['hidden_size']!r}")
-    try:
-        described = ShiftConfig.from_dict(config)
-        shapes = shapes_of(SHIFT_ARRAYS, described.sizes(), described)
-    except (KeyError, TypeError, ValueError) as error:
-        raise ResultFileError(f"{source}: 'config' describes no shift statistics ({error!r})") from None
-    tensors = container.tensors
-    for name, shape in shapes.items():
-        if name not in tensors and 0 in shape:
-            continue  # kept by a later format only (the residual stream's sums per dimension): empty in this file
-        require(tensors.get(name) == ("F64", shape), f"the array {name!r} must be F64 {list(shape)}, not {tensors.get(name)}")
-    fingerprints = tensors.get("segment_fingerprints")
-    require(fingerprints is not None and fingerprints[0] == "U64" and len(fingerprints[1]) == 1,
-            f"the array 'segment_fingerprints' must be a 1-D U64 array, not {fingerprints}")
-    unknown = sorted(set(tensors) - set(shapes) - {"segment_fingerprints"})
-    require(not unknown, f"unknown arrays {unknown}")
-    return config
+        opened = open_shift_file(path)
+        return cls(None, opened.metadata, file=opened)
 
 
 #: Largest layer-0 offset η² of the centred logits that counts as rounding, by the model's dtype: the logits are

@@ -123,7 +123,9 @@ def test_non_finite_sums_in_a_re_signed_shift_result_are_refused_not_reported_as
 
     resign(path, edit_tensors=poison, counts=lambda header: ())
     with pytest.raises(ResultFileError, match=rf"non-finite.*'{name}' \(2 of"):
-        ShiftResult.load(path)
+        ShiftResult.load(path).verify()  # the header alone is read on load; the arrays when first used
+    with pytest.raises(ResultFileError, match=rf"non-finite.*'{name}' \(2 of"):
+        ShiftResult.load(path).share("centred_logits", "offset")
     _one_line_exit_2(["show", str(path)], capsys, "non-finite")
 
 

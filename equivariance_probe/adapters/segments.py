@@ -19,23 +19,85 @@ A window ``b`` is described by its span ``(start, length)``: the segment is posi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from ..statistics.engines.in_trace import attention_scores
-from ..statistics.engines.shift_sums import PREDICTION_CHUNK
+from ..statistics.engines.shift_sums import PREDICTION_CHUNK, segment_representations
 from ..errors import AttentionCaptureError
 from .internals import AttentionCall
 from .modules import is_causal_lm
 
 __all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "judged_recompute_check", "segment_block", "hidden_keys", "segment_blocks", "segment_blocks_from_call", "segment_blocks_from_qk",
            "segment_rows",
-           "kept_positions", "segment_log_probs"]
+           "kept_positions", "segment_log_probs", "capture_segment_batch", "capture_segment_grid"]
 
 #: ``(start, length)`` of each window's segment: positions ``start .. length − 1``.
 Spans = Sequence[tuple[int, int]]
+
+
+def capture_segment_grid(adapter: Any, contexts: Sequence[Sequence[Any]], grid: Any, entries: Sequence[torch.Tensor],
+                         targets: torch.Tensor | None) -> None:
+    """Run one segment's whole grid here, context by context, into ``grid`` (a
+    :class:`~equivariance_probe.statistics.shift.SegmentGrid`): what
+    :meth:`~equivariance_probe.adapters.base.Adapter.segment_grid_sums` does where the model runs.
+
+    Args:
+        adapter: the model's adapter.
+        contexts: per context, the forward passes that cover every offset
+            (:class:`~equivariance_probe.adapters.base.SegmentBatch`).
+        grid: the segment's running sums (``add``, ``add_predictions``, ``end_context``).
+        entries: per layer, the ``[m, m]`` entries that count.
+        targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
+    """
+    for context in contexts:
+        for batch in context:
+            capture_segment_batch(adapter, batch, grid.config.segment_length, entries, grid.add, targets=targets,
+                                  add_predictions=grid.add_predictions)
+        grid.end_context()
+
+
+def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries: Sequence[torch.Tensor],
+                          add: Callable[[str, int, int, torch.Tensor], None], *,
+                          targets: torch.Tensor | None = None,
+                          add_predictions: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+    """Run one forward pass of a segment's grid and hand over what the shift test measures of each window.
+
+    The one capture loop of the shift test: the probe's run (into a
+    :class:`~equivariance_probe.statistics.shift.SegmentGrid`) and the report's view of one head
+    (:func:`~equivariance_probe.display.shift.shift_view`) both read the segment's representations through it.
+
+    Args:
+        adapter: the model's adapter (its :meth:`~equivariance_probe.adapters.base.Adapter.run_segment`).
+        batch: a :class:`~equivariance_probe.adapters.base.SegmentBatch`.
+        segment_length: ``m``.
+        entries: per layer, the ``[m, m]`` entries that count
+            (:func:`~equivariance_probe.statistics.shift.segment_entries`).
+        add: called as ``add(representation, layer, offset_index, values)`` with ``values: [head, E]`` for every
+            attention representation (:func:`~equivariance_probe.statistics.engines.shift_sums.segment_representations`)
+            and ``[1, m·d]`` for the residual stream after each block.
+        targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
+        add_predictions: called as ``add_predictions(offset_index, log_probs[m − 1, vocab], targets)`` per window.
+    """
+    indices = batch.offset_indices
+
+    def on_attention(layer: int, scores: torch.Tensor, log_normaliser: torch.Tensor) -> None:
+        for b, index in enumerate(indices):
+            for name, values in segment_representations(scores[b], log_normaliser[b], entries[layer]).items():
+                add(name, layer, index, values)
+
+    def on_residual(layer: int, hidden: torch.Tensor) -> None:
+        for b, index in enumerate(indices):
+            add("residual", layer, index, hidden[b].reshape(1, -1))
+
+    log_probs = adapter.run_segment(batch.tokens, batch.lengths, segment_length, on_attention=on_attention,
+                                    on_residual=on_residual, position_start=batch.position_start,
+                                    predictions=targets is not None)
+    if targets is not None and add_predictions is not None:
+        for b, index in enumerate(indices):
+            add_predictions(index, log_probs[b, :-1], targets)
 
 
 def check_predicts(model: torch.nn.Module, causal: bool = True) -> None:

@@ -51,13 +51,13 @@ def check_writable(folder: Path) -> None:
 
 
 def checkpoint_note(args: argparse.Namespace) -> str:
-    """How to continue a ``run`` that stopped: from its checkpoint with ``--resume`` where it has one."""
+    """How to continue a ``run`` or ``shift`` that stopped: from its checkpoint with ``--resume`` where it has one."""
     from ..runs.checkpoint import has_checkpoint
 
     folder = getattr(args, "checkpoint_folder", None)
     if folder is not None and has_checkpoint(folder):
         return f"the checkpoint in {folder} is intact: run the same command with --resume to continue from it"
-    if args.command == "run":
+    if args.command in ("run", "shift"):
         return "no checkpoint was written yet: run the same command again"
     return "run the same command again"
 

@@ -150,6 +150,7 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
     A subcommand takes them with :func:`add_shared_options`, naming the ones that make sense for it
     and, where its default differs, the default and why.
     """
+    from ..runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
     from ..runs.positional import ANALYSES
     from ..runs.study import BASELINES, DEFAULT_STUDY
     from ..statistics.groups import DEFAULT_INTERVAL_GROUPS
@@ -201,6 +202,10 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
             "refuse work whose estimated memory exceeds this many GiB (default: the memory available)")}),
         "analyses": (("--analyses",), {"type": analyses, "default": "all", "help": (
             f"positional analyses, comma-separated from {','.join(ANALYSES)}, or 'all' (default)")}),
+        "checkpoint_every": (("--checkpoint-every",), {"type": non_negative, "default": DEFAULT_CHECKPOINT_EVERY, "help": (
+            "save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")}),
+        "resume": (("--resume",), {"action": "store_true", "help": (
+            "continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")}),
         "no_progress": (("--no-progress",), {"action": "store_true", "help": "no progress bars"}),
         "json": (("--json",), {"action": "store_true", "help": "print the numbers as JSON instead of a table"}),
         "no_figures": (("--no-figures",), {"action": "store_true", "help": (

@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a closed pipe shows here, inside the handler below, not at the interpreter's exit
         return status
     except EquivarianceProbeError as error:
-        if isinstance(error, FileWriteError) and args.command == "run":  # the checkpoint is intact: say how to go on
+        if isinstance(error, FileWriteError) and args.command in ("run", "shift"):  # the checkpoint is intact: say how to go on
             error = f"{error}; {checkpoint_note(args)}"
         print(f"equivariance-probe {args.command}: error: {error}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..adapters.segments import capture_segment_batch
 from ..errors import (IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError,
                       SupersededSumsError, UndefinedStatisticError)
 from ..markup import Markup
@@ -36,7 +37,7 @@ from ..maths.intervals import Interval
 from ..probe import EquivarianceProbe
 from ..shift_result import ShiftResult
 from ..sources.shift_grid import shift_grid
-from ..statistics.shift import REPRESENTATIONS, counted_entries, segment_representations
+from ..statistics.shift import REPRESENTATIONS, counted_entries
 from .circuitsvis import (CircuitsVisFigure, attention_pattern_figure, figure_row, save_views_page, views_body_html,
                           views_html)
 from .figures import _axes_title, figure_title, pyplot
@@ -349,9 +350,8 @@ def shift_view(model: Any, segments: Sequence[Any], contexts: Sequence[Any] | No
     The windows are the shift test's (:class:`~equivariance_probe.ShiftGrid`): the tokenizer's special prefix,
     the first ``s`` tokens of context ``context`` and segment ``segment`` (``mode="position_ids"``: the prefix and
     segment with position ids from ``s``). The block is captured as the shift run captures it
-    (:meth:`~equivariance_probe.adapters.base.Adapter.run_segment`: scores from the queries and keys the model's
-    own kernel receives) and turned into the run's representations
-    (:func:`~equivariance_probe.statistics.shift.segment_representations`).
+    (:func:`~equivariance_probe.adapters.segments.capture_segment_batch`, the run's own capture loop: scores from the
+    queries and keys the model's own kernel receives, turned into the run's representations).
 
     Args:
         model: an :class:`~equivariance_probe.EquivarianceProbe`, or any model it accepts.
@@ -403,25 +403,21 @@ def shift_view(model: Any, segments: Sequence[Any], contexts: Sequence[Any] | No
             raise InputError(f"{what}={chosen} is not one of the {len(items)} {what}s given; pass an index below {len(items)}")
     grid = shift_grid([segments[segment]], contexts, adapter.tokenizer, offsets=offsets, segment_length=segment_length,
                       mode=mode, max_context=layout.max_context)
-    entries = counted_entries(segment_length, layout.causal, layout.sliding_windows[layer])
+    entries = [counted_entries(segment_length, layout.causal, window) for window in layout.sliding_windows]
     conditional, centred = np.zeros((2, segment_length, segment_length)), np.zeros((2, segment_length, segment_length))
     for row, offset in enumerate(offsets):
-        tokens, start = grid.window(0, context, offset)
         captured: dict[str, torch.Tensor] = {}
 
-        def on_attention(at: int, scores: torch.Tensor, log_normaliser: torch.Tensor) -> None:
-            if at == layer:
-                captured.update(segment_representations(scores[0, index:index + 1], log_normaliser[0, index:index + 1],
-                                                        entries))
+        def add(name: str, at: int, offset_index: int, values: torch.Tensor) -> None:
+            if at == layer and name in ("conditional_weights", "centred_logits"):
+                captured[name] = values[index]
 
-        adapter.run_segment(torch.tensor([tokens]), torch.tensor([len(tokens)]), segment_length,
-                            on_attention=on_attention,
-                            position_start=torch.tensor([start]) if mode == "position_ids" else None)
-        conditional[row][entries.numpy()] = captured["conditional_weights"][0].cpu().numpy()
-        centred[row][entries.numpy()] = captured["centred_logits"][0].cpu().numpy()
+        capture_segment_batch(adapter, grid.batch(0, context, [grid.offsets.index(offset)]), segment_length, entries, add)
+        conditional[row][entries[layer].numpy()] = captured["conditional_weights"].cpu().numpy()
+        centred[row][entries[layer].numpy()] = captured["centred_logits"].cpu().numpy()
     where = "position ids moved" if mode == "position_ids" else f"after context {context}"
     return ShiftView(tokens=_token_strings(adapter, grid.segments[0].tolist()), head=(layer, index), offsets=offsets,
-                     conditional=conditional, centred=centred, entries=entries.numpy(), causal=layout.causal,
+                     conditional=conditional, centred=centred, entries=entries[layer].numpy(), causal=layout.causal,
                      title=f"Model {result.model_name if result is not None else adapter.model_name()}, segment "
                            f"{segment} ({where}).", decimals=decimals)
 

@@ -19,8 +19,10 @@ Imports torch only; the Hugging Face model inside a wrapper is found with
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
+import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -30,6 +32,7 @@ import torch
 from ..adapters.modules import hf_model_of
 
 __all__ = [
+    "run_metadata",
     "model_identity",
     "model_revision",
     "corpus_fingerprint",
@@ -162,3 +165,39 @@ def library_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return versions
+
+
+def run_metadata(adapter: Any, context_length: int, batch_size: int, min_tokens: int) -> dict[str, Any]:
+    """What a run's result records of itself: a new run id, when, the model (name, framework, dtype, device,
+    revision and a weights fingerprint), its layout, the window length, the batch and the protocol of the windows,
+    and the libraries' versions."""
+    info = adapter.info()
+    layout = adapter.layout
+    return {
+        "run_id": uuid.uuid4().hex,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": {
+            "name": info.name,
+            "framework": info.framework,
+            "dtype": info.dtype,
+            "device": info.device,
+            **info.extra,
+            "revision": model_revision(adapter.model),
+            # Which weights these are (a strided sample of every tensor): results of one model name
+            # with other weights (a fine-tune, a random_init_like copy) refuse to merge.
+            "weights_sha256": model_identity(adapter.model).get("weights_sha256"),
+        },
+        "layout": {
+            "n_layers": layout.n_layers,
+            "n_heads": layout.n_heads,
+            "windows": list(layout.sliding_windows),
+            "max_context": layout.max_context,
+            "causal": layout.causal,
+        },
+        "context_length": context_length,
+        "batch_size": batch_size,
+        "min_tokens": min_tokens,
+        "tokenisation": "each document tokenised with the model's tokenizer including its special tokens, "
+        "truncated to its first context_length tokens; token tensors used as given",
+        "versions": library_versions(),
+    }

@@ -211,6 +211,10 @@ class CheckpointedRun:
         identity: ``{"model", "corpus", "config"}`` fingerprints of this run.
         resume: continue from the checkpoint in ``folder`` (which must exist and match).
             Without it, an existing checkpoint is refused rather than overwritten.
+        result_type: the result its files hold (:class:`ProbeResult`; the shift test's runner,
+            :mod:`~equivariance_probe.runs.shift`, keeps :class:`~equivariance_probe.ShiftResult` s, one
+            checkpoint per ``every`` segments, through :meth:`resume_point`, :meth:`save_progress` and
+            :meth:`finish`).
 
     Raises:
         CheckpointError: resume without a checkpoint, a checkpoint of another model, corpus
@@ -225,11 +229,13 @@ class CheckpointedRun:
         every: int | None,
         identity: dict[str, Any],
         resume: bool = False,
+        result_type: type = ProbeResult,
     ) -> None:
         check_integer("checkpoint_every", every, allow_none=True, error=CheckpointError,
                       message=f"checkpoint_every must be a positive number of documents or None, not {every!r}")
         self.folder = None if folder is None else Path(folder)
         self.every = every
+        self.result_type = result_type
         self.identity = json.loads(json.dumps(identity, default=str))  # as it reads back from state.json
         self.fingerprint = config_fingerprint(identity)
         self.done: dict[str, str] = {}
@@ -313,10 +319,10 @@ class CheckpointedRun:
             if path.name not in keep:
                 path.unlink(missing_ok=True)
 
-    def _load(self, filename: str) -> ProbeResult:
+    def _load(self, filename: str) -> Any:
         assert self.folder is not None
         try:
-            result = ProbeResult.load(self.folder / filename)
+            result = self.result_type.load(self.folder / filename)
             result.statistics  # read now (checksum verified): the file is replaced or deleted as the run goes on
             return result
         except (OSError, EquivarianceProbeError) as error:
@@ -350,10 +356,7 @@ class CheckpointedRun:
             result = self._load(self.done[name])
             result.metadata.update(metadata or {})
             return result
-        position, skipped, total = 0, 0, None
-        if self.current is not None and self.current["variant"] == name:
-            position, skipped = int(self.current["position"]), int(self.current["skipped"])
-            total = self._load(self.current["file"]) if self.current["file"] else None
+        position, skipped, total = self.resume_point(name)
         every = self.every or max(len(docs), 1)
         probe = build_probe()
         adapter = probe.adapter
@@ -390,7 +393,7 @@ class CheckpointedRun:
                 position = start = start + len(chunk)
                 bar.update(len(chunk))
                 if self.folder is not None and position < len(docs):
-                    self._checkpoint(name, position, skipped, total, adapter.request_plan)
+                    self.save_progress(name, position, skipped, total, adapter.request_plan)
         finally:
             bar.close()
         if total is None:
@@ -402,6 +405,23 @@ class CheckpointedRun:
         total.metadata["complete"] = True
         if per_request and adapter.request_plan is not None:  # the plan the last requests were sent under
             total.metadata["requests"] = adapter.request_plan.to_dict()
+        return self.finish(name, total, metadata)
+
+    def resume_point(self, name: str) -> tuple[int, int, Any]:
+        """``(position, skipped, partial result or None)`` where variant ``name`` goes on: what the checkpoint
+        holds of it (the items done, those skipped, their sums), or ``(0, 0, None)`` for a variant not started."""
+        if self.current is None or self.current["variant"] != name:
+            return 0, 0, None
+        total = self._load(self.current["file"]) if self.current["file"] else None
+        return int(self.current["position"]), int(self.current["skipped"]), total
+
+    def finished(self, name: str) -> Any:
+        """Variant ``name``'s finished result as the checkpoint holds it, or ``None`` where it is not done."""
+        return self._load(self.done[name]) if name in self.done else None
+
+    def finish(self, name: str, total: Any, metadata: dict[str, Any] | None = None) -> Any:
+        """Record variant ``name`` as done: ``total`` (complete) with the checkpoint's record and ``metadata``
+        added, written to ``<name>-done.safetensors`` and the state (when checkpointing)."""
         total.metadata["checkpoint"] = {"every": self.every, "resumed_from": self.resumed_from}
         total.metadata.update(metadata or {})
         if self.folder is not None:
@@ -430,8 +450,10 @@ class CheckpointedRun:
         path = self.folder / self.done[name]
         return path if path.is_file() else None
 
-    def _checkpoint(self, name: str, position: int, skipped: int, total: ProbeResult | None,
-                    requests: Any = None) -> None:
+    def save_progress(self, name: str, position: int, skipped: int, total: Any, requests: Any = None) -> None:
+        """Checkpoint variant ``name`` after ``position`` items (``skipped`` of them empty), their sums ``total``
+        (marked partial) written first, then the state that points to them (with ``requests``, a remote run's
+        request plan, so that a resumed run sends the requests the interrupted one would have)."""
         assert self.folder is not None
         filename = None
         if total is not None:

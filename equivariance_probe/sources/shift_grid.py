@@ -18,15 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from ..adapters.base import SegmentBatch
 from ..errors import ContextLengthError, EmptyCorpusError, InputError, check_choice, check_integer, option
+from ..statistics.groups import DEFAULT_INTERVAL_GROUPS
+from ..statistics.options import Options
 from .packing import special_prefix
 
-__all__ = ["SHIFT_MODES", "ShiftGrid", "shift_grid", "check_shift_options", "default_offsets", "split_documents",
-           "DEFAULT_SHIFT"]
+__all__ = ["SHIFT_MODES", "ShiftGrid", "ShiftOptions", "SHIFT_FIELDS", "shift_grid", "check_shift_options",
+           "default_offsets", "split_documents", "DEFAULT_SHIFT"]
 
 SHIFT_MODES = ("text", "position_ids")
 #: Defaults of the study: 8 segments of 64 tokens, 4 contexts, 6 offsets, windows of at most 1024 tokens.
@@ -72,6 +75,22 @@ class ShiftGrid:
     def forward_passes(self) -> int:
         """Windows the grid runs: ``G · F · S``."""
         return int(self.segments.shape[0]) * self.n_contexts * len(self.offsets)
+
+    def batch(self, segment: int, context: int, indices: Sequence[int]) -> SegmentBatch:
+        """One forward pass: the right-padded windows ``(segment, context, offsets[i])`` for ``i`` in ``indices``."""
+        rows, starts = zip(*(self.window(segment, context, self.offsets[i]) for i in indices))
+        lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
+        tokens = torch.zeros((len(rows), int(lengths.max())), dtype=torch.long)
+        for b, row in enumerate(rows):
+            tokens[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+        position_start = torch.tensor(starts, dtype=torch.long) if self.mode == "position_ids" else None
+        return SegmentBatch(tokens, lengths, tuple(indices), position_start)
+
+    def batches(self, segment: int, batch_size: int) -> list[list[SegmentBatch]]:
+        """Segment ``segment``'s grid as forward passes: per context, the offsets in runs of ``batch_size``."""
+        n = len(self.offsets)
+        return [[self.batch(segment, context, range(first, min(first + batch_size, n))) for first in range(0, n, batch_size)]
+                for context in range(self.n_contexts)]
 
     def describe(self) -> dict[str, Any]:
         return {"mode": self.mode, "prefix": list(self.prefix), "n_segments": int(self.segments.shape[0]),
@@ -274,3 +293,64 @@ def shift_grid(segments: Iterable[Any], contexts: Iterable[Any] | None, tokenize
         raise InputError(f"text mode needs at least two contexts to separate what precedes the text from where it "
                          f"sits, got {len(context_ids)}; pass more contexts, or {option('mode', 'position_ids')}")
     return ShiftGrid(prefix, torch.tensor(segment_ids), torch.tensor(context_ids), offsets, mode)
+
+
+@dataclass(frozen=True)
+class ShiftOptions(Options):
+    """How a shift run measures: one value passed whole from the command line through the study runner
+    (:func:`~equivariance_probe.runs.shift.run_shift_study`) down to :meth:`~equivariance_probe.EquivarianceProbe.shift`,
+    as :class:`~equivariance_probe.probe.MeasurementOptions` is for ``run``.
+
+    Every value is checked once, when the options are built (each by the check the rest of the package uses
+    for it: ``batch_size`` as ``run`` checks it); what needs the model (offsets beyond its window, the default
+    offsets) is settled once by :meth:`resolved`.
+
+    Attributes:
+        offsets: the offsets ``s``, sorted and each once (``None``: :func:`default_offsets` for the model,
+            filled in by :meth:`resolved`).
+        segment_length: ``m`` tokens per segment (at least 2).
+        mode: ``"text"`` or ``"position_ids"``.
+        batch_size: windows per forward pass (one context at several offsets). Results do not depend on it.
+        predictions: measure next-token predictions (``None``: for a causal language model with its head).
+        interval_groups: groups of segments for the jackknife intervals; 0 for none (as for ``run``).
+
+    Example:
+        >>> ShiftOptions(offsets=[512, 0, 256]).offsets
+        (0, 256, 512)
+    """
+
+    offsets: tuple[int, ...] | None = None
+    segment_length: int = DEFAULT_SHIFT["segment_length"]
+    mode: str = "text"
+    batch_size: int = 1
+    predictions: bool | None = None
+    interval_groups: int = DEFAULT_INTERVAL_GROUPS
+
+    _option: ClassVar[str] = "shift option"
+    _example: ClassVar[str] = "offsets=[0, 256, 512]"
+
+    def __post_init__(self) -> None:
+        offsets = check_shift_options(offsets=self.offsets, segment_length=self.segment_length, mode=self.mode)
+        object.__setattr__(self, "offsets", offsets)
+        check_integer("batch_size", self.batch_size)
+        check_integer("interval_groups", self.interval_groups, minimum=0, message=(
+            f"interval_groups must be a non-negative integer (0: no intervals), not {self.interval_groups!r}; pass e.g. "
+            f"{option('interval_groups', DEFAULT_INTERVAL_GROUPS)}"))
+        if self.predictions is not None and not isinstance(self.predictions, bool):
+            raise InputError(f"predictions must be True, False or None (the default for the model), not {self.predictions!r}")
+
+    def resolved(self, layout: Any, prefix_length: int) -> ShiftOptions:
+        """These options with the offsets settled for a model: given ones kept, else :func:`default_offsets` of its
+        layout (``max_context``, ``sliding_windows``) after a special prefix of ``prefix_length`` tokens.
+
+        Raises:
+            ContextLengthError: the model's window leaves a segment no room to move.
+        """
+        if self.offsets is not None:
+            return self
+        return self.replace(offsets=default_offsets(layout.max_context, prefix_length, self.segment_length,
+                                                    layout.sliding_windows))
+
+
+#: The names of :class:`ShiftOptions`' fields, in order.
+SHIFT_FIELDS: tuple[str, ...] = ShiftOptions.field_names()

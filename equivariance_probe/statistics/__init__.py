@@ -13,7 +13,7 @@ exactly with ``a.merge(b)`` or ``a + b``, whatever their batch sizes, processes 
   nnsight traces), under one dispatcher.
 
 How the attention statistics are put together, one job per module: :mod:`.config` (what must agree
-for a merge, and every array with its shape and merge rule), :mod:`.batch` (one batch on its way
+for a merge, and every array with its shape and merge rule), :mod:`.options` (how a run measures), :mod:`.batch` (one batch on its way
 in, added whole or not at all), :mod:`.engines` (the reductions), :mod:`.mask_check` (the first
 batch's check of the adapter's mask), :mod:`.elsewhere` (batches reduced in a remote trace),
 :mod:`.attention` (the streaming object that ties them together and merges).

@@ -125,7 +125,8 @@ class ShiftConfig:
         prefix_length: tokens of the tokenizer's special prefix before the context.
         mode: ``"text"`` (a context's first ``s`` tokens precede the segment) or ``"position_ids"`` (the
             prefix and segment alone, their position ids starting at ``s``).
-        interval_groups: ``G``, groups of segments for the jackknife (1: no intervals).
+        interval_groups: ``G``, groups of segments for the jackknife; 0 for none (the sums in one row, as with 1,
+            but the result says that no intervals were asked for).
         causal: whether the model is causal (rows see keys ``j ≤ i``).
         sliding_windows: per layer, ``None`` or the window width.
         predictions: whether next-token predictions were measured.
@@ -156,8 +157,13 @@ class ShiftConfig:
 
     def sizes(self) -> dict[str, int]:
         """The letters of :data:`SHIFT_ARRAYS`' shapes."""
-        return {"G": self.interval_groups, "L": self.n_layers, "H": self.n_heads, "O": len(self.offsets), "1": 1,
+        return {"G": self.rows, "L": self.n_layers, "H": self.n_heads, "O": len(self.offsets), "1": 1,
                 "D": self.hidden_size if self.residual_centre == "mean_vector" else 0}
+
+    @property
+    def rows(self) -> int:
+        """Rows of the group sums: ``G``, or one (the totals) without interval groups."""
+        return max(1, self.interval_groups)
 
     def differences(self, other: ShiftConfig) -> list[str]:
         """``"field: mine vs theirs"`` for every field that differs (what a refused merge names)."""

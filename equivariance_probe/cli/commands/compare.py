@@ -16,10 +16,11 @@ ORDER = 60
 SUMMARY = 'run the study on several models over the same windows: one table and figure'
 DETAILS = (
     'The models are named by --models (not --model). Every model reads the same texts, cut so that each '
-    "tokenizer yields T tokens (so no --pack). No checkpoints or shards (each model's study is short: use "
-    "'run' per model for long ones), no --sample-size (the comparison draws no scatter plot), no --analyses "
-    "(run 'positional' per model), and the Hugging Face framework only, no --framework (every framework gives"
-    ' the same numbers); its table and figure are what it writes, so no --no-figures.'
+    'tokenizer yields T tokens (so no --pack). No checkpoints or shards (--checkpoint-every, --resume: each '
+    "model's study is short; use 'run' per model for long ones), no --sample-size (the comparison draws no "
+    "scatter plot), no --analyses (run 'positional' per model), and the Hugging Face framework only, no "
+    '--framework (every framework gives the same numbers); its table and figure are what it writes, so no '
+    '--no-figures.'
 )
 
 __all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]

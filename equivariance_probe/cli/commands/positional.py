@@ -17,9 +17,9 @@ SUMMARY = 'where order comes from: Gram/TISA Toeplitzness, permutation symmetry,
 DETAILS = (
     'The analyses read hidden states and position embeddings of the Hugging Face model (no --framework) in a '
     'few short windows, one per document (no --pack), on the CPU in float32 as loaded (no --device, --dtype '
-    'or --memory-limit-gib); no checkpoints or shards, no --interval-groups or --sample-size (their numbers '
-    'have no intervals and no scatter plot), and no --keep-pattern (the attention Toeplitz R² keeps the '
-    'pattern always); its figures are what it writes, so no --no-figures.'
+    'or --memory-limit-gib); no checkpoints or shards (--checkpoint-every, --resume), no --interval-groups or'
+    ' --sample-size (their numbers have no intervals and no scatter plot), and no --keep-pattern (the '
+    'attention Toeplitz R² keeps the pattern always); its figures are what it writes, so no --no-figures.'
 )
 
 __all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]

@@ -8,15 +8,15 @@ from pathlib import Path
 
 from ..common import (check_study_fits, check_writable, finished, measurement, model_source_of, positional_into,
                       print_result, read_documents, study_options)
-from ..options import MEASURED, MODEL_OPTIONS, Deprecated, add_shared_options, non_negative
+from ..options import MEASURED, MODEL_OPTIONS, Deprecated, add_shared_options
 
 NAME = "run"
 #: Its place in ``equivariance-probe --help``.
 ORDER = 10
 SUMMARY = 'run the study on a model and corpus and write results, figures and a summary'
 DETAILS = (
-    'Trained weights vs baselines over the same windows; the only command that checkpoints (--checkpoint-'
-    'every, --resume) and splits the corpus into shards (--shard).'
+    'Trained weights vs baselines over the same windows; checkpoints (--checkpoint-every, --resume, as shift '
+    'does) and splits the corpus into shards (--shard).'
 )
 
 __all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]
@@ -24,8 +24,6 @@ __all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]
 
 def arguments(parser: argparse.ArgumentParser) -> None:
     """``run``'s options."""
-    from ...runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
-
     add_shared_options(parser, "out", *MODEL_OPTIONS, "framework", "corpus", "text_field", "n_docs", "context_length",
                        "batch_size", "pack", "baselines", *MEASURED, "sample_size", "memory_limit_gib", "no_progress",
                        "json", differ={"memory_limit_gib": ({"help": "refuse a study whose estimated memory exceeds "
@@ -36,10 +34,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     add_shared_options(parser, "analyses", differ={"analyses": ({"default": [], "help": (
         "also run positional analyses (at most 8 windows of 256 tokens, one per document; the probes 2 per "
         "document), comma-separated as for 'positional', or 'all'")}, "default none: the study alone, the analyses only when asked for")})
-    parser.add_argument("--checkpoint-every", type=non_negative, default=DEFAULT_CHECKPOINT_EVERY,
-                        help="save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")
+    add_shared_options(parser, "checkpoint_every", "resume")
     parser.add_argument("--shard", default=None, metavar="I/N",
                         help="run only shard I of N (contiguous slices of the documents, I from 0), writing OUT/shard-I-of-N; "
                              "'auto' takes RANK/WORLD_SIZE (torchrun, accelerate) or the Slurm array task "

@@ -16,9 +16,10 @@ SUMMARY = 'the same text at several context lengths, trained vs baselines, per l
 DETAILS = (
     'Each length of --context-lengths reads the same --n-tokens window tokens (in place of --n-docs and '
     '--context-length). Result files are written per length and variant as they are measured, and reused when'
-    ' the scan runs again into the same --out (so it needs no --resume); no shards, no --sample-size (no '
-    "scatter plot), no --analyses (run 'positional'), and the Hugging Face framework only, no --framework "
-    '(every framework gives the same numbers); its table and figure are what it writes, so no --no-figures.'
+    ' the scan runs again into the same --out (so it needs no --resume or --checkpoint-every); no shards, no '
+    "--sample-size (no scatter plot), no --analyses (run 'positional'), and the Hugging Face framework only, "
+    'no --framework (every framework gives the same numbers); its table and figure are what it writes, so no '
+    '--no-figures.'
 )
 
 __all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]

@@ -8,8 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ...errors import InputError
-from ..common import check_writable, print_result, read_documents
+from ..common import check_writable, model_source_of, print_result, read_documents
 from ..options import MODEL_OPTIONS, add_shared_options, int_list, positive
 
 NAME = "shift"
@@ -22,7 +21,8 @@ DETAILS = (
     'worth of context and a segment: --offsets, --segment-length, --n-segments, --n-contexts), --pack, '
     "--exclude-keys, --keep-pattern, --sample-size and --analyses (they shape the study's windows and sums, "
     "not the shift grid's), --memory-limit-gib (the grid's memory is one segment's, measured in the guide) "
-    "and --resume, --shard, --checkpoint-every (run's only)."
+    "and --shard (run's only). Checkpoints every --checkpoint-every segments and goes on from the last with "
+    '--resume, as run does.'
 )
 
 __all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]
@@ -30,6 +30,7 @@ __all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]
 
 def arguments(parser: argparse.ArgumentParser) -> None:
     """``shift``'s options."""
+    from ...runs.shift import DEFAULT_SHIFT_CHECKPOINT_EVERY
     from ...sources.shift_grid import DEFAULT_SHIFT, SHIFT_MODES
 
     add_shared_options(parser, "out", *MODEL_OPTIONS, "framework", "corpus", "text_field", "batch_size", "baselines",
@@ -52,6 +53,9 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=SHIFT_MODES, default="text",
                         help="text (default): context tokens precede the segment; position_ids: the segment alone with "
                              "its position ids moved")
+    add_shared_options(parser, "checkpoint_every", "resume", differ={"checkpoint_every": (
+        {"default": DEFAULT_SHIFT_CHECKPOINT_EVERY, "help": "save a checkpoint in OUT/checkpoint every N segments (0: never)"},
+        "default 1: a segment's grid is many forward passes, its checkpoint one small file")})
     add_shared_options(parser, "no_figures", "figure_format")
     parser.add_argument("--view-head", default=None,
                         help="the head of the report's CircuitsVis view, e.g. 'L4H3' (default: the head whose centred "
@@ -59,57 +63,32 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def handle(args: argparse.Namespace) -> int:
-    """``equivariance-probe shift``: the shift test on the trained model and each baseline; one
+    """``equivariance-probe shift``: the shift study (:func:`~equivariance_probe.runs.shift.run_shift_study`); one
     ``shift_<variant>.safetensors`` per variant and a table (``--json``: the summaries)."""
-    from ...probe import EquivarianceProbe
-    from ...runs.study import check_baselines, variant_builders
+    from ...runs.checkpoint import CHECKPOINT_FOLDER
+    from ...runs.shift import run_shift_study
     from ...runs.tables import shift_result_readings
-    from ...sources.corpus import load_corpus
-    from ...sources.devices import parse_dtype, resolve_device
-    from ...sources.models import PACKAGED_ENCODERS, load_model, load_positional_model
-    from ...sources.packing import special_prefix
-    from ...sources.shift_grid import check_shift_options, default_offsets, split_documents
+    from ...sources.shift_grid import ShiftOptions
 
     out = Path(args.out)
     check_writable(out)
-    check_baselines(args.baselines)
-    # Everything that needs no model is checked before one loads (a minute for a packaged model's first load).
-    check_shift_options(offsets=args.offsets, segment_length=args.segment_length, mode=args.mode,
-                        n_contexts=args.n_contexts)
-    # Loaded as run_study loads it: the Hugging Face model wrapped for --framework; each baseline is built from it
-    # and wrapped the same way, so trained and baselines run through one framework.
-    if args.model in PACKAGED_ENCODERS:  # the packaged BERT encoder: the segment ends the window, attention both ways
-        if args.framework != "huggingface":
-            raise InputError(f"the packaged encoder {args.model!r} runs as a Hugging Face model only; drop --framework "
-                             f"{args.framework}")
-        model, tokenizer = load_positional_model(args.model, cache_dir=args.cache_dir)
-        model = model.to(device=resolve_device(args.device), dtype=parse_dtype(args.dtype))
-    else:
-        model, tokenizer = load_model(args.model, args.framework, cache_dir=args.cache_dir, dtype=parse_dtype(args.dtype),
-                                      attn_implementation=args.attn_implementation, device=resolve_device(args.device))
-    probe = EquivarianceProbe(model, tokenizer=tokenizer)
-    offsets = args.offsets or default_offsets(probe.adapter.layout.max_context, len(special_prefix(tokenizer)),
-                                              args.segment_length, probe.adapter.layout.sliding_windows)
-    documents = read_documents(args)
-    documents = load_corpus(documents) if documents is None or isinstance(documents, (str, Path)) else documents
-    segments, contexts = split_documents(
-        documents, tokenizer, n_segments=args.n_segments, n_contexts=1 if args.mode == "position_ids" else args.n_contexts,
-        segment_length=args.segment_length, context_length=max(offsets))
-    options = dict(offsets=offsets, segment_length=args.segment_length, mode=args.mode, batch_size=args.batch_size,
-                   interval_groups=args.interval_groups)
-    results, wrote = {}, []
-    for name, build in variant_builders(model, args.baselines, args.seed):  # one baseline in memory at a time
-        results[name] = EquivarianceProbe(build(), tokenizer=tokenizer).shift(
-            segments, None if args.mode == "position_ids" else contexts,
-            progress=False if args.no_progress else f"{name}: segments", **options)
-        results[name].metadata["study"] = {"model": args.model, "variant": name}  # as the user named them
-        wrote.append(results[name].save(out / f"shift_{name}.safetensors"))
+    args.checkpoint_folder = out / CHECKPOINT_FOLDER  # for the note of a study that stops (see main)
+    options = ShiftOptions(offsets=args.offsets, segment_length=args.segment_length, mode=args.mode,
+                           batch_size=args.batch_size, interval_groups=args.interval_groups)
+    study = run_shift_study(model_source_of(args), out, options, corpus=read_documents(args),
+                            n_segments=args.n_segments, n_contexts=args.n_contexts, baselines=args.baselines,
+                            seed=args.seed, checkpoint_every=args.checkpoint_every, resume=args.resume,
+                            progress=not args.no_progress)
+    if study.probe is None:  # killed after its files were written, while its checkpoint was cleared
+        print(f"the shift study in {out} had finished: its results are in {', '.join(map(str, study.wrote))}")
+        return 0
+    wrote = list(study.wrote)
     if not args.no_figures:
-        wrote += _shift_display(out, probe, results, segments, None if args.mode == "position_ids" else contexts,
-                                args.view_head, args.figure_format)
-    table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in results.items())
-    print_result(args, f"{table}\n\n{shift_result_readings()}", {name: result.summary() for name, result in results.items()},
-           wrote)
+        wrote += _shift_display(out, study.probe, study.results, study.segments, study.contexts, args.view_head,
+                                args.figure_format)
+    table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in study.results.items())
+    print_result(args, f"{table}\n\n{shift_result_readings()}",
+                 {name: result.summary() for name, result in study.results.items()}, wrote)
     return 0
 
 
