@@ -20,8 +20,6 @@ which of these protocols a run used.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -30,8 +28,8 @@ import torch
 from .adapters import Adapter, get_adapter
 from .adapters.checks import FirstBatchChecks, run_first_batch_checks
 from .adapters.segments import capture_segment_grid
-from .errors import ContextLengthError, EmptyCorpusError, InputError, StopRequested, check_integer, is_integer
-from .progress import _bar_class, progress_bar  # noqa: F401 - _bar_class: imported from here by tests
+from .errors import ContextLengthError, EmptyCorpusError, InputError, check_integer, is_integer
+from .progress import STOP_REQUESTED, _bar_class, _stop_if_requested, keeping_partial, progress_bar  # noqa: F401 - _bar_class: imported from here by tests
 from .records.provenance import corpus_fingerprint, run_metadata, window_fingerprint, window_fingerprints
 from .result import ProbeResult
 from .shift_result import ShiftResult, shift_check
@@ -48,47 +46,6 @@ from .statistics.options import MEASUREMENT_FIELDS, MeasurementOptions, check_me
 
 __all__ = ["EquivarianceProbe", "MeasurementOptions", "ShiftOptions", "DEFAULT_CONTEXT_LENGTH", "progress_bar", "counted",
            "STOP_REQUESTED", "keeping_partial"]
-
-#: Set from outside (the command line sets it on SIGTERM) to stop every run before its next batch:
-#: the run raises :class:`~equivariance_probe.errors.StopRequested`, its complete batches kept as
-#: the exception's ``partial_result``. A batch is never cut half-way, and a scheduler's grace period
-#: (30 s by default in Slurm and Kubernetes) is spent finishing one batch, not a checkpoint's chunk.
-STOP_REQUESTED = threading.Event()
-
-
-def _stop_if_requested() -> None:
-    if STOP_REQUESTED.is_set():
-        raise StopRequested("a stop was requested (SIGTERM): stopped before the next batch")
-
-@contextlib.contextmanager
-def keeping_partial(result: Any, bar: Any = None, *, on_stop: Callable[[], None] | None = None,
-                    always: Callable[[], None] | None = None) -> Iterator[Any]:
-    """The scaffold of every measuring loop (``run``, ``shift`` and the study runners above them): whatever stops
-    the loop (the package's own error, an interrupt, a SIGTERM's stop, an OSError from a document generator, a
-    ValueError from a user's hook), what was measured so far is kept, marked partial, and handed to the caller as
-    the exception's ``partial_result``, so nothing computed is lost and nothing claims to be complete.
-
-    Args:
-        result: the result the loop adds to (its ``metadata["complete"]`` becomes ``False`` on a stop).
-        bar: a progress bar, closed however the loop ends.
-        on_stop: what the loop records when it stops (before the result is handed over).
-        always: what the loop records however it ends.
-    """
-    try:
-        yield result
-    except BaseException as error:
-        if on_stop is not None:
-            on_stop()
-        result.metadata["complete"] = False
-        with contextlib.suppress(AttributeError, TypeError):  # exceptions with __slots__ take no attribute
-            error.partial_result = result  # type: ignore[attr-defined]
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-        if always is not None:
-            always()
-
 
 #: Context length for strings when none is given (the study's), capped at the model's maximum.
 DEFAULT_CONTEXT_LENGTH = 1024

@@ -85,9 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 @contextlib.contextmanager
 def _stop_on_sigterm():
     """While the command runs, SIGTERM (what Slurm and Kubernetes send before SIGKILL) asks every run
-    to stop before its next batch (:data:`~equivariance_probe.probe.STOP_REQUESTED`), so that what the
+    to stop before its next batch (:data:`~equivariance_probe.progress.STOP_REQUESTED`), so that what the
     checkpoint holds is kept and the stop says how to resume; a second SIGTERM ends the process at once."""
-    from ..probe import STOP_REQUESTED
+    from ..progress import STOP_REQUESTED
 
     if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
         yield
