@@ -192,6 +192,7 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
     and, where its default differs, the default and why.
     """
     from .runs.positional import ANALYSES
+    from .adapters.registry import DEFAULT_FRAMEWORK, framework_names
     from .runs.study import BASELINES, DEFAULT_STUDY
     from .statistics.groups import DEFAULT_INTERVAL_GROUPS
 
@@ -201,8 +202,8 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
                                  "hub name already cached (default: gemma-3-270m)"}),
         "cache_dir": (("--cache-dir",), {"default": None, "help": "where converted packaged models are cached"}),
         "framework": (("--framework",), {
-            "default": "huggingface", "choices": ["huggingface", "transformer_lens", "nnsight"],
-            "help": "the framework that runs the model: huggingface (default), transformer_lens (a TransformerBridge) "
+            "default": DEFAULT_FRAMEWORK, "choices": list(framework_names()),
+            "help": f"the framework that runs the model: {DEFAULT_FRAMEWORK} (default), transformer_lens (a TransformerBridge) "
                     "or nnsight (local); every framework gives the same numbers"}),
         "attn_implementation": (("--attn-implementation",), {
             "default": "sdpa", "help": "the attention kernel the model runs: sdpa (default), eager or flash_attention_2; "
@@ -318,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                       "this many GiB"},
                                                              "default: no check, the study runs as loaded")})
     run.set_defaults(handler=_run)
-    run.add_argument("--backend", dest="framework", choices=["huggingface", "transformer_lens", "nnsight"],
+    run.add_argument("--backend", dest="framework", choices=shared_options()["framework"][1]["choices"],
                      action=_Deprecated, help="deprecated spelling of --framework (removed in the next release)")
     add_shared_options(run, "analyses", differ={"analyses": ({"default": [], "help": (
         "also run positional analyses (at most 8 windows of 256 tokens, one per document; the probes 2 per "
@@ -618,7 +619,7 @@ def _run(args: argparse.Namespace) -> int:
         args.model,
         **_study_options(args, documents),
         options=_measurement(args),
-        backend=args.framework,
+        framework=args.framework,
         checkpoint_dir=None if args.checkpoint_every == 0 else out / CHECKPOINT_FOLDER,
         checkpoint_every=args.checkpoint_every or None,
         resume=args.resume,

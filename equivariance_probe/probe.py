@@ -572,7 +572,7 @@ class EquivarianceProbe:
             the error's ``partial_result``, marked partial.
         """
         from .adapters.internals import rotary_modules
-        from .adapters.modules import hf_model_of, is_causal_lm, residual_width
+        from .adapters.modules import hf_model_of, residual_width
 
         layout = self.adapter.layout
         tokenizer = self.adapter.tokenizer
@@ -590,7 +590,7 @@ class EquivarianceProbe:
         self._check_vocabulary(grid.segments, "the segments' token ids")
         self._check_vocabulary(grid.contexts, "the contexts' token ids")
         if predictions is None:  # a causal language model's head; a bare decoder (Gemma3TextModel) has none
-            predictions = layout.causal and (self.adapter.framework != "huggingface" or is_causal_lm(self.model))
+            predictions = layout.causal and self.adapter.has_language_model_head()
         predictions = bool(predictions)
         config = ShiftConfig(n_layers=layout.n_layers, n_heads=layout.n_heads, offsets=grid.offsets,
                              n_contexts=grid.n_contexts, segment_length=grid.segment_length,

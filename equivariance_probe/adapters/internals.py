@@ -199,7 +199,7 @@ def intercept_attention(
                 f"no attention call of {type(model).__name__} went through transformers' {name!r} attention "
                 "function in this block, so queries and keys could not be read (a TransformerBridge replaces "
                 "the attention modules with its own). Pass the Hugging Face model: load_model(name) or "
-                "load_model(name, backend='nnsight')"
+                "load_model(name, framework='nnsight')"
             )
     finally:
         if had_local:

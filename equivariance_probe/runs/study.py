@@ -31,6 +31,7 @@ from .tables import difference_table, summary_table, windows_needed_text
 from ..sources.baselines import random_init_like, zero_like
 from ..sources.corpus import load_corpus
 from ..sources.devices import parse_dtype, resolve_device
+from ..adapters.registry import DEFAULT_FRAMEWORK, framework_keyword
 from ..sources.models import load_model
 from ..sources.packing import pack_documents
 from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun, lock_output_folder
@@ -214,7 +215,7 @@ def _link(source: Path, destination: Path) -> bool:
 def run_study(
     model: str = "gemma-3-270m",
     *,
-    backend: str = "huggingface",
+    framework: str | None = None,
     corpus: Any = None,
     n_docs: int = DEFAULT_STUDY["n_docs"],
     baselines: Sequence[str] = tuple(BASELINES),
@@ -231,13 +232,15 @@ def run_study(
     dtype: str | None = None,
     attn_implementation: str = "sdpa",
     pack: bool = False,
+    backend: str | None = None,
     **measurement: Any,
 ) -> Study:
     """Run the study: the trained model and each baseline on the same documents.
 
     Args:
         model: a packaged model name (``"gemma-3-270m"``), a local folder, or a cached hub name.
-        backend: ``"huggingface"``, ``"transformer_lens"`` or ``"nnsight"``.
+        framework: one of the registry's frameworks (``"huggingface"``, the default, ``"transformer_lens"``,
+            ``"nnsight"``: :func:`~equivariance_probe.adapters.registry.framework_names`).
         corpus: anything :func:`~equivariance_probe.sources.corpus.load_corpus` reads (``None``: the
             packaged default corpus).
         n_docs: documents (one window each).
@@ -268,6 +271,7 @@ def run_study(
             exactly ``context_length`` tokens, each after the tokenizer's special prefix
             (:func:`~equivariance_probe.sources.packing.pack_documents`), instead of one window per
             document; checkpoints and shards then count windows, not documents.
+        backend: the deprecated name of ``framework`` (warns).
         **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
             those of ``options``: ``context_length`` (window length in tokens), ``batch_size``
             (windows per forward pass), ``exclude_keys`` (key positions left out of every statistic,
@@ -278,6 +282,7 @@ def run_study(
             intervals, by window fingerprint, so the variants, shards and resumed runs share them;
             0 for none), ...
     """
+    framework = framework_keyword(framework, backend, DEFAULT_FRAMEWORK)
     options = MeasurementOptions.of(STUDY_MEASUREMENT if options is None else options, **measurement)
     if options.context_length is None:
         options = options.replace(context_length=STUDY_MEASUREMENT.context_length)
@@ -298,7 +303,7 @@ def run_study(
         if loaded is not None:
             network, tokenizer = loaded
         else:
-            network, tokenizer = load_model(model, backend, cache_dir=cache_dir, device=resolve_device(device),
+            network, tokenizer = load_model(model, framework, cache_dir=cache_dir, device=resolve_device(device),
                                             dtype=parse_dtype(dtype), attn_implementation=attn_implementation)
         timings["load_model"] = time.perf_counter() - start
         # Packed, the units of shards and checkpoints are the windows (the documents fill them unevenly).
@@ -308,7 +313,7 @@ def run_study(
             "model": str(model),
             # Where the documents came from, so that a report can reload one to view heads.
             "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
-            "backend": backend,
+            "framework": framework,
             "n_docs": len(all_docs),
             "context_length": context_length,
             "batch_size": options.batch_size,
@@ -323,11 +328,15 @@ def run_study(
         }
         if pack:  # only then, so that the fingerprints of unpacked studies stay what they were
             config["pack"] = True
+        # The fingerprints hash the framework under its first key, "backend", so that the checkpoints and
+        # shards written before it was called "framework" still resume and merge.
+        fingerprinted = {("backend" if k == "framework" else k): v for k, v in config.items()}
         identity = {"model": model_identity(network), "corpus": corpus_identity,
-                    "config": {**config, "shard": None if shard is None else str(shard)}}
+                    "config": {**fingerprinted, "shard": None if shard is None else str(shard)}}
         # What the numbers depend on (not batch size, sample size or checkpoints): results that differ
         # in it never merge.
-        measured = {k: config[k] for k in ("backend", "context_length", "exclude_keys", "seed", "pack") if k in config}
+        measured = {k: fingerprinted[k] for k in ("backend", "context_length", "exclude_keys", "seed", "pack")
+                    if k in fingerprinted}
         provenance = {"model": identity["model"], "corpus": corpus_identity, "config_sha256": config_fingerprint(measured)}
         runner = CheckpointedRun(checkpoint_dir, every=config["checkpoint_every"], identity=identity, resume=resume)
         if shard is not None:
