@@ -39,7 +39,7 @@ from .records.fileformat import jsonable
 from .sources.registry import display_name
 from .statistics.masks import layer_groups
 from .statistics.config import shapes_of
-from .statistics.shift import REPRESENTATIONS, SHIFT_ARRAYS, VECTOR_REPRESENTATIONS, ShiftConfig, ShiftStatistics
+from .statistics.shift import REPRESENTATION_UNITS, REPRESENTATIONS, SHIFT_ARRAYS, VECTOR_REPRESENTATIONS, ShiftConfig, ShiftStatistics
 
 __all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell", "check_verdict"]
 
@@ -53,8 +53,7 @@ SHIFT_FORMAT_VERSIONS = (1, 2)
 #: ``by`` choices of the shares.
 SHARE_BY = (None, "layer", "head", "layer_group")
 #: Units of :meth:`ShiftResult.offset_rms`.
-UNITS = {"centred_logits": "nats", "conditional_weights": "weight", "raw_weights": "weight",
-         "residual": "residual-stream units"}
+UNITS = REPRESENTATION_UNITS
 OFFSET_MEANING = {
     "text": "the offset is the segment's position AND the amount of text before it (a text that ends the window "
             "cannot move without more or less text preceding it)",

@@ -40,6 +40,7 @@ from ..statistics.engines.shift_sums import (
     segment_representations,
 )
 from ..statistics.masks import KEY_BINS
+from ..statistics.sums import STATISTICS, head_sums
 from .segments import hidden_keys, segment_blocks_from_qk, segment_log_probs, segment_rows
 
 __all__ = [
@@ -341,11 +342,14 @@ def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bo
     not depend on the number of windows in the batch. For comparison, the bf16 patterns of one
     window are ``2·L·H·T²`` bytes.
     """
-    per_row = 6 if keep_first_key else 5
-    n = n_layers * (per_row * n_heads * n_positions + 3 * n_heads + 1) + min(n_positions, key_bins) * n_positions
-    if keep_pattern:
-        n += n_layers * n_heads * n_positions**2
-    return 8 * n
+    # Per layer, from the table of sums: H·W per row or lag sum, H·W² for the pattern, H per head sum, and the
+    # outside mass; the key-lag sums once, summed over layers.
+    kept = {"keep_first_key": keep_first_key, "keep_pattern": keep_pattern}
+    cells = {"B H T": n_heads * n_positions, "B H D": n_heads * n_positions, "H T T": n_heads * n_positions**2}
+    per_layer = sum(cells.get(entry.window, 0) for entry in STATISTICS.values()
+                    if entry.kept_if is None or kept[entry.kept_if])
+    per_layer += len(head_sums()) * n_heads + 1
+    return 8 * (n_layers * per_layer + min(n_positions, key_bins) * n_positions)
 
 
 def segment_reply_nbytes(n_layers: int, n_heads: int, n_offsets: int, predictions: bool = True,

@@ -84,6 +84,7 @@ from .block_maths import (  # noqa: F401 - row_moments and toeplitz_r2_per_windo
     taker,
     toeplitz_r2_per_window,
 )
+from ..sums import engine_sums
 from .spec import Layout, ReductionSpec, check_qk, empty_sums, layout, work_dtype
 
 __all__ = [
@@ -99,8 +100,9 @@ __all__ = [
     "toeplitz_r2_per_window",
 ]
 
-#: The per-window sums every path returns (``pattern_sum`` is added on request).
-SUM_NAMES = ("raw_sum", "raw_sq", "log_sum", "log_sq", "floored", "lag_sum", "key_lag_sum")
+#: The per-window sums every path returns (``pattern_sum`` and ``first_key_sum`` are added on request): the
+#: table's sums that an engine computes (:func:`~equivariance_probe.statistics.sums.engine_sums`).
+SUM_NAMES = engine_sums()
 
 #: Default memory budget of one query block's temporaries, in bytes (see
 #: :func:`choose_block_size`): about 1.4 million block entries in float32 work, so that
