@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from ..statistics.engines.in_trace import attention_scores, recompute_pattern, reduce_pattern, visible_mask
+from ..statistics.engines.in_trace import attention_scores, recompute_pattern, reduce_pattern, repeat_kv, visible_mask
 from ..statistics.engines.shift_sums import (
     DECOMPOSITION_SUMS,
     PREDICTION_SUMS,
@@ -262,10 +262,7 @@ def segment_check_in_trace(attention: list, plan: dict, span: tuple) -> torch.Te
                                   kwargs.get("softcap"))[0]
         hidden = hidden_keys(start, length, plan["windows"][layer], plan["causal"], scores.device)
         weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1)
-        value = value[0, :, :length]
-        if value.shape[0] != weights.shape[0]:
-            value = value.repeat_interleave(weights.shape[0] // value.shape[0], dim=0)
-        value = value.to(weights.dtype)
+        value = repeat_kv(value[0, :, :length], weights.shape[0]).to(weights.dtype)
         own = call.output[0].detach()[0, start:length].transpose(0, 1).to(weights.dtype)  # [head, m, d]
         scale = value.abs().max().clamp_min(1e-30)
         differences.append(((torch.matmul(weights, value) - own).abs().max() / scale).to(torch.float64).cpu())
@@ -286,6 +283,7 @@ SEGMENT_FUNCTIONS = (
     "equivariance_probe.adapters.segments.segment_rows",
     "equivariance_probe.adapters.segments.segment_log_probs",
     "equivariance_probe.statistics.engines.in_trace.attention_scores",
+    "equivariance_probe.statistics.engines.in_trace.repeat_kv",
     "equivariance_probe.statistics.engines.shift_sums.counted_entries",
     "equivariance_probe.statistics.engines.shift_sums.segment_representations",
     "equivariance_probe.statistics.engines.shift_sums.add_to_cell",
@@ -303,6 +301,7 @@ SEGMENT_CHECK_FUNCTIONS = (
     "equivariance_probe.adapters.nnsight_remote.segment_check_in_trace",
     "equivariance_probe.adapters.segments.hidden_keys",
     "equivariance_probe.statistics.engines.in_trace.attention_scores",
+    "equivariance_probe.statistics.engines.in_trace.repeat_kv",
 )
 
 
@@ -312,6 +311,7 @@ REMOTE_FUNCTIONS = (
     "equivariance_probe.adapters.nnsight_remote.layer_pattern",
     "equivariance_probe.adapters.nnsight_remote.reduce_batch_in_trace",
     "equivariance_probe.statistics.engines.in_trace.attention_scores",
+    "equivariance_probe.statistics.engines.in_trace.repeat_kv",
     "equivariance_probe.statistics.engines.in_trace.recompute_pattern",
     "equivariance_probe.statistics.engines.in_trace.visible_mask",
     "equivariance_probe.statistics.engines.in_trace.reduce_layer",
