@@ -17,13 +17,6 @@ from .registry import adapter_for, supported_models
 __all__ = ["Adapter", "AttentionLayout", "ModelInfo", "PatternCallback", "get_adapter", "SUPPORTED_MODELS"]
 
 
-def __getattr__(name: str) -> Any:
-    # SUPPORTED_MODELS is read from the adapter classes' declarations (the registry), on first use.
-    if name == "SUPPORTED_MODELS":
-        return supported_models()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def get_adapter(model: Any, *, tokenizer: Any | None = None, **options: Any) -> Adapter:
     """The adapter for ``model``, chosen by its type.
 
@@ -53,3 +46,8 @@ def _built(adapter: type, model: Any, tokenizer: Any, options: dict[str, Any]) -
                          f"{accepted} (an attention implementation is chosen when the model is loaded: "
                          "from_pretrained(..., attn_implementation='eager'))")
     return adapter(model, tokenizer=tokenizer, **options)
+
+
+#: What :func:`get_adapter` accepts, for error messages and docs/guide/models.md: one line per adapter class,
+#: read from the classes' declarations (importing the adapter modules, which import torch and no framework).
+SUPPORTED_MODELS: tuple[str, ...] = supported_models()
