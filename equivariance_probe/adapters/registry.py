@@ -30,6 +30,7 @@ from ..errors import InputError, UnsupportedModelError
 from .base import Adapter
 
 __all__ = [
+    "DEFAULT_FRAMEWORK",
     "adapter_classes",
     "adapter_for",
     "framework_adapter",
