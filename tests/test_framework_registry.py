@@ -88,6 +88,14 @@ def test_an_adapter_defined_elsewhere_registers_itself_by_subclassing():
     assert "toy" not in framework_names()
 
 
+def test_a_variant_that_only_inherits_model_types_does_not_compete_with_its_parent():
+    class Variant(HuggingFaceAdapter):
+        pass
+
+    assert Variant not in adapter_classes()
+    assert adapter_for(_gpt2()) is HuggingFaceAdapter
+
+
 def test_the_backend_keyword_still_works_and_warns(monkeypatch):
     model = _gpt2()
     with pytest.warns(DeprecationWarning, match="backend= is deprecated; pass framework="):

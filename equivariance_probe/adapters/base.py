@@ -137,7 +137,8 @@ class Adapter(ABC):
     framework: str = ""
     #: The model classes this adapter takes, as ``(module, class names)`` pairs. A pair is checked only once
     #: the module's top package is in ``sys.modules`` (a model of that type cannot exist otherwise), so that
-    #: finding an adapter imports no framework. Empty: the registry never picks this class by itself.
+    #: finding an adapter imports no framework. Only a class that declares it in its own body is registered (a
+    #: variant that inherits it does not compete with its parent); empty: the registry never picks the class.
     model_types: tuple[tuple[str, tuple[str, ...]], ...] = ()
     #: What the framework's models can do beyond the contract: :data:`LANGUAGE_MODEL_HEAD`, :data:`RUNS_REMOTELY`.
     capabilities: frozenset[str] = frozenset()

@@ -53,16 +53,17 @@ def _import_adapter_modules() -> None:
 
 
 def adapter_classes() -> tuple[type[Adapter], ...]:
-    """Every adapter class that declares model types, in the order they are tried
+    """Every adapter class that declares model types in its own body, in the order they are tried
     (:attr:`~.base.Adapter.detection_order`, then name). A subclass defined anywhere else (a user's own
-    adapter, imported before the model is probed) registers itself the same way."""
+    adapter, imported before the model is probed) registers itself the same way; one that only inherits
+    its parent's model types (a variant of an adapter) does not compete with its parent for them."""
     _import_adapter_modules()
     found: list[type[Adapter]] = []
     pending = list(Adapter.__subclasses__())
     while pending:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())
-        if cls.model_types and cls not in found:
+        if "model_types" in vars(cls) and cls.model_types and cls not in found:
             found.append(cls)
     return tuple(sorted(found, key=lambda cls: (cls.detection_order, cls.framework, cls.__name__)))
 
