@@ -495,7 +495,7 @@ class EquivarianceProbe:
         layout = self.adapter.layout
         predictions = options.predictions
         if predictions is None:  # a causal language model's head; a bare decoder (Gemma3TextModel) has none
-            predictions = layout.causal and (self.adapter.framework != "huggingface" or is_causal_lm(self.model))
+            predictions = layout.causal and self.adapter.has_language_model_head()
         config = ShiftConfig(n_layers=layout.n_layers, n_heads=layout.n_heads, offsets=grid.offsets,
                              n_contexts=grid.n_contexts, segment_length=grid.segment_length,
                              prefix_length=len(grid.prefix), mode=grid.mode, interval_groups=options.interval_groups,

@@ -44,15 +44,14 @@ from .maths.intervals import Interval, format_interval, jackknife_interval
 from .records.shift_file import SHIFT_FORMAT_VERSION, SHIFT_KIND, ShiftFile, open_shift_file, write_shift_file
 from .sources.registry import display_name
 from .statistics.masks import layer_groups
-from .statistics.shift import REPRESENTATIONS, VECTOR_REPRESENTATIONS, ShiftStatistics
+from .statistics.shift import REPRESENTATION_UNITS, REPRESENTATIONS, VECTOR_REPRESENTATIONS, ShiftStatistics
 
 __all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell", "check_verdict"]
 
 #: ``by`` choices of the shares.
 SHARE_BY = (None, "layer", "head", "layer_group")
 #: Units of :meth:`ShiftResult.offset_rms`.
-UNITS = {"centred_logits": "nats", "conditional_weights": "weight", "raw_weights": "weight",
-         "residual": "residual-stream units"}
+UNITS = REPRESENTATION_UNITS
 OFFSET_MEANING = {
     "text": "the offset is the segment's position AND the amount of text before it (a text that ends the window "
             "cannot move without more or less text preceding it)",

@@ -22,8 +22,9 @@ PIP=("$VENV/bin/python" -m pip install -q)
 # nnsight at the main environment's version. transformers 5.15.0 (the oldest ndif accepts), not the main
 # environment's 5.24: from some 5.2x on, check_task() names a pipeline's class by its dotted path, and
 # nnsight 0.8.1 then sources no tokenizer for a meta model, so neither client nor ndif's sandbox
-# runner can build a model named by a folder or hub id ("Impossible to guess which tokenizer").
+# runner can build a model named by a folder or hub id ("Impossible to guess which tokenizer"). einops: a core
+# dependency of the package (installed below with --no-deps), which NDIF's servers have too (ndif's `ext` extra).
 "${PIP[@]}" "ray[default]" fastapi "uvicorn[standard]" gunicorn python-multipart redis click python-dotenv \
-    pyyaml boto3 pydantic zstandard accelerate peft "transformers==5.15.0" "nnsight==0.8.1" pytest scipy
+    pyyaml boto3 pydantic zstandard accelerate peft "transformers==5.15.0" "nnsight==0.8.1" pytest scipy einops
 "${PIP[@]}" --no-deps --ignore-requires-python ndif==0.1.2
 "${PIP[@]}" --no-deps -e .

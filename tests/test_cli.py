@@ -278,7 +278,13 @@ def test_backend_is_now_framework_and_the_old_spelling_says_so(tiny, tmp_path, c
                  "--baselines", "none", "--no-progress", "--sample-size", "0", "--no-figures",
                  "--backend", "huggingface"]) == 0
     assert "--backend is deprecated; use --framework" in capsys.readouterr().err
-    assert ProbeResult.load(out / "results.safetensors").metadata["study"]["backend"] == "huggingface"
+    metadata = ProbeResult.load(out / "results.safetensors").metadata
+    assert metadata["study"]["framework"] == "huggingface"
+    # The fingerprint hashes the framework under its old key, so shards written before still merge.
+    from equivariance_probe.records.provenance import config_fingerprint
+
+    measured = {"backend": "huggingface", "context_length": 16, "exclude_keys": [], "seed": 0}
+    assert metadata["provenance"]["config_sha256"] == config_fingerprint(measured)
 
 
 def test_run_with_the_sink_protocol_measures_64_token_windows_without_exclusions(tiny, capsys):

@@ -199,7 +199,7 @@ def test_load_local_folder_huggingface(tiny_folder: Path) -> None:
 
 def test_load_local_folder_transformer_lens(tiny_folder: Path) -> None:
     pytest.importorskip("transformer_lens")
-    bridge, tokenizer = load_model(tiny_folder, backend="transformer_lens")
+    bridge, tokenizer = load_model(tiny_folder, framework="transformer_lens")
     ids = torch.tensor([[2, 4, 5, 6, 7, 8]])
     with torch.no_grad():
         logits, cache = bridge.run_with_cache(ids)
@@ -220,7 +220,7 @@ def test_load_local_folder_transformer_lens(tiny_folder: Path) -> None:
 
 def test_load_local_folder_nnsight(tiny_folder: Path) -> None:
     pytest.importorskip("nnsight")
-    model, tokenizer = load_model(tiny_folder, backend="nnsight")
+    model, tokenizer = load_model(tiny_folder, framework="nnsight")
     ids = torch.tensor([[2, 4, 5, 6]])
     with model.trace(ids):
         logits = model.output.logits.save()
@@ -232,7 +232,9 @@ def test_load_local_folder_nnsight(tiny_folder: Path) -> None:
 
 
 def test_loader_errors(tmp_path: Path, tiny_folder: Path) -> None:
-    with pytest.raises(InputError, match=r"Unknown backend 'keras'; choose one of huggingface, transformer_lens"):
+    with pytest.raises(InputError, match=r"Unknown framework 'keras'; choose one of huggingface, transformer_lens"):
+        load_model(tiny_folder, framework="keras")
+    with pytest.warns(DeprecationWarning, match="backend= is deprecated"), pytest.raises(InputError, match="'keras'"):
         load_model(tiny_folder, backend="keras")
     with pytest.raises(InputError, match=r"attn_implementation='no_such_kernel' cannot be used.*'eager'"):
         load_model(tiny_folder, attn_implementation="no_such_kernel")
@@ -306,7 +308,7 @@ def test_packaged_gemma_backends_agree(converted: tuple[Path, float]) -> None:
     pytest.importorskip("transformer_lens")
     cache, _ = converted
     model, tokenizer = load_model(cache_dir=cache)
-    bridge, _ = load_model(backend="transformer_lens", cache_dir=cache)
+    bridge, _ = load_model(framework="transformer_lens", cache_dir=cache)
     ids = tokenizer("The capital of France is Paris.", return_tensors="pt").input_ids
     with torch.no_grad():
         expected = model(ids).logits

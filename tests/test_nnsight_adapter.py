@@ -45,7 +45,8 @@ from equivariance_probe.statistics.engines.in_trace import default_log_floor  # 
 from synthetic import collect_patterns, tiny_gemma3, tiny_gpt2, tiny_llama  # noqa: E402
 
 #: Modules a remote request may import on the server (besides nnsight's own machinery).
-ALLOWED_REMOTE_ROOTS = {"torch", "math", "collections", "builtins"}
+#: einops is installed on NDIF's servers (ndif's `ext` extra; nnsight's local simulation keeps it for that reason).
+ALLOWED_REMOTE_ROOTS = {"torch", "math", "collections", "builtins", "einops"}
 #: What unpickling any nnsight request needs, whatever the trace does.
 NNSIGHT_MACHINERY = {"nnsight", "cloudpickle", "copyreg"}
 

@@ -130,7 +130,7 @@ def test_wrapped_models_and_probes_use_the_raw_hugging_face_weights(tmp_path):
     path = save_tiny_model_with_tokenizer(tmp_path / "model", kind="gpt2", n_positions=64)
     hf, tokenizer = load_model(path)
     reference = gram_toeplitz(position_embedding_table(hf)[0])
-    wrapped = {backend: load_model(path, backend=backend)[0] for backend in ("transformer_lens", "nnsight")}
+    wrapped = {backend: load_model(path, framework=backend)[0] for backend in ("transformer_lens", "nnsight")}
     for backend, model in wrapped.items():
         assert gram_toeplitz(position_embedding_table(model)[0]).r2_whole == reference.r2_whole, backend
     # nnsight runs the Hugging Face modules; the bridge replaces the attention modules with its own,

@@ -57,7 +57,7 @@ def test_packaged_model_loads_offline_and_adapters_agree_with_plain_eager_attent
     gc.collect()
 
     for backend in ("transformer_lens", "nnsight"):
-        wrapped, _ = load_model(name, backend=backend)
+        wrapped, _ = load_model(name, framework=backend)
         patterns = collect_patterns(get_adapter(wrapped, tokenizer=tokenizer), ids)
         assert sorted(patterns) == list(range(len(reference))), backend
         for layer, expected in enumerate(reference):

@@ -227,7 +227,7 @@ def test_an_adapter_without_segment_capture_names_the_frameworks_that_run_it():
         def run_patterns(self, tokens, on_pattern):  # pragma: no cover - never reached
             raise AssertionError
 
-    with pytest.raises(UnsupportedModelError, match="backend='nnsight'"):
+    with pytest.raises(UnsupportedModelError, match="framework='nnsight'"):
         Other(torch.nn.Linear(1, 1)).run_segment(torch.zeros((1, 3), dtype=torch.long), torch.tensor([3]), 2,
                                                  on_attention=lambda *args: None)
 

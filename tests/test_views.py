@@ -230,7 +230,7 @@ def test_views_are_the_same_through_every_adapter(tiny_study, backend):
     text = "the a of and to in is was for on as with by at from that which"
     hf_model, hf_tokenizer = load_model(folder)
     reference = head_views(hf_model, text, tokenizer=hf_tokenizer, heads="L0H1,L2H3")
-    model, tokenizer = load_model(folder, backend=backend)
+    model, tokenizer = load_model(folder, framework=backend)
     views = head_views(model, text, tokenizer=tokenizer, heads="L0H1,L2H3")
     assert views.tokens == reference.tokens and views.sliding_windows == reference.sliding_windows == [8, None]
     np.testing.assert_allclose(views.pattern, reference.pattern, atol=1e-6)

@@ -29,14 +29,19 @@ The whole contract, all of it on :class:`Adapter` (the probe and the statistics 
   :attr:`~Adapter.segment_capture` (where the block is read, recorded in the result) and, for a model whose
   blocks cannot come back (nnsight on NDIF), :meth:`~Adapter.segment_grid_sums` (a segment's whole grid summed
   where the model runs, :attr:`~Adapter.sums_segment_grid`);
-* errors: :meth:`~Adapter.check_layers_seen` and :meth:`~Adapter.capture_hint`.
+* errors: :meth:`~Adapter.check_layers_seen` and :meth:`~Adapter.capture_hint`;
+* the registry's declarations (:mod:`~equivariance_probe.adapters.registry` reads them, the way einops
+  finds its backends): :attr:`~Adapter.framework`, :attr:`~Adapter.model_types` (checked without importing
+  a framework), :attr:`~Adapter.capabilities`, :meth:`~Adapter.wrap` and :meth:`~Adapter.unwrap`.
 
 Shapes follow one order everywhere: ``pattern: [batch, head, query, key]``, rows sum to 1.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +54,11 @@ from ..errors import AttentionCaptureError, InputError, UnsupportedModelError
 #: Callback an adapter calls once per layer and batch: ``on_pattern(layer, pattern)``
 #: with ``pattern: [batch, head, query, key]``.
 PatternCallback = Callable[[int, torch.Tensor], None]
+#: Capability: the framework's models always end in a language-model head (a TransformerBridge, an nnsight
+#: language model); a Hugging Face model has one only when its class is a causal LM (``...ForCausalLM``).
+LANGUAGE_MODEL_HEAD = "language_model_head"
+#: Capability: the adapter can run the model elsewhere (nnsight on NDIF), so the attention never comes back.
+RUNS_REMOTELY = "runs_remotely"
 #: Callback of :meth:`Adapter.run_segment`, once per layer and batch: ``on_attention(layer, scores,
 #: log_normaliser)`` with the segment block's pre-softmax ``scores: [batch, head, m, m]`` and
 #: ``log_normaliser: [batch, head, m]``, each row's log-sum-exp over every key it sees in its window.
@@ -123,8 +133,23 @@ class Adapter(ABC):
     the model's own ``tokenizer`` attribute (TransformerLens, nnsight), else ``None``.
     """
 
-    #: Short name of the framework, recorded in results (e.g. ``"huggingface"``).
+    #: Short name of the framework, recorded in results and chosen with ``--framework`` (e.g. ``"huggingface"``).
     framework: str = ""
+    #: The model classes this adapter takes, as ``(module, class names)`` pairs. A pair is checked only once
+    #: the module's top package is in ``sys.modules`` (a model of that type cannot exist otherwise), so that
+    #: finding an adapter imports no framework. Only a class that declares it in its own body is registered (a
+    #: variant that inherits it does not compete with its parent); empty: the registry never picks the class.
+    model_types: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    #: What the framework's models can do beyond the contract: :data:`LANGUAGE_MODEL_HEAD`, :data:`RUNS_REMOTELY`.
+    capabilities: frozenset[str] = frozenset()
+    #: The registry tries adapters in this order, lower first: a framework whose models hold another
+    #: framework's model inside (nnsight's envoys hold a ``transformers`` model) comes before it.
+    detection_order: int = 0
+    #: What :attr:`model_types` means to a user, for error messages and docs/guide/models.md.
+    supported_models: str = ""
+    #: The attention implementation a Hugging Face model must be loaded with to be wrapped for this
+    #: framework (``None``: any); a TransformerBridge replaces the attention modules with its own eager ones.
+    load_attention: str | None = None
     #: Where attention comes from, as asked: ``"weights"`` (captured post-softmax patterns),
     #: ``"recompute"`` (queries and keys, the weights recomputed by the statistics) or ``"auto"``
     #: (recompute where the first batch's check finds it exact). Adapters that only capture weights keep ``"weights"``.
@@ -136,6 +161,45 @@ class Adapter(ABC):
         self.model = model
         self._tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self._layout: AttentionLayout | None = None
+
+    # -- the registry's declarations ---------------------------------------------
+    @classmethod
+    def takes(cls, model: Any) -> bool:
+        """Whether ``model`` is an instance of one of :attr:`model_types`, importing no framework that
+        is not imported already."""
+        for module, names in cls.model_types:
+            if module.split(".")[0] not in sys.modules:
+                continue
+            try:
+                imported = importlib.import_module(module)
+                # A name a framework has removed may raise ImportError on access (TransformerLens 4's
+                # HookedTransformer) rather than be missing.
+                found = [getattr(imported, name, None) for name in names]
+            except ImportError:
+                continue
+            classes = tuple(c for c in found if isinstance(c, type))
+            if classes and isinstance(model, classes):
+                return True
+        return False
+
+    @classmethod
+    def wrap(cls, model: Any, tokenizer: Any, *, source: str, dtype: torch.dtype, device: str | torch.device) -> Any:
+        """A Hugging Face ``model`` wrapped for this framework (it may modify ``model`` in place), the
+        inverse of :meth:`unwrap`; ``source`` is the name or folder it was loaded from.
+
+        Raises:
+            InputError: this adapter's framework does not wrap Hugging Face models.
+        """
+        raise InputError(f"the {cls.framework or cls.__name__} adapter cannot wrap a Hugging Face model")
+
+    @classmethod
+    def unwrap(cls, model: Any) -> Any | None:
+        """The ``transformers`` model inside ``model`` (one of :attr:`model_types`), ``None`` if there is none."""
+        return None
+
+    def has_language_model_head(self) -> bool:
+        """Whether the model predicts the next token (:data:`LANGUAGE_MODEL_HEAD`)."""
+        return LANGUAGE_MODEL_HEAD in self.capabilities
 
     # -- geometry ---------------------------------------------------------------
     @property
@@ -278,7 +342,7 @@ class Adapter(ABC):
         raise UnsupportedModelError(
             f"the shift test runs on Hugging Face models, nnsight models run locally and TransformerLens 4.x "
             f"TransformerBridges; this {self.framework or type(self).__name__} model is none of them: load it as one "
-            "(load_model(name), load_model(name, backend='nnsight') or backend='transformer_lens')"
+            "(load_model(name), load_model(name, framework='nnsight') or framework='transformer_lens')"
         )
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:

@@ -43,6 +43,7 @@ from .modules import (
     config_max_context,
     find_attention_modules,
     is_bidirectional,
+    is_causal_lm,
     layer_windows,
     parent_layer,
     text_config,
@@ -80,6 +81,27 @@ class HuggingFaceAdapter(Adapter):
     """
 
     framework = "huggingface"
+    model_types = (("transformers", ("PreTrainedModel",)),)
+    supported_models = "transformers.PreTrainedModel (a Hugging Face causal LM)"
+    #: Last: the other frameworks' models hold a Hugging Face model inside.
+    detection_order = 2
+
+    @classmethod
+    def wrap(cls, model: Any, tokenizer: Any, *, source: str, dtype: torch.dtype, device: str | torch.device) -> Any:
+        """``model`` itself."""
+        return model
+
+    @classmethod
+    def unwrap(cls, model: Any) -> Any | None:
+        """``model`` itself, if it is a ``transformers`` model."""
+        from transformers import PreTrainedModel
+
+        return model if isinstance(model, PreTrainedModel) else None
+
+    def has_language_model_head(self) -> bool:
+        """Whether the model's class is a causal LM (``...ForCausalLM``, GPT-2's ``...LMHeadModel``); a bare
+        decoder (``Gemma3TextModel``) or an encoder has no head."""
+        return is_causal_lm(self.model)
 
     def __init__(self, model: Any, tokenizer: Any | None = None, *, pattern_source: str = "auto") -> None:
         super().__init__(model, tokenizer)

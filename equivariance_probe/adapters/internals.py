@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, InputError
-from ..statistics.engines.in_trace import attention_scores
+from ..statistics.engines.in_trace import attention_scores, repeat_kv
 
 __all__ = [
     "ABLATIONS",
@@ -179,7 +179,7 @@ def intercept_attention(
                 f"no attention call of {type(model).__name__} went through transformers' {name!r} attention "
                 "function in this block, so queries and keys could not be read (a TransformerBridge replaces "
                 "the attention modules with its own). Pass the Hugging Face model: load_model(name) or "
-                "load_model(name, backend='nnsight')"
+                "load_model(name, framework='nnsight')"
             )
     finally:
         if had_local:
@@ -340,9 +340,7 @@ def eager_weights(call: AttentionCall, window: int | None, causal: bool = True) 
     attention *is* (no biases, no sinks), not the precision of half-precision scores, which the
     statistics recompute in float32 (:meth:`~equivariance_probe.statistics.AttentionStatistics.update_from_scores`).
     """
-    query, key = call.query, call.key
-    if query.shape[1] != key.shape[1]:
-        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    query, key = call.query, repeat_kv(call.key, call.query.shape[1])
     scaling = call.scaling if call.scaling is not None else query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
     if call.softcap is not None:

@@ -4,14 +4,16 @@ Place in the seams: *adapters*, the only code that knows frameworks. Every other
 package that needs the Hugging Face model inside a wrapper, its attention modules, its layers
 or its masks asks here:
 
-* :func:`unwrap_model` / :func:`hf_model_of` — the ``transformers`` model inside a
-  TransformerLens ``TransformerBridge``, an nnsight model, or anything that holds its model as
-  ``.model`` next to one of the package's adapters as ``.adapter`` (an
+* :func:`hf_model_of` — the ``transformers`` model inside a TransformerLens ``TransformerBridge``,
+  an nnsight model (:func:`~equivariance_probe.adapters.registry.unwrap_model`, re-exported here), or
+  anything that holds its model as ``.model`` next to one of the package's adapters as ``.adapter`` (an
   :class:`~equivariance_probe.EquivarianceProbe`); duck-typed, so this module imports no class
   from above it.
 * :func:`find_attention_modules` and :func:`parent_layer` — each layer's attention module and
   the decoder layer that holds it.
-* :func:`wrap_model` — the inverse: a Hugging Face model wrapped for TransformerLens or nnsight.
+* :func:`~equivariance_probe.adapters.registry.wrap_model` (re-exported here) — the inverse: a Hugging Face
+  model wrapped for TransformerLens or nnsight; ``BACKENDS`` is the old name of the registry's
+  :func:`~equivariance_probe.adapters.registry.framework_names`.
 * :func:`text_config` and :func:`layer_windows` — the text config and each layer's sliding window.
 """
 
@@ -21,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, InputError, UnsupportedModelError, require_extra
+from ..errors import AttentionCaptureError, UnsupportedModelError
+from .registry import framework_names, unwrap_model, wrap_model
 
 __all__ = [
     "LAYER_LISTS",
@@ -160,35 +163,6 @@ def inner_module(model: Any) -> Any:
     return inner
 
 
-def unwrap_model(model: Any) -> tuple[Any, str]:
-    """The ``transformers`` model inside ``model``, and the framework that wrapped it.
-
-    Returns:
-        ``(hf_model, backend)`` with ``backend`` one of ``"huggingface"`` (``model`` itself),
-        ``"transformer_lens"`` (a bridge's ``original_model``) or ``"nnsight"`` (the module an
-        nnsight model wraps).
-
-    Raises:
-        UnsupportedModelError: no ``transformers`` model is inside.
-    """
-    from transformers import PreTrainedModel
-
-    if isinstance(model, PreTrainedModel):
-        return model, "huggingface"
-    module = type(model).__module__.split(".")[0]
-    if module == "transformer_lens" and isinstance(getattr(model, "original_model", None), PreTrainedModel):
-        return model.original_model, "transformer_lens"
-    if module == "nnsight":
-        inner = inner_module(model)
-        if isinstance(inner, PreTrainedModel):
-            return inner, "nnsight"
-    raise UnsupportedModelError(
-        f"cannot find a Hugging Face model inside a {type(model).__module__}.{type(model).__name__}; pass a "
-        "transformers PreTrainedModel, a TransformerLens TransformerBridge, or an nnsight "
-        "TransformersModel/LanguageModel (as returned by load_model)"
-    )
-
-
 def hf_model_of(model: Any) -> Any:
     """The Hugging Face model inside ``model`` (its raw weights, no TransformerLens processing).
 
@@ -228,39 +202,8 @@ def is_causal_lm(model: Any) -> bool:
     return type(model).__name__.endswith(CAUSAL_LM_SUFFIXES)
 
 
-BACKENDS = ("huggingface", "transformer_lens", "nnsight")
-
-
-def wrap_model(
-    model: Any,
-    tokenizer: Any,
-    *,
-    backend: str,
-    source: str,
-    dtype: torch.dtype,
-    device: str | torch.device,
-) -> Any:
-    """Wrap a Hugging Face model for ``backend`` (the inverse of :func:`unwrap_model`; it may modify
-    ``model`` in place): itself, a TransformerLens ``TransformerBridge`` reusing its weights and
-    config (raw weights, no processing), or an nnsight ``TransformersModel`` around it.
-
-    Raises:
-        InputError: an unknown ``backend``.
-    """
-    if backend == "huggingface":
-        return model
-    if backend == "transformer_lens":
-        require_extra("transformer_lens", "transformer-lens", "backend='transformer_lens'")
-        from transformer_lens.model_bridge import TransformerBridge
-
-        # hf_model= makes the bridge reuse these weights and this config instead of
-        # loading anything; tokenizer= keeps it from looking one up by name.
-        return TransformerBridge.boot_transformers(
-            source, hf_model=model, tokenizer=tokenizer, device=device, dtype=dtype
-        )
-    if backend == "nnsight":
-        require_extra("nnsight", "nnsight", "backend='nnsight'")
-        from nnsight.modeling.transformers import TransformersModel
-
-        return TransformersModel(model, task="text-generation", tokenizer=tokenizer)
-    raise InputError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
+def __getattr__(name: str) -> Any:
+    # The frameworks are the registry's: each adapter class declares its own.
+    if name == "BACKENDS":
+        return framework_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -72,9 +72,12 @@ from ..errors import (
     ServerUnreachableError,
     UnsupportedModelError,
     check_choice,
+    require_extra,
 )
 from ..statistics.masks import default_log_floor
 from .base import (
+    LANGUAGE_MODEL_HEAD,
+    RUNS_REMOTELY,
     Adapter,
     AttentionLayout,
     ModelInfo,
@@ -154,6 +157,30 @@ class NNsightAdapter(Adapter):
     """
 
     framework = "nnsight"
+    model_types = (("nnsight", ("NNsight", "LanguageModel", "TransformersModel", "Envoy")),)
+    supported_models = "nnsight.LanguageModel / nnsight.TransformersModel / nnsight.NNsight (local or remote=True)"
+    #: nnsight language models end in the unembedding, and run on NDIF with ``remote=True``.
+    capabilities = frozenset({LANGUAGE_MODEL_HEAD, RUNS_REMOTELY})
+    #: First: an envoy holds a Hugging Face model inside.
+    detection_order = 0
+
+    @classmethod
+    def wrap(cls, model: Any, tokenizer: Any, *, source: str, dtype: torch.dtype, device: str | torch.device) -> Any:
+        """An nnsight ``TransformersModel`` around ``model``."""
+        require_extra("nnsight", "nnsight", "framework='nnsight'")
+        from nnsight.modeling.transformers import TransformersModel
+
+        return TransformersModel(model, task="text-generation", tokenizer=tokenizer)
+
+    @classmethod
+    def unwrap(cls, model: Any) -> Any | None:
+        """The module the envoy wraps."""
+        if type(model).__module__.split(".")[0] != "nnsight":
+            return None
+        from transformers import PreTrainedModel
+
+        inner = inner_module(model)
+        return inner if isinstance(inner, PreTrainedModel) else None
 
     def __init__(
         self,

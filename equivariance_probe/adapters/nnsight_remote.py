@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from ..statistics.engines.in_trace import attention_scores, recompute_pattern, reduce_pattern, visible_mask
+from ..statistics.engines.in_trace import attention_scores, recompute_pattern, reduce_pattern, repeat_kv, visible_mask
 from ..statistics.engines.shift_sums import (
     DECOMPOSITION_SUMS,
     PREDICTION_SUMS,
@@ -40,6 +40,7 @@ from ..statistics.engines.shift_sums import (
     segment_representations,
 )
 from ..statistics.masks import KEY_BINS
+from ..statistics.sums import STATISTICS, head_sums
 from .segments import hidden_keys, segment_blocks_from_qk, segment_log_probs, segment_rows
 
 __all__ = [
@@ -261,10 +262,7 @@ def segment_check_in_trace(attention: list, plan: dict, span: tuple) -> torch.Te
                                   kwargs.get("softcap"))[0]
         hidden = hidden_keys(start, length, plan["windows"][layer], plan["causal"], scores.device)
         weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1)
-        value = value[0, :, :length]
-        if value.shape[0] != weights.shape[0]:
-            value = value.repeat_interleave(weights.shape[0] // value.shape[0], dim=0)
-        value = value.to(weights.dtype)
+        value = repeat_kv(value[0, :, :length], weights.shape[0]).to(weights.dtype)
         own = call.output[0].detach()[0, start:length].transpose(0, 1).to(weights.dtype)  # [head, m, d]
         scale = value.abs().max().clamp_min(1e-30)
         differences.append(((torch.matmul(weights, value) - own).abs().max() / scale).to(torch.float64).cpu())
@@ -285,6 +283,7 @@ SEGMENT_FUNCTIONS = (
     "equivariance_probe.adapters.segments.segment_rows",
     "equivariance_probe.adapters.segments.segment_log_probs",
     "equivariance_probe.statistics.engines.in_trace.attention_scores",
+    "equivariance_probe.statistics.engines.in_trace.repeat_kv",
     "equivariance_probe.statistics.engines.shift_sums.counted_entries",
     "equivariance_probe.statistics.engines.shift_sums.segment_representations",
     "equivariance_probe.statistics.engines.shift_sums.add_to_cell",
@@ -302,6 +301,7 @@ SEGMENT_CHECK_FUNCTIONS = (
     "equivariance_probe.adapters.nnsight_remote.segment_check_in_trace",
     "equivariance_probe.adapters.segments.hidden_keys",
     "equivariance_probe.statistics.engines.in_trace.attention_scores",
+    "equivariance_probe.statistics.engines.in_trace.repeat_kv",
 )
 
 
@@ -311,6 +311,7 @@ REMOTE_FUNCTIONS = (
     "equivariance_probe.adapters.nnsight_remote.layer_pattern",
     "equivariance_probe.adapters.nnsight_remote.reduce_batch_in_trace",
     "equivariance_probe.statistics.engines.in_trace.attention_scores",
+    "equivariance_probe.statistics.engines.in_trace.repeat_kv",
     "equivariance_probe.statistics.engines.in_trace.recompute_pattern",
     "equivariance_probe.statistics.engines.in_trace.visible_mask",
     "equivariance_probe.statistics.engines.in_trace.reduce_layer",
@@ -341,11 +342,14 @@ def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bo
     not depend on the number of windows in the batch. For comparison, the bf16 patterns of one
     window are ``2·L·H·T²`` bytes.
     """
-    per_row = 6 if keep_first_key else 5
-    n = n_layers * (per_row * n_heads * n_positions + 3 * n_heads + 1) + min(n_positions, key_bins) * n_positions
-    if keep_pattern:
-        n += n_layers * n_heads * n_positions**2
-    return 8 * n
+    # Per layer, from the table of sums: H·W per row or lag sum, H·W² for the pattern, H per head sum, and the
+    # outside mass; the key-lag sums once, summed over layers.
+    kept = {"keep_first_key": keep_first_key, "keep_pattern": keep_pattern}
+    cells = {"B H T": n_heads * n_positions, "B H D": n_heads * n_positions, "H T T": n_heads * n_positions**2}
+    per_layer = sum(cells.get(entry.window, 0) for entry in STATISTICS.values()
+                    if entry.kept_if is None or kept[entry.kept_if])
+    per_layer += len(head_sums()) * n_heads + 1
+    return 8 * (n_layers * per_layer + min(n_positions, key_bins) * n_positions)
 
 
 def segment_reply_nbytes(n_layers: int, n_heads: int, n_offsets: int, predictions: bool = True,

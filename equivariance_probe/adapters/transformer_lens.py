@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError
-from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
+from ..errors import AttentionCaptureError, require_extra
+from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
 from .internals import recompute_tolerance
 from .modules import layer_windows
 from .segments import (
@@ -87,6 +87,10 @@ class _TransformerLensAdapter(Adapter):
     """What the bridge and HookedTransformer share: hooks on ``hook_pattern``."""
 
     framework = "transformer_lens"
+    #: TransformerLens models end in the unembedding.
+    capabilities = frozenset({LANGUAGE_MODEL_HEAD})
+    #: After nnsight, whose envoys hold their module inside, and before the Hugging Face models a bridge wraps.
+    detection_order = 1
 
     def __init__(self, model: Any, tokenizer: Any | None = None) -> None:
         super().__init__(model, tokenizer)
@@ -155,6 +159,30 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
     The mask comes from the wrapped model's config (Gemma 3 ``layer_types`` and
     ``sliding_window``, Mistral-style ``sliding_window``).
     """
+
+    model_types = (("transformer_lens.model_bridge", ("TransformerBridge",)),)
+    supported_models = "transformer_lens.model_bridge.TransformerBridge (TransformerLens 4.x)"
+    load_attention = "eager"  # the bridge replaces the attention modules with its own
+
+    @classmethod
+    def wrap(cls, model: Any, tokenizer: Any, *, source: str, dtype: torch.dtype, device: str | torch.device) -> Any:
+        """A ``TransformerBridge`` reusing ``model``'s weights and config (raw weights, no processing)."""
+        require_extra("transformer_lens", "transformer-lens", "framework='transformer_lens'")
+        from transformer_lens.model_bridge import TransformerBridge
+
+        # hf_model= makes the bridge reuse these weights and this config instead of
+        # loading anything; tokenizer= keeps it from looking one up by name.
+        return TransformerBridge.boot_transformers(source, hf_model=model, tokenizer=tokenizer, device=device, dtype=dtype)
+
+    @classmethod
+    def unwrap(cls, model: Any) -> Any | None:
+        """The bridge's ``original_model``."""
+        if type(model).__module__.split(".")[0] != "transformer_lens":
+            return None
+        from transformers import PreTrainedModel
+
+        inner = getattr(model, "original_model", None)
+        return inner if isinstance(inner, PreTrainedModel) else None
 
     def _windows(self, n_layers: int) -> tuple[int | None, ...]:
         original = getattr(self.model, "original_model", None)
@@ -298,6 +326,9 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
 
 class HookedTransformerAdapter(_TransformerLensAdapter):
     """Legacy TransformerLens 2.x ``HookedTransformer`` (local attention from ``cfg.attn_types``)."""
+
+    model_types = (("transformer_lens", ("HookedTransformer",)),)
+    supported_models = "transformer_lens.HookedTransformer (TransformerLens 2.x)"
 
     def _windows(self, n_layers: int) -> tuple[int | None, ...]:
         windows = []

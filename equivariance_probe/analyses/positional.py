@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import einops
 import numpy as np
 import torch
 
@@ -257,9 +258,10 @@ def diagonal_profile_sums(scores: torch.Tensor, visible: torch.Tensor) -> tuple[
     values = torch.where(visible, scores.to(torch.float64), torch.zeros((), dtype=torch.float64, device=scores.device))
     sums = torch.zeros(heads, width, dtype=torch.float64, device=scores.device)
     counts = torch.zeros(heads, width, dtype=torch.float64, device=scores.device)
-    flat_index = index.permute(1, 0, 2, 3).reshape(heads, -1)
-    sums.scatter_add_(1, flat_index, values.permute(1, 0, 2, 3).reshape(heads, -1))
-    counts.scatter_add_(1, flat_index, visible.permute(1, 0, 2, 3).reshape(heads, -1).to(torch.float64))
+    by_head = "batch head query key -> head (batch query key)"
+    flat_index = einops.rearrange(index, by_head)
+    sums.scatter_add_(1, flat_index, einops.rearrange(values, by_head))
+    counts.scatter_add_(1, flat_index, einops.rearrange(visible, by_head).to(torch.float64))
     return sums.cpu(), counts.cpu()
 
 

@@ -150,6 +150,7 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
     A subcommand takes them with :func:`add_shared_options`, naming the ones that make sense for it
     and, where its default differs, the default and why.
     """
+    from ..adapters.registry import DEFAULT_FRAMEWORK, framework_names
     from ..runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
     from ..runs.positional import ANALYSES
     from ..runs.study import BASELINES, DEFAULT_STUDY
@@ -161,8 +162,8 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
                                  "hub name already cached (default: gemma-3-270m)"}),
         "cache_dir": (("--cache-dir",), {"default": None, "help": "where converted packaged models are cached"}),
         "framework": (("--framework",), {
-            "default": "huggingface", "choices": ["huggingface", "transformer_lens", "nnsight"],
-            "help": "the framework that runs the model: huggingface (default), transformer_lens (a TransformerBridge) "
+            "default": DEFAULT_FRAMEWORK, "choices": list(framework_names()),
+            "help": f"the framework that runs the model: {DEFAULT_FRAMEWORK} (default), transformer_lens (a TransformerBridge) "
                     "or nnsight (local); every framework gives the same numbers"}),
         "attn_implementation": (("--attn-implementation",), {
             "default": "sdpa", "help": "the attention kernel the model runs: sdpa (default), eager or flash_attention_2; "

@@ -37,7 +37,7 @@ from ..maths.intervals import Interval
 from ..probe import EquivarianceProbe
 from ..shift_result import ShiftResult
 from ..sources.shift_grid import shift_grid
-from ..statistics.shift import REPRESENTATIONS, counted_entries
+from ..statistics.shift import REPRESENTATION_LABELS, REPRESENTATIONS, counted_entries
 from .circuitsvis import (CircuitsVisFigure, attention_pattern_figure, figure_row, save_views_page, views_body_html,
                           views_html)
 from .figures import _axes_title, figure_title, pyplot
@@ -63,8 +63,7 @@ __all__ = [
 
 #: The confidence level of every interval drawn.
 INTERVAL_LEVEL = 0.95
-_REPRESENTATION_NAMES = {"centred_logits": "centred logits", "conditional_weights": "conditional weights",
-                         "raw_weights": "raw weights", "residual": "residual stream"}
+_REPRESENTATION_NAMES = REPRESENTATION_LABELS
 
 
 def _variants(results: ShiftResult | Mapping[str, ShiftResult]) -> dict[str, ShiftResult]:

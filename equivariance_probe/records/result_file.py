@@ -231,7 +231,7 @@ def open_result_file(path: str | os.PathLike) -> ResultFile:
              source, "'statistics.sample_size' must be a positive integer or null")
     _check_tensors(container, statistics, source)
     _check_summary(header["summary"], statistics, source)
-    metadata = dict(header["metadata"])
+    metadata = study_keys(dict(header["metadata"]))
     metadata["complete"] = header["complete"]
     return ResultFile(path, version, header["complete"], metadata, statistics["config"], statistics["n_windows"],
                       statistics["n_tokens"], header["summary"], _container=container)
@@ -243,6 +243,15 @@ def check_metadata(metadata: dict[str, Any], source: str) -> None:
         value = metadata.get(name)
         require(value is None or isinstance(value, dict), source,
                 f"'metadata.{name}' must be an object, not {type(value).__name__}")
+
+
+def study_keys(metadata: dict[str, Any]) -> dict[str, Any]:
+    """``metadata`` with its study record read in today's keys: a study written while the framework was
+    called the backend (``metadata["study"]["backend"]``) also says ``"framework"``; the old key stays."""
+    study = metadata.get("study")
+    if isinstance(study, dict) and "backend" in study and "framework" not in study:
+        metadata["study"] = {**study, "framework": study["backend"]}
+    return metadata
 
 
 #: The types of a number as JSON reads one back (``None``: ``null``, an undefined number).
@@ -338,7 +347,7 @@ def _open_json(path: Path) -> ResultFile:
     version = data.get("format_version") if isinstance(data, dict) else None
     data, statistics = read_json_result(data, source=str(path))
     check_metadata(data.get("metadata", {}), str(path))
-    metadata = dict(data.get("metadata", {}))
+    metadata = study_keys(dict(data.get("metadata", {})))
     metadata["complete"] = data["complete"]
     return ResultFile(path, version, data["complete"], metadata, statistics.config(),
                       statistics.n_windows, statistics.n_tokens, None, _statistics=statistics)

@@ -178,7 +178,7 @@ def merged_provenance(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     prov_a, prov_b = a.get("provenance", {}), b.get("provenance", {})
     _check_same(prov_a.get("model", {}), prov_b.get("model", {}), "weights_sha256", "model weights",
                 "merge results of one model only")
-    _check_same(prov_a, prov_b, "config_sha256", "study configurations (backend, context length, excluded keys, seed)",
+    _check_same(prov_a, prov_b, "config_sha256", "study configurations (framework, context length, excluded keys, seed)",
                 f"run every shard with the same options except {option('shard')}")
     out: dict[str, Any] = {"run_ids": ids_a + ids_b}
     shards_a, shards_b = a.get("shards"), b.get("shards")

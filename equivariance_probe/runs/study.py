@@ -336,10 +336,14 @@ def _identity(network: Any, corpus_identity: dict[str, Any], config: dict[str, A
               shard: Shard | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(identity, provenance)``: what a checkpoint must match to be resumed, and what each result records of
     where its numbers come from."""
+    # Checkpoints and fingerprints keep the key they had before the study record spelt it "framework", so that
+    # shards and checkpoints written before still merge and resume.
+    fingerprinted = {("backend" if k == "framework" else k): v for k, v in config.items()}
     identity = {"model": model_identity(network), "corpus": corpus_identity,
-                "config": {**config, "shard": None if shard is None else str(shard)}}
+                "config": {**fingerprinted, "shard": None if shard is None else str(shard)}}
     # What the numbers depend on (not batch size, sample size or checkpoints): results that differ in it never merge.
-    measured = {k: config[k] for k in ("backend", "context_length", "exclude_keys", "seed", "pack") if k in config}
+    measured = {k: fingerprinted[k] for k in ("backend", "context_length", "exclude_keys", "seed", "pack")
+                if k in fingerprinted}
     return identity, {"model": identity["model"], "corpus": corpus_identity,
                       "config_sha256": config_fingerprint(measured)}
 
@@ -353,7 +357,7 @@ def _study_config(source: ModelSource, corpus: Any, n_docs: int, options: Measur
         "model": source.name,
         # Where the documents came from, so that a report can reload one to view heads.
         "corpus": "default" if corpus is None else str(corpus) if isinstance(corpus, (str, os.PathLike)) else None,
-        "backend": source.framework,
+        "framework": source.framework,
         "n_docs": n_docs,
         "context_length": options.context_length,
         "batch_size": options.batch_size,

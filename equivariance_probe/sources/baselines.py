@@ -24,7 +24,7 @@ __all__ = ["random_init_like", "zero_like"]
 
 
 def _unwrap(model: Any) -> tuple[PreTrainedModel, str]:
-    """The Hugging Face model inside ``model`` and the backend it came wrapped in."""
+    """The Hugging Face model inside ``model`` and the framework it came wrapped in."""
     try:
         return unwrap_model(model)
     except UnsupportedModelError:
@@ -35,15 +35,14 @@ def _unwrap(model: Any) -> tuple[PreTrainedModel, str]:
         ) from None
 
 
-def _rewrap(original: Any, hf_model: PreTrainedModel, backend: str) -> Any:
-    """Wrap a baseline's Hugging Face model the way ``original`` was wrapped."""
-    if backend == "huggingface":
-        return hf_model
+def _rewrap(original: Any, hf_model: PreTrainedModel, framework: str) -> Any:
+    """Wrap a baseline's Hugging Face model the way ``original`` was wrapped (a bare Hugging Face model's
+    wrapping is itself)."""
     tokenizer = getattr(original, "tokenizer", None)
     source = getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
     dtype = next(hf_model.parameters()).dtype
     device = next(hf_model.parameters()).device
-    return wrap_model(hf_model, tokenizer, backend=backend, source=source, dtype=dtype, device=device)
+    return wrap_model(hf_model, tokenizer, framework=framework, source=source, dtype=dtype, device=device)
 
 
 def _fresh_config(model: PreTrainedModel) -> Any:
@@ -63,7 +62,7 @@ def random_init_like(model: Any, seed: int = 0) -> Any:
     the original (Hugging Face model, TransformerLens bridge or nnsight model).
 
     Args:
-        model: A model as returned by :func:`load_model` (any backend), or any
+        model: A model as returned by :func:`load_model` (any framework), or any
             ``transformers`` ``PreTrainedModel``.
         seed: The seed of the initialisation.
 
@@ -73,7 +72,7 @@ def random_init_like(model: Any, seed: int = 0) -> Any:
     Raises:
         UnsupportedModelError: ``model`` is not a supported model type.
     """
-    hf_model, backend = _unwrap(model)
+    hf_model, framework = _unwrap(model)
     parameter = next(hf_model.parameters())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -81,7 +80,7 @@ def random_init_like(model: Any, seed: int = 0) -> Any:
         # _init_weights on every module and ties the embeddings as the config says.
         baseline = type(hf_model)._from_config(_fresh_config(hf_model), dtype=parameter.dtype)
     baseline = baseline.to(parameter.device).eval()
-    return _rewrap(model, baseline, backend)
+    return _rewrap(model, baseline, framework)
 
 
 def zero_like(model: Any) -> Any:
@@ -97,7 +96,7 @@ def zero_like(model: Any) -> Any:
     Hidden states and logits are then zero or constant, which is fine: only attention is probed.
 
     Args:
-        model: A model as returned by :func:`load_model` (any backend), or any
+        model: A model as returned by :func:`load_model` (any framework), or any
             ``transformers`` ``PreTrainedModel``.
 
     Returns:
@@ -107,9 +106,9 @@ def zero_like(model: Any) -> Any:
     Raises:
         UnsupportedModelError: ``model`` is not a supported model type.
     """
-    hf_model, backend = _unwrap(model)
+    hf_model, framework = _unwrap(model)
     baseline = copy.deepcopy(hf_model)
     with torch.no_grad():
         for parameter in baseline.parameters():  # tied parameters are visited once; zeroed once
             parameter.zero_()
-    return _rewrap(model, baseline.eval(), backend)
+    return _rewrap(model, baseline.eval(), framework)

@@ -21,7 +21,8 @@ from typing import Any
 
 from ..errors import InputError
 from .devices import DTYPES, parse_dtype, resolve_device
-from .models import BACKENDS, PACKAGED_ENCODERS, load_config, load_model, load_positional_model, load_tokenizer
+from ..adapters.registry import framework_names
+from .models import PACKAGED_ENCODERS, load_config, load_model, load_positional_model, load_tokenizer
 from .registry import DEFAULT_MODEL
 
 __all__ = ["ModelSource", "LOADING_KEYWORDS", "model_source"]
@@ -62,8 +63,8 @@ class ModelSource:
         if not isinstance(self.name, (str, os.PathLike)) or not str(self.name):
             raise InputError(f"ModelSource.name must be a model name or folder, not {self.name!r}")
         object.__setattr__(self, "name", str(self.name))
-        if self.framework not in BACKENDS:
-            raise InputError(f"ModelSource.framework {self.framework!r} is not one of {', '.join(BACKENDS)}")
+        if self.framework not in framework_names():
+            raise InputError(f"ModelSource.framework {self.framework!r} is not one of {', '.join(framework_names())}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InputError(f"ModelSource.dtype {self.dtype!r} is not one of {sorted(DTYPES)} (or None: as loaded)")
         if not isinstance(self.device, str):

@@ -22,7 +22,7 @@ Example:
     >>> from equivariance_probe import load_model, random_init_like, zero_like
     >>> model, tokenizer = load_model()                      # Gemma 3 270M, Hugging Face
     >>> untrained, zero = random_init_like(model, seed=0), zero_like(model)
-    >>> bridge, tokenizer = load_model(backend="transformer_lens")
+    >>> bridge, tokenizer = load_model(framework="transformer_lens")
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..adapters.modules import BACKENDS, CAUSAL_LM_SUFFIXES, wrap_model
+from ..adapters.modules import CAUSAL_LM_SUFFIXES
+from ..adapters.registry import DEFAULT_FRAMEWORK, framework_adapter, framework_keyword, framework_names, wrap_model
 from ..errors import InputError, ModelNotFoundError
 from .conversion import PACKAGED_MODELS, convert_packaged_model
 from .registry import DEFAULT_MODEL, REGISTRY
@@ -57,7 +58,12 @@ __all__ = [
     "load_tokenizer",
 ]
 
-"""Values accepted by ``load_model(backend=...)``."""
+
+def __getattr__(name: str) -> Any:
+    # ``BACKENDS``: the values ``load_model(framework=...)`` accepts, the registry's frameworks.
+    if name == "BACKENDS":
+        return framework_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Provenance and licence of the default model (see :data:`~equivariance_probe.sources.registry.REGISTRY`
 #: for every packaged model's).
@@ -151,12 +157,13 @@ def _load_hf(
 
 def load_model(
     name: str = DEFAULT_MODEL,
-    backend: str = "huggingface",
+    framework: str | None = None,
     *,
     cache_dir: str | os.PathLike[str] | None = None,
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "eager",
     device: str | torch.device = "cpu",
+    backend: str | None = None,
 ) -> tuple[Any, PreTrainedTokenizerBase]:
     """Load a causal language model and its tokenizer, offline.
 
@@ -170,7 +177,9 @@ def load_model(
 
     Args:
         name: The model (see above).
-        backend: ``"huggingface"`` returns the ``transformers`` model; ``"transformer_lens"`` a
+        framework: one of the registry's frameworks
+            (:func:`~equivariance_probe.adapters.registry.framework_names`; default ``"huggingface"``):
+            ``"huggingface"`` returns the ``transformers`` model; ``"transformer_lens"`` a
             ``TransformerBridge`` built on it (raw Hugging Face weights, no folding:
             ``bridge.original_model`` is the wrapped model); ``"nnsight"`` an nnsight
             ``TransformersModel`` around it.
@@ -183,30 +192,31 @@ def load_model(
             kernel and recomputes the weights. A TransformerBridge computes its own attention and
             is always loaded eager.
         device: Where to put the model.
+        backend: the deprecated name of ``framework`` (warns).
 
     Returns:
-        ``(model, tokenizer)``: the model (``eval()`` mode) wrapped for ``backend``, and its
+        ``(model, tokenizer)``: the model (``eval()`` mode) wrapped for ``framework``, and its
         Hugging Face tokenizer.
 
     Raises:
         ModelNotFoundError: The model is not packaged, not a local folder, and not cached.
-        InputError: Unknown ``backend``, or an ``attn_implementation`` transformers refuses.
+        InputError: Unknown ``framework``, or an ``attn_implementation`` transformers refuses.
 
     Example:
         >>> model, tokenizer = load_model()                       # ~4 s once converted
         >>> ids = tokenizer("Albedo is", return_tensors="pt").input_ids
         >>> fast, _ = load_model(attn_implementation="sdpa")      # the same weights, a fused kernel
     """
-    if backend not in BACKENDS:
-        raise InputError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-    if backend == "transformer_lens":
-        attn_implementation = "eager"  # the bridge replaces the attention modules with its own
+    framework = framework_keyword(framework, backend, DEFAULT_FRAMEWORK)
+    wrapper = framework_adapter(framework)
+    if wrapper.load_attention is not None:  # a TransformerBridge replaces the attention modules with its own
+        attn_implementation = wrapper.load_attention
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InputError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
     source, local_folder = _resolve(str(name), cache_dir)
     model, tokenizer = _load_hf(source, local_folder=local_folder, dtype=dtype, device=device,
                                 attn_implementation=attn_implementation)
-    return wrap_model(model, tokenizer, backend=backend, source=source, dtype=dtype, device=device), tokenizer
+    return wrap_model(model, tokenizer, framework=framework, source=source, dtype=dtype, device=device), tokenizer
 
 
 def load_tokenizer(

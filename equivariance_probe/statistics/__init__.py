@@ -21,10 +21,13 @@ batch's check of the adapter's mask), :mod:`.elsewhere` (batches reduced in a re
 Adding a family of sums (a new measurement that streams and merges):
 
 1. Declare its arrays once, in a table ``{name: Sum(shape, meaning, merge="add", kept_if=None)}``
-   (:class:`~equivariance_probe.statistics.config.Sum`), shapes in letters of the family's sizes
-   (``"L H T"``), as :data:`STATISTICS` does. Counts and sums merge by ``"add"``
+   (:class:`~equivariance_probe.statistics.sums.Sum`), shapes in letters of the family's sizes
+   (``"L H T"``), as :data:`STATISTICS` does (:mod:`.sums`). Counts and sums merge by ``"add"``
    (:data:`~equivariance_probe.statistics.config.MERGE_RULES`); an optional array names the
-   configuration flag that keeps it.
+   configuration flag that keeps it. A sum of the attention statistics also says what the machinery
+   needs of it: the shape an engine returns per batch (``window``), whether the first batch's check
+   compares it (``checked``) and its shape per interval group (``group``); the engines' allocation, the
+   staging of a batch, the check, the groups and the size of a remote reply read these, not lists of names.
 2. Declare how it is measured in one frozen dataclass, as
    :class:`~equivariance_probe.statistics.config.StatisticsConfig` does: the fields that must agree
    for a merge, ``sizes()`` (the letters' values), ``to_dict``/``from_dict`` (what files store) and

@@ -23,6 +23,7 @@ from .engines import ReductionSpec
 from .engines.block_maths import BlockWorkspace, toeplitz_r2_per_window
 from .groups import as_keys
 from .masks import key_bins, mask_counts, pinned
+from .sums import head_sums, row_sums
 
 __all__ = ["BatchTransaction", "resampling_keys_of", "window_fingerprint_array"]
 
@@ -33,7 +34,9 @@ _SHARED_FIELDS = tuple(sorted({item.name for item in fields(ReductionSpec)} & {i
 
 #: The per-window sums with one value per query position (``[B, H, W]``), zero-padded to ``T``; the
 #: first token's weights only where the statistics keep them (``keep_first_key``).
-_ROW_SUMS = ("raw_sum", "raw_sq", "log_sum", "log_sq", "first_key_sum")
+_ROW_SUMS = row_sums()
+#: The per-head sums (``[L, H]``), added as they come.
+_HEAD_SUMS = head_sums()
 
 
 class BatchTransaction:
@@ -138,7 +141,7 @@ class BatchTransaction:
         zero_key_lag = torch.zeros((config.key_bins, config.n_positions), dtype=torch.float64)
         for layer in range(config.n_layers):
             reduced = {name: _widened(sums[name][layer], pad) for name in (*_ROW_SUMS, "lag_sum") if name in sums}
-            for name in ("floored", "doc_toeplitz_sum", "doc_toeplitz_count"):
+            for name in _HEAD_SUMS:
                 reduced[name] = sums[name][layer]
             if "pattern_sum" in sums:
                 reduced["pattern_sum"] = _widened(sums["pattern_sum"][layer], pad, dims=2)

@@ -7,9 +7,11 @@ builds the statistics, is written into result files (:meth:`StatisticsConfig.to_
 back (:meth:`StatisticsConfig.from_dict`), and says what differs between two runs
 (:meth:`StatisticsConfig.differences`).
 
-:data:`STATISTICS` declares every array once: its shape in the letters ``L`` (layers), ``H``
-(heads), ``T`` (positions), ``D`` (lags), ``K`` (key bins), its meaning, how two runs' arrays
-merge (:data:`MERGE_RULES`) and, for optional arrays, the configuration flag that keeps them.
+:data:`~equivariance_probe.statistics.sums.STATISTICS` (in :mod:`.sums`, re-exported here) declares every
+array once: its shape in the letters ``L`` (layers), ``H`` (heads), ``T`` (positions), ``D`` (lags), ``K``
+(key bins), its meaning, how two runs' arrays merge (:data:`MERGE_RULES`), for optional arrays the
+configuration flag that keeps them, and what the engines, the first batch's check and the interval
+groups need of it.
 An array whose shape starts with ``L`` holds one row per layer, which a layer's batch adds to;
 any other array is added to whole. Allocation, merging, copying, moving between devices and
 the file schema are all loops over this table.
@@ -21,58 +23,20 @@ import operator
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ..errors import InputError
 from .masks import KEY_BINS, check_window_kind, n_lags, uniform_prior
+from .sums import STATISTICS, Sum
 
 __all__ = ["MERGE_RULES", "STATISTICS", "StatisticsConfig", "Sum", "merge_arrays", "shapes_of"]
-
-
-class Sum(NamedTuple):
-    """One array of a family of sums: its shape (letters of the sizes), meaning, merge rule and keep flag."""
-
-    shape: str
-    meaning: str
-    #: How two runs' arrays combine: a key of :data:`MERGE_RULES`.
-    merge: str = "add"
-    #: A boolean field of the configuration that must be true for the array to be kept, or ``None``.
-    kept_if: str | None = None
-
-    @property
-    def per_layer(self) -> bool:
-        """Whether the array holds one row per layer (its shape starts with ``L``)."""
-        return self.shape.split()[0] == "L"
 
 
 #: How two runs' arrays of a sum combine. Sums and counts add (float64 addition is exact for counts
 #: and rounds once per merge for sums), whatever the batch sizes, processes or machines.
 MERGE_RULES: dict[str, Callable[[Any, Any], Any]] = {"add": operator.add}
-
-#: Every statistic, its shape (in terms of L layers, H heads, T positions, D lags, K key bins) and meaning.
-STATISTICS: dict[str, Sum] = {
-    "query_count": Sum("L T", "visible entries per query position, summed over windows (per head)"),
-    "raw_sum": Sum("L H T", "Σ_k a[q,k] over visible keys, summed over windows"),
-    "raw_sq": Sum("L H T", "Σ_k a[q,k]² over visible keys"),
-    "log_sum": Sum("L H T", "Σ_k log max(a, eps) over visible keys"),
-    "log_sq": Sum("L H T", "Σ_k (log max(a, eps))² over visible keys"),
-    "floored": Sum("L H", "visible entries with a < eps (floored on the log scale)"),
-    "lag_sum": Sum("L H D", "Σ a[t+dt, t] over windows and key positions t, by lag dt"),
-    "lag_count": Sum("L D", "entries behind lag_sum (per head)"),
-    "lag_prior_sum": Sum("L D", "Σ u(t+dt) over the same entries: the uniform prior's curve"),
-    "key_lag_sum": Sum("K D", "Σ over layers, heads, windows of a[t+dt, t] for keys t in bin κ, indexed [κ, dt]"),
-    "key_lag_count": Sum("K D", "entries behind key_lag_sum"),
-    "key_lag_prior_sum": Sum("K D", "Σ u(t+dt) over the same entries"),
-    "doc_toeplitz_sum": Sum("L H", "Σ over windows of the per-window Toeplitz R²"),
-    "doc_toeplitz_count": Sum("L H", "windows behind doc_toeplitz_sum (those with nonzero variance)"),
-    "windows_covering": Sum("T", "number of windows that have a query at position q"),
-    "pattern_sum": Sum("L H T T", "optional: Σ over windows of a[q, k], indexed [q, k]", kept_if="keep_pattern"),
-    "first_key_sum": Sum("L H T", "Σ over windows of a[q, 0], the weight on the window's first token of every real "
-                         "query q (excluded or not; 0 where the mask hides key 0): the attention-sink sums",
-                         kept_if="keep_first_key"),
-}
 
 #: Field names of :class:`StatisticsConfig` as files spell them, where they differ.
 _FILE_NAMES = {"sliding_windows": "windows"}

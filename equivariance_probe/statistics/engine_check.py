@@ -39,12 +39,12 @@ from ..errors import EngineCheckError, option
 from .attention import AttentionStatistics
 from .engines.in_trace import attention_scores, visible_mask
 from .masks import default_log_floor
+from .sums import checked_sums
 
 __all__ = ["CHECKED_SUMS", "EngineCheck", "engine_tolerance"]
 
 #: The sums that depend on the attention weights (the others are the mask's counts and prior).
-CHECKED_SUMS = ("raw_sum", "raw_sq", "log_sum", "log_sq", "floored", "lag_sum", "key_lag_sum", "doc_toeplitz_sum",
-                "first_key_sum")
+CHECKED_SUMS = checked_sums()
 
 
 def engine_tolerance(dtype: torch.dtype) -> float:

@@ -48,6 +48,7 @@ import torch
 
 from ..errors import IncompatibleResultsError, InputError, option
 from .masks import mask_counts, pinned
+from .sums import group_sums
 
 __all__ = ["WindowGroups", "GROUP_SUMS", "DEFAULT_INTERVAL_GROUPS", "group_of", "KEY_KINDS"]
 
@@ -55,21 +56,13 @@ __all__ = ["WindowGroups", "GROUP_SUMS", "DEFAULT_INTERVAL_GROUPS", "group_of", 
 #: t interval with 19 degrees of freedom, cheap enough to keep per group.
 DEFAULT_INTERVAL_GROUPS = 20
 
-#: Every per-group sum and its shape after the group axis (``N``: lags, as the total's ``lag_sum``).
-GROUP_SUMS: dict[str, str] = {
-    "log_sum": "L H T",
-    "raw_sum": "L H T",
-    "log_sq": "L H",
-    "raw_sq": "L H",
-    "lag_sum": "L N",
-    "doc_toeplitz_sum": "L H",
-    "doc_toeplitz_count": "L H",
-    "first_key_sum": "L H",
-    "lengths": "T+1",
-}
+#: Every per-group sum and its shape after the group axis (``N``: lags, as the total's ``lag_sum``): the table's
+#: sums kept per group (:func:`~equivariance_probe.statistics.sums.group_sums`), and the groups' own histogram of
+#: window lengths.
+GROUP_SUMS: dict[str, str] = {**{name: entry.group for name, entry in group_sums().items()}, "lengths": "T+1"}
 
 #: Group sums kept only where the statistics keep the total they split (files written before them load without).
-OPTIONAL_GROUP_SUMS = ("first_key_sum",)
+OPTIONAL_GROUP_SUMS = tuple(name for name, entry in group_sums().items() if entry.kept_if is not None)
 
 #: Where the windows' keys came from: their fingerprints, keys the caller gave, their order in the
 #: stream (windows added without either: groups valid, but not the same in another batching), or

@@ -39,6 +39,8 @@ from .config import Sum, merge_arrays, shapes_of
 from .engines.shift_sums import (
     ATTENTION_REPRESENTATIONS,
     DECOMPOSITION_SUMS,
+    REPRESENTATION_LABELS,
+    REPRESENTATION_UNITS,
     REPRESENTATIONS,
     TOTAL_BY_DIM,
     VECTOR_REPRESENTATIONS,
@@ -54,6 +56,8 @@ from .engines.shift_sums import (
 
 __all__ = [
     "REPRESENTATIONS",
+    "REPRESENTATION_UNITS",
+    "REPRESENTATION_LABELS",
     "ATTENTION_REPRESENTATIONS",
     "VECTOR_REPRESENTATIONS",
     "RESIDUAL_CENTRES",

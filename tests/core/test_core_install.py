@@ -43,12 +43,12 @@ def test_the_packaged_models_and_corpus_are_refused_with_the_models_extra_s_pip_
             call()
 
 
-@pytest.mark.parametrize(("backend", "extra"), [("transformer_lens", "transformer-lens"), ("nnsight", "nnsight")])
-def test_a_framework_that_is_not_installed_is_refused_with_its_pip_command(tmp_path, backend, extra):
+@pytest.mark.parametrize(("framework", "extra"), [("transformer_lens", "transformer-lens"), ("nnsight", "nnsight")])
+def test_a_framework_that_is_not_installed_is_refused_with_its_pip_command(tmp_path, framework, extra):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from equivariance_probe import MissingExtraError, load_model
 
     GPT2LMHeadModel(GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=4)).save_pretrained(tmp_path)
-    with pytest.raises(MissingExtraError, match=rf"backend='{backend}'.*pip install 'equivariance-probe\[{extra}\]'"):
-        load_model(str(tmp_path), backend)
+    with pytest.raises(MissingExtraError, match=rf"framework='{framework}'.*pip install 'equivariance-probe\[{extra}\]'"):
+        load_model(str(tmp_path), framework)

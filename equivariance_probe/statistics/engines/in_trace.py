@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import einops
 import torch
 
 from ..masks import default_log_floor, uniform_prior
@@ -31,6 +32,7 @@ __all__ = [
     "reduce_pattern",
     "attention_scores",
     "recompute_pattern",
+    "repeat_kv",
 ]
 
 
@@ -193,6 +195,16 @@ def reduce_pattern(pattern: torch.Tensor, lengths: torch.Tensor, spec: dict, vis
     return out
 
 
+def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Grouped-query attention's keys or values, one per query head: ``x: [..., kv_head, position, d]`` ->
+    ``[..., head, position, d]``, each key head repeated for the ``H / H_kv`` consecutive query heads it serves
+    (``repeat_kv`` in transformers; ``x`` itself when every query head has its own).
+    """
+    if x.shape[-3] == n_heads:
+        return x
+    return einops.repeat(x, "... kv t d -> ... (kv g) t d", g=n_heads // x.shape[-3])
+
+
 def attention_scores(
     query: torch.Tensor, key: torch.Tensor, scaling: float | None, softcap: float | None
 ) -> torch.Tensor:
@@ -211,9 +223,7 @@ def attention_scores(
     Returns:
         ``[batch, head, query, key]`` scores.
     """
-    n_heads, n_kv_heads = query.shape[1], key.shape[1]
-    if n_heads != n_kv_heads:
-        key = key.repeat_interleave(n_heads // n_kv_heads, dim=1)
+    key = repeat_kv(key, query.shape[1])
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32

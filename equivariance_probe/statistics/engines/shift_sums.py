@@ -18,10 +18,15 @@ cancels): ``shift = c [head, E]``, ``by_offset = Σ_f Y[f, s, e] [head, S, E]``,
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
+    "Representation",
+    "DECLARED_REPRESENTATIONS",
+    "REPRESENTATION_UNITS",
+    "REPRESENTATION_LABELS",
     "ATTENTION_REPRESENTATIONS",
     "VECTOR_REPRESENTATIONS",
     "REPRESENTATIONS",
@@ -42,13 +47,42 @@ __all__ = [
     "PREDICTION_CHUNK",
 ]
 
-#: Attention among the segment's tokens (``[layer, head]``) and the residual stream (``[layer, 1]``).
-ATTENTION_REPRESENTATIONS = ("centred_logits", "conditional_weights", "raw_weights")
-#: Vector-valued representations: their entries are ``(token, hidden dimension)``, and their sums of squares are
-#: taken about the mean vector (one mean per hidden dimension), as multivariate analysis of variance takes them,
-#: so that no share depends on the origin or the orientation of the hidden basis.
-VECTOR_REPRESENTATIONS = ("residual",)
+class Representation(NamedTuple):
+    """One representation of the segment whose variance the shift test decomposes.
+
+    Attributes:
+        name: its key in results, files and options.
+        unit: the unit of its values (of :meth:`~equivariance_probe.shift_result.ShiftResult.offset_rms`).
+        label: its name in figures and tables.
+        vector: whether it is vector-valued (the residual stream): its entries are ``(token, hidden dimension)``,
+            and its sums of squares are taken about the mean vector (one mean per hidden dimension), as
+            multivariate analysis of variance takes them, so that no share depends on the origin or the
+            orientation of the hidden basis. Otherwise it is attention among the segment's tokens
+            (``[layer, head]``), computed by :func:`segment_representations`.
+    """
+
+    name: str
+    unit: str
+    label: str
+    vector: bool = False
+
+
+#: Every representation, declared once; the name tuples below (plain strings, which the functions shipped into a
+#: remote trace read) and the units and labels are read from it.
+DECLARED_REPRESENTATIONS = (
+    Representation("centred_logits", "nats", "centred logits"),
+    Representation("conditional_weights", "weight", "conditional weights"),
+    Representation("raw_weights", "weight", "raw weights"),
+    Representation("residual", "residual-stream units", "residual stream", vector=True),
+)
+#: Attention among the segment's tokens (``[layer, head]``).
+ATTENTION_REPRESENTATIONS = tuple(entry.name for entry in DECLARED_REPRESENTATIONS if not entry.vector)
+#: Vector-valued representations (``[layer, 1]``): the residual stream.
+VECTOR_REPRESENTATIONS = tuple(entry.name for entry in DECLARED_REPRESENTATIONS if entry.vector)
 REPRESENTATIONS = ATTENTION_REPRESENTATIONS + VECTOR_REPRESENTATIONS
+#: Each representation's unit and label.
+REPRESENTATION_UNITS = {entry.name: entry.unit for entry in DECLARED_REPRESENTATIONS}
+REPRESENTATION_LABELS = {entry.name: entry.label for entry in DECLARED_REPRESENTATIONS}
 #: The extra sum of a vector-valued representation: ``Σ Y`` per ``[layer, hidden dimension]``.
 TOTAL_BY_DIM = "total_by_dim"
 #: Additive sums of the decomposition (the same names as :data:`~equivariance_probe.maths.shift.DECOMPOSITION_SUMS`).

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ...errors import InputError
+from ..sums import STATISTICS
 from ..masks import _check_key_bins, _effective_window, _excluded_flags, check_window_kind, default_log_floor, n_lags, visible_key_counts
 
 __all__ = ["Layout", "ReductionSpec", "check_qk", "empty_sums", "layout", "work_dtype"]
@@ -226,17 +227,11 @@ def layout(spec: ReductionSpec, *, batch: int, heads: int, n_positions: int, dev
 
 
 def empty_sums(layout: Layout, keep_pattern: bool, keep_first_key: bool = False) -> dict[str, torch.Tensor]:
-    """Zeroed per-window sums of a batch: ``raw_sum, raw_sq, log_sum, log_sq: [B, H, T]``, ``lag_sum: [B, H, D]``,
+    """Zeroed per-window sums of a batch, one per sum of the table an engine computes (its ``window`` shape): ``raw_sum, raw_sq, log_sum, log_sq: [B, H, T]``, ``lag_sum: [B, H, D]``,
     ``floored: [B, H]``, ``key_lag_sum: [K, D]``, if ``keep_pattern`` ``pattern_sum: [H, T, T]`` and, if
     ``keep_first_key``, ``first_key_sum: [B, H, T]``."""
-    shape = (layout.batch, layout.heads, layout.n_positions)
-    zeros = lambda *size: torch.zeros(size, dtype=torch.float64, device=layout.device)  # noqa: E731
-    out = {name: zeros(*shape) for name in ("raw_sum", "raw_sq", "log_sum", "log_sq")}
-    out["lag_sum"] = zeros(layout.batch, layout.heads, layout.n_lags)
-    out["floored"] = zeros(layout.batch, layout.heads)
-    out["key_lag_sum"] = zeros(layout.n_key_bins, layout.n_lags)
-    if keep_pattern:
-        out["pattern_sum"] = zeros(layout.heads, layout.n_positions, layout.n_positions)
-    if keep_first_key:
-        out["first_key_sum"] = zeros(*shape)
-    return out
+    sizes = {"B": layout.batch, "H": layout.heads, "T": layout.n_positions, "D": layout.n_lags, "K": layout.n_key_bins}
+    kept = {None: True, "keep_pattern": keep_pattern, "keep_first_key": keep_first_key}
+    return {name: torch.zeros(tuple(sizes[letter] for letter in entry.window.split()), dtype=torch.float64,
+                              device=layout.device)
+            for name, entry in STATISTICS.items() if entry.window is not None and kept[entry.kept_if]}

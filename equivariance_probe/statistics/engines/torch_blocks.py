@@ -71,6 +71,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import einops
 import torch
 
 from ...errors import InputError
@@ -84,6 +85,7 @@ from .block_maths import (  # noqa: F401 - row_moments and toeplitz_r2_per_windo
     taker,
     toeplitz_r2_per_window,
 )
+from ..sums import engine_sums
 from .spec import Layout, ReductionSpec, check_qk, empty_sums, layout, work_dtype
 
 __all__ = [
@@ -99,8 +101,9 @@ __all__ = [
     "toeplitz_r2_per_window",
 ]
 
-#: The per-window sums every path returns (``pattern_sum`` is added on request).
-SUM_NAMES = ("raw_sum", "raw_sq", "log_sum", "log_sq", "floored", "lag_sum", "key_lag_sum")
+#: The per-window sums every path returns (``pattern_sum`` and ``first_key_sum`` are added on request): the
+#: table's sums that an engine computes (:func:`~equivariance_probe.statistics.sums.engine_sums`).
+SUM_NAMES = engine_sums()
 
 #: Default memory budget of one query block's temporaries, in bytes (see
 #: :func:`choose_block_size`): about 1.4 million block entries in float32 work, so that
@@ -296,8 +299,8 @@ def _block_scores(
     """
     batch, kv_heads, group, _, dim = query.shape
     rows, keys = q1 - q0, k1 - k0
-    block = query[:, :, :, q0:q1].reshape(batch * kv_heads, group * rows, dim)
-    key_block = key[:, :, k0:k1].reshape(batch * kv_heads, keys, dim).transpose(-1, -2)
+    block = einops.rearrange(query[:, :, :, q0:q1], "b kv g q d -> (b kv) (g q) d")
+    key_block = einops.rearrange(key[:, :, k0:k1], "b kv k d -> (b kv) d k")
     scores = taker(workspace, query.device)("scores", (batch * kv_heads, group * rows, keys), query.dtype)
     bias = torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill_(~allowed, float("-inf"))
     if softcap is None:
@@ -305,9 +308,9 @@ def _block_scores(
         # scores where a product, a scaling and an addition were three. The bias ([1, 1, rows, keys]
         # causal, [B, 1, 1, keys] bidirectional) is laid out as the product's [B·H_kv, G·rows, keys].
         if allowed.shape[0] == 1 and allowed.shape[-2] == rows:
-            bias = bias.view(1, rows, keys).expand(group, rows, keys).reshape(1, group * rows, keys)
+            bias = einops.repeat(bias, "1 1 q k -> 1 (g q) k", g=group)
         else:
-            bias = bias.view(batch, 1, keys).expand(batch, kv_heads, keys).reshape(batch * kv_heads, 1, keys)
+            bias = einops.repeat(bias, "b 1 1 k -> (b kv) 1 k", kv=kv_heads)
         torch.baddbmm(bias, block, key_block, alpha=scaling, out=scores)
         return scores.view(batch, kv_heads * group, rows, keys)
     torch.bmm(block, key_block, out=scores)
@@ -318,8 +321,7 @@ def _block_scores(
 def _grouped(query: torch.Tensor, key: torch.Tensor, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
     """Queries as ``[B, H_kv, G, T, d]`` and keys, both in the work dtype."""
     dtype = work_dtype(query.dtype)
-    batch, heads, n_positions, dim = query.shape
-    grouped = query.to(dtype).reshape(batch, kv_heads, heads // kv_heads, n_positions, dim)
+    grouped = einops.rearrange(query.to(dtype), "b (kv g) t d -> b kv g t d", kv=kv_heads)
     return grouped, key.to(dtype), dtype
 
 
