@@ -1,0 +1,251 @@
+"""The shift test on an nnsight model: segment blocks read inside local traces, and a remote model's whole grid
+summed on the server in one session per segment.
+
+Place in the seams: *adapters*, beside :mod:`~equivariance_probe.adapters.nnsight`, whose adapter takes these
+methods (:class:`NNsightSegments`); what runs inside the server's session is
+:mod:`~equivariance_probe.adapters.nnsight_remote` and the shift sums' own functions
+(:mod:`~equivariance_probe.statistics.engines.shift_sums`), shipped by value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from time import perf_counter
+from typing import Any
+
+import torch
+
+from ..errors import RemoteExecutionError
+from .base import SegmentAttentionCallback, SegmentBatch, SegmentResidualCallback
+from .internals import AttentionCall, recompute_tolerance
+from .request_sizes import plan_requests
+from .segments import (
+    check_predicts,
+    judged_recompute_check,
+    kept_positions,
+    segment_blocks_from_call,
+    segment_log_probs,
+    segment_rows,
+    segment_spans,
+    shifted_position_ids,
+)
+from .nnsight_remote import (
+    ATTENTION_CALL,
+    add_segment_predictions_in_trace,
+    add_segment_windows_in_trace,
+    end_segment_context,
+    new_segment_state,
+    segment_check_in_trace,
+    segment_sums_in_trace,
+)
+
+__all__ = ["NNsightSegments", "attention_call"]
+
+
+class NNsightSegments:
+    """The shift-test methods of :class:`~equivariance_probe.adapters.nnsight.NNsightAdapter` (a mixin: it reads the
+    adapter's model, its envoys, its trace options and its error translation)."""
+
+    @property
+    def segment_capture(self) -> str:  # type: ignore[override]
+        if self.remote:
+            return ("segment-block scores recomputed from the queries and keys each attention call receives, read "
+                    "inside nnsight traces on the server (its own kernel), one session per segment summing its whole "
+                    "grid there; only float64 sums came back")
+        return ("segment-block scores recomputed from the queries and keys each attention call receives, read "
+                "inside a local nnsight trace (the model runs its own kernel); row normalisers over every "
+                "visible key of the window")
+
+    def run_segment(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        segment_length: int,
+        *,
+        on_attention: SegmentAttentionCallback,
+        on_residual: SegmentResidualCallback | None = None,
+        position_start: torch.Tensor | None = None,
+        predictions: bool = False,
+    ) -> torch.Tensor | None:
+        """:meth:`Adapter.run_segment` inside a local nnsight trace of the model.
+
+        The numbers are nnsight's: the trace runs the model with its own attention kernel, and each layer's queries
+        and keys are read at its attention call (``self_attn.source.attention_interface_1``) exactly where the
+        probe's ``"recompute"`` source reads them; the segment block is cut from them as the Hugging Face adapter
+        cuts it (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`). The residual stream is
+        each decoder layer envoy's output; the predictions are the trace's own logits, for the last
+        :func:`~equivariance_probe.adapters.segments.kept_positions` positions (``logits_to_keep``). Position ids
+        (``position_start``) go to the model as the trace's ``position_ids``.
+
+        Raises:
+            RemoteExecutionError: a remote model (``remote`` set, ``"local"`` included): its blocks, residual streams
+                and distributions stay on the server; the shift test sums them there (:meth:`segment_grid_sums`).
+            AttentionCaptureError: ``predictions`` on a model without a language-model head.
+        """
+        self._check_segments_local()
+        if predictions:
+            check_predicts(self.hf_model)
+        device = self.device
+        tokens, options, batch = self._segment_trace_inputs(
+            SegmentBatch(tokens, lengths, tuple(range(len(lengths))), position_start), segment_length, predictions)
+        spans, width = batch["spans"], batch["width"]
+        if "position_ids" in options:
+            options["position_ids"] = options["position_ids"].to(device)
+        attention = self._attention_envoys()
+        layers = [self.model.get(path) for path in self.layer_paths]
+        windows = self.layout.sliding_windows
+        seen: list[int] = []
+        # Filled in the trace: nnsight hands back only objects that outlive it (a name bound inside is not).
+        kept: dict[str, torch.Tensor] = {}
+        with self._local_run("recompute"), self._translate_errors("recompute"):
+            with self.model.trace(tokens.to(device), **options) as tracer:
+                for layer, module in enumerate(attention):
+                    on_attention(layer, *segment_blocks_from_call(attention_call(layer, module), spans, windows[layer],
+                                                                  causal=True))
+                    if on_residual is not None:
+                        output = layers[layer].output
+                        on_residual(layer, segment_rows(output[0] if isinstance(output, tuple) else output, spans))
+                    seen.append(layer)
+                if predictions:
+                    kept["log_probs"] = segment_log_probs(self.model.output.logits.detach(), spans, width)
+                else:
+                    tracer.stop()  # nothing after the last block is read
+        self.check_layers_seen(seen)
+        return kept.get("log_probs")
+
+    def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
+        """:meth:`Adapter.check_segment_recompute`.
+
+        Locally, on the wrapped transformers model outside any trace (as :meth:`run_attention_calls`): the
+        queries and keys the trace reads are the ones its attention call receives, so the check of the model's
+        attention is the Hugging Face adapter's (eager weights). Remotely the weights are on the server, which
+        picks its own kernel (eager weights may not exist there): one trace of the window compares, in each
+        layer, the attention output the recomputed weights give with the output the server's kernel returned
+        (:func:`~equivariance_probe.adapters.nnsight_remote.segment_check_in_trace`), and only that ``[layer]``
+        difference comes back; ``metadata["recompute_check"]["compared"]`` says which check ran.
+
+        Raises:
+            AttentionCaptureError: the recomputation differs from the model's own attention by more than the
+                tolerance.
+        """
+        if not self.remote:
+            return self._hf.check_segment_recompute(tokens, segment_length)
+        import nnsight
+
+        width = int(tokens.shape[1])
+        plan = {"windows": list(self.layout.sliding_windows), "causal": True}
+        span = (width - int(segment_length), width)
+        model, attention = self.model, self._attention_envoys()
+        differences = None
+        with self._translate_errors("recompute"), self._shipped_by_value():
+            with model.trace(tokens, use_cache=False, **self._trace_options()) as tracer:
+                differences = segment_check_in_trace(attention, plan, span)
+                nnsight.save(differences)
+                tracer.stop()
+        if not isinstance(differences, torch.Tensor):
+            raise RemoteExecutionError(
+                f"the remote check of the shift test's recomputation returned no differences (got "
+                f"{type(differences).__name__}); nothing was measured. Run again; if it persists, report it with "
+                "nnsight's version")
+        return judged_recompute_check(
+            float(differences.max()), recompute_tolerance(self.dtype), width,
+            "the attention output of the segment rows from the recomputed weights against the server kernel's, "
+            "relative to the largest value entry, in one trace on the server")
+
+    @property
+    def sums_segment_grid(self) -> bool:  # type: ignore[override]
+        """Remote models (``"local"`` included) sum each segment's grid where the model runs."""
+        return bool(self.remote)
+
+    def segment_grid_sums(self, contexts: Sequence[Sequence[SegmentBatch]], config: Any,
+                          targets: torch.Tensor | None) -> dict[str, Any]:
+        """:meth:`Adapter.segment_grid_sums`: one nnsight session per segment (one request), with one trace per
+        batch of windows; the running sums stay on the server between its traces, so neither blocks, residual
+        streams nor vocabulary-sized distributions travel, only :func:`~equivariance_probe.adapters.nnsight_remote.
+        segment_reply_nbytes` bytes of float64 sums. The functions the session runs are the statistics' own
+        (:mod:`~equivariance_probe.statistics.engines.shift_sums`), shipped by value.
+
+        Raises:
+            AttentionCaptureError: ``targets`` (predictions) on a model without a language-model head.
+            RemoteExecutionError (or a named subclass): the server failed; this segment was not added.
+        """
+        import nnsight
+
+        if targets is not None:
+            check_predicts(self.hf_model)
+        plan = {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_offsets": len(config.offsets),
+                "segment_length": config.segment_length, "causal": True, "windows": list(self.layout.sliding_windows),
+                "predictions": targets is not None, "hidden_size": config.sizes()["D"]}
+        runs = [[self._segment_trace_inputs(batch, config.segment_length, targets is not None) for batch in context]
+                for context in contexts]
+        grid = (len(contexts), len(config.offsets), int(config.segment_length))
+        if grid != self._segment_grid:
+            self.segment_plan, self._segment_grid = None, grid
+        self._refuse_if_planned(self.segment_plan, "segment")
+        model, attention = self.model, self._attention_envoys()
+        layers = [model.get(path) for path in self.layer_paths]
+        sums = None
+        started = perf_counter()
+        # The session's body reads only these locals, the shipped functions and nnsight: what the request carries.
+        with self._translate_errors("recompute", "segment"), self._shipped_by_value():
+            with model.session(**self._trace_options()):
+                state = new_segment_state(plan)
+                for context in runs:
+                    for tokens, options, batch in context:
+                        with model.trace(tokens, **options) as tracer:
+                            add_segment_windows_in_trace(state, attention, layers, plan, batch)
+                            if plan["predictions"]:
+                                add_segment_predictions_in_trace(state, model.output.logits, batch, targets)
+                            else:
+                                tracer.stop()  # nothing after the last block is read
+                    end_segment_context(state)
+                sums = segment_sums_in_trace(state, plan)
+                nnsight.save(sums)
+        if not isinstance(sums, dict):
+            raise RemoteExecutionError(
+                f"the {'remote ' if self.is_remote else ''}session returned no shift sums (got {type(sums).__name__}); "
+                "this segment was not added, the segments before it are kept (probe.last_result). Run again; if it "
+                "persists, report it with nnsight's version")
+        if self.segment_plan is None:
+            # One request is one segment's whole grid, which cannot be split: the decomposition's sums are about
+            # the grid's own means (grid_sums: the offset and context sums of squares), which the sums of two
+            # halves of the contexts do not give. So the plan only says whether the next segment may be sent.
+            self.segment_plan = plan_requests(
+                perf_counter() - started, 1, _nbytes(sums), self.request_limits, upper=1,
+                unit="segment's grid", fix="fewer contexts or offsets (one request runs every context at every offset)")
+        return {name: value.numpy() for name, value in sums.items()}
+
+    @staticmethod
+    def _segment_trace_inputs(batch: SegmentBatch, segment_length: int, predictions: bool
+                              ) -> tuple[torch.Tensor, dict[str, Any], dict[str, Any]]:
+        """``(tokens, trace options, batch plan)`` of one trace of a segment's session."""
+        spans = segment_spans(batch.lengths, segment_length)
+        width = int(batch.tokens.shape[1])
+        options: dict[str, Any] = {"use_cache": False}
+        if batch.position_start is not None:
+            options["position_ids"] = shifted_position_ids(batch.position_start, width)
+        if predictions:
+            options["logits_to_keep"] = kept_positions(spans, width)
+        return batch.tokens, options, {"spans": spans, "offsets": list(batch.offset_indices), "width": width}
+
+    def _check_segments_local(self) -> None:
+        """Per-window segment blocks come back only from a local model (the CircuitsVis view of the shift test
+        needs them); a remote model's shift run sums its grid on the server (:meth:`segment_grid_sums`)."""
+        if self.remote:
+            raise RemoteExecutionError(
+                f"the segment blocks of a remote nnsight model (remote={self.remote!r}) stay on the server: only the "
+                "shift test's sums come back (probe.shift runs remotely). For the blocks themselves (the shift "
+                "view), pass remote=False (a model whose weights are here) or use the Hugging Face model directly")
+
+
+def _nbytes(sums: dict[str, torch.Tensor]) -> int:
+    """Bytes of the float64 sums a request sent back (before nnsight's compression)."""
+    return sum(int(value.numel()) * value.element_size() for value in sums.values() if isinstance(value, torch.Tensor))
+
+
+def attention_call(layer: int, module: Any) -> AttentionCall:
+    """Inside a local trace, what attention module ``module`` (an envoy) hands its attention function: the
+    queries and keys (detached), its scaling and soft cap."""
+    args, kwargs = getattr(module.source, ATTENTION_CALL).inputs
+    return AttentionCall(layer=layer, query=args[1].detach(), key=args[2].detach(), attention_mask=None,
+                         scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"))
