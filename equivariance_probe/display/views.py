@@ -352,6 +352,58 @@ def head_views(
     """
     probe = model if isinstance(model, EquivarianceProbe) else EquivarianceProbe(model, tokenizer=tokenizer)
     adapter = probe.adapter
+    heads, ranking = _chosen_heads(heads, result, ranking, n_each)
+    if context_length is None and result is not None:
+        context_length = result.metadata.get("context_length")
+    ids = _document_ids(probe, document, context_length)
+    stop = _checked_range(start, stop, len(ids))
+    log_floor = result.log_floor if result is not None and result.log_floor is not None else default_log_floor(adapter.dtype)
+    sliding_windows = [adapter.layout.sliding_windows[layer] for layer, _ in heads]
+    block_overview = None
+    if overview:
+        tokens = _token_strings(adapter, ids)
+        block_overview, pattern = overview_of(adapter, ids, heads, tokens, block_size=block_size, detail=(start, stop),
+                                              log_floor=log_floor, sliding_windows=sliding_windows)
+    else:
+        tokens = _token_strings(adapter, ids[start:stop])
+        pattern = capture_head_patterns(adapter, torch.tensor(ids[:stop], dtype=torch.long), heads)[:, start:stop, start:stop]
+    return HeadViews(
+        tokens=tokens[start:stop] if overview else tokens,
+        heads=heads,
+        pattern=pattern.copy(),
+        sliding_windows=sliding_windows,
+        start=start,
+        log_floor=log_floor,
+        decimals=decimals,
+        title=f"Model {_display_name(adapter.model_name())}, one document of {len(ids)} tokens.",
+        scores=_rank_labels(ranking, heads),
+        overview=block_overview,
+    )
+
+
+def _checked_range(start: int, stop: int | None, n_tokens: int) -> int:
+    """The view's ``stop`` (default ``start + 128``, capped at the document), ``start..stop`` checked against it.
+
+    Raises:
+        InputError: the range does not fit the document's ``n_tokens`` tokens.
+    """
+    stop = min(n_tokens, start + DEFAULT_VIEW_POSITIONS) if stop is None else stop
+    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= n_tokens):
+        raise InputError(
+            f"positions start={start}, stop={stop} do not fit the document's {n_tokens} tokens; "
+            f"pass 0 <= start < stop <= {n_tokens}"
+        )
+    return stop
+
+
+def _chosen_heads(heads: Sequence[tuple[int, int]] | str | None, result: ProbeResult | None,
+                  ranking: HeadRanking | None, n_each: int) -> tuple[list[tuple[int, int]], HeadRanking | None]:
+    """``(heads, ranking)`` of a view: the heads asked for (parsed from ``"L4H3,L5H1"``), or the ``n_each`` most and
+    least position-bound of the ranking (the result's own where none is given).
+
+    Raises:
+        InputError: no heads and nothing to rank them by, or an empty list.
+    """
     if isinstance(heads, str):
         heads = parse_heads(heads)
     if heads is None:
@@ -367,44 +419,16 @@ def head_views(
     heads = [(int(layer), int(head)) for layer, head in heads]
     if not heads:
         raise InputError("heads is empty; pass at least one (layer, head)")
-    if context_length is None and result is not None:
-        context_length = result.metadata.get("context_length")
-    ids = _document_ids(probe, document, context_length)
-    stop = min(len(ids), start + DEFAULT_VIEW_POSITIONS) if stop is None else stop
-    if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= len(ids)):
-        raise InputError(
-            f"positions start={start}, stop={stop} do not fit the document's {len(ids)} tokens; "
-            f"pass 0 <= start < stop <= {len(ids)}"
-        )
-    log_floor = result.log_floor if result is not None and result.log_floor is not None else default_log_floor(adapter.dtype)
-    sliding_windows = [adapter.layout.sliding_windows[layer] for layer, _ in heads]
-    block_overview = None
-    if overview:
-        tokens = _token_strings(adapter, ids)
-        block_overview, pattern = overview_of(adapter, ids, heads, tokens, block_size=block_size, detail=(start, stop),
-                                              log_floor=log_floor, sliding_windows=sliding_windows)
-    else:
-        tokens = _token_strings(adapter, ids[start:stop])
-        pattern = capture_head_patterns(adapter, torch.tensor(ids[:stop], dtype=torch.long), heads)[:, start:stop, start:stop]
-    scores = []
-    if ranking is not None:
-        rows = {pair: row for row, pair in enumerate(ranking.order)}
-        scores = [
-            f"rank {rows[h] + 1}, {ranking.key} {ranking.scores[ranking.key][rows[h]]:.3f}" if h in rows else ""
-            for h in heads
-        ]
-    return HeadViews(
-        tokens=tokens[start:stop] if overview else tokens,
-        heads=heads,
-        pattern=pattern.copy(),
-        sliding_windows=sliding_windows,
-        start=start,
-        log_floor=log_floor,
-        decimals=decimals,
-        title=f"Model {_display_name(adapter.model_name())}, one document of {len(ids)} tokens.",
-        scores=scores,
-        overview=block_overview,
-    )
+    return heads, ranking
+
+
+def _rank_labels(ranking: HeadRanking | None, heads: list[tuple[int, int]]) -> list[str]:
+    """Each head's rank and score in ``ranking``, as its view's caption says them (none without a ranking)."""
+    if ranking is None:
+        return []
+    rows = {pair: row for row, pair in enumerate(ranking.order)}
+    return [f"rank {rows[h] + 1}, {ranking.key} {ranking.scores[ranking.key][rows[h]]:.3f}" if h in rows else ""
+            for h in heads]
 
 
 def views_for_result(
