@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .analyses.results import Undefined, missing_as, split_axis
+from .analyses.results import SumsReadOnUse, Undefined, missing_as, split_axis
 from .errors import (
     EmptyResultError,
     IncompatibleResultsError,
@@ -59,7 +59,7 @@ OFFSET_MEANING = {
 }
 
 
-class ShiftResult:
+class ShiftResult(SumsReadOnUse):
     """The shift test's sums and the numbers they give; merges over disjoint segments.
 
     Args:
@@ -78,19 +78,6 @@ class ShiftResult:
         self._statistics = statistics
         self._file = file
         self.metadata = dict(metadata or {})
-
-    @property
-    def statistics(self) -> ShiftStatistics:
-        """The sums (a loaded file's arrays are read, and checked, on first use)."""
-        if self._statistics is None:
-            assert self._file is not None
-            self._statistics = self._file.statistics()
-        return self._statistics
-
-    @statistics.setter
-    def statistics(self, statistics: ShiftStatistics) -> None:
-        self._statistics = statistics
-        self._file = None
 
     # -- the design ---------------------------------------------------------------------------------
     @property

@@ -31,7 +31,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import check_choice
 
-__all__ = ["Result", "MergeableResult", "Undefined", "TOTAL", "split_axis", "missing_as", "renamed_keyword",
+__all__ = ["Result", "MergeableResult", "SumsReadOnUse", "Undefined", "TOTAL", "split_axis", "missing_as", "renamed_keyword",
            "warn_deprecated"]
 
 #: The synonym of ``by=None`` (one number over everything) every ``by=`` accepts.
@@ -74,6 +74,36 @@ class MergeableResult(Result, Protocol):
     def __add__(self, other: Any) -> Any: ...
 
     def paired_difference(self, baseline: Any, *args: Any, **kwargs: Any) -> Any: ...
+
+
+class SumsReadOnUse:
+    """The sums of a result of streamed sums (:class:`MergeableResult`), read from its file on first use: a loaded
+    result opens its file and checks its header, and reads (and checks) the arrays only when a number needs them.
+
+    A result keeps ``_statistics`` (``None`` until read) and ``_file`` (the opened file, ``None`` for sums made
+    here); replacing the sums forgets the file, and what the result had derived from the file's sums
+    (:meth:`_forget_stored`).
+    """
+
+    _statistics: Any
+    _file: Any
+
+    @property
+    def statistics(self) -> Any:
+        """The sums (a loaded result's arrays are read from its file now, once, each checked against its digest)."""
+        if self._statistics is None:
+            assert self._file is not None
+            self._statistics = self._file.statistics()
+        return self._statistics
+
+    @statistics.setter
+    def statistics(self, statistics: Any) -> None:
+        self._statistics = statistics
+        self._file = None
+        self._forget_stored()
+
+    def _forget_stored(self) -> None:
+        """Forget what was derived from the file's sums (nothing, unless a result keeps such a thing)."""
 
 
 class Undefined(dict):

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..analyses import intervals as resampling
 from ..analyses.heads import TOP_K, HeadRanking, rank_heads
-from ..analyses.results import Undefined, missing_as, renamed_keyword
+from ..analyses.results import SumsReadOnUse, Undefined, missing_as, renamed_keyword
 from ..analyses.summary import head_label, result_summary
 from ..errors import EmptyResultError, IncompatibleResultsError, InputError
 from ..markup import Markup
@@ -54,7 +54,7 @@ BIDIRECTIONAL_PRIOR = (
 )
 
 
-class ProbeResult(ProbeNumbers, ProbeIntervals):
+class ProbeResult(SumsReadOnUse, ProbeNumbers, ProbeIntervals):
     """Attention statistics of a model over a corpus, and every metric computed from them.
 
     Build one with :meth:`EquivarianceProbe.run`; combine with ``a + b`` (or
@@ -86,18 +86,7 @@ class ProbeResult(ProbeNumbers, ProbeIntervals):
         # The jackknife's replicates and the state they describe.
         self._replicates: tuple[tuple[int, int, int], resampling.Replicates] | None = None
 
-    @property
-    def statistics(self) -> AttentionStatistics:
-        """The sums (a loaded result reads them from its file now, once, checksum verified)."""
-        if self._statistics is None:
-            assert self._file is not None
-            self._statistics = self._file.statistics()
-        return self._statistics
-
-    @statistics.setter
-    def statistics(self, statistics: AttentionStatistics) -> None:
-        self._statistics = statistics
-        self._file = None
+    def _forget_stored(self) -> None:
         self._stored_summary = None  # the stored numbers were those of the file's sums
 
     @property
