@@ -82,6 +82,7 @@ def test_bad_limits_are_refused_by_name(values, match):
 nnsight = pytest.importorskip("nnsight")
 
 from equivariance_probe.adapters import nnsight as nnsight_adapter  # noqa: E402
+from equivariance_probe.adapters import nnsight_segments  # noqa: E402
 from equivariance_probe.adapters.nnsight import NNsightAdapter  # noqa: E402
 from synthetic import tiny_gemma3  # noqa: E402
 from test_nnsight_adapter import tiny_tokenizer, transformers_model  # noqa: E402
@@ -149,7 +150,7 @@ def test_a_segment_predicted_near_the_timeout_is_refused_before_it_is_sent(monke
     """One request is one segment's whole grid: after the first segment's 4 s against a 2 s target the second
     is not sent, and the first is kept."""
     ticks = iter(range(10**6))
-    monkeypatch.setattr(nnsight_adapter, "perf_counter", lambda: next(ticks) * REQUEST_SECONDS)
+    monkeypatch.setattr(nnsight_segments, "perf_counter", lambda: next(ticks) * REQUEST_SECONDS)
     probe = remote_probe(request_seconds=2.0)
     generator = torch.Generator().manual_seed(0)
     segments = [torch.randint(3, 97, (6,), generator=generator).tolist() for _ in range(3)]
