@@ -109,19 +109,20 @@ def run_positional(
     """Run the positional analyses (docs/methods.md#toeplitz and #order) on a model.
 
     Args:
-        model: a ``transformers`` model, a TransformerBridge, an nnsight model or an
-            :class:`~equivariance_probe.EquivarianceProbe` (the Hugging Face model inside is used).
+        model: a Hugging Face, TransformerLens or nnsight model, or a probe (the Hugging Face model inside is used).
         tokenizer: its tokenizer (default: the probe's or model's own).
         docs: strings or a LongTensor ``[n, T]`` (default: the packaged Wikipedia articles).
         analyses: a subset of ``ANALYSES``.
         n_docs: windows for ``attention_toeplitz``, ``tisa``, ``shrinkage``, ``correlation`` (documents for ``probe``).
-        n_prompts, prompt_length, n_permutations: the permutation protocol's prompts, their tokens, and
-            permutations per prompt.
+        n_prompts: prompts of the permutation protocol.
+        prompt_length: tokens per prompt.
+        n_permutations: permutations per prompt.
         n_kernels: ``S`` of the TISA fits.
         baseline: ``"random_init"`` (shrinkage, correlations and the probe also on the model's own random
             initialisation) or ``None``.
-        probe_positions, windows_per_doc, n_folds: the ``probe`` analysis' positions per window (a stratified
-            sample of ``1 .. T-1``), consecutive windows per document, and ``k`` of its GroupKFold over documents.
+        probe_positions: positions per window of ``probe`` (a stratified sample of ``1 .. T-1``).
+        windows_per_doc: consecutive windows per document of ``probe``.
+        n_folds: ``k`` of the probe's GroupKFold over documents.
         seed: seed of the permutations, the baseline and the probes' folds.
         options: a :class:`~equivariance_probe.probe.MeasurementOptions` (default ``context_length=256``), of which
             ``context_length``, ``batch_size`` and ``exclude_keys`` (left out of the ``tisa`` profiles and the

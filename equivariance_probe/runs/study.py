@@ -245,8 +245,8 @@ def run_study(
             each checkpoint chunk, variant and shard; a ``context_length`` of ``None`` is the study's 1024.
         progress: show progress bars.
         loaded: an already loaded ``(model, tokenizer)``, to skip loading (``model`` then only names it).
-        checkpoint_dir, checkpoint_every: save a checkpoint there (holding its lock) every ``checkpoint_every``
-            documents (:mod:`equivariance_probe.runs.checkpoint`); ``None``: no checkpoints.
+        checkpoint_dir: save checkpoints there, holding its lock (:mod:`~equivariance_probe.runs.checkpoint`).
+        checkpoint_every: documents between checkpoints (with ``checkpoint_dir``).
         resume: continue from the checkpoint in ``checkpoint_dir`` (refused if another model, corpus or setting).
         shard: ``Shard(i, n)`` or ``"i/n"``: only the i-th of n slices of the documents (merge the shards' results).
         pack: concatenate the documents (EOS between them) and cut windows of exactly ``context_length`` tokens
