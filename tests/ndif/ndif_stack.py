@@ -13,6 +13,7 @@ pub/sub, up to the cap ndif derives from Redis's ``client-output-buffer-limit pu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,9 +33,17 @@ API_KEY = "00000000-0000-4000-8000-000000000000"  # ndif checks the UUID form; n
 
 
 def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports. Every probe socket stays bound until all are, so the kernel cannot hand the
+    same port out twice (Ray refuses to start when two of its components are given one port)."""
+    with contextlib.ExitStack() as held:
+        probes = [held.enter_context(socket.socket()) for _ in range(count)]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
 
 
 def wait_for(check, what: str, timeout: float, log: Path | None = None) -> None:
@@ -217,7 +226,7 @@ def new_stack(pubsub_limit: str = "0 8mb 60", **extra_env: str) -> NDIFStack:
     home = Path(tempfile.mkdtemp(prefix="ndif", dir="/tmp"))
     names = ["redis", "gcs", "ray_client", "dashboard", "dashboard_agent", "dashboard_listen", "metrics",
              "node_manager", "object_manager", "runtime_env", "api"]
-    ports = {name: free_port() for name in names}
+    ports = dict(zip(names, free_ports(len(names))))
     ports["workers"] = 21000 + (os.getpid() % 200) * 50
     python_path = os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {
