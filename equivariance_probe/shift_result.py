@@ -474,21 +474,6 @@ class ShiftResult(SumsReadOnUse):
         return Markup("<div><b>ShiftResult</b><pre>{}</pre></div>").format(self.table())
 
     # -- files ------------------------------------------------------------------------------------------
-    @property
-    def integrity(self) -> str | None:
-        """How a loaded result's arrays are checked when read (``None`` for a result not loaded from a file):
-        ``"digests"`` (each array against its own sha256) or ``"checksum"`` (one over every array)."""
-        return None if self._file is None else self._file.integrity
-
-    def verify(self) -> str | None:
-        """Read a loaded result's arrays now and check them (see :attr:`integrity`, which it returns).
-
-        Raises:
-            ResultFileError: an array does not match its digest (the message names the file and the array).
-        """
-        self.statistics
-        return self.integrity
-
     def save(self, path: str | os.PathLike) -> Path:
         """Write the sums (safetensors tensors, bitwise) and metadata and :meth:`summary` (JSON header), atomically
         (:mod:`~equivariance_probe.records.shift_file`)."""

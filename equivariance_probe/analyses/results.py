@@ -105,6 +105,23 @@ class SumsReadOnUse:
     def _forget_stored(self) -> None:
         """Forget what was derived from the file's sums (nothing, unless a result keeps such a thing)."""
 
+    @property
+    def integrity(self) -> str | None:
+        """How a loaded result's arrays are checked when read (``None`` for a result not loaded from a file):
+        ``"digests"`` (each array against its own sha256, stored when the file was written), ``"checksum"`` (a file
+        written before per-array digests: one checksum over all arrays, so a mismatch names no array) or
+        ``"unverified"`` (a probe result's format 1: nothing to check against)."""
+        return None if self._file is None else self._file.integrity
+
+    def verify(self) -> str | None:
+        """Read a loaded result's arrays now and check them (see :attr:`integrity`, which it returns).
+
+        Raises:
+            ResultFileError: an array does not match its digest (the message names the file and the array).
+        """
+        self.statistics
+        return self.integrity
+
 
 class Undefined(dict):
     """``{statistic: why}`` of a result's :attr:`undefined`. Calling it (``result.undefined()``, the

@@ -154,23 +154,6 @@ class ProbeResult(SumsReadOnUse, ProbeNumbers, ProbeIntervals):
         """False for the partial result of a run that stopped (``metadata["complete"]``)."""
         return bool(self.metadata.get("complete", True))
 
-    @property
-    def integrity(self) -> str | None:
-        """How a loaded result's arrays are checked when read (``None`` for a result not loaded from a file):
-        ``"digests"`` (each array against its own sha256, stored when the file was written),
-        ``"checksum"`` (a file written before per-array digests: one checksum over all arrays, so a
-        mismatch names no array) or ``"unverified"`` (format 1: nothing to check against)."""
-        return None if self._file is None else self._file.integrity
-
-    def verify(self) -> str | None:
-        """Read a loaded result's arrays now and check them (see :attr:`integrity`, which it returns).
-
-        Raises:
-            ResultFileError: an array does not match its digest (the message names the file and the array).
-        """
-        self.statistics
-        return self.integrity
-
     def _require_data(self) -> dict[str, np.ndarray]:
         if self.statistics.n_windows == 0:
             raise EmptyResultError(
