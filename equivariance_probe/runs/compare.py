@@ -45,7 +45,7 @@ from ..result import DIFFERENCE_STATISTICS, paired_differences
 from ..records.fileformat import make_folder, write_text_atomically
 from .tables import csv_text, interval_bounds, markdown_table, row_cell, summary_value
 from ..sources.corpus import load_corpus
-from ..sources.model_source import LOADING_KEYWORDS, ModelSource, model_source
+from ..sources.model_source import ModelSource, loading_keywords, model_source
 from ..sources.resources import MemoryEstimate, PeakMemory, check_fits, estimate_memory_of, model_size
 from .checkpoint import lock_output_folder
 from .study import Study, check_baselines, run_study
@@ -355,7 +355,7 @@ def compare_models(
         EmptyCorpusError: too few documents are long enough for every tokenizer.
         InputError: bad arguments.
     """
-    legacy = {k: measurement.pop(k) for k in LOADING_KEYWORDS if k in measurement}
+    legacy = loading_keywords(measurement)
     entries: dict[str, Any] = (dict(models) if isinstance(models, Mapping) else
                                {m.name if isinstance(m, ModelSource) else str(m): m for m in models})
     entries = {label: model_source(entry, legacy, where="compare_models") for label, entry in entries.items()}

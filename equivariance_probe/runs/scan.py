@@ -62,7 +62,7 @@ from ..probe import EquivarianceProbe, MeasurementOptions
 from ..records.provenance import corpus_fingerprint, model_identity, window_fingerprints
 from ..result import ProbeResult, paired_difference
 from ..sources.corpus import load_corpus
-from ..sources.model_source import LOADING_KEYWORDS, ModelSource, model_source
+from ..sources.model_source import ModelSource, loading_keywords, model_source
 from ..sources.registry import DEFAULT_MODEL
 from ..sources.packing import PackedWindows, document_separator, pack_stream, special_prefix, token_stream
 from ..sources.resources import MemoryEstimate, ModelSize, check_fits, estimate_memory_of, model_size
@@ -484,8 +484,7 @@ def scan_context_lengths(
         CheckpointError: ``out`` holds a result file of another scan.
         InputError: bad arguments.
     """
-    spec = model_source(model, {k: measurement.pop(k) for k in LOADING_KEYWORDS if k in measurement},
-                      where="scan_context_lengths")
+    spec = model_source(model, loading_keywords(measurement), where="scan_context_lengths")
     lengths = _check_lengths(context_lengths, n_tokens, batch_size)
     check_baselines(baselines)
     options = MeasurementOptions.of(options, **measurement)

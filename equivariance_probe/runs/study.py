@@ -31,7 +31,7 @@ from ..result import ProbeResult
 from .tables import difference_table, summary_table, windows_needed_text
 from ..sources.baselines import random_init_like, zero_like
 from ..sources.corpus import load_corpus
-from ..sources.model_source import LOADING_KEYWORDS, ModelSource, model_source
+from ..sources.model_source import ModelSource, loading_keywords, model_source
 from ..sources.registry import DEFAULT_MODEL
 from ..sources.packing import pack_documents
 from .checkpoint import DEFAULT_CHECKPOINT_EVERY, CheckpointedRun, lock_output_folder
@@ -261,8 +261,7 @@ def run_study(
             ``interval_groups``, ...). The loading keywords the function took before :class:`ModelSource`
             (``backend``, ``cache_dir``, ``device``, ``dtype``, ``attn_implementation``) still work, deprecated.
     """
-    legacy = {k: measurement.pop(k) for k in LOADING_KEYWORDS if k in measurement}
-    source = model_source(model, legacy, where="run_study")
+    source = model_source(model, loading_keywords(measurement), where="run_study")
     options = MeasurementOptions.of(STUDY_MEASUREMENT if options is None else options, **measurement)
     if options.context_length is None:
         options = options.replace(context_length=STUDY_MEASUREMENT.context_length)

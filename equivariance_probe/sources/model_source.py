@@ -25,7 +25,7 @@ from ..adapters.registry import framework_names
 from .models import PACKAGED_ENCODERS, load_config, load_model, load_positional_model, load_tokenizer
 from .registry import DEFAULT_MODEL
 
-__all__ = ["ModelSource", "LOADING_KEYWORDS", "model_source"]
+__all__ = ["ModelSource", "LOADING_KEYWORDS", "model_source", "loading_keywords"]
 
 #: The loading keywords that the runs' entry points took one by one before :class:`ModelSource` (``backend`` is
 #: the old spelling of ``framework``).
@@ -102,6 +102,12 @@ class ModelSource:
     def load_config(self) -> Any:
         """The Hugging Face config alone, without the weights."""
         return load_config(self.name, cache_dir=self.cache_dir)
+
+
+def loading_keywords(keywords: dict[str, Any]) -> dict[str, Any]:
+    """Take the loading keywords (:data:`LOADING_KEYWORDS`) out of an entry point's ``**keywords``, where they come
+    mixed with its measurement options, for :func:`model_source`."""
+    return {key: keywords.pop(key) for key in LOADING_KEYWORDS if key in keywords}
 
 
 def model_source(model: Any, legacy: dict[str, Any], *, where: str) -> Any:
