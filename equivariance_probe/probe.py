@@ -500,7 +500,8 @@ class EquivarianceProbe:
                              n_contexts=grid.n_contexts, segment_length=grid.segment_length,
                              prefix_length=len(grid.prefix), mode=grid.mode, interval_groups=options.interval_groups,
                              causal=layout.causal, sliding_windows=tuple(layout.sliding_windows),
-                             predictions=bool(predictions), hidden_size=residual_width(self.adapter.model))
+                             predictions=bool(predictions), hidden_size=residual_width(self.adapter.model),
+                             patch_components=tuple(options.patch), patch_reference=options.patch_reference)
         statistics = ShiftStatistics(config)
         if resume_from is not None:
             done = resume_from.statistics

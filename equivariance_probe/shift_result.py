@@ -13,6 +13,9 @@ Numbers (docs/methods.md#shift-test; ``representation`` one of
 * :meth:`ShiftResult.loss_by_offset` and :meth:`ShiftResult.divergence` — the segment's next-token loss per
   offset, the mean Jensen–Shannon divergence between offsets in one context and between consecutive contexts
   at one offset, and their ratio.
+* :meth:`ShiftResult.patching` — activation patching (a run with ``patch``): per patched component, the share
+  of the prediction change and of the last block's residual offset sum of squares that goes away when its
+  output at the segment is the reference offset's.
 
 Every number takes ``interval=0.95``: the delete-a-group jackknife over groups of segments (segments fall
 into groups by their fingerprint, as windows do in :class:`~equivariance_probe.ProbeResult`).
@@ -278,6 +281,75 @@ class ShiftResult(SumsReadOnUse):
 
         return self._number(value, interval)
 
+    # -- activation patching -------------------------------------------------------------------------------
+    #: What :meth:`patching` measures: the share of the prediction change that patching removes, and the share
+    #: of the last block's residual offset sum of squares.
+    PATCH_MEASURES = ("recovered", "residual_removed")
+
+    def patching(self, measure: str = "recovered", interval: float | None = None) -> dict[str, Any]:
+        """Per patched item (a component, or components joined by ``+``; ``config.patch_components``), how much of
+        what the offset changes goes away when the item's output at the segment is the reference offset's ``s₀``.
+
+        * ``"recovered"``: ``1 − Σ JS(patched_s, clean_s₀) / Σ JS(clean_s, clean_s₀)``, the sums over segments,
+          contexts, offsets ``s ≠ s₀`` and the segment's positions (a ratio of sums): 0 where the item carries
+          none of the offset into the predictions, 1 where patching it makes them the reference's.
+        * ``"residual_removed"``: ``1 − SS_offset(patched) / SS_offset(clean)`` of the residual stream after the
+          last block (before the final norm), both taken on each segment's grid about its own means (negative
+          where patching moves the stream more).
+
+        Args:
+            measure: one of :data:`PATCH_MEASURES`.
+            interval: a confidence level for jackknife intervals over groups of segments.
+
+        Returns:
+            ``{item: value}`` (NaN where the clean divergence or offset sum of squares is 0).
+
+        Raises:
+            UndefinedStatisticError: the run patched nothing (``patch=True`` / ``--patch`` patches), or
+                ``"recovered"`` without predictions.
+        """
+        check_choice("measure", measure, self.PATCH_MEASURES)
+        items = self.config.patch_components
+        if not items:
+            raise UndefinedStatisticError("this shift run patched nothing; run probe.shift(..., patch=True) "
+                                          "(equivariance-probe shift --patch) for activation patching")
+        if measure == "recovered":
+            self._require_predictions()
+        reference = self.config.patch_reference
+        others = [s for s in range(len(self.offsets)) if s != reference]
+
+        def value(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+            with np.errstate(invalid="ignore", divide="ignore"):
+                if measure == "recovered":
+                    patched = arrays["patch/js_sum"][..., others].sum(-1)
+                    clean = sum(arrays["js_offset_sum"][..., min(s, reference), max(s, reference)] for s in others)
+                else:
+                    patched = arrays["patch/residual_offset"]
+                    clean = arrays["residual/offset"][..., -1, 0]
+                shares = 1.0 - patched / np.asarray(clean)[..., None]
+            return {item: (float(shares[p]) if shares.ndim == 1 else shares[..., p]) for p, item in enumerate(items)}
+
+        return self._number(value, interval)
+
+    def patching_rows(self, level: float | None = 0.95) -> list[dict[str, Any]]:
+        """:meth:`patching`'s numbers as one dict per item: ``component``, ``kind`` (``attention``, ``mlp``, ``head``,
+        ``embedding`` or ``combined``), ``layer``, ``head``, ``recovered`` and ``residual_removed`` (an
+        :class:`~equivariance_probe.Interval`'s dict with ``level``, where there are at least two groups of
+        segments; else the estimate)."""
+        measures = [m for m in self.PATCH_MEASURES if m != "recovered" or self.config.predictions]
+        numbers = {}
+        for measure in measures:
+            try:
+                numbers[measure] = self.patching(measure, interval=level) if level is not None else self.patching(measure)
+            except IntervalUnavailableError:
+                numbers[measure] = self.patching(measure)
+        rows = []
+        for item in self.config.patch_components:
+            kind, layer, head = _patched_kind(item)
+            rows.append({"component": item, "kind": kind, "layer": layer, "head": head,
+                         **{measure: _plain(numbers[measure][item]) for measure in measures}})
+        return rows
+
     def paired_difference(self, baseline: ShiftResult, representation: str = "centred_logits", term: str = "offset",
                           by: str | None = None, level: float = 0.95) -> Any:
         """``η²_self − η²_baseline`` with its interval from paired jackknife replicates: both results must hold the
@@ -391,6 +463,9 @@ class ShiftResult(SumsReadOnUse):
             "segment_length": self.config.segment_length, "representations": representations,
             "undefined": dict(self.undefined), "check": self.metadata.get("check"), "complete": self.complete,
         }
+        if self.config.patch_components:
+            out["patching"] = {"reference_offset": self.offsets[self.config.patch_reference],
+                               "items": self.patching_rows(level)}
         if self.config.predictions:
             out["predictions"] = {
                 "loss_by_offset": with_interval(self.loss_by_offset),
@@ -429,6 +504,13 @@ class ShiftResult(SumsReadOnUse):
                          + ", ".join(f"{s}: {v:.3f}" for s, v in zip(summary["offsets"], estimates)))
             lines.append(f"  Jensen–Shannon between offsets {number_cell(predictions['js_offset'])}, between contexts "
                          f"{number_cell(predictions['js_context'])}, ratio {number_cell(predictions['js_ratio'])}")
+        patching = summary.get("patching")
+        if patching:
+            lines.append(f"  activation patching (reference offset {patching['reference_offset']}): "
+                         "recovered share of the prediction change, share of the last block's residual offset SS removed")
+            for row in patching["items"]:
+                lines.append(f"    {row['component']:<24}{number_cell(row.get('recovered')):>32}"
+                             f"{number_cell(row.get('residual_removed')):>32}")
         check = summary.get("check") or {}
         if check:
             lines.append(f"  check: {check.get('description', '')}: {number_cell(check.get('value'))} ({check_verdict(check)}; "
@@ -513,6 +595,15 @@ def shift_check(result: ShiftResult, *, has_rotary: bool, dtype: str) -> dict[st
     else:
         check.update(tolerance=None, passed=None, expected="no expectation: the model has no rotary positions")
     return check
+
+
+def _patched_kind(item: str) -> tuple[str, int | None, int | None]:
+    """``(kind, layer, head)`` of a patched item: its component's, or ``("combined", None, None)`` for several."""
+    if "+" in item:
+        return "combined", None, None
+    kind, _, rest = item.partition(".")
+    numbers = [int(part) for part in rest.split(".")] if rest else []
+    return kind, (numbers[0] if numbers else None), (numbers[1] if len(numbers) > 1 else None)
 
 
 def _plain(value: Any) -> Any:

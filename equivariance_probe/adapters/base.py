@@ -43,7 +43,7 @@ import importlib
 import inspect
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,9 @@ RUNS_REMOTELY = "runs_remotely"
 SegmentAttentionCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 #: ``on_residual(layer, x)`` with the residual stream after block ``layer`` at the segment, ``x: [batch, m, d]``.
 SegmentResidualCallback = Callable[[int, torch.Tensor], None]
+#: ``on_capture(component, x)`` with a component's output at the segment (:mod:`~.components`' names),
+#: ``x: [batch, m, d]`` (``[batch, m, head_dim]`` for a head: its slice of the output projection's input).
+ComponentCallback = Callable[[str, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -315,10 +318,13 @@ class Adapter(ABC):
         lengths: torch.Tensor,
         segment_length: int,
         *,
-        on_attention: SegmentAttentionCallback,
+        on_attention: SegmentAttentionCallback | None = None,
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        capture: Sequence[str] = (),
+        on_capture: ComponentCallback | None = None,
+        patch: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """Run right-padded windows whose last ``segment_length`` real tokens are a segment (the shift test).
 
@@ -329,11 +335,18 @@ class Adapter(ABC):
             segment_length: ``m``.
             on_attention: called once per layer with the segment block's scores and row normalisers
                 (:data:`SegmentAttentionCallback`), computed from queries and keys in float32 (float64 for
-                a float64 model), so that no weight underflows.
+                a float64 model), so that no weight underflows (``None``: attention is not read, as in activation
+                patching's passes).
             on_residual: called once per layer with the residual stream after the block at the segment.
             position_start: ``[batch]`` the first position id of each window (``None``: 0): the
                 ``"position_ids"`` mode of the shift test.
             predictions: also return the next-token log-probabilities at the segment.
+            capture: components (:mod:`~equivariance_probe.adapters.components`' names) whose outputs at the segment
+                go to ``on_capture`` (:data:`ComponentCallback`).
+            on_capture: see ``capture``.
+            patch: ``{component: [batch, m, d]}``: replace those components' outputs at each window's segment with
+                the given values (for a head, its slice of the output projection's input); every position outside
+                the segment, and every other component, runs as it would.
 
         Returns:
             ``[batch, m, vocab]`` float32 (float64 for a float64 model) log-probabilities of the next token at each segment position, or

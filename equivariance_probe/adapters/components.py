@@ -34,7 +34,7 @@ from .modules import find_attention_modules, parent_layer
 
 __all__ = ["EMBEDDING", "COMPONENT_KINDS", "BlockParts", "block_parts", "block_component_names",
            "head_component_names", "parse_component", "component_layer", "components_up_to", "output_tensor",
-           "with_output_tensor"]
+           "with_output_tensor", "head_columns", "component_site"]
 
 EMBEDDING = "embedding"
 #: The kinds of component, in the order :func:`block_component_names` lists a block's.
@@ -141,3 +141,27 @@ def output_tensor(output: Any) -> torch.Tensor:
 def with_output_tensor(output: Any, hidden: torch.Tensor) -> Any:
     """``output`` with its hidden states replaced by ``hidden`` (the tuple's other entries kept)."""
     return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
+def head_columns(width: int, n_heads: int, head: int) -> slice:
+    """Query head ``head``'s columns of an output projection's input of ``width`` (the heads side by side)."""
+    size = width // n_heads
+    return slice(head * size, (head + 1) * size)
+
+
+def component_site(parts: Sequence[BlockParts], name: str) -> tuple[torch.nn.Module, bool, int | None]:
+    """``(module, reads its input, head)``: where component ``name`` is found in a Hugging Face model: the
+    input of block 0 (the embedding, as the model scales it), the output of :class:`BlockParts`' ``attention_out``
+    or ``mlp_out``, or the output projection's input (a head: its :func:`head_columns`).
+
+    Raises:
+        InputError: not a component name, or a layer the model does not have.
+    """
+    kind, layer, head = parse_component(name)
+    if layer is not None and not 0 <= layer < len(parts):
+        raise InputError(f"component {name!r}: the model has layers 0 to {len(parts) - 1}")
+    if kind == EMBEDDING:
+        return parts[0].layer, True, None
+    if kind == "head":
+        return parts[layer].projection, True, head
+    return (parts[layer].attention_out if kind == "attention" else parts[layer].mlp_out), False, None

@@ -31,13 +31,22 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
 from ..errors import AttentionCaptureError, check_choice
-from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
+from .base import (
+    Adapter,
+    AttentionLayout,
+    ComponentCallback,
+    PatternCallback,
+    SegmentAttentionCallback,
+    SegmentResidualCallback,
+)
+from .components import block_parts, component_site, head_columns, output_tensor
 from .internals import AttentionCall, eager_weights, intercept_attention, position_embedding_modules, recompute_tolerance
 from .modules import (
     config_max_context,
@@ -48,7 +57,7 @@ from .modules import (
     parent_layer,
     text_config,
 )
-from .segments import check_predicts, block_difference, judged_recompute_check, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
+from .segments import check_predicts, block_difference, judged_recompute_check, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids, touch_component
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -297,30 +306,37 @@ class HuggingFaceAdapter(Adapter):
         lengths: torch.Tensor,
         segment_length: int,
         *,
-        on_attention: SegmentAttentionCallback,
+        on_attention: SegmentAttentionCallback | None = None,
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        capture: Sequence[str] = (),
+        on_capture: ComponentCallback | None = None,
+        patch: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """:meth:`Adapter.run_segment`: queries and keys are read from transformers' attention function while the
         model runs its own kernel (eager, sdpa or flash), and the segment block's scores and row normalisers are
         computed from them (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`), as the probe's
-        engine does for whole windows. Residual streams are the outputs of each layer's decoder block."""
+        engine does for whole windows. Residual streams are the outputs of each layer's decoder block. Components
+        are captured and patched by hooks on :func:`~equivariance_probe.adapters.components.block_parts`' modules
+        (:func:`~equivariance_probe.adapters.components.component_site`): a forward hook on the module whose
+        output the component is, a forward pre-hook on block 0 (the embedding) or on the output projection (a
+        head's columns of its input)."""
         spans = segment_spans(lengths, segment_length)
         windows = self.layout.sliding_windows
 
         def on_call(call: AttentionCall) -> None:
             on_attention(call.layer, *segment_blocks_from_call(call, spans, windows[call.layer], self.layout.causal))
 
-        handles = []
+        handles = self._component_hooks(spans, capture, on_capture, patch or {})
         if on_residual is not None:
             def make_hook(layer: int):
                 def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
                     on_residual(layer, segment_rows(output[0] if isinstance(output, tuple) else output, spans))
                 return hook
 
-            handles = [parent_layer(self.model, module).register_forward_hook(make_hook(layer))
-                       for layer, module in enumerate(self.attention_modules)]
+            handles += [parent_layer(self.model, module).register_forward_hook(make_hook(layer))
+                        for layer, module in enumerate(self.attention_modules)]
         device = self.device
         width = tokens.shape[1]
         position_ids = None
@@ -333,7 +349,9 @@ class HuggingFaceAdapter(Adapter):
         log_probs = None
         try:
             self.model.eval()
-            with torch.no_grad(), intercept_attention(self.model, on_call, eager=False, layers=self.attention_modules) as seen:
+            reading = (intercept_attention(self.model, on_call, eager=False, layers=self.attention_modules)
+                       if on_attention is not None else contextlib.nullcontext(None))
+            with torch.no_grad(), reading as seen:
                 if predictions:
                     check_predicts(self.model, self.layout.causal)
                     logits = self.model(input_ids=tokens.to(device), attention_mask=mask, position_ids=position_ids,
@@ -346,8 +364,36 @@ class HuggingFaceAdapter(Adapter):
             for handle in handles:
                 handle.remove()
             self.model.train(was_training)
-        self.check_layers_seen(sorted(set(seen)))
+        if seen is not None:
+            self.check_layers_seen(sorted(set(seen)))
         return log_probs
+
+    def _component_hooks(self, spans: list[tuple[int, int]], capture: Sequence[str], on_capture: ComponentCallback | None,
+                         patch: Mapping[str, torch.Tensor]) -> list[Any]:
+        """Hooks that capture (``on_capture``) and patch (``patch``) components at the segment
+        (:func:`~equivariance_probe.adapters.segments.touch_component`); their handles, to be removed."""
+        if not capture and not patch:
+            return []
+        parts = block_parts(self.model)
+        handles = []
+        for name in dict.fromkeys([*capture, *patch]):
+            module, reads_input, head = component_site(parts, name)
+            touch = partial(touch_component, spans=spans, name=name,
+                            on_capture=on_capture if name in capture else None, values=patch.get(name))
+            if reads_input:
+                def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict, touch: Any = touch,
+                             head: int | None = head) -> None:
+                    hidden = args[0] if args else kwargs["hidden_states"]
+                    touch(hidden, columns=None if head is None else head_columns(hidden.shape[-1], self.layout.n_heads,
+                                                                                   head))
+
+                handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            else:
+                def hook(module: torch.nn.Module, args: Any, output: Any, touch: Any = touch) -> None:
+                    touch(output_tensor(output))  # in place: the module's output is what the block adds
+
+                handles.append(module.register_forward_hook(hook))
+        return handles
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
         """Run one window ``tokens: [1, T]`` (its segment the last ``segment_length`` tokens) under eager attention

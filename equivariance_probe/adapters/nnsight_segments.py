@@ -9,14 +9,15 @@ methods (:class:`NNsightSegments`); what runs inside the server's session is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from time import perf_counter
 from typing import Any
 
 import torch
 
 from ..errors import RemoteExecutionError
-from .base import SegmentAttentionCallback, SegmentBatch, SegmentResidualCallback
+from .base import ComponentCallback, SegmentAttentionCallback, SegmentBatch, SegmentResidualCallback
+from .components import EMBEDDING, block_parts, component_layer, component_site, head_columns, output_tensor, parse_component
 from .internals import AttentionCall, recompute_tolerance
 from .request_sizes import plan_requests
 from .segments import (
@@ -28,6 +29,7 @@ from .segments import (
     segment_rows,
     segment_spans,
     shifted_position_ids,
+    touch_component,
 )
 from .nnsight_remote import (
     ATTENTION_CALL,
@@ -62,10 +64,13 @@ class NNsightSegments:
         lengths: torch.Tensor,
         segment_length: int,
         *,
-        on_attention: SegmentAttentionCallback,
+        on_attention: SegmentAttentionCallback | None = None,
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        capture: Sequence[str] = (),
+        on_capture: ComponentCallback | None = None,
+        patch: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """:meth:`Adapter.run_segment` inside a local nnsight trace of the model.
 
@@ -75,7 +80,10 @@ class NNsightSegments:
         cuts it (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`). The residual stream is
         each decoder layer envoy's output; the predictions are the trace's own logits, for the last
         :func:`~equivariance_probe.adapters.segments.kept_positions` positions (``logits_to_keep``). Position ids
-        (``position_start``) go to the model as the trace's ``position_ids``.
+        (``position_start``) go to the model as the trace's ``position_ids``. Components are captured and patched
+        at the envoys of :func:`~equivariance_probe.adapters.components.block_parts`' modules, in the order the
+        model runs them (block 0's input, then per layer the output projection's input, the attention's and the
+        MLP's outputs), each written in place inside the trace.
 
         Raises:
             RemoteExecutionError: a remote model (``remote`` set, ``"local"`` included): its blocks, residual streams
@@ -95,13 +103,30 @@ class NNsightSegments:
         layers = [self.model.get(path) for path in self.layer_paths]
         windows = self.layout.sliding_windows
         seen: list[int] = []
+        sites = self._component_sites([*capture, *(patch or {})])
+        patch = patch or {}
+
+        def touch(name: str, hidden: torch.Tensor, columns: slice | None = None) -> None:
+            touch_component(hidden, spans, name, columns, on_capture=on_capture if name in capture else None,
+                            values=patch.get(name))
+
         # Filled in the trace: nnsight hands back only objects that outlive it (a name bound inside is not).
         kept: dict[str, torch.Tensor] = {}
         with self._local_run("recompute"), self._translate_errors("recompute"):
             with self.model.trace(tokens.to(device), **options) as tracer:
+                if EMBEDDING in sites:
+                    touch(EMBEDDING, layers[0].input)
                 for layer, module in enumerate(attention):
-                    on_attention(layer, *segment_blocks_from_call(attention_call(layer, module), spans, windows[layer],
-                                                                  causal=True))
+                    if on_attention is not None:
+                        on_attention(layer, *segment_blocks_from_call(attention_call(layer, module), spans,
+                                                                      windows[layer], causal=True))
+                    for envoy, names in sites.get(layer, []):
+                        if names[0][1] is not None:  # heads: their columns of the output projection's input
+                            hidden = envoy.input
+                            for name, head in names:
+                                touch(name, hidden, head_columns(hidden.shape[-1], self.layout.n_heads, head))
+                        else:
+                            touch(names[0][0], output_tensor(envoy.output))
                     if on_residual is not None:
                         output = layers[layer].output
                         on_residual(layer, segment_rows(output[0] if isinstance(output, tuple) else output, spans))
@@ -112,6 +137,29 @@ class NNsightSegments:
                     tracer.stop()  # nothing after the last block is read
         self.check_layers_seen(seen)
         return kept.get("log_probs")
+
+    def _component_sites(self, names: Sequence[str]) -> dict[Any, Any]:
+        """Where the components ``names`` are read in a trace: ``{"embedding": None}`` for block 0's input, and per
+        layer ``[(envoy, [(name, head)])]`` in the order the model runs them (the output projection, whose input
+        holds the heads, then the attention's and the MLP's output modules)."""
+        if not names:
+            return {}
+        parts = block_parts(self.hf_model)
+        paths = {id(module): name for name, module in self.hf_model.named_modules()}
+        sites: dict[Any, Any] = {}
+        by_layer: dict[int, dict[int, list[tuple[str, int | None]]]] = {}
+        order = {"head": 0, "attention": 1, "mlp": 2}
+        for name in dict.fromkeys(names):
+            kind = parse_component(name)[0]
+            module, _, head = component_site(parts, name)
+            if kind == EMBEDDING:
+                sites[EMBEDDING] = None
+                continue
+            layer = component_layer(name)
+            by_layer.setdefault(layer, {}).setdefault((order[kind], id(module)), []).append((name, head))
+        for layer, groups in by_layer.items():
+            sites[layer] = [(self.model.get(paths[module]), group) for (_, module), group in sorted(groups.items())]
+        return sites
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
         """:meth:`Adapter.check_segment_recompute`.
@@ -167,10 +215,20 @@ class NNsightSegments:
 
         Raises:
             AttentionCaptureError: ``targets`` (predictions) on a model without a language-model head.
-            RemoteExecutionError (or a named subclass): the server failed; this segment was not added.
+            RemoteExecutionError (or a named subclass): the server failed, or ``config`` asks for activation
+                patching (not run remotely: see the message); this segment was not added.
         """
         import nnsight
 
+        if getattr(config, "patch_components", ()):
+            raise RemoteExecutionError(
+                f"activation patching does not run on a remote nnsight model (remote={self.remote!r}): a segment's "
+                "whole grid is one request, which cannot be split (its sums are taken about the grid's own means), "
+                f"and patching adds a forward pass per patched item at every offset but the reference: "
+                f"{1 + len(config.patch_components) * (len(config.offsets) - 1) / len(config.offsets):.0f} times the "
+                "grid's passes here, against a request planned to take a quarter of nnsight's 600 s read timeout; "
+                "nothing was measured. Patch a model whose weights are here (remote=False, or the Hugging Face "
+                "model), or run the remote shift test without patch")
         if targets is not None:
             check_predicts(self.hf_model)
         plan = {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_offsets": len(config.offsets),

@@ -26,13 +26,16 @@ import torch
 
 from ..statistics.engines.in_trace import attention_scores
 from ..statistics.engines.shift_sums import PREDICTION_CHUNK, segment_representations
+from ..statistics.shift import patch_parts
 from ..errors import AttentionCaptureError
+from .base import SegmentBatch
 from .internals import AttentionCall
 from .modules import is_causal_lm
 
 __all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "judged_recompute_check", "segment_block", "hidden_keys", "segment_blocks", "segment_blocks_from_call", "segment_blocks_from_qk",
            "segment_rows",
-           "kept_positions", "segment_log_probs", "capture_segment_batch", "capture_segment_grid"]
+           "kept_positions", "segment_log_probs", "capture_segment_batch", "capture_segment_grid", "touch_component",
+           "without_offset", "patched_components", "patch_segment_context"]
 
 #: ``(start, length)`` of each window's segment: positions ``start .. length − 1``.
 Spans = Sequence[tuple[int, int]]
@@ -52,17 +55,106 @@ def capture_segment_grid(adapter: Any, contexts: Sequence[Sequence[Any]], grid: 
         entries: per layer, the ``[m, m]`` entries that count.
         targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
     """
+    config = grid.config
+    reference = config.patch_reference
+    components = patched_components(config.patch_components)
     for context in contexts:
+        captured: dict[str, torch.Tensor] = {}  # each patched component's output at the segment, reference window
         for batch in context:
-            capture_segment_batch(adapter, batch, grid.config.segment_length, entries, grid.add, targets=targets,
-                                  add_predictions=grid.add_predictions)
+            here = reference in batch.offset_indices and bool(components)
+            row = batch.offset_indices.index(reference) if here else 0
+            capture_segment_batch(adapter, batch, config.segment_length, entries, grid.add, targets=targets,
+                                  add_predictions=grid.add_predictions, capture=components if here else (),
+                                  on_capture=lambda name, values, row=row: captured.__setitem__(name, values[row]))
+        if components:
+            patch_segment_context(adapter, context, grid, captured, targets)
         grid.end_context()
+
+
+def patched_components(items: Sequence[str]) -> tuple[str, ...]:
+    """Every component of the patched ``items`` once, in order of first mention."""
+    return tuple(dict.fromkeys(name for item in items for name in patch_parts(item)))
+
+
+def patch_segment_context(adapter: Any, context: Sequence[Any], grid: Any, captured: dict[str, torch.Tensor],
+                          targets: torch.Tensor | None) -> None:
+    """Activation patching of one context, after its clean windows: for each patched item, the context's windows
+    at every offset but the reference, each batch as the clean run batched them less the reference window, run
+    with the item's components replaced at the segment by ``captured`` (their outputs in the reference window);
+    the patched predictions and last-block residual stream go to ``grid.add_patched``.
+
+    Args:
+        adapter: the model's adapter (:meth:`~equivariance_probe.adapters.base.Adapter.run_segment`'s ``patch``).
+        context: the context's :class:`~equivariance_probe.adapters.base.SegmentBatch` es.
+        grid: the segment's :class:`~equivariance_probe.statistics.shift.SegmentGrid`.
+        captured: ``{component: [m, d]}`` (``[m, head_dim]`` for a head) at the reference offset.
+        targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
+    """
+    config = grid.config
+    last = config.n_layers - 1
+    for batch in context:
+        rest = without_offset(batch, config.patch_reference)
+        if rest is None:
+            continue
+        size = len(rest.offset_indices)
+        for item, components in enumerate(config.patch_components):
+            patch = {name: captured[name].expand(size, *captured[name].shape) for name in patch_parts(components)}
+            residual: dict[int, torch.Tensor] = {}
+            log_probs = adapter.run_segment(rest.tokens, rest.lengths, config.segment_length,
+                                            on_residual=lambda layer, hidden: residual.__setitem__(layer, hidden),
+                                            position_start=rest.position_start, predictions=targets is not None,
+                                            patch=patch)
+            for b, index in enumerate(rest.offset_indices):
+                grid.add_patched(item, index, None if log_probs is None else log_probs[b, :-1], residual[last][b])
+
+
+def without_offset(batch: SegmentBatch, offset_index: int) -> SegmentBatch | None:
+    """``batch`` without its window at ``offset_index`` (``None`` if nothing is left), its padding cut to the
+    longest window left."""
+    keep = [b for b, index in enumerate(batch.offset_indices) if index != offset_index]
+    if not keep:
+        return None
+    if len(keep) == len(batch.offset_indices):
+        return batch
+    rows = torch.tensor(keep)
+    lengths = batch.lengths[rows]
+    return SegmentBatch(batch.tokens[rows, : int(lengths.max())], lengths,
+                        tuple(batch.offset_indices[b] for b in keep),
+                        None if batch.position_start is None else batch.position_start[rows])
+
+
+def touch_component(hidden: torch.Tensor, spans: Spans, name: str, columns: slice | None = None, *,
+                    on_capture: Callable[[str, torch.Tensor], None] | None = None,
+                    values: torch.Tensor | None = None) -> torch.Tensor:
+    """Read and/or replace, in place, one component's output at each window's segment: what every adapter's
+    ``capture`` and ``patch`` do at the tensor its framework exposes.
+
+    Args:
+        hidden: ``[batch, T, width]`` the component's output (for a head, the output projection's input).
+        spans: each window's segment.
+        name: the component (handed to ``on_capture``).
+        columns: the head's columns of ``hidden`` (``None``: all).
+        on_capture: called as ``on_capture(name, [batch, m, width'])`` with the segment's rows, before any replacement.
+        values: ``[batch, m, width']`` written over the segment's rows.
+
+    Returns:
+        ``hidden`` (replaced in place).
+    """
+    part = hidden if columns is None else hidden[..., columns]
+    if on_capture is not None:
+        on_capture(name, segment_rows(part, spans))
+    if values is not None:
+        for b, (start, length) in enumerate(spans):
+            part[b, start:length] = values[b].to(device=part.device, dtype=part.dtype)
+    return hidden
 
 
 def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries: Sequence[torch.Tensor],
                           add: Callable[[str, int, int, torch.Tensor], None], *,
                           targets: torch.Tensor | None = None,
-                          add_predictions: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+                          add_predictions: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+                          capture: Sequence[str] = (),
+                          on_capture: Callable[[str, torch.Tensor], None] | None = None) -> None:
     """Run one forward pass of a segment's grid and hand over what the shift test measures of each window.
 
     The one capture loop of the shift test: the probe's run (into a
@@ -80,6 +172,9 @@ def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries
             and ``[1, m·d]`` for the residual stream after each block.
         targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
         add_predictions: called as ``add_predictions(offset_index, log_probs[m − 1, vocab], targets)`` per window.
+        capture: components whose outputs at the segment go to ``on_capture(name, [batch, m, d])`` (activation
+            patching's reference outputs).
+        on_capture: see ``capture``.
     """
     indices = batch.offset_indices
 
@@ -94,7 +189,8 @@ def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries
 
     log_probs = adapter.run_segment(batch.tokens, batch.lengths, segment_length, on_attention=on_attention,
                                     on_residual=on_residual, position_start=batch.position_start,
-                                    predictions=targets is not None)
+                                    predictions=targets is not None,
+                                    **({"capture": capture, "on_capture": on_capture} if capture else {}))
     if targets is not None and add_predictions is not None:
         for b, index in enumerate(indices):
             add_predictions(index, log_probs[b, :-1], targets)

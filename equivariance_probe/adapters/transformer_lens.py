@@ -14,13 +14,23 @@ neither ``return_type=None`` nor ``stop_at_layer`` skips the unembedding (measur
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, require_extra
-from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
+from ..errors import AttentionCaptureError, InputError, require_extra
+from .base import (
+    LANGUAGE_MODEL_HEAD,
+    Adapter,
+    AttentionLayout,
+    ComponentCallback,
+    PatternCallback,
+    SegmentAttentionCallback,
+    SegmentResidualCallback,
+)
+from .components import head_columns, parse_component
 from .internals import recompute_tolerance
 from .modules import layer_windows
 from .segments import (
@@ -35,6 +45,7 @@ from .segments import (
     segment_rows,
     segment_spans,
     shifted_position_ids,
+    touch_component,
 )
 
 PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
@@ -43,6 +54,14 @@ PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
 SCORES_HOOK = "blocks.{layer}.attn.hook_attn_scores"
 #: The residual stream after block ``layer``, ``[batch, position, d_model]``.
 RESIDUAL_HOOK = "blocks.{layer}.hook_resid_post"
+#: Where a TransformerBridge exposes each component (:mod:`~equivariance_probe.adapters.components`): the input
+#: of block 0 (the embedding as the model scales it), the attention's and the MLP's outputs, or their post-norms'
+#: where the block norms its outputs before adding them (Gemma 2/3: ``ln1_post``, ``ln2_post``, the Hugging Face
+#: ``post_attention_layernorm`` and ``post_feedforward_layernorm``), and the output projection's input (the heads
+#: side by side).
+COMPONENT_HOOKS = {"embedding": "blocks.0.hook_in", "attention": "blocks.{layer}.attn.hook_out",
+                   "attention_post": "blocks.{layer}.ln1_post.hook_out", "mlp": "blocks.{layer}.mlp.hook_out",
+                   "mlp_post": "blocks.{layer}.ln2_post.hook_out", "head": "blocks.{layer}.attn.o.hook_in"}
 
 
 def scores_hook_carries_weights(attention: Any) -> bool:
@@ -217,10 +236,13 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         lengths: torch.Tensor,
         segment_length: int,
         *,
-        on_attention: SegmentAttentionCallback,
+        on_attention: SegmentAttentionCallback | None = None,
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        capture: Sequence[str] = (),
+        on_capture: ComponentCallback | None = None,
+        patch: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """:meth:`Adapter.run_segment` through the bridge's own hooks, in one ``run_with_hooks`` pass.
 
@@ -235,7 +257,8 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         where the Hugging Face adapter recomputes them in float32 from half-precision queries and keys. The
         residual stream is ``hook_resid_post``; the predictions are the bridge's logits for the last
         :func:`~equivariance_probe.adapters.segments.kept_positions` positions (``logits_to_keep`` and
-        ``position_ids`` go through the bridge to the Hugging Face model it runs).
+        ``position_ids`` go through the bridge to the Hugging Face model it runs). Components are captured and
+        patched at the bridge's hook points (:data:`COMPONENT_HOOKS`, :meth:`component_hook`).
 
         Raises:
             AttentionCaptureError: ``predictions`` on a bridge around a model without a language-model head.
@@ -261,8 +284,23 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
             if layer == last and not predictions:
                 raise _LastPatternSeen  # nothing after the last block is read
 
-        hooks = [(SCORES_HOOK.format(layer=i), on_scores) for i in range(self._layout.n_layers)]
+        hooks = [(SCORES_HOOK.format(layer=i), on_scores) for i in range(self._layout.n_layers)] \
+            if on_attention is not None else []
         hooks += [(RESIDUAL_HOOK.format(layer=i), on_block) for i in range(self._layout.n_layers)]
+        patch = patch or {}
+        for name in dict.fromkeys([*capture, *patch]):
+            hook_name, head = self.component_hook(name)
+            touch = partial(touch_component, spans=spans, name=name,
+                            on_capture=on_capture if name in capture else None, values=patch.get(name))
+
+            def on_component(hidden: torch.Tensor, hook: Any, touch: Any = touch, head: int | None = head) -> torch.Tensor:
+                if head is not None and hidden.dim() == 4:  # [batch, position, head, head_dim] (Gemma 3's bridge)
+                    touch(hidden[:, :, head])  # a view: replaced in place
+                    return hidden
+                return touch(hidden, columns=None if head is None else head_columns(hidden.shape[-1],
+                                                                                    self._layout.n_heads, head))
+
+            hooks.append((hook_name, on_component))
         options: dict[str, Any] = {"use_cache": False}
         if position_start is not None:
             options["position_ids"] = shifted_position_ids(position_start, width).to(self.device)
@@ -277,8 +315,28 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
                     log_probs = segment_log_probs(logits, spans, width)
             except _LastPatternSeen:
                 pass
-        self.check_layers_seen(seen)
+        if on_attention is not None:
+            self.check_layers_seen(seen)
         return log_probs
+
+    def component_hook(self, name: str) -> tuple[str, int | None]:
+        """``(hook point, head)`` where the bridge exposes component ``name`` (:data:`COMPONENT_HOOKS`; a head is
+        its columns of the output projection's input).
+
+        Raises:
+            InputError: not a component name, or a layer the model does not have.
+            AttentionCaptureError: the bridge has no such hook point.
+        """
+        kind, layer, head = parse_component(name)
+        if layer is not None and not 0 <= layer < self._layout.n_layers:
+            raise InputError(f"component {name!r}: the model has layers 0 to {self._layout.n_layers - 1}")
+        if kind in ("attention", "mlp") and COMPONENT_HOOKS[f"{kind}_post"].format(layer=layer) in self.model.hook_dict:
+            kind = f"{kind}_post"
+        hook_name = COMPONENT_HOOKS[kind].format(layer=layer)
+        if hook_name not in self.model.hook_dict:
+            raise AttentionCaptureError(f"this TransformerBridge has no hook point {hook_name!r} for component "
+                                        f"{name!r}; run the Hugging Face model itself (framework huggingface)")
+        return hook_name, head
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
         """:meth:`Adapter.check_segment_recompute`: on one window ``tokens: [1, T]``, the weights

@@ -21,7 +21,8 @@ array is read or allocated; :meth:`ShiftFile.statistics` reads the arrays on fir
 
 Versions: **1** — without the residual stream's sums per hidden dimension (its sums of squares were taken about
 one grand mean); **2** — adds ``residual/total_by_dim`` and the configuration's ``hidden_size`` and
-``residual_centre``. What each version added is declared once, in :data:`SHIFT_ADDED`: an array that a file's
+``residual_centre``; **3** — adds activation patching's ``patch/*`` arrays and the configuration's
+``patch_components`` and ``patch_reference``. What each version added is declared once, in :data:`SHIFT_ADDED`: an array that a file's
 version predates is filled in as that table says (an empty array of the older definition, or zeros that leave
 a representation the file never measured undefined), never read as missing.
 """
@@ -48,9 +49,9 @@ __all__ = ["SHIFT_KIND", "SHIFT_FORMAT_VERSION", "SHIFT_FORMAT_VERSIONS", "SHIFT
 #: The ``kind`` of a shift result file's header.
 SHIFT_KIND = "equivariance_probe.ShiftResult"
 #: The version :func:`write_shift_file` writes.
-SHIFT_FORMAT_VERSION = 2
+SHIFT_FORMAT_VERSION = 3
 #: The format versions this package reads.
-SHIFT_FORMAT_VERSIONS = (1, 2)
+SHIFT_FORMAT_VERSIONS = (1, 2, 3)
 #: The tensor of the segments' fingerprints.
 FINGERPRINTS = "segment_fingerprints"
 
@@ -73,6 +74,7 @@ class Added(NamedTuple):
 SHIFT_ADDED: dict[str, Added] = {
     "residual/total_by_dim": Added(2, "the residual stream's sums per hidden dimension (files of version 1 took its "
                                       "sums of squares about one grand mean)"),
+    "patch/": Added(3, "activation patching's sums (files before version 3 patched nothing: no items, empty arrays)"),
 }
 
 
@@ -226,6 +228,13 @@ def _check_config(config: dict[str, Any], require: Any) -> None:
     require(isinstance(windows, list) and len(windows) in (0, config["n_layers"])
             and all(w is None or is_integer(w, 1) for w in windows),
             f"'config.sliding_windows' must be a list of null or positive widths, one per layer, not {windows!r}")
+    if "patch_components" in config:
+        items = config["patch_components"]
+        require(isinstance(items, list) and all(isinstance(item, str) and item for item in items),
+                f"'config.patch_components' must be a list of component names, not {items!r}")
+    if "patch_reference" in config:
+        require(is_integer(config["patch_reference"], 0) and config["patch_reference"] < len(offsets),
+                f"'config.patch_reference' must index one of the offsets, not {config['patch_reference']!r}")
     if "hidden_size" in config:
         require(is_integer(config["hidden_size"], 0),
                 f"'config.hidden_size' must be an integer of at least 0, not {config['hidden_size']!r}")

@@ -33,7 +33,7 @@ from ..records.provenance import corpus_fingerprint, model_identity
 from ..shift_result import ShiftResult
 from ..sources.model_source import ModelSource, model_source
 from ..sources.packing import special_prefix
-from ..sources.shift_grid import ShiftOptions, check_shift_options, split_documents
+from ..sources.shift_grid import DEFAULT_PATCH_SHIFT, DEFAULT_SHIFT, ShiftOptions, check_shift_options, split_documents
 from .checkpoint import CHECKPOINT_FOLDER, CheckpointedRun, clear_checkpoint, has_checkpoint, lock_output_folder
 from .study import check_baselines, variant_builders
 
@@ -87,8 +87,8 @@ def run_shift_study(
     options: ShiftOptions | None = None,
     *,
     corpus: Any = None,
-    n_segments: int = 8,
-    n_contexts: int = 4,
+    n_segments: int | None = None,
+    n_contexts: int | None = None,
     baselines: Sequence[str] = (),
     seed: int = 0,
     checkpoint_every: int | None = DEFAULT_SHIFT_CHECKPOINT_EVERY,
@@ -108,8 +108,10 @@ def run_shift_study(
         corpus: documents (texts or token-id lists), a corpus path, or ``None`` (the packaged Wikipedia articles):
             contexts are the first ``n_contexts`` documents of at least ``max(offsets)`` tokens, segments the first
             ``n_segments`` others (:func:`~equivariance_probe.sources.shift_grid.split_documents`).
-        n_segments: segments to move.
-        n_contexts: contexts before them (one, the prefix, in ``"position_ids"`` mode).
+        n_segments: segments to move (default 8, or 4 with patching:
+            :data:`~equivariance_probe.sources.shift_grid.DEFAULT_SHIFT`, ``DEFAULT_PATCH_SHIFT``).
+        n_contexts: contexts before them (one, the prefix, in ``"position_ids"`` mode; default 4, or 2 with
+            patching).
         baselines: from :data:`~equivariance_probe.runs.study.BASELINES` (each a second run of the whole grid).
         seed: seed of the random initialisation.
         checkpoint_every: segments between checkpoints in ``<out>/checkpoint`` (``None`` or 0: none).
@@ -124,6 +126,9 @@ def run_shift_study(
     """
     source = model_source(model, loading, where="run_shift_study")
     options = ShiftOptions.of(options)
+    defaults = {**DEFAULT_SHIFT, **DEFAULT_PATCH_SHIFT} if options.patch else DEFAULT_SHIFT
+    n_segments = defaults["n_segments"] if n_segments is None else n_segments
+    n_contexts = defaults["n_contexts"] if n_contexts is None else n_contexts
     check_baselines(baselines)
     # Everything that needs no model is checked before one loads (a minute for a packaged model's first load).
     check_shift_options(offsets=options.offsets, segment_length=options.segment_length, mode=options.mode,
@@ -152,8 +157,11 @@ def _measured_study(source: ModelSource, out: Path, options: ShiftOptions, corpu
     probe = EquivarianceProbe(network, tokenizer=tokenizer)
     options = options.resolved(probe.adapter.layout, len(special_prefix(tokenizer)))
     segments, contexts = _texts(corpus, tokenizer, options, n_segments, n_contexts)
+    recorded = dataclasses.asdict(options)
+    if not options.patch:  # as a study without patching recorded its options before patching existed: it resumes
+        recorded = {key: value for key, value in recorded.items() if key not in ("patch", "patch_reference")}
     identity = {"model": model_identity(network), "corpus": corpus_fingerprint([*segments, *(contexts or [])]),
-                "config": {"command": "shift", "options": dataclasses.asdict(options), "baselines": list(baselines), "seed": seed,
+                "config": {"command": "shift", "options": recorded, "baselines": list(baselines), "seed": seed,
                            "framework": source.framework}}
     runner = CheckpointedRun(out / CHECKPOINT_FOLDER if every else None, every=every, identity=identity, resume=resume,
                              result_type=ShiftResult)

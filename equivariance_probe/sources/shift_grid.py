@@ -23,17 +23,29 @@ from typing import Any, ClassVar
 import torch
 
 from ..adapters.base import SegmentBatch
+from ..adapters.components import EMBEDDING, block_component_names, head_component_names, parse_component
 from ..errors import ContextLengthError, EmptyCorpusError, InputError, check_choice, check_integer, option
 from ..statistics.groups import DEFAULT_INTERVAL_GROUPS
 from ..statistics.options import Options
 from .packing import special_prefix
 
 __all__ = ["SHIFT_MODES", "ShiftGrid", "ShiftOptions", "SHIFT_FIELDS", "shift_grid", "check_shift_options",
-           "default_offsets", "split_documents", "DEFAULT_SHIFT"]
+           "default_offsets", "split_documents", "DEFAULT_SHIFT", "DEFAULT_PATCH_SHIFT", "PATCH_KEYWORDS",
+           "check_patch", "resolve_patch"]
 
 SHIFT_MODES = ("text", "position_ids")
 #: Defaults of the study: 8 segments of 64 tokens, 4 contexts, 6 offsets, windows of at most 1024 tokens.
 DEFAULT_SHIFT = {"n_segments": 8, "n_contexts": 4, "segment_length": 64, "n_offsets": 6, "longest_window": 1024}
+#: Defaults of a study with activation patching, which costs a forward pass per patched item per window at an
+#: offset other than the reference: 4 segments, 2 contexts, 3 offsets (4 under a sliding window that fits: both
+#: sides of it, :func:`default_offsets`).
+DEFAULT_PATCH_SHIFT = {"n_segments": 4, "n_contexts": 2, "n_offsets": 3}
+#: What ``patch`` takes besides component names (:mod:`~equivariance_probe.adapters.components`), each a whole
+#: item: ``"blocks"`` (each block's attention and each block's MLP, one at a time: the default), ``"heads"``
+#: (every head of every layer, one at a time), ``"heads.<layer>"`` (every head of one layer) and ``"all"`` (the
+#: embedding and every block's attention and MLP patched together, which makes the predictions the reference's:
+#: a check that recovers 1). Components joined by ``+`` are patched together.
+PATCH_KEYWORDS = ("blocks", "heads", "all")
 
 
 @dataclass(frozen=True)
@@ -295,6 +307,76 @@ def shift_grid(segments: Iterable[Any], contexts: Iterable[Any] | None, tokenize
     return ShiftGrid(prefix, torch.tensor(segment_ids), torch.tensor(context_ids), offsets, mode)
 
 
+def _patch_item_example() -> str:
+    return f"{option('patch', True)} (every block's attention and MLP) or {option('patch', 'attention.3,mlp.3')}"
+
+
+def check_patch(patch: Any) -> tuple[str, ...]:
+    """``patch`` as a tuple of items, each checked: ``False``/``None`` -> ``()``, ``True`` -> ``("blocks",)``, a
+    string -> its comma-separated items, a sequence -> its items. An item is one of :data:`PATCH_KEYWORDS`,
+    ``"heads.<layer>"``, or component names joined by ``+``.
+
+    Raises:
+        InputError: naming the first item that is none of these, and the forms that are.
+    """
+    if patch is None or patch is False:
+        return ()
+    if patch is True:
+        return ("blocks",)
+    if isinstance(patch, str):
+        items = [item.strip() for item in patch.split(",")]
+    elif isinstance(patch, Iterable) and not isinstance(patch, (bytes, dict)):
+        items = list(patch)
+    else:
+        raise InputError(f"patch={patch!r} must be True, False, a component name or a list of them; pass "
+                         f"{_patch_item_example()}")
+    if not items:
+        raise InputError(f"patch={patch!r} names no component; pass False for no patching, or {_patch_item_example()}")
+    for item in items:
+        if not isinstance(item, str) or not item:
+            raise InputError(f"patch item {item!r} (of {patch!r}) is not a component name; pass {_patch_item_example()}")
+        if item in PATCH_KEYWORDS or (item.startswith("heads.") and item[6:].isdigit()):
+            continue
+        for part in item.split("+"):
+            try:
+                parse_component(part)
+            except InputError:
+                raise InputError(
+                    f"patch item {item!r} is not a component ('embedding', 'attention.<layer>', 'mlp.<layer>', "
+                    f"'head.<layer>.<head>', several joined by '+') nor one of {list(PATCH_KEYWORDS)} or "
+                    f"'heads.<layer>'; pass {_patch_item_example()}") from None
+    return tuple(dict.fromkeys(items))
+
+
+def resolve_patch(items: Sequence[str], n_layers: int, n_heads: int) -> tuple[str, ...]:
+    """:func:`check_patch`'s items for a model of ``n_layers`` layers of ``n_heads`` query heads: the keywords
+    spelled out as component names, each item once, in the order given.
+
+    Raises:
+        InputError: a layer or head the model does not have.
+    """
+    blocks = block_component_names(n_layers)
+    out: list[str] = []
+    for item in items:
+        if item == "blocks":
+            out += [name for name in blocks if name != EMBEDDING]
+        elif item == "heads":
+            out += head_component_names(range(n_layers), n_heads)
+        elif item == "all":
+            out.append("+".join(blocks))
+        elif item.startswith("heads."):
+            out += head_component_names([int(item[6:])], n_heads)
+        else:
+            out.append(item)
+    for item in out:
+        for part in item.split("+"):
+            _, layer, head = parse_component(part)
+            if (layer is not None and layer >= n_layers) or (head is not None and head >= n_heads):
+                raise InputError(f"patch item {item!r}: the model has layers 0 to {n_layers - 1} with heads 0 to "
+                                 f"{n_heads - 1}; pass components it has")
+    return tuple(dict.fromkeys(out))
+
+
 @dataclass(frozen=True)
 class ShiftOptions(Options):
     """How a shift run measures: one value passed whole from the command line through the study runner
@@ -313,6 +395,11 @@ class ShiftOptions(Options):
         batch_size: windows per forward pass (one context at several offsets). Results do not depend on it.
         predictions: measure next-token predictions (``None``: for a causal language model with its head).
         interval_groups: groups of segments for the jackknife intervals; 0 for none (as for ``run``).
+        patch: activation patching (``False``: none): ``True`` for each block's attention and MLP, one at a time,
+            or items as :func:`check_patch` reads them (``"attention.3,mlp.3"``, ``["heads.5"]``, ``"all"``);
+            settled for the model by :meth:`resolved` (:func:`resolve_patch`: component names).
+        patch_reference: the index, among the offsets, of the reference offset ``s₀`` whose outputs are patched
+            into the others (default 0: the smallest).
 
     Example:
         >>> ShiftOptions(offsets=[512, 0, 256]).offsets
@@ -325,6 +412,8 @@ class ShiftOptions(Options):
     batch_size: int = 1
     predictions: bool | None = None
     interval_groups: int = DEFAULT_INTERVAL_GROUPS
+    patch: bool | str | tuple[str, ...] = False
+    patch_reference: int = 0
 
     _option: ClassVar[str] = "shift option"
     _example: ClassVar[str] = "offsets=[0, 256, 512]"
@@ -338,18 +427,30 @@ class ShiftOptions(Options):
             f"{option('interval_groups', DEFAULT_INTERVAL_GROUPS)}"))
         if self.predictions is not None and not isinstance(self.predictions, bool):
             raise InputError(f"predictions must be True, False or None (the default for the model), not {self.predictions!r}")
+        object.__setattr__(self, "patch", check_patch(self.patch))
+        check_integer("patch_reference", self.patch_reference, minimum=0, message=(
+            f"patch_reference must be the index of an offset (0: the smallest), not {self.patch_reference!r}; pass "
+            f"e.g. {option('patch_reference', 0)}"))
+        if self.offsets is not None and self.patch_reference >= len(self.offsets):
+            raise InputError(f"patch_reference={self.patch_reference} is not the index of one of the offsets "
+                             f"{list(self.offsets)}; pass 0 to {len(self.offsets) - 1}")
 
     def resolved(self, layout: Any, prefix_length: int) -> ShiftOptions:
         """These options with the offsets settled for a model: given ones kept, else :func:`default_offsets` of its
-        layout (``max_context``, ``sliding_windows``) after a special prefix of ``prefix_length`` tokens.
+        layout (``max_context``, ``sliding_windows``) after a special prefix of ``prefix_length`` tokens (with
+        patching, :data:`DEFAULT_PATCH_SHIFT`'s fewer offsets); and the patched items spelled out
+        (:func:`resolve_patch`).
 
         Raises:
             ContextLengthError: the model's window leaves a segment no room to move.
+            InputError: a patched layer or head the model does not have, or ``patch_reference`` beyond the offsets.
         """
+        patch = resolve_patch(self.patch, layout.n_layers, layout.n_heads)
         if self.offsets is not None:
-            return self
-        return self.replace(offsets=default_offsets(layout.max_context, prefix_length, self.segment_length,
-                                                    layout.sliding_windows))
+            return self.replace(patch=patch) if patch != self.patch else self
+        n_offsets = DEFAULT_PATCH_SHIFT["n_offsets"] if patch else DEFAULT_SHIFT["n_offsets"]
+        return self.replace(patch=patch, offsets=default_offsets(layout.max_context, prefix_length, self.segment_length,
+                                                                 layout.sliding_windows, n_offsets=n_offsets))
 
 
 #: The names of :class:`ShiftOptions`' fields, in order.

@@ -37,6 +37,7 @@ import torch
 from ..errors import IncompatibleResultsError, InputError, check_choice, is_integer
 from .config import Sum, merge_arrays, shapes_of
 from .engines.shift_sums import (
+    PREDICTION_CHUNK,
     ATTENTION_REPRESENTATIONS,
     DECOMPOSITION_SUMS,
     REPRESENTATION_LABELS,
@@ -73,6 +74,9 @@ __all__ = [
     "next_token_distribution",
     "jensen_shannon_from",
     "jensen_shannon_torch",
+    "PATCH_ARRAYS",
+    "PATCH_SEPARATOR",
+    "patch_parts",
 ]
 
 #: The predictions' sums: NLL of the segment's own next token by offset, Jensen–Shannon divergences between
@@ -95,6 +99,19 @@ _DECOMPOSITION_MEANINGS = {
     "offset": "SS_offset: Σ over entries of F·Σ_s (offset mean − entry mean)²",
     "context": "SS_context: Σ over entries of S·Σ_f (context mean − entry mean)²",
 }
+#: Activation patching's sums (``P`` patched items, 0 where patching was not asked for): for each item ``p``
+#: (one component, or several joined by :data:`PATCH_SEPARATOR` and patched together) and offset ``s``, the
+#: window at ``s`` runs with ``p``'s output at the segment's tokens replaced by its output in the window at the
+#: reference offset ``s₀`` of the same context.
+PATCH_ARRAYS: dict[str, Sum] = {
+    "patch/js_sum": Sum("G P O", "Σ JS(patched p_s, clean p_s₀) over contexts and positions (row s₀: 0, never patched)"),
+    "patch/js_count": Sum("G P O", "positions behind patch/js_sum"),
+    "patch/residual_offset": Sum("G P", "SS_offset of the last block's residual stream on the patched grid (s₀ clean, "
+                                        "every other offset patched): F·Σ over entries and offsets of (offset mean − "
+                                        "entry mean)², per segment's grid"),
+}
+#: Joins the components of one patched item (``"attention.3+mlp.3"``: both replaced in the same pass).
+PATCH_SEPARATOR = "+"
 #: Every array of the state, declared once (see :mod:`equivariance_probe.statistics`).
 SHIFT_ARRAYS: dict[str, Sum] = {
     **{f"{rep}/{name}": Sum("G L 1" if rep in VECTOR_REPRESENTATIONS else "G L H", _DECOMPOSITION_MEANINGS[name])
@@ -103,6 +120,7 @@ SHIFT_ARRAYS: dict[str, Sum] = {
                                     "squares are taken (empty in a file of the grand-mean definition)")
        for rep in VECTOR_REPRESENTATIONS},
     **PREDICTION_ARRAYS,
+    **PATCH_ARRAYS,
     "segments": Sum("G", "segments counted in each interval group"),
 }
 
@@ -113,7 +131,12 @@ SHIFT_ARRAYS: dict[str, Sum] = {
 #: recovered from their sums).
 RESIDUAL_CENTRES = ("mean_vector", "grand_mean")
 #: What a file's configuration without a key meant when it was written (before the mean vector was kept).
-_FILE_DEFAULTS = {"hidden_size": 0, "residual_centre": "grand_mean"}
+_FILE_DEFAULTS = {"hidden_size": 0, "residual_centre": "grand_mean", "patch_components": (), "patch_reference": 0}
+
+
+def patch_parts(item: str) -> tuple[str, ...]:
+    """The component names of one patched item (``"attention.3+mlp.3"`` -> ``("attention.3", "mlp.3")``)."""
+    return tuple(item.split(PATCH_SEPARATOR))
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,10 @@ class ShiftConfig:
         hidden_size: ``D``, the residual stream's width (0 where the per-dimension sums were not kept).
         residual_centre: one of :data:`RESIDUAL_CENTRES`: about what the residual stream's sums of squares
             were taken.
+        patch_components: the patched items (``P``), each a component name
+            (:mod:`~equivariance_probe.adapters.components`) or several joined by :data:`PATCH_SEPARATOR`;
+            empty without patching.
+        patch_reference: the index of the reference offset ``s₀`` in ``offsets``.
     """
 
     n_layers: int
@@ -152,9 +179,17 @@ class ShiftConfig:
     predictions: bool = True
     hidden_size: int = 0
     residual_centre: str = "mean_vector"
+    patch_components: tuple[str, ...] = ()
+    patch_reference: int = 0
 
     def __post_init__(self) -> None:
         check_choice("residual_centre", self.residual_centre, RESIDUAL_CENTRES)
+        if not (is_integer(self.patch_reference, 0) and self.patch_reference < len(self.offsets)):
+            raise InputError(f"patch_reference={self.patch_reference!r} must index one of the {len(self.offsets)} "
+                             f"offsets {list(self.offsets)}; pass an integer from 0 to {len(self.offsets) - 1}")
+        if self.patch_components and self.residual_centre != "mean_vector":
+            raise InputError("patching measures the residual stream on the patched grid, which needs its width; "
+                             "pass hidden_size and residual_centre='mean_vector'")
         if self.residual_centre == "mean_vector" and not (is_integer(self.hidden_size, 1)):
             raise InputError(f"hidden_size={self.hidden_size!r}: the residual stream's sums about its mean vector need "
                              "its width; pass the model's hidden size (a positive integer)")
@@ -162,7 +197,7 @@ class ShiftConfig:
     def sizes(self) -> dict[str, int]:
         """The letters of :data:`SHIFT_ARRAYS`' shapes."""
         return {"G": self.rows, "L": self.n_layers, "H": self.n_heads, "O": len(self.offsets), "1": 1,
-                "D": self.hidden_size if self.residual_centre == "mean_vector" else 0}
+                "D": self.hidden_size if self.residual_centre == "mean_vector" else 0, "P": len(self.patch_components)}
 
     @property
     def rows(self) -> int:
@@ -179,14 +214,16 @@ class ShiftConfig:
                 "n_contexts": self.n_contexts, "segment_length": self.segment_length,
                 "prefix_length": self.prefix_length, "mode": self.mode, "interval_groups": self.interval_groups,
                 "causal": self.causal, "sliding_windows": list(self.sliding_windows), "predictions": self.predictions,
-                "hidden_size": self.hidden_size, "residual_centre": self.residual_centre}
+                "hidden_size": self.hidden_size, "residual_centre": self.residual_centre,
+                "patch_components": list(self.patch_components), "patch_reference": self.patch_reference}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShiftConfig:
         """The configuration of :meth:`to_dict`; a key a file lacks takes what it meant when the file was written
         (:data:`_FILE_DEFAULTS`)."""
         return cls(**{**_FILE_DEFAULTS, **data, "offsets": tuple(data["offsets"]),
-                      "sliding_windows": tuple(data["sliding_windows"])})
+                      "sliding_windows": tuple(data["sliding_windows"]),
+                      "patch_components": tuple(data.get("patch_components", ()))})
 
 
 def segment_entries(config: ShiftConfig, layer: int) -> torch.Tensor:
@@ -223,6 +260,13 @@ class SegmentGrid:
         # One segment's predictions: the shapes without the group letter.
         self.predictions = {name: np.zeros(shape[1:])
                             for name, shape in shapes_of(PREDICTION_ARRAYS, config.sizes(), config).items()}
+        # Patching: one segment's divergences ([P, O]) and, per item and offset, Σ_f of the last block's residual
+        # stream on the patched grid ([P, O, m·d], filled on first use; the reference offset's column is the clean
+        # run's, read from the residual cell when the grid is complete).
+        self.patched = {name: np.zeros(shape[1:]) for name, shape in shapes_of(PATCH_ARRAYS, config.sizes(), config).items()
+                        if name != "patch/residual_offset"}
+        self._patched_by_offset: torch.Tensor | None = None
+        self._patched_seen: set[tuple[int, int]] = set()
 
     def add(self, representation: str, layer: int, offset_index: int, values: torch.Tensor) -> None:
         """``values: [head, E]`` (``[1, E]`` for the residual stream) of the current context at one offset."""
@@ -239,12 +283,61 @@ class SegmentGrid:
         sums = {name: torch.from_numpy(value) for name, value in self.predictions.items()}  # views: added in place
         add_prediction_sums(sums, self.distributions, self._current, offset_index, log_probs, targets)
 
+    def add_patched(self, item: int, offset_index: int, log_probs: torch.Tensor | None,
+                    last_residual: torch.Tensor) -> None:
+        """One patched window of the current context, after the context's clean windows: patched item ``item``
+        (an index into ``config.patch_components``) at offset ``offset_index`` (not the reference).
+
+        Args:
+            item: the patched item's index.
+            offset_index: the window's offset.
+            log_probs: ``[m − 1, vocab]`` the patched window's next-token log-probabilities at the segment's
+                positions but the last (``None`` without predictions); paired with the clean reference window's
+                distributions of the same context (:func:`jensen_shannon_from`, as ``js_offset_sum`` pairs them).
+            last_residual: ``[m, d]`` the patched window's residual stream after the last block at the segment.
+        """
+        config = self.config
+        reference = config.patch_reference
+        key = (item, offset_index)
+        if not 0 <= item < len(config.patch_components) or offset_index == reference or key in self._patched_seen:
+            raise InputError(f"patched window (item {item}, offset index {offset_index}) is not one of this context's "
+                             f"{len(config.patch_components)} items at the offsets other than the reference "
+                             f"{reference}, or was added twice")
+        self._patched_seen.add(key)
+        if log_probs is not None:
+            clean = self._current.get(reference)
+            if clean is None:
+                raise InputError("a patched window came before the clean window at the reference offset of its "
+                                 "context; run the context's clean windows first")
+            log_probs = log_probs.detach()
+            if log_probs.dtype != torch.float64:
+                log_probs = log_probs.to(torch.float32)
+            total = 0.0
+            for first in range(0, log_probs.shape[0], PREDICTION_CHUNK):
+                rows = slice(first, first + PREDICTION_CHUNK)
+                total += float(jensen_shannon_from((clean[0][rows], clean[1][rows]),
+                                                   next_token_distribution(log_probs[rows])).sum())
+            self.patched["patch/js_sum"][item, offset_index] += total
+            self.patched["patch/js_count"][item, offset_index] += log_probs.shape[0]
+        values = last_residual.detach().to(torch.float64).reshape(-1)
+        if self._patched_by_offset is None:
+            self._patched_by_offset = torch.zeros((len(config.patch_components), len(config.offsets), values.numel()),
+                                                  dtype=torch.float64, device=values.device)
+        self._patched_by_offset[item, offset_index] += values
+
     def end_context(self) -> None:
-        """Close the current context: every (representation, layer, offset) must have been added."""
+        """Close the current context: every (representation, layer, offset) must have been added, and with
+        patching every (item, offset other than the reference)."""
         expected = {(rep, layer, s) for rep, layer in self._cells for s in range(len(self.config.offsets))}
         if self._seen != expected:
             missing = sorted(expected - self._seen)[:3]
             raise InputError(f"a context of the segment's grid is incomplete (missing {missing}); every offset must run")
+        patched = {(p, s) for p in range(len(self.config.patch_components)) for s in range(len(self.config.offsets))
+                   if s != self.config.patch_reference}
+        if self._patched_seen != patched:
+            missing = sorted(patched - self._patched_seen)[:3]
+            raise InputError(f"a context's patched windows are incomplete (missing (item, offset index) {missing})")
+        self._patched_seen.clear()
         for cell in self._cells.values():
             end_context_of_cell(cell)
         self._seen.clear()
@@ -258,7 +351,22 @@ class SegmentGrid:
             raise InputError(f"the segment's grid has {self.contexts_done} contexts done of {self.config.n_contexts}")
         sums = grid_sums(self._cells, self.config.n_layers, self.config.n_heads, self.contexts_done,
                          len(self.config.offsets), self.config.sizes()["D"])
-        return {name: value.numpy() for name, value in sums.items()} | self.predictions
+        return {name: value.numpy() for name, value in sums.items()} | self.predictions | self._patch_sums()
+
+    def _patch_sums(self) -> dict[str, np.ndarray]:
+        """The segment's patching sums: the divergences, and ``SS_offset = F·Σ_{s,e} (Ȳ_se − Ȳ_e)²`` of the last
+        block's residual stream on each item's patched grid (the reference offset's column the clean run's)."""
+        config = self.config
+        items = len(config.patch_components)
+        if not items:
+            return dict(self.patched) | {"patch/residual_offset": np.zeros(0)}
+        by_offset = self._patched_by_offset.clone()
+        clean = self._cells[("residual", config.n_layers - 1)]["by_offset"][0, config.patch_reference]
+        by_offset[:, config.patch_reference] = clean
+        means = by_offset / self.contexts_done                                  # [P, S, E]: Ȳ_se
+        deviation = means - means.mean(1, keepdim=True)
+        offset = self.contexts_done * (deviation * deviation).sum((1, 2))
+        return dict(self.patched) | {"patch/residual_offset": offset.cpu().numpy()}
 
 
 class ShiftStatistics:
