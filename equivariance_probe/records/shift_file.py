@@ -86,7 +86,8 @@ def _added(name: str) -> Added | None:
 def write_shift_file(path: str | os.PathLike, statistics: ShiftStatistics, metadata: dict[str, Any],
                      summary: dict[str, Any]) -> Path:
     """Write one shift result atomically (the sums bitwise, the metadata and ``summary`` as JSON)."""
-    tensors = {name: np.ascontiguousarray(value) for name, value in statistics.arrays.items()}
+    # An empty array (one the configuration keeps none of: no patched items) is not written; reading fills it in.
+    tensors = {name: np.ascontiguousarray(value) for name, value in statistics.arrays.items() if value.size}
     tensors[FINGERPRINTS] = statistics.segment_fingerprints
     header = {"kind": SHIFT_KIND, "format_version": SHIFT_FORMAT_VERSION, "checksum": tensor_checksum(tensors),
               "config": statistics.config.to_dict(), "metadata": metadata, "summary": summary}

@@ -312,7 +312,7 @@ def _patch_item_example() -> str:
 
 
 def check_patch(patch: Any) -> tuple[str, ...]:
-    """``patch`` as a tuple of items, each checked: ``False``/``None`` -> ``()``, ``True`` -> ``("blocks",)``, a
+    """``patch`` as a tuple of items, each checked: ``False``/``None``/empty -> ``()``, ``True`` -> ``("blocks",)``, a
     string -> its comma-separated items, a sequence -> its items. An item is one of :data:`PATCH_KEYWORDS`,
     ``"heads.<layer>"``, or component names joined by ``+``.
 
@@ -330,8 +330,6 @@ def check_patch(patch: Any) -> tuple[str, ...]:
     else:
         raise InputError(f"patch={patch!r} must be True, False, a component name or a list of them; pass "
                          f"{_patch_item_example()}")
-    if not items:
-        raise InputError(f"patch={patch!r} names no component; pass False for no patching, or {_patch_item_example()}")
     for item in items:
         if not isinstance(item, str) or not item:
             raise InputError(f"patch item {item!r} (of {patch!r}) is not a component name; pass {_patch_item_example()}")

@@ -41,15 +41,31 @@ def arguments(parser: argparse.ArgumentParser) -> None:
                                                           "their offsets, and padding them costs more than it saves "
                                                           "on a CPU"),
                        })
-    parser.add_argument("--n-segments", type=positive, default=DEFAULT_SHIFT["n_segments"],
-                        help="texts to move, one per document (default %(default)s)")
-    parser.add_argument("--n-contexts", type=positive, default=DEFAULT_SHIFT["n_contexts"],
-                        help="preceding texts, from other documents (default %(default)s)")
+    from ...sources.shift_grid import DEFAULT_PATCH_SHIFT
+
+    parser.add_argument("--n-segments", type=positive, default=None,
+                        help=f"texts to move, one per document (default {DEFAULT_SHIFT['n_segments']}; "
+                             f"{DEFAULT_PATCH_SHIFT['n_segments']} with --patch)")
+    parser.add_argument("--n-contexts", type=positive, default=None,
+                        help=f"preceding texts, from other documents (default {DEFAULT_SHIFT['n_contexts']}; "
+                             f"{DEFAULT_PATCH_SHIFT['n_contexts']} with --patch)")
     parser.add_argument("--segment-length", type=positive, default=DEFAULT_SHIFT["segment_length"],
                         help="tokens per segment (default %(default)s)")
     parser.add_argument("--offsets", type=int_list, default=None,
                         help="comma-separated offsets (default: 6 from 0 to a 1024-token window, both sides of a sliding "
                              "window)")
+    parser.add_argument("--patch", nargs="?", const=True, default=False, metavar="COMPONENTS",
+                        help="activation patching: run each window with a component's output at the segment replaced "
+                             "by its output at the reference offset, and report how much of the prediction change "
+                             "goes away. Alone: each block's attention and MLP, one at a time; or comma-separated "
+                             "items: 'attention.3,mlp.3', 'head.5.2', 'heads.5' (every head of layer 5), 'heads', "
+                             "'all' (everything together), components joined by '+' patched together. A forward pass "
+                             "per item per window, so smaller defaults: "
+                             f"{DEFAULT_PATCH_SHIFT['n_segments']} segments, {DEFAULT_PATCH_SHIFT['n_contexts']} "
+                             f"contexts, {DEFAULT_PATCH_SHIFT['n_offsets']} offsets (explicit options win)")
+    parser.add_argument("--patch-reference", type=int, default=0, metavar="INDEX",
+                        help="the index among the offsets of the reference offset whose outputs are patched in "
+                             "(default 0: the smallest)")
     parser.add_argument("--mode", choices=SHIFT_MODES, default="text",
                         help="text (default): context tokens precede the segment; position_ids: the segment alone with "
                              "its position ids moved")
@@ -74,7 +90,8 @@ def handle(args: argparse.Namespace) -> int:
     check_writable(out)
     args.checkpoint_folder = out / CHECKPOINT_FOLDER  # for the note of a study that stops (see main)
     options = ShiftOptions(offsets=args.offsets, segment_length=args.segment_length, mode=args.mode,
-                           batch_size=args.batch_size, interval_groups=args.interval_groups)
+                           batch_size=args.batch_size, interval_groups=args.interval_groups, patch=args.patch,
+                           patch_reference=args.patch_reference)
     study = run_shift_study(model_source_of(args), out, options, corpus=read_documents(args),
                             n_segments=args.n_segments, n_contexts=args.n_contexts, baselines=args.baselines,
                             seed=args.seed, checkpoint_every=args.checkpoint_every, resume=args.resume,
