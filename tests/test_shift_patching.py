@@ -225,3 +225,19 @@ def test_a_format_2_file_loads_without_patching(tmp_path):
     assert loaded.config.patch_components == () and loaded.config == result.config
     assert loaded.share("residual", "offset") == result.share("residual", "offset")
     assert "patching" not in loaded.summary()
+
+
+def test_the_command_patches_with_its_smaller_default_grid(tiny_model_folder, text_corpus, tmp_path, capsys):
+    from equivariance_probe.cli import main
+
+    common = ["--model", tiny_model_folder("gemma3", n_positions=128), "--corpus", text_corpus(n_docs=8, words=60),
+              "--segment-length", "8", "--offsets", "0,5,20", "--interval-groups", "3", "--no-progress"]
+    assert main(["shift", "-o", str(tmp_path / "a"), *common, "--patch", "mlp.0,all", "--patch-reference", "1"]) == 0
+    assert "activation patching (reference offset 5)" in capsys.readouterr().out
+    result = ShiftResult.load(tmp_path / "a" / "shift_trained.safetensors")
+    assert result.n_segments == 4 and result.config.n_contexts == 2  # the patching defaults
+    assert result.config.patch_components[0] == "mlp.0" and result.config.patch_reference == 1
+    assert (tmp_path / "a" / "shift_patching.png").exists()
+    assert result.patching()[result.config.patch_components[1]] == pytest.approx(1.0, abs=1e-6)  # float32
+    assert main(["shift", "-o", str(tmp_path / "b"), *common, "--patch", "mlp.x"]) == 2
+    assert "not a component" in capsys.readouterr().err

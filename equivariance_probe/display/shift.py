@@ -52,6 +52,7 @@ __all__ = [
     "shift_heads_figure",
     "shift_loss_figure",
     "shift_divergence_figure",
+    "shift_patching_figure",
     "shift_figures",
     "ShiftView",
     "shift_view",
@@ -209,6 +210,61 @@ def shift_divergence_figure(results: ShiftResult | Mapping[str, ShiftResult]) ->
                             f"{next(iter(variants.values())).model_name}", variants)
 
 
+def _bars(numbers: Sequence[Any]) -> tuple[np.ndarray, np.ndarray | None]:
+    """:func:`_with_interval` of several numbers (all intervals, or all estimates) side by side."""
+    pairs = [_with_interval(number) for number in numbers]
+    estimate = np.array([float(value) for value, _ in pairs])
+    if any(error is None for _, error in pairs):
+        return estimate, None
+    return estimate, np.stack([error for _, error in pairs], axis=1)
+
+
+def shift_patching_figure(result: ShiftResult) -> Figure:
+    """Activation patching: per layer, the share of the prediction change recovered by patching the block's
+    attention and its MLP (the reference offset's outputs at the segment), side by side, with 95 % intervals;
+    heads and other items patched in the run in a second panel."""
+    plt = pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    measure = "recovered" if result.config.predictions else "residual_removed"
+    numbers = _number(result.patching, measure)
+    blocks = {kind: {int(item.split(".")[1]): value for item, value in numbers.items() if item.startswith(kind + ".")}
+              for kind in ("attention", "mlp")}
+    others = {item: value for item, value in numbers.items() if not item.startswith(("attention.", "mlp."))}
+    panels = int(any(blocks.values())) + int(bool(others))
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
+    axes = list(axes[0])
+    ylabel = ("share of the prediction change recovered" if measure == "recovered"
+              else "share of the last block's residual offset SS removed")
+    if any(blocks.values()):
+        ax = axes.pop(0)
+        for shift, kind, color in ((-0.2, "attention", "tab:blue"), (0.2, "mlp", "tab:orange")):
+            if not blocks[kind]:
+                continue
+            layers = sorted(blocks[kind])
+            values = [blocks[kind][layer] for layer in layers]
+            estimate, error = _bars(values)
+            ax.bar(np.array(layers) + shift, estimate, 0.4, yerr=error, capsize=2, color=color, label=kind)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set_xlabel("layer")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+        _axes_title(ax, "each block's attention and MLP patched alone")
+    if others:
+        ax = axes.pop(0)
+        estimate, error = _bars(list(others.values()))
+        ax.bar(range(len(others)), estimate, yerr=error, capsize=2, color="tab:green")
+        ax.set_xticks(range(len(others)), [item if len(item) < 24 else item[:21] + "..." for item in others],
+                      rotation=60, ha="right", fontsize=7)
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set_ylabel(ylabel)
+        _axes_title(ax, "other patched items")
+    reference = result.offsets[result.config.patch_reference]
+    return _titled(fig, None, f"Activation patching, {result.model_name}: each component's output at the segment "
+                              f"taken from the window at offset {reference}", {result.model_name: result})
+
+
 def _format(number: Any) -> str:
     if isinstance(number, Interval):
         return str(number)
@@ -218,12 +274,15 @@ def _format(number: Any) -> str:
 def shift_figures(result: ShiftResult, baselines: Mapping[str, ShiftResult] | None = None,
                   name: str = "trained") -> dict[str, Figure]:
     """Every figure of a shift run: ``{"shift_layers", "shift_heads", "shift_loss", "shift_divergence"}`` (the last
-    two only where the run measured predictions), with the baselines beside ``result`` (called ``name``)."""
+    two only where the run measured predictions), and ``"shift_patching"`` where it patched
+    (:func:`shift_patching_figure`), with the baselines beside ``result`` (called ``name``)."""
     variants = {name: result, **dict(baselines or {})}
     figures = {"shift_layers": shift_layers_figure(variants), "shift_heads": shift_heads_figure(result)}
     if result.config.predictions:
         figures["shift_loss"] = shift_loss_figure(variants)
         figures["shift_divergence"] = shift_divergence_figure(variants)
+    if result.config.patch_components:
+        figures["shift_patching"] = shift_patching_figure(result)
     return figures
 
 
@@ -434,6 +493,8 @@ def shift_report_section(result: ShiftResult, baselines: Mapping[str, ShiftResul
         "shift_heads": f"Per-head offset η² and pair η² (the equivariant part) of the centred logits, {name}",
         "shift_loss": "Next-token loss on the segment by offset (95 % intervals over segments)",
         "shift_divergence": "Jensen–Shannon divergence between offsets against between contexts, and their ratio",
+        "shift_patching": f"Activation patching, {name}: the share of the prediction change that goes away when a "
+                          "component's output at the segment is the reference offset's (95 % intervals over segments)",
     }
     figures = {captions[key]: figure for key, figure in shift_figures(result, baselines, name).items()}
     body = Markup("<p>The same texts placed after other contexts at offsets {}; {}. Each representation's variation "
