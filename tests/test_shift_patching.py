@@ -179,7 +179,7 @@ def test_options_spell_out_the_items_and_take_fewer_default_offsets():
     layout = AttentionLayout(n_layers=2, n_heads=2, sliding_windows=(None, None), max_context=200)
     options = ShiftOptions(patch=True).resolved(layout, 1)
     assert options.patch == ("attention.0", "mlp.0", "attention.1", "mlp.1")
-    assert len(options.offsets) == 3 and len(ShiftOptions().resolved(layout, 1).offsets) == 6
+    assert options.offsets == (0, 200 - 1 - 64) and len(ShiftOptions().resolved(layout, 1).offsets) == 6
     spelled = ShiftOptions(patch="heads.1,mlp.0+mlp.1,all", offsets=OFFSETS).resolved(layout, 1).patch
     assert spelled == ("head.1.0", "head.1.1", "mlp.0+mlp.1", "embedding+attention.0+mlp.0+attention.1+mlp.1")
     assert ShiftOptions(patch=spelled, offsets=OFFSETS).resolved(layout, 1).patch == spelled  # settled once
@@ -235,7 +235,7 @@ def test_the_command_patches_with_its_smaller_default_grid(tiny_model_folder, te
     assert main(["shift", "-o", str(tmp_path / "a"), *common, "--patch", "mlp.0,all", "--patch-reference", "1"]) == 0
     assert "activation patching (reference offset 5)" in capsys.readouterr().out
     result = ShiftResult.load(tmp_path / "a" / "shift_trained.safetensors")
-    assert result.n_segments == 4 and result.config.n_contexts == 2  # the patching defaults
+    assert result.n_segments == 2 and result.config.n_contexts == 2  # the patching defaults
     assert result.config.patch_components[0] == "mlp.0" and result.config.patch_reference == 1
     assert (tmp_path / "a" / "shift_patching.png").exists()
     assert result.patching()[result.config.patch_components[1]] == pytest.approx(1.0, abs=1e-6)  # float32

@@ -108,7 +108,7 @@ def run_shift_study(
         corpus: documents (texts or token-id lists), a corpus path, or ``None`` (the packaged Wikipedia articles):
             contexts are the first ``n_contexts`` documents of at least ``max(offsets)`` tokens, segments the first
             ``n_segments`` others (:func:`~equivariance_probe.sources.shift_grid.split_documents`).
-        n_segments: segments to move (default 8, or 4 with patching:
+        n_segments: segments to move (default 8, or 2 with patching:
             :data:`~equivariance_probe.sources.shift_grid.DEFAULT_SHIFT`, ``DEFAULT_PATCH_SHIFT``).
         n_contexts: contexts before them (one, the prefix, in ``"position_ids"`` mode; default 4, or 2 with
             patching).
