@@ -38,14 +38,8 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, check_choice
-from .base import (
-    Adapter,
-    AttentionLayout,
-    ComponentCallback,
-    PatternCallback,
-    SegmentAttentionCallback,
-    SegmentResidualCallback,
-)
+from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
+from .base import ComponentCallback
 from .components import block_parts, component_site, head_columns, output_tensor
 from .internals import AttentionCall, eager_weights, intercept_attention, position_embedding_modules, recompute_tolerance
 from .modules import (

@@ -21,15 +21,8 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, InputError, require_extra
-from .base import (
-    LANGUAGE_MODEL_HEAD,
-    Adapter,
-    AttentionLayout,
-    ComponentCallback,
-    PatternCallback,
-    SegmentAttentionCallback,
-    SegmentResidualCallback,
-)
+from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
+from .base import ComponentCallback
 from .components import head_columns, parse_component
 from .internals import recompute_tolerance
 from .modules import layer_windows
