@@ -10,6 +10,9 @@ Numbers (docs/methods.md#shift-test; ``representation`` one of
 * :meth:`ShiftResult.share` — ``η²`` of the offset, the context, the pair (the equivariant part) or the
   residual, by head, layer, layer group (sliding/global) or for the model: ratios of summed sums of squares.
 * :meth:`ShiftResult.offset_rms` — the root mean square of the offset effect, in the representation's unit.
+* :meth:`ShiftResult.attribution` — each component's share of the residual stream's offset (or context) sum of
+  squares after a block: ``C_c(l) / SS(r_l)``, from the attribution's Gram matrices (a run with
+  ``attribution=True``), and :meth:`ShiftResult.attribution_rows` the same in long form.
 * :meth:`ShiftResult.loss_by_offset` and :meth:`ShiftResult.divergence` — the segment's next-token loss per
   offset, the mean Jensen–Shannon divergence between offsets in one context and between consecutive contexts
   at one offset, and their ratio.
@@ -23,7 +26,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +35,14 @@ import numpy as np
 from .analyses.results import SumsReadOnUse, Undefined, missing_as, split_axis
 from .errors import (
     EmptyResultError,
+    InputError,
     IncompatibleResultsError,
     IntervalUnavailableError,
     SupersededSumsError,
     UndefinedStatisticError,
     check_choice,
 )
+from .adapters.components import components_up_to, parse_component
 from .markup import Markup
 from .maths import shift as decomposition
 from .maths.intervals import Interval, format_interval, jackknife_interval
@@ -46,7 +51,8 @@ from .sources.registry import display_name
 from .statistics.masks import layer_groups
 from .statistics.shift import REPRESENTATION_UNITS, REPRESENTATIONS, VECTOR_REPRESENTATIONS, ShiftStatistics
 
-__all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell", "check_verdict"]
+__all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell",
+           "check_verdict", "attribution_check", "attribution_failure", "ATTRIBUTION_TOLERANCE", "ATTRIBUTION_TERMS"]
 
 #: ``by`` choices of the shares.
 SHARE_BY = (None, "layer", "head", "layer_group")
@@ -242,6 +248,127 @@ class ShiftResult(SumsReadOnUse):
                                        "variance to share out")
         return out
 
+    # -- attribution ----------------------------------------------------------------------------------
+    def _require_attribution(self) -> None:
+        if not self.config.components:
+            raise UndefinedStatisticError(
+                "this shift run split nothing into components; run it with attribution=True (--attribution), and "
+                "attribution_heads=[...] (--attribution-heads 5,6,7) for heads")
+
+    def attribution_layers(self) -> tuple[int, ...]:
+        """The default target layers of :meth:`attribution`: the layer where the residual stream's offset η² peaks,
+        and the last block (before the final norm)."""
+        self._require_data()
+        by_layer = np.asarray(self.share("residual", "offset", by="layer"), dtype=np.float64)
+        peak = int(np.nanargmax(by_layer)) if np.isfinite(by_layer).any() else self.config.n_layers - 1
+        return tuple(sorted({peak, self.config.n_layers - 1}))
+
+    def _attribution_indices(self, layer: int) -> tuple[list[int], list[int]]:
+        """``(rows, columns)`` of the Gram for block ``layer``: the components up to it (heads of layers up to it
+        included) and the block-level ones whose sum is the residual stream after it."""
+        names = self.config.components
+        rows = [i for i, name in enumerate(names) if (parse_component(name)[1] or 0) <= layer]
+        return rows, components_up_to(names, layer)
+
+    def attribution(self, layer: int | Sequence[int] | None = None, term: str = "offset",
+                    interval: float | None = None) -> dict[int, dict[str, Any]]:
+        """Each component's share of the residual stream's ``term`` sum of squares after block ``layer``:
+        ``C_c(l) / SS(r_l)`` with ``C_c(l) = Σ_{c' ≤ l} K[c, c']`` (docs/methods.md#attribution).
+
+        The block-level shares (the embedding, each attention and MLP up to ``l``) sum to 1; a share can be
+        negative (a component that cancels what the others write); a head's share is its part of its attention's.
+
+        Args:
+            layer: a block, several, or ``None`` for :meth:`attribution_layers`.
+            term: ``"offset"`` or ``"context"``.
+            interval: a confidence level (0.95) for jackknife intervals over groups of segments (each replicate a
+                ratio of summed Gram entries).
+
+        Returns:
+            ``{layer: {component: share or Interval}}``, components in the order they write into the residual stream.
+
+        Raises:
+            UndefinedStatisticError: the run measured no attribution, or ``term="context"`` in ``position_ids`` mode.
+        """
+        check_choice("term", term, ATTRIBUTION_TERMS)
+        self._check_term(term)
+        self._require_attribution()
+        layers = self.attribution_layers() if layer is None else (
+            (layer,) if isinstance(layer, (int, np.integer)) else tuple(layer))
+        out = {}
+        for target in layers:
+            if not 0 <= int(target) < self.config.n_layers:
+                raise InputError(f"layer={target!r}: the model has {self.config.n_layers} layers (0 to "
+                                 f"{self.config.n_layers - 1})")
+            rows, columns = self._attribution_indices(int(target))
+
+            def value(arrays: dict[str, np.ndarray], rows: list[int] = rows, columns: list[int] = columns) -> Any:
+                return decomposition.component_shares(arrays[f"attribution/{term}_gram"], rows, columns)
+
+            shares = self._number(value, interval)
+            names = [self.config.components[i] for i in rows]
+            if interval is None:
+                out[int(target)] = {name: float(share) for name, share in zip(names, shares)}
+            else:
+                out[int(target)] = {name: _interval_item(shares, k) for k, name in enumerate(names)}
+        return out
+
+    def attribution_identity(self, term: str = "offset") -> np.ndarray:
+        """``[L]`` per block, ``|Σ_c C_c(l) − SS(r_l)| / SS(r_l)``: the components' sum of squares (from the Gram)
+        against the residual stream's own, measured from the blocks' outputs (rounding level when the residual
+        stream is the sum of the components)."""
+        check_choice("term", term, ATTRIBUTION_TERMS)
+        self._require_attribution()
+        totals = self.statistics.totals()
+        gram = totals[f"attribution/{term}_gram"]
+        residual = totals[f"residual/{term}"].sum(-1)
+        return np.array([decomposition.identity_difference(gram, components_up_to(self.config.components, layer),
+                                                           float(residual[layer]))
+                         for layer in range(self.config.n_layers)])
+
+    def attribution_rows(self, level: float | None = 0.95, layer: int | Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """:meth:`attribution` in long form: one dict per term, target layer and component (``term``, ``layer``,
+        ``component``, ``kind``, ``component_layer``, ``head``, ``share``, ``low``, ``high``); intervals where
+        the run has at least two groups of segments (else ``low`` and ``high`` are ``None``)."""
+        terms = [t for t in ATTRIBUTION_TERMS if not (t == "context" and self.mode == "position_ids")]
+        rows = []
+        for term in terms:
+            try:
+                numbers = self.attribution(layer, term, interval=level)
+            except IntervalUnavailableError:
+                numbers = self.attribution(layer, term)
+            for target, shares in numbers.items():
+                for name, share in shares.items():
+                    kind, component_layer, head = parse_component(name)
+                    item = share.to_dict() if isinstance(share, Interval) else {"estimate": share}
+                    rows.append({"term": term, "layer": target, "component": name, "kind": kind,
+                                 "component_layer": component_layer, "head": head,
+                                 "share": _plain(item.get("estimate")), "low": _plain(item.get("low")),
+                                 "high": _plain(item.get("high"))})
+        return rows
+
+    def attribution_table(self, level: float | None = 0.95, layer: int | Sequence[int] | None = None,
+                          smallest: float = 0.01) -> str:
+        """A plain-text table of :meth:`attribution_rows`: per term and target layer, the components whose share
+        is at least ``smallest`` in size, largest first, and the identity check."""
+        rows = self.attribution_rows(level, layer)
+        lines = [f"Attribution of the residual stream's sums of squares ({self.model_name}; shares of SS after the "
+                 "block, block-level components sum to 1)"]
+        for (term, target) in dict.fromkeys((row["term"], row["layer"]) for row in rows):
+            chosen = sorted((row for row in rows if row["term"] == term and row["layer"] == target
+                             and row["share"] is not None and abs(row["share"]) >= smallest),
+                            key=lambda row: -abs(row["share"]))
+            lines.append(f"  {term} SS after block {target}:")
+            for row in chosen:
+                cell = number_cell({"estimate": row["share"], "low": row["low"], "high": row["high"]}
+                                   if row["low"] is not None else row["share"])
+                lines.append(f"    {row['component']:<16}{cell:>32}")
+        check = self.metadata.get("attribution_check")
+        if isinstance(check, dict):
+            lines.append(f"  check: {check.get('description')}: {number_cell(check.get('value'))} "
+                         f"({check_verdict(check)}; tolerance {check.get('tolerance')})")
+        return "\n".join(lines)
+
     def _require_predictions(self) -> None:
         if not self.config.predictions:
             raise UndefinedStatisticError("this run measured no next-token predictions (an encoder, or "
@@ -342,6 +469,12 @@ class ShiftResult(SumsReadOnUse):
         statistics.segment_fingerprints = np.concatenate([self.statistics.segment_fingerprints,
                                                           other.statistics.segment_fingerprints])
         merged = ShiftResult(statistics, metadata)
+        if isinstance(self.metadata.get("attribution_check"), dict):
+            checks = [self.metadata["attribution_check"], other.metadata.get("attribution_check") or {}]
+            heads = [check.get("heads_max_difference") for check in checks if check.get("heads_max_difference") is not None]
+            merged.metadata["attribution_check"] = attribution_check(
+                merged, dtype=str(self.metadata.get("model", {}).get("dtype", "")),
+                heads_difference=max(heads) if heads else None)
         if isinstance(self.metadata.get("check"), dict):
             merged.metadata["check"] = shift_check(merged, has_rotary=bool(self.metadata["check"].get("rotary")),
                                                    dtype=str(self.metadata.get("model", {}).get("dtype", "")))
@@ -513,6 +646,60 @@ def shift_check(result: ShiftResult, *, has_rotary: bool, dtype: str) -> dict[st
     else:
         check.update(tolerance=None, passed=None, expected="no expectation: the model has no rotary positions")
     return check
+
+
+#: The attribution's terms (the residual stream's sums of squares it splits).
+ATTRIBUTION_TERMS = ("offset", "context")
+#: Largest relative difference, by the model's dtype, between the components' sum of squares and the residual
+#: stream's own that counts as rounding: the residual stream is the model's own sum of the components, rounded in
+#: its dtype at every block, while the Gram adds them in float64. Half precision rounds each addition to about
+#: 3 decimal digits, which the offset effect (a small part of the residual stream) does not survive: not judged.
+ATTRIBUTION_TOLERANCE = {"float64": 1e-8, "float32": 1e-2}
+#: Largest relative difference between the heads' pieces (with the projection's bias) and their attention's output.
+HEADS_TOLERANCE = {"float64": 1e-6, "float32": 1e-3}
+
+
+def attribution_check(result: ShiftResult, *, dtype: str, heads_difference: float | None = None) -> dict[str, Any]:
+    """The attribution's built-in check: for every block and both terms, the components' sum of squares (from the
+    Gram matrices) against the residual stream's own (from the blocks' outputs); and, where heads were read, that
+    their pieces add up to their attention's output. Judged for float32 and float64 models."""
+    terms = [t for t in ATTRIBUTION_TERMS if not (t == "context" and result.mode == "position_ids")]
+    by_term = {term: result.attribution_identity(term) for term in terms}
+    value = max(float(np.max(values)) for values in by_term.values())
+    tolerance = ATTRIBUTION_TOLERANCE.get(dtype)
+    check: dict[str, Any] = {
+        "description": "max over blocks of |Σ_c C_c(l) − SS(r_l)| / SS(r_l), offset and context",
+        "value": value, "by_layer": {term: [float(v) for v in values] for term, values in by_term.items()},
+        "tolerance": tolerance, "passed": None if tolerance is None else bool(value <= tolerance),
+        "expected": "rounding level: the residual stream after a block is the sum of the embedding and every "
+                    "attention and MLP output up to it" if tolerance is not None else
+                    f"not judged in {dtype}: the model's own additions round the offset effect",
+    }
+    if heads_difference is not None:
+        heads_tolerance = HEADS_TOLERANCE.get(dtype)
+        check["heads_max_difference"] = heads_difference
+        check["heads_tolerance"] = heads_tolerance
+        if heads_tolerance is not None and check["passed"] is not False:
+            check["passed"] = bool(heads_difference <= heads_tolerance)
+    return check
+
+
+def attribution_failure(check: dict[str, Any]) -> str:
+    """What a failed :func:`attribution_check` says."""
+    return (f"the attribution's identity check failed: {check['description']} is {check['value']:.3g} (tolerance "
+            f"{check['tolerance']}), heads against their attention {check.get('heads_max_difference')}; the residual "
+            "stream is not the sum of the components this adapter reads (a norm after the residual addition, as in "
+            "BERT's post-LN blocks, or a block it does not read whole), so the shares would be wrong. The run's sums "
+            "are kept in the error's result (and probe.last_result); report the architecture")
+
+
+def _interval_item(interval: Interval, index: int) -> Interval:
+    """Entry ``index`` of an array-valued :class:`~equivariance_probe.Interval`."""
+    def item(value: Any) -> Any:
+        return None if value is None else float(np.asarray(value)[index])
+
+    return Interval(item(interval.estimate), item(interval.low), item(interval.high), interval.level,
+                    interval.n_groups, item(interval.standard_error), interval.method)
 
 
 def _plain(value: Any) -> Any:

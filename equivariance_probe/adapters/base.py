@@ -65,6 +65,10 @@ RUNS_REMOTELY = "runs_remotely"
 SegmentAttentionCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
 #: ``on_residual(layer, x)`` with the residual stream after block ``layer`` at the segment, ``x: [batch, m, d]``.
 SegmentResidualCallback = Callable[[int, torch.Tensor], None]
+#: ``on_component(name, x)`` with a component of the residual stream (``"embedding"``, ``"attention.{l}"``,
+#: ``"mlp.{l}"``, ``"head.{l}.{h}"``, and ``"bias.{l}"``: :mod:`~equivariance_probe.adapters.components`) at the
+#: segment, ``x: [batch, m, d]``.
+SegmentComponentCallback = Callable[[str, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -319,6 +323,8 @@ class Adapter(ABC):
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        components: Sequence[str] = (),
+        on_component: SegmentComponentCallback | None = None,
     ) -> torch.Tensor | None:
         """Run right-padded windows whose last ``segment_length`` real tokens are a segment (the shift test).
 
@@ -334,6 +340,10 @@ class Adapter(ABC):
             position_start: ``[batch]`` the first position id of each window (``None``: 0): the
                 ``"position_ids"`` mode of the shift test.
             predictions: also return the next-token log-probabilities at the segment.
+            components: the attribution's components to read (names of
+                :mod:`~equivariance_probe.adapters.components`; heads of a layer are read together).
+            on_component: called with each of them at the segment (:data:`SegmentComponentCallback`), and with
+                ``"bias.{l}"`` where heads of layer ``l`` are read and its output projection has a bias.
 
         Returns:
             ``[batch, m, vocab]`` float32 (float64 for a float64 model) log-probabilities of the next token at each segment position, or

@@ -31,13 +31,21 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from ..errors import AttentionCaptureError, check_choice
-from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
+from .base import (
+    Adapter,
+    AttentionLayout,
+    PatternCallback,
+    SegmentAttentionCallback,
+    SegmentComponentCallback,
+    SegmentResidualCallback,
+)
+from .components import block_parts
 from .internals import AttentionCall, eager_weights, intercept_attention, position_embedding_modules, recompute_tolerance
 from .modules import (
     config_max_context,
@@ -48,7 +56,7 @@ from .modules import (
     parent_layer,
     text_config,
 )
-from .segments import check_predicts, block_difference, judged_recompute_check, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
+from .segments import check_predicts, block_difference, hook_components, judged_recompute_check, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -301,11 +309,15 @@ class HuggingFaceAdapter(Adapter):
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        components: Sequence[str] = (),
+        on_component: SegmentComponentCallback | None = None,
     ) -> torch.Tensor | None:
         """:meth:`Adapter.run_segment`: queries and keys are read from transformers' attention function while the
         model runs its own kernel (eager, sdpa or flash), and the segment block's scores and row normalisers are
         computed from them (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`), as the probe's
-        engine does for whole windows. Residual streams are the outputs of each layer's decoder block."""
+        engine does for whole windows. Residual streams are the outputs of each layer's decoder block; the
+        attribution's components are read by PyTorch hooks on the modules whose outputs they are
+        (:func:`~equivariance_probe.adapters.segments.hook_components`)."""
         spans = segment_spans(lengths, segment_length)
         windows = self.layout.sliding_windows
 
@@ -321,6 +333,8 @@ class HuggingFaceAdapter(Adapter):
 
             handles = [parent_layer(self.model, module).register_forward_hook(make_hook(layer))
                        for layer, module in enumerate(self.attention_modules)]
+        if components and on_component is not None:
+            handles += hook_components(block_parts(self.model), self.layout.n_heads, components, spans, on_component)
         device = self.device
         width = tokens.shape[1]
         position_ids = None

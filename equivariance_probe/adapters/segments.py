@@ -10,6 +10,9 @@ the statistics the same tensors:
   ``log_normaliser: [batch, head, m]``, the log-sum-exp over every key the row sees in its window (prefix,
   context and segment), taken under the layer's real mask (causal or not, sliding window);
 * the residual stream at the segment, ``[batch, m, d]``;
+* for the attribution, the components that write into it (:mod:`~equivariance_probe.adapters.components`) at the
+  segment, ``[batch, m, d]`` each, read from the modules :func:`~equivariance_probe.adapters.components.block_parts`
+  finds (or the framework's hooks on the same tensors);
 * the next-token log-probabilities at the segment, ``[batch, m, vocab]``, from logits that cover only the last
   :func:`kept_positions` positions of the batch (transformers' ``logits_to_keep``), so the projection to the
   vocabulary runs on the stretch from the earliest segment to the end, not on the whole window.
@@ -27,12 +30,14 @@ import torch
 from ..statistics.engines.in_trace import attention_scores
 from ..statistics.engines.shift_sums import PREDICTION_CHUNK, segment_representations
 from ..errors import AttentionCaptureError
+from .components import BIAS_PART, ComponentRequest, HeadPieces, block_input, output_tensor, parse_component
 from .internals import AttentionCall
 from .modules import is_causal_lm
 
 __all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "judged_recompute_check", "segment_block", "hidden_keys", "segment_blocks", "segment_blocks_from_call", "segment_blocks_from_qk",
            "segment_rows",
-           "kept_positions", "segment_log_probs", "capture_segment_batch", "capture_segment_grid"]
+           "kept_positions", "segment_log_probs", "capture_segment_batch", "capture_segment_grid", "HeadsCheck",
+           "hook_components"]
 
 #: ``(start, length)`` of each window's segment: positions ``start .. length − 1``.
 Spans = Sequence[tuple[int, int]]
@@ -52,17 +57,23 @@ def capture_segment_grid(adapter: Any, contexts: Sequence[Sequence[Any]], grid: 
         entries: per layer, the ``[m, m]`` entries that count.
         targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
     """
+    components = grid.config.components
     for context in contexts:
         for batch in context:
             capture_segment_batch(adapter, batch, grid.config.segment_length, entries, grid.add, targets=targets,
-                                  add_predictions=grid.add_predictions)
+                                  add_predictions=grid.add_predictions, components=components,
+                                  add_component=grid.add_component if components else None,
+                                  on_heads_difference=grid.add_heads_difference if components else None)
         grid.end_context()
 
 
 def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries: Sequence[torch.Tensor],
                           add: Callable[[str, int, int, torch.Tensor], None], *,
                           targets: torch.Tensor | None = None,
-                          add_predictions: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> None:
+                          add_predictions: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+                          components: Sequence[str] = (),
+                          add_component: Callable[[str, int, torch.Tensor], None] | None = None,
+                          on_heads_difference: Callable[[float], None] | None = None) -> None:
     """Run one forward pass of a segment's grid and hand over what the shift test measures of each window.
 
     The one capture loop of the shift test: the probe's run (into a
@@ -80,6 +91,9 @@ def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries
             and ``[1, m·d]`` for the residual stream after each block.
         targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
         add_predictions: called as ``add_predictions(offset_index, log_probs[m − 1, vocab], targets)`` per window.
+        components: the attribution's components (names of :mod:`~equivariance_probe.adapters.components`).
+        add_component: called as ``add_component(name, offset_index, values[m, d])`` for each of ``components``.
+        on_heads_difference: called with :meth:`HeadsCheck.difference` per forward pass, where heads are read.
     """
     indices = batch.offset_indices
 
@@ -92,12 +106,100 @@ def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries
         for b, index in enumerate(indices):
             add("residual", layer, index, hidden[b].reshape(1, -1))
 
+    options: dict[str, Any] = {}
+    check = HeadsCheck(ComponentRequest.of(components).heads)
+    if components and add_component is not None:
+        declared = frozenset(components)
+
+        def on_component(name: str, values: torch.Tensor) -> None:
+            check.add(name, values)
+            if name in declared:
+                for b, index in enumerate(indices):
+                    add_component(name, index, values[b])
+
+        options = {"components": tuple(components), "on_component": on_component}
     log_probs = adapter.run_segment(batch.tokens, batch.lengths, segment_length, on_attention=on_attention,
                                     on_residual=on_residual, position_start=batch.position_start,
-                                    predictions=targets is not None)
+                                    predictions=targets is not None, **options)
+    if options and on_heads_difference is not None and check.layers:
+        on_heads_difference(check.difference())
     if targets is not None and add_predictions is not None:
         for b, index in enumerate(indices):
             add_predictions(index, log_probs[b, :-1], targets)
+
+
+def hook_components(parts: Sequence[Any], n_heads: int, components: Sequence[str], spans: Spans,
+                    on_component: Callable[[str, torch.Tensor], None]) -> list[Any]:
+    """Register PyTorch hooks that hand ``on_component(name, values[batch, m, d])`` the attribution's components at
+    the segment's tokens; returns the handles (remove them after the forward pass).
+
+    The modules are :func:`~equivariance_probe.adapters.components.block_parts`' ``parts``: the embedding is block 0's
+    input (a forward pre-hook with keywords), each attention's and MLP's output that of ``attention_out`` and
+    ``mlp_out`` (the post-norms where the block has them), and a head's piece is formed from the output
+    projection's input (a forward pre-hook) once the attention's output is known (:class:`HeadPieces`)."""
+    request = ComponentRequest.of(components)
+    heads = HeadPieces(parts, n_heads, request.heads, on_component)
+    handles = []
+    if request.embedding:
+        def on_embedding(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            on_component("embedding", segment_rows(block_input(args, kwargs), spans))
+
+        handles.append(parts[0].layer.register_forward_pre_hook(on_embedding, with_kwargs=True))
+
+    def make_hook(name: str, layer: int, with_heads: bool):
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if with_heads:
+                heads.attention_output(layer, segment_rows(args[0], spans) if parts[layer].post_norms else None)
+            on_component(name, segment_rows(output_tensor(output), spans))
+        return hook
+
+    def make_projection_hook(layer: int):
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            heads.projection_input(layer, segment_rows(args[0], spans))
+        return hook
+
+    for layer in sorted(set(request.blocks) | set(request.heads)):
+        part = parts[layer]
+        handles.append(part.attention_out.register_forward_hook(
+            make_hook(f"attention.{layer}", layer, layer in request.heads)))
+        handles.append(part.mlp_out.register_forward_hook(make_hook(f"mlp.{layer}", layer, False)))
+        if layer in request.heads:
+            handles.append(part.projection.register_forward_pre_hook(make_projection_hook(layer)))
+    return handles
+
+
+class HeadsCheck:
+    """Do the heads' pieces and the projection's bias add up to the attention's output? Per layer of ``layers``, the
+    sum of what one forward pass handed over as ``"head.{l}.{h}"`` and ``"bias.{l}"`` against ``"attention.{l}"``."""
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        self.layers = tuple(layers)
+        self._sums: dict[int, torch.Tensor] = {}
+        self._attention: dict[int, torch.Tensor] = {}
+
+    def add(self, name: str, values: torch.Tensor) -> None:
+        if name.startswith(BIAS_PART.split(".")[0] + "."):
+            layer, kind = int(name.split(".")[1]), "part"
+        else:
+            kind, layer, _ = parse_component(name)
+        if layer not in self.layers:
+            return
+        if kind == "attention":
+            self._attention[layer] = values.detach().to(torch.float64)
+        elif kind in ("head", "part"):
+            self._sums[layer] = self._sums.get(layer, 0) + values.detach().to(torch.float64)
+
+    def difference(self) -> float:
+        """``max |Σ_h piece_h + bias − attention| / max |attention|`` over the layers (NaN where a layer's attention
+        or heads were not both seen)."""
+        worst = 0.0
+        for layer in self.layers:
+            if layer not in self._sums or layer not in self._attention:
+                return float("nan")
+            attention = self._attention[layer]
+            scale = float(attention.abs().max()) or 1.0
+            worst = max(worst, float((self._sums[layer] - attention).abs().max()) / scale)
+        return worst
 
 
 def check_predicts(model: torch.nn.Module, causal: bool = True) -> None:

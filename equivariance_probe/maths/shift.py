@@ -63,6 +63,11 @@ __all__ = [
     "aggregate",
     "jensen_shannon",
     "UNDEFINED_TOLERANCE",
+    "component_grams_reference",
+    "component_contributions",
+    "gram_sum_of_squares",
+    "component_shares",
+    "identity_difference",
 ]
 
 #: The additive sums behind the decomposition (each ``[..., layer, head]``), in the order they are stored.
@@ -210,3 +215,62 @@ def jensen_shannon(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         terms = np.where(p > 0, p * (log_p - log_m), 0.0) + np.where(q > 0, q * (log_q - log_m), 0.0)
     return np.clip(0.5 * terms.sum(-1), 0.0, np.log(2.0))
+
+
+def component_grams_reference(values: np.ndarray) -> dict[str, np.ndarray]:
+    """The attribution's Gram matrices of one segment's grid, by brute force (the reference the streaming sums
+    are tested against).
+
+    Args:
+        values: ``[C, F, S, m, d]``: component ``c`` at context ``f``, offset ``s``, segment token ``i``.
+
+    Returns:
+        ``{"offset": K_off, "context": K_ctx}``, each ``[C, C]``: with ``δ_s(c) = mean_f c[f, s] − mean_{f,s} c`` and
+        ``δ_f(c) = mean_s c[f, s] − mean_{f,s} c`` (vectors over ``(i, d)``),
+        ``K_off[c, c'] = F·Σ_s ⟨δ_s(c), δ_s(c')⟩`` and ``K_ctx[c, c'] = S·Σ_f ⟨δ_f(c), δ_f(c')⟩``.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    n, contexts, offsets = values.shape[:3]
+    flat = values.reshape(n, contexts, offsets, -1)
+    grand = flat.mean((1, 2), keepdims=True)
+    by_offset = (flat.mean(1, keepdims=True) - grand)[:, 0].reshape(n, -1)       # [C, S·E]
+    by_context = (flat.mean(2, keepdims=True) - grand)[:, :, 0].reshape(n, -1)   # [C, F·E]
+    return {"offset": contexts * by_offset @ by_offset.T, "context": offsets * by_context @ by_context.T}
+
+
+def component_contributions(gram: np.ndarray, rows: Sequence[int], columns: Sequence[int]) -> np.ndarray:
+    """``C_c = Σ_{c' ∈ columns} K[c, c']`` for each ``c`` of ``rows``: ``[..., len(rows)]`` of ``gram [..., C, C]``.
+
+    When ``columns`` are the components whose sum is the residual stream after a block (the embedding and every
+    attention and MLP up to it), ``C_c`` is component ``c``'s part of the residual stream's offset (context) sum
+    of squares: ``SS(r) = Σ ⟨δ(r), δ(r)⟩ = Σ_c ⟨δ(c), δ(r)⟩`` because ``δ`` is linear and ``r = Σ_c c``. A head is
+    a part of its attention (the heads' pieces and the output projection's bias, which does not move, add up to
+    it), so its row gives its part of the attention's."""
+    gram = np.asarray(gram, dtype=np.float64)
+    return gram[..., list(rows), :][..., list(columns)].sum(-1)
+
+
+def gram_sum_of_squares(gram: np.ndarray, columns: Sequence[int]) -> np.ndarray:
+    """``SS(r) = Σ_{c, c' ∈ columns} K[c, c']``: the sum of squares of the sum of the ``columns`` components."""
+    return component_contributions(gram, columns, columns).sum(-1)
+
+
+def component_shares(gram: np.ndarray, rows: Sequence[int], columns: Sequence[int]) -> np.ndarray:
+    """``C_c / SS(r)`` (:func:`component_contributions`, :func:`gram_sum_of_squares`): each component's share of
+    the residual stream's sum of squares, ``[..., len(rows)]``; the block-level components' shares sum to 1, and a
+    share can be negative (a component that cancels what the others write). NaN where ``SS(r)`` is 0."""
+    total = gram_sum_of_squares(gram, columns)
+    parts = component_contributions(gram, rows, columns)
+    defined = np.asarray(total) > 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(defined[..., None], parts / np.where(defined, total, 1.0)[..., None], np.nan)
+
+
+def identity_difference(gram: np.ndarray, columns: Sequence[int], sum_of_squares: float) -> float:
+    """``|Σ_c C_c − SS| / SS``: how far the components' contributions (from the Gram matrix) are from the residual
+    stream's own sum of squares ``SS`` (measured from the block's output); 0 where both are 0. Beyond rounding it
+    says the residual stream is not the sum of the components (a norm after the addition, as in BERT's blocks)."""
+    total = float(gram_sum_of_squares(gram, columns))
+    if sum_of_squares == 0:
+        return 0.0 if total == 0 else float("inf")
+    return abs(total - float(sum_of_squares)) / abs(float(sum_of_squares))

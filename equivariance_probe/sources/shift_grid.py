@@ -29,7 +29,7 @@ from ..statistics.options import Options
 from .packing import special_prefix
 
 __all__ = ["SHIFT_MODES", "ShiftGrid", "ShiftOptions", "SHIFT_FIELDS", "shift_grid", "check_shift_options",
-           "default_offsets", "split_documents", "DEFAULT_SHIFT"]
+           "default_offsets", "split_documents", "DEFAULT_SHIFT", "check_attribution", "check_attribution_layers"]
 
 SHIFT_MODES = ("text", "position_ids")
 #: Defaults of the study: 8 segments of 64 tokens, 4 contexts, 6 offsets, windows of at most 1024 tokens.
@@ -313,6 +313,11 @@ class ShiftOptions(Options):
         batch_size: windows per forward pass (one context at several offsets). Results do not depend on it.
         predictions: measure next-token predictions (``None``: for a causal language model with its head).
         interval_groups: groups of segments for the jackknife intervals; 0 for none (as for ``run``).
+        attribution: also split the residual stream's offset and context sums of squares into what each
+            component writes (the embedding, every block's attention and MLP): the Gram matrices of
+            :data:`~equivariance_probe.statistics.shift.ATTRIBUTION_ARRAYS`.
+        attribution_heads: layers whose attention is split further into its heads (with ``attribution``); a
+            head's state is as large as a block's, so heads are read only for the layers named.
 
     Example:
         >>> ShiftOptions(offsets=[512, 0, 256]).offsets
@@ -325,6 +330,8 @@ class ShiftOptions(Options):
     batch_size: int = 1
     predictions: bool | None = None
     interval_groups: int = DEFAULT_INTERVAL_GROUPS
+    attribution: bool = False
+    attribution_heads: tuple[int, ...] = ()
 
     _option: ClassVar[str] = "shift option"
     _example: ClassVar[str] = "offsets=[0, 256, 512]"
@@ -338,6 +345,7 @@ class ShiftOptions(Options):
             f"{option('interval_groups', DEFAULT_INTERVAL_GROUPS)}"))
         if self.predictions is not None and not isinstance(self.predictions, bool):
             raise InputError(f"predictions must be True, False or None (the default for the model), not {self.predictions!r}")
+        object.__setattr__(self, "attribution_heads", check_attribution(self.attribution, self.attribution_heads))
 
     def resolved(self, layout: Any, prefix_length: int) -> ShiftOptions:
         """These options with the offsets settled for a model: given ones kept, else :func:`default_offsets` of its
@@ -346,10 +354,42 @@ class ShiftOptions(Options):
         Raises:
             ContextLengthError: the model's window leaves a segment no room to move.
         """
+        check_attribution_layers(self.attribution_heads, layout.n_layers)
         if self.offsets is not None:
             return self
         return self.replace(offsets=default_offsets(layout.max_context, prefix_length, self.segment_length,
                                                     layout.sliding_windows))
+
+
+def check_attribution(attribution: Any, heads: Any) -> tuple[int, ...]:
+    """The layers of ``attribution_heads``, sorted and each once, checked with ``attribution`` (a bool).
+
+    Raises:
+        InputError: ``attribution`` not a bool, a layer that is not a non-negative integer, or heads without
+            attribution.
+    """
+    if not isinstance(attribution, bool):
+        raise InputError(f"attribution must be True or False, not {attribution!r}; pass {option('attribution', True)}")
+    if isinstance(heads, (str, bytes)) or not isinstance(heads, Iterable):
+        raise InputError(f"attribution_heads={heads!r} must be a list of layer indices; pass e.g. "
+                         f"{option('attribution_heads', [5, 6, 7])}")
+    layers = list(heads)
+    for layer in layers:
+        check_integer("attribution_heads", layer, minimum=0, message=(
+            f"attribution_heads must be layer indices (integers of at least 0); {layer!r} is not one (of {layers!r}): "
+            f"pass e.g. {option('attribution_heads', [5, 6, 7])}"))
+    if layers and not attribution:
+        raise InputError(f"attribution_heads={layers!r} splits the attribution's attention into heads, but attribution "
+                         f"is off; pass {option('attribution', True)} as well")
+    return tuple(sorted({int(layer) for layer in layers}))
+
+
+def check_attribution_layers(layers: Sequence[int], n_layers: int) -> None:
+    """Refuse attribution heads of a layer the model does not have (it has ``n_layers``)."""
+    beyond = [layer for layer in layers if layer >= n_layers]
+    if beyond:
+        raise InputError(f"attribution_heads names layer(s) {beyond}, but the model has {n_layers} layers (0 to "
+                         f"{n_layers - 1}); pass layers in that range")
 
 
 #: The names of :class:`ShiftOptions`' fields, in order.

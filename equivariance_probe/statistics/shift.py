@@ -38,18 +38,23 @@ from ..errors import IncompatibleResultsError, InputError, check_choice, is_inte
 from .config import Sum, merge_arrays, shapes_of
 from .engines.shift_sums import (
     ATTENTION_REPRESENTATIONS,
+    ATTRIBUTION_GRAMS,
     DECOMPOSITION_SUMS,
     REPRESENTATION_LABELS,
     REPRESENTATION_UNITS,
     REPRESENTATIONS,
     TOTAL_BY_DIM,
     VECTOR_REPRESENTATIONS,
+    add_component_to_state,
     add_prediction_sums,
     add_to_cell,
+    component_grams,
     counted_entries,
     end_context_of_cell,
+    end_context_of_components,
     grid_sums,
     jensen_shannon_from,
+    new_component_state,
     next_token_distribution,
     segment_representations,
 )
@@ -63,6 +68,7 @@ __all__ = [
     "RESIDUAL_CENTRES",
     "DECOMPOSITION_SUMS",
     "PREDICTION_ARRAYS",
+    "ATTRIBUTION_ARRAYS",
     "SHIFT_ARRAYS",
     "ShiftConfig",
     "ShiftStatistics",
@@ -95,6 +101,15 @@ _DECOMPOSITION_MEANINGS = {
     "offset": "SS_offset: Σ over entries of F·Σ_s (offset mean − entry mean)²",
     "context": "SS_context: Σ over entries of S·Σ_f (context mean − entry mean)²",
 }
+#: The attribution's Gram matrices over the components (``C`` of them, :attr:`ShiftConfig.components`; 0 when no
+#: attribution was asked for, so a plain run's arrays are empty): additive over segments, and every component's
+#: share of the residual stream's offset (context) sum of squares is a sum of their entries
+#: (:func:`~equivariance_probe.maths.shift.component_contributions`).
+ATTRIBUTION_ARRAYS: dict[str, Sum] = {
+    f"attribution/{term}_gram": Sum("G C C", f"K[c, c'] = {factor}·Σ ⟨δ_{index}(c), δ_{index}(c')⟩ over segment tokens "
+                                    f"and {what}: the components' {term} effects' inner products")
+    for term, factor, index, what in (("offset", "F", "s", "offsets"), ("context", "S", "f", "contexts"))
+}
 #: Every array of the state, declared once (see :mod:`equivariance_probe.statistics`).
 SHIFT_ARRAYS: dict[str, Sum] = {
     **{f"{rep}/{name}": Sum("G L 1" if rep in VECTOR_REPRESENTATIONS else "G L H", _DECOMPOSITION_MEANINGS[name])
@@ -103,6 +118,7 @@ SHIFT_ARRAYS: dict[str, Sum] = {
                                     "squares are taken (empty in a file of the grand-mean definition)")
        for rep in VECTOR_REPRESENTATIONS},
     **PREDICTION_ARRAYS,
+    **ATTRIBUTION_ARRAYS,
     "segments": Sum("G", "segments counted in each interval group"),
 }
 
@@ -113,7 +129,7 @@ SHIFT_ARRAYS: dict[str, Sum] = {
 #: recovered from their sums).
 RESIDUAL_CENTRES = ("mean_vector", "grand_mean")
 #: What a file's configuration without a key meant when it was written (before the mean vector was kept).
-_FILE_DEFAULTS = {"hidden_size": 0, "residual_centre": "grand_mean"}
+_FILE_DEFAULTS = {"hidden_size": 0, "residual_centre": "grand_mean", "components": ()}
 
 
 @dataclass(frozen=True)
@@ -137,6 +153,8 @@ class ShiftConfig:
         hidden_size: ``D``, the residual stream's width (0 where the per-dimension sums were not kept).
         residual_centre: one of :data:`RESIDUAL_CENTRES`: about what the residual stream's sums of squares
             were taken.
+        components: the attribution's components (``"embedding"``, ``"attention.{l}"``, ``"mlp.{l}"``,
+            ``"head.{l}.{h}"``), the rows and columns of its Gram matrices; empty without attribution.
     """
 
     n_layers: int
@@ -152,6 +170,7 @@ class ShiftConfig:
     predictions: bool = True
     hidden_size: int = 0
     residual_centre: str = "mean_vector"
+    components: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_choice("residual_centre", self.residual_centre, RESIDUAL_CENTRES)
@@ -162,7 +181,7 @@ class ShiftConfig:
     def sizes(self) -> dict[str, int]:
         """The letters of :data:`SHIFT_ARRAYS`' shapes."""
         return {"G": self.rows, "L": self.n_layers, "H": self.n_heads, "O": len(self.offsets), "1": 1,
-                "D": self.hidden_size if self.residual_centre == "mean_vector" else 0}
+                "D": self.hidden_size if self.residual_centre == "mean_vector" else 0, "C": len(self.components)}
 
     @property
     def rows(self) -> int:
@@ -179,14 +198,16 @@ class ShiftConfig:
                 "n_contexts": self.n_contexts, "segment_length": self.segment_length,
                 "prefix_length": self.prefix_length, "mode": self.mode, "interval_groups": self.interval_groups,
                 "causal": self.causal, "sliding_windows": list(self.sliding_windows), "predictions": self.predictions,
-                "hidden_size": self.hidden_size, "residual_centre": self.residual_centre}
+                "hidden_size": self.hidden_size, "residual_centre": self.residual_centre,
+                "components": list(self.components)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShiftConfig:
         """The configuration of :meth:`to_dict`; a key a file lacks takes what it meant when the file was written
         (:data:`_FILE_DEFAULTS`)."""
         return cls(**{**_FILE_DEFAULTS, **data, "offsets": tuple(data["offsets"]),
-                      "sliding_windows": tuple(data["sliding_windows"])})
+                      "sliding_windows": tuple(data["sliding_windows"]),
+                      "components": tuple(data.get("components", ()))})
 
 
 def segment_entries(config: ShiftConfig, layer: int) -> torch.Tensor:
@@ -220,6 +241,11 @@ class SegmentGrid:
         #: Per offset, the latest context's next-token distributions (:func:`next_token_distribution`).
         self.distributions: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(config.offsets)
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: The attribution's running sums over the components (``shift_sums.new_component_state``).
+        self._components = new_component_state(list(config.components), len(config.offsets))
+        self._known_components = frozenset(config.components)
+        #: The largest relative difference between the heads' pieces (with the bias) and their attention's output.
+        self.heads_difference = 0.0
         # One segment's predictions: the shapes without the group letter.
         self.predictions = {name: np.zeros(shape[1:])
                             for name, shape in shapes_of(PREDICTION_ARRAYS, config.sizes(), config).items()}
@@ -231,6 +257,21 @@ class SegmentGrid:
             raise InputError(f"{representation} of layer {layer} at offset index {offset_index} was added twice in one context")
         self._seen.add(key)
         add_to_cell(self._cells.setdefault((representation, layer), {}), values, offset_index, len(self.config.offsets))
+
+    def add_component(self, name: str, offset_index: int, values: torch.Tensor) -> None:
+        """``values: [m, d]``: component ``name`` (one of :attr:`ShiftConfig.components`) at the segment's tokens,
+        for the current context at one offset."""
+        if name not in self._known_components:
+            raise InputError(f"component {name!r} is not one of this run's components ({len(self._known_components)} "
+                             "declared in ShiftConfig.components)")
+        if (name, offset_index) in self._components["seen"]:
+            raise InputError(f"component {name} at offset index {offset_index} was added twice in one context")
+        add_component_to_state(self._components, name, offset_index, values)
+
+    def add_heads_difference(self, value: float) -> None:
+        """Note one forward pass's :class:`~equivariance_probe.adapters.segments.HeadsCheck` difference (the largest
+        is kept in :attr:`heads_difference`)."""
+        self.heads_difference = value if not value <= self.heads_difference else self.heads_difference
 
     def add_predictions(self, offset_index: int, log_probs: torch.Tensor, targets: torch.Tensor) -> None:
         """``log_probs: [m − 1, vocab]`` next-token log-probabilities at the segment's positions but the last,
@@ -245,6 +286,12 @@ class SegmentGrid:
         if self._seen != expected:
             missing = sorted(expected - self._seen)[:3]
             raise InputError(f"a context of the segment's grid is incomplete (missing {missing}); every offset must run")
+        if self.config.components:
+            expected_components = len(self.config.components) * len(self.config.offsets)
+            if len(self._components["seen"]) != expected_components:
+                raise InputError(f"a context of the segment's grid holds {len(self._components['seen'])} of its "
+                                 f"{expected_components} component values; every component must be added at every offset")
+            end_context_of_components(self._components)
         for cell in self._cells.values():
             end_context_of_cell(cell)
         self._seen.clear()
@@ -258,6 +305,9 @@ class SegmentGrid:
             raise InputError(f"the segment's grid has {self.contexts_done} contexts done of {self.config.n_contexts}")
         sums = grid_sums(self._cells, self.config.n_layers, self.config.n_heads, self.contexts_done,
                          len(self.config.offsets), self.config.sizes()["D"])
+        if self.config.components:
+            grams = component_grams(self._components)
+            sums |= {f"attribution/{term}_gram": grams[term] for term in ATTRIBUTION_GRAMS}
         return {name: value.numpy() for name, value in sums.items()} | self.predictions
 
 
