@@ -37,7 +37,7 @@ __all__ = ["EMBEDDING", "COMPONENT_KINDS", "BlockParts", "block_parts", "block_c
            "head_component_names", "parse_component", "component_layer", "components_up_to", "output_tensor",
            "with_output_tensor", "BIAS_PART", "ComponentRequest", "head_pieces", "norm_epsilon", "norm_gain",
            "post_norm_scale", "HeadPieces",
-           "block_input"]
+           "block_input", "unwrapped"]
 
 EMBEDDING = "embedding"
 #: The kinds of component, in the order :func:`block_component_names` lists a block's.
@@ -182,8 +182,14 @@ def block_input(args: tuple, kwargs: dict) -> torch.Tensor:
     return args[0] if args else kwargs["hidden_states"]
 
 
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face module itself where a framework wraps it (a TransformerBridge's ``original_component``)."""
+    return getattr(module, "original_component", None) or module
+
+
 def norm_epsilon(norm: torch.nn.Module) -> float:
     """An RMS norm's ``ε`` (its ``eps`` or ``variance_epsilon``)."""
+    norm = unwrapped(norm)
     eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
     if eps is None:
         raise AttentionCaptureError(
@@ -196,6 +202,7 @@ def norm_gain(norm: torch.nn.Module) -> torch.Tensor:
     """An RMS post-norm's effective gain ``w_eff`` (``1 + w`` for Gemma's norms, ``w`` for OLMo 2's), float64
     ``[d]``, read by running the norm once on a vector of ones (``norm(1) = w_eff / √(1 + ε)``), so no
     architecture's formula is copied here. Call it outside the forward pass (the norm's own hooks would fire)."""
+    norm = unwrapped(norm)
     weight = norm.weight
     ones = torch.ones((1, weight.shape[-1]), dtype=weight.dtype, device=weight.device)
     with torch.no_grad():
@@ -226,12 +233,13 @@ def head_pieces(z: torch.Tensor, projection: torch.nn.Module, n_heads: int,
         ``piece_h = z_h · W_O[h]`` (times ``scale``) and the bias's part (``b``, times ``scale``), which sum to what
         the attention adds to the residual stream.
     """
+    projection = unwrapped(projection)
     weight = projection.weight.detach().to(torch.float64)
     split = z.detach().to(torch.float64).reshape(*z.shape[:-1], n_heads, -1)
-    if isinstance(projection, torch.nn.Linear):
-        pieces = torch.einsum("...hk,dhk->...hd", split, weight.reshape(weight.shape[0], n_heads, -1))
-    else:  # Conv1D: y = x·W + b with W [in, out]
+    if hasattr(projection, "nf"):  # transformers' Conv1D (GPT-2): y = x·W + b with W [in, out]
         pieces = torch.einsum("...hk,hkd->...hd", split, weight.reshape(n_heads, -1, weight.shape[-1]))
+    else:  # a Linear: W [out, in]
+        pieces = torch.einsum("...hk,dhk->...hd", split, weight.reshape(weight.shape[0], n_heads, -1))
     bias = getattr(projection, "bias", None)
     bias = None if bias is None else bias.detach().to(torch.float64).expand(pieces.shape[:-2] + bias.shape).clone()
     if scale is not None:

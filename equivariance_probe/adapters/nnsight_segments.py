@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from ..errors import RemoteExecutionError
-from .base import SegmentAttentionCallback, SegmentBatch, SegmentResidualCallback
+from .base import SegmentAttentionCallback, SegmentBatch, SegmentComponentCallback, SegmentResidualCallback
+from .components import ComponentRequest, HeadPieces, block_input, block_parts, output_tensor
 from .internals import AttentionCall, recompute_tolerance
 from .request_sizes import plan_requests
 from .segments import (
@@ -66,6 +67,8 @@ class NNsightSegments:
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        components: Sequence[str] = (),
+        on_component: SegmentComponentCallback | None = None,
     ) -> torch.Tensor | None:
         """:meth:`Adapter.run_segment` inside a local nnsight trace of the model.
 
@@ -75,7 +78,10 @@ class NNsightSegments:
         cuts it (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`). The residual stream is
         each decoder layer envoy's output; the predictions are the trace's own logits, for the last
         :func:`~equivariance_probe.adapters.segments.kept_positions` positions (``logits_to_keep``). Position ids
-        (``position_start``) go to the model as the trace's ``position_ids``.
+        (``position_start``) go to the model as the trace's ``position_ids``. The attribution's components are the
+        envoys' inputs and outputs of :func:`~equivariance_probe.adapters.components.block_parts`' modules, read in
+        the order the model runs them (block 0's input; in each layer the output projection's input, the
+        attention's or its post-norm's output, the MLP's or its post-norm's output).
 
         Raises:
             RemoteExecutionError: a remote model (``remote`` set, ``"local"`` included): its blocks, residual streams
@@ -95,13 +101,18 @@ class NNsightSegments:
         layers = [self.model.get(path) for path in self.layer_paths]
         windows = self.layout.sliding_windows
         seen: list[int] = []
+        reader = self._component_reader(components, spans, on_component) if components and on_component else None
         # Filled in the trace: nnsight hands back only objects that outlive it (a name bound inside is not).
         kept: dict[str, torch.Tensor] = {}
         with self._local_run("recompute"), self._translate_errors("recompute"):
             with self.model.trace(tokens.to(device), **options) as tracer:
                 for layer, module in enumerate(attention):
+                    if reader is not None and layer == 0:
+                        reader.embedding()
                     on_attention(layer, *segment_blocks_from_call(attention_call(layer, module), spans, windows[layer],
                                                                   causal=True))
+                    if reader is not None:
+                        reader.layer(layer)
                     if on_residual is not None:
                         output = layers[layer].output
                         on_residual(layer, segment_rows(output[0] if isinstance(output, tuple) else output, spans))
@@ -112,6 +123,17 @@ class NNsightSegments:
                     tracer.stop()  # nothing after the last block is read
         self.check_layers_seen(seen)
         return kept.get("log_probs")
+
+    def _component_reader(self, components: Sequence[str], spans: Any, on_component: SegmentComponentCallback
+                          ) -> _ComponentReader:
+        """What reads the attribution's components inside a local trace (built before it: a post-norm's gain is read
+        by running the norm, :func:`~equivariance_probe.adapters.components.norm_gain`)."""
+        inner = self._hf.model
+        paths = {id(module): name for name, module in inner.named_modules()}
+        parts = block_parts(inner)
+        request = ComponentRequest.of(components)
+        return _ComponentReader(self.model, paths, parts, request, spans, on_component,
+                                HeadPieces(parts, self.layout.n_heads, request.heads, on_component))
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
         """:meth:`Adapter.check_segment_recompute`.
@@ -236,6 +258,37 @@ class NNsightSegments:
                 f"the segment blocks of a remote nnsight model (remote={self.remote!r}) stay on the server: only the "
                 "shift test's sums come back (probe.shift runs remotely). For the blocks themselves (the shift "
                 "view), pass remote=False (a model whose weights are here) or use the Hugging Face model directly")
+
+
+class _ComponentReader:
+    """Reads the attribution's components from a local trace's envoys, layer by layer, in the order the model
+    runs them (nnsight hands over a module's input and output only in that order)."""
+
+    def __init__(self, model: Any, paths: dict, parts: Sequence[Any], request: ComponentRequest, spans: Any,
+                 on_component: SegmentComponentCallback, heads: HeadPieces) -> None:
+        self.model, self.paths, self.parts, self.request = model, paths, parts, request
+        self.spans, self.on_component, self.heads = spans, on_component, heads
+
+    def _envoy(self, module: torch.nn.Module) -> Any:
+        return self.model.get(self.paths[id(module)])
+
+    def embedding(self) -> None:
+        if self.request.embedding:
+            args, kwargs = self._envoy(self.parts[0].layer).inputs
+            self.on_component("embedding", segment_rows(block_input(args, kwargs), self.spans))
+
+    def layer(self, layer: int) -> None:
+        if layer not in self.request.blocks and layer not in self.request.heads:
+            return
+        part = self.parts[layer]
+        with_heads = layer in self.request.heads
+        if with_heads:
+            self.heads.projection_input(layer, segment_rows(self._envoy(part.projection).input, self.spans))
+        attention = self._envoy(part.attention_out)
+        if with_heads:
+            self.heads.attention_output(layer, segment_rows(attention.input, self.spans) if part.post_norms else None)
+        self.on_component(f"attention.{layer}", segment_rows(output_tensor(attention.output), self.spans))
+        self.on_component(f"mlp.{layer}", segment_rows(output_tensor(self._envoy(part.mlp_out).output), self.spans))
 
 
 def _nbytes(sums: dict[str, torch.Tensor]) -> int:

@@ -14,13 +14,22 @@ neither ``return_type=None`` nor ``stop_at_layer`` skips the unembedding (measur
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from ..errors import AttentionCaptureError, require_extra
-from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
+from .base import (
+    LANGUAGE_MODEL_HEAD,
+    Adapter,
+    AttentionLayout,
+    PatternCallback,
+    SegmentAttentionCallback,
+    SegmentComponentCallback,
+    SegmentResidualCallback,
+)
+from .components import ComponentRequest, HeadPieces, block_parts
 from .internals import recompute_tolerance
 from .modules import layer_windows
 from .segments import (
@@ -43,6 +52,13 @@ PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
 SCORES_HOOK = "blocks.{layer}.attn.hook_attn_scores"
 #: The residual stream after block ``layer``, ``[batch, position, d_model]``.
 RESIDUAL_HOOK = "blocks.{layer}.hook_resid_post"
+#: The bridge's hooks on the components of the residual stream (:mod:`~equivariance_probe.adapters.components`):
+#: block 0's input (the embedding as the model scales it), each attention's and MLP's output, or their post-norms'
+#: (Gemma's ``ln1_post`` and ``ln2_post``), and the output projection's input (the heads side by side).
+COMPONENT_HOOKS = {"embedding": "blocks.0.hook_resid_pre", "attention": "blocks.{layer}.attn.hook_out",
+                   "mlp": "blocks.{layer}.mlp.hook_out", "attention_post": "blocks.{layer}.ln1_post.hook_out",
+                   "attention_post_in": "blocks.{layer}.ln1_post.hook_in", "mlp_post": "blocks.{layer}.ln2_post.hook_out",
+                   "projection_in": "blocks.{layer}.attn.o.hook_in"}
 
 
 def scores_hook_carries_weights(attention: Any) -> bool:
@@ -221,6 +237,8 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        components: Sequence[str] = (),
+        on_component: SegmentComponentCallback | None = None,
     ) -> torch.Tensor | None:
         """:meth:`Adapter.run_segment` through the bridge's own hooks, in one ``run_with_hooks`` pass.
 
@@ -233,7 +251,9 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         are cut from them as every adapter cuts them (:func:`~equivariance_probe.adapters.segments.segment_block`),
         in float32 (float64 for a float64 model); in half precision the scores carry the model dtype's rounding,
         where the Hugging Face adapter recomputes them in float32 from half-precision queries and keys. The
-        residual stream is ``hook_resid_post``; the predictions are the bridge's logits for the last
+        residual stream is ``hook_resid_post``; the attribution's components are the bridge's hooks of
+        :data:`COMPONENT_HOOKS` (the heads' pieces formed from ``attn.o.hook_in`` with the projection's weights, as
+        every adapter forms them); the predictions are the bridge's logits for the last
         :func:`~equivariance_probe.adapters.segments.kept_positions` positions (``logits_to_keep`` and
         ``position_ids`` go through the bridge to the Hugging Face model it runs).
 
@@ -263,6 +283,8 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
 
         hooks = [(SCORES_HOOK.format(layer=i), on_scores) for i in range(self._layout.n_layers)]
         hooks += [(RESIDUAL_HOOK.format(layer=i), on_block) for i in range(self._layout.n_layers)]
+        if components and on_component is not None:
+            hooks += self._component_hooks(components, spans, on_component)
         options: dict[str, Any] = {"use_cache": False}
         if position_start is not None:
             options["position_ids"] = shifted_position_ids(position_start, width).to(self.device)
@@ -279,6 +301,44 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
                 pass
         self.check_layers_seen(seen)
         return log_probs
+
+    def _component_hooks(self, components: Sequence[str], spans: Any, on_component: SegmentComponentCallback
+                         ) -> list[tuple[str, Any]]:
+        """``(hook name, function)`` pairs that hand ``on_component`` the attribution's components at the segment."""
+        request = ComponentRequest.of(components)
+        parts = block_parts(self.model.original_model)
+        heads = HeadPieces(parts, self._layout.n_heads, request.heads, on_component)
+        hooks: list[tuple[str, Any]] = []
+        if request.embedding:
+            hooks.append((COMPONENT_HOOKS["embedding"],
+                          lambda hidden, hook: on_component("embedding", segment_rows(hidden, spans))))
+
+        def reader(name: str):
+            return lambda hidden, hook: on_component(name, segment_rows(hidden, spans))
+
+        def projection_input(layer: int):  # some bridges hand the heads unflattened, [batch, T, head, d_head]
+            return lambda z, hook: heads.projection_input(layer, segment_rows(z.flatten(2) if z.dim() == 4 else z, spans))
+
+        def attention(layer: int, post: bool, with_heads: bool):
+            def hook(hidden: torch.Tensor, hook: Any) -> None:
+                if with_heads and not post:
+                    heads.attention_output(layer)
+                on_component(f"attention.{layer}", segment_rows(hidden, spans))
+            return hook
+
+        def post_norm_input(layer: int):
+            return lambda hidden, hook: heads.attention_output(layer, segment_rows(hidden, spans))
+
+        for layer in sorted(set(request.blocks) | set(request.heads)):
+            post = parts[layer].post_norms
+            hooks.append((COMPONENT_HOOKS["attention_post" if post else "attention"].format(layer=layer),
+                          attention(layer, post, layer in request.heads)))
+            hooks.append((COMPONENT_HOOKS["mlp_post" if post else "mlp"].format(layer=layer), reader(f"mlp.{layer}")))
+            if layer in request.heads:
+                hooks.append((COMPONENT_HOOKS["projection_in"].format(layer=layer), projection_input(layer)))
+                if post:
+                    hooks.append((COMPONENT_HOOKS["attention_post_in"].format(layer=layer), post_norm_input(layer)))
+        return hooks
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
         """:meth:`Adapter.check_segment_recompute`: on one window ``tokens: [1, T]``, the weights
