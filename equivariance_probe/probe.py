@@ -499,7 +499,7 @@ class EquivarianceProbe:
         if result.config.components:
             result.metadata["attribution_check"] = attribution_check(
                 result, dtype=dtype, heads_difference=max((h for h in heads if h is not None), default=None))
-            if not result.metadata["attribution_check"]["passed"]:
+            if result.metadata["attribution_check"]["passed"] is False:
                 raise AttributionIdentityError(attribution_failure(result.metadata["attribution_check"]),
                                                result=result)
         return result

@@ -314,16 +314,18 @@ class ShiftResult(SumsReadOnUse):
         return out
 
     def attribution_identity(self, term: str = "offset") -> np.ndarray:
-        """``[L]`` per block, ``|Σ_c C_c(l) − SS(r_l)| / SS(r_l)``: the components' sum of squares (from the Gram)
-        against the residual stream's own, measured from the blocks' outputs (rounding level when the residual
+        """``[L]`` per block, ``|Σ_c C_c(l) − SS(r_l)| / max(SS(r_l), Σ_c K[c, c], 1e-6·SS_all(r_l))``
+        (:func:`~equivariance_probe.maths.shift.identity_difference`): the components' sum of squares (from the
+        Gram) against the residual stream's own, measured from the blocks' outputs (rounding level when the residual
         stream is the sum of the components)."""
         check_choice("term", term, ATTRIBUTION_TERMS)
         self._require_attribution()
         totals = self.statistics.totals()
         gram = totals[f"attribution/{term}_gram"]
         residual = totals[f"residual/{term}"].sum(-1)
+        everything = decomposition.decomposition(decomposition.aggregate(self._sums(totals, "residual"), "layer"))["all"]
         return np.array([decomposition.identity_difference(gram, components_up_to(self.config.components, layer),
-                                                           float(residual[layer]))
+                                                           float(residual[layer]), float(everything[layer]))
                          for layer in range(self.config.n_layers)])
 
     def attribution_rows(self, level: float | None = 0.95, layer: int | Sequence[int] | None = None) -> list[dict[str, Any]]:
@@ -668,7 +670,7 @@ def attribution_check(result: ShiftResult, *, dtype: str, heads_difference: floa
     value = max(float(np.max(values)) for values in by_term.values())
     tolerance = ATTRIBUTION_TOLERANCE.get(dtype)
     check: dict[str, Any] = {
-        "description": "max over blocks of |Σ_c C_c(l) − SS(r_l)| / SS(r_l), offset and context",
+        "description": "max over blocks of |Σ_c C_c(l) − SS(r_l)| / max(SS(r_l), Σ_c K[c, c], 1e-6·SS_all(r_l)), offset and context",
         "value": value, "by_layer": {term: [float(v) for v in values] for term, values in by_term.items()},
         "tolerance": tolerance, "passed": None if tolerance is None else bool(value <= tolerance),
         "expected": "rounding level: the residual stream after a block is the sum of the embedding and every "

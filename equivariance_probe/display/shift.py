@@ -14,6 +14,8 @@ shift run decomposes. matplotlib and circuitsvis are imported when something is 
 * :func:`shift_loss_figure` — the segment's next-token loss by offset, with intervals.
 * :func:`shift_divergence_figure` — Jensen–Shannon divergence between offsets against between contexts, and
   their ratio.
+* :func:`shift_attribution_figure` — each component's share of the residual stream's offset and context sums
+  of squares after the target blocks (a run with attribution), with intervals.
 * :func:`shift_view` → :class:`ShiftView` — one head's segment block at two offsets, side by side.
 * :func:`shift_report_section`, :func:`render_shift_report` — all of it in the HTML report.
 """
@@ -53,6 +55,7 @@ __all__ = [
     "shift_loss_figure",
     "shift_divergence_figure",
     "shift_figures",
+    "shift_attribution_figure",
     "ShiftView",
     "shift_view",
     "most_moved_head",
@@ -209,6 +212,49 @@ def shift_divergence_figure(results: ShiftResult | Mapping[str, ShiftResult]) ->
                             f"{next(iter(variants.values())).model_name}", variants)
 
 
+def shift_attribution_figure(results: ShiftResult | Mapping[str, ShiftResult], layers: Sequence[int] | None = None,
+                             terms: Sequence[str] | None = None) -> Figure:
+    """Each component's share of the residual stream's sum of squares after each target block
+    (:meth:`~equivariance_probe.ShiftResult.attribution`): one panel per term and block, one bar per component and
+    variant, with 95 % intervals over segments. Heads (where the run split layers into heads) follow the blocks,
+    hatched: a head's share is a part of its attention's."""
+    plt = pyplot()
+    variants = _variants(results)
+    first = next(iter(variants.values()))
+    layers = tuple(first.attribution_layers() if layers is None else layers)
+    terms = tuple(terms or [t for t in ("offset", "context") if not (t == "context" and first.mode == "position_ids")])
+    panels = [(term, layer) for term in terms for layer in layers]
+    width = max(6.0, 0.22 * len(first.config.components) * len(variants) + 2)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width, 3.2 * len(panels)), squeeze=False)
+    for ax, (term, layer) in zip(axes[:, 0], panels):
+        for number, (name, result) in enumerate(variants.items()):
+            shares = _number(result.attribution, layer, term)[layer]
+            components = list(shares)
+            estimate, error = _with_interval(_stacked(list(shares.values())))
+            positions = np.arange(len(components)) + 0.8 * (number + 0.5) / len(variants) - 0.4
+            bars = ax.bar(positions, estimate, width=0.8 / len(variants), yerr=error, capsize=2, label=name)
+            for bar, component in zip(bars, components):
+                if component.startswith("head."):
+                    bar.set_hatch("//")
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set_xticks(range(len(components)))
+        ax.set_xticklabels(components, rotation=90, fontsize=7)
+        ax.set_ylabel("share")
+        _axes_title(ax, f"{term} sum of squares of the residual stream after block {layer}")
+        ax.legend(fontsize=8)
+    return _titled(fig, None, f"Attribution, {first.model_name}: what each component writes of the residual "
+                   "stream's variation (block-level shares sum to 1)", variants, f"; {_offset_meaning(first)}")
+
+
+def _stacked(values: Sequence[Any]) -> Any:
+    """Per-component numbers as one: an :class:`~equivariance_probe.Interval` of arrays where they are intervals."""
+    if values and isinstance(values[0], Interval):
+        first = values[0]
+        return Interval(*(np.array([getattr(v, key) for v in values]) for key in ("estimate", "low", "high")),
+                        first.level, first.n_groups, np.array([v.standard_error for v in values]), first.method)
+    return np.asarray(values, dtype=np.float64)
+
+
 def _format(number: Any) -> str:
     if isinstance(number, Interval):
         return str(number)
@@ -217,13 +263,16 @@ def _format(number: Any) -> str:
 
 def shift_figures(result: ShiftResult, baselines: Mapping[str, ShiftResult] | None = None,
                   name: str = "trained") -> dict[str, Figure]:
-    """Every figure of a shift run: ``{"shift_layers", "shift_heads", "shift_loss", "shift_divergence"}`` (the last
-    two only where the run measured predictions), with the baselines beside ``result`` (called ``name``)."""
+    """Every figure of a shift run: ``{"shift_layers", "shift_heads", "shift_loss", "shift_divergence",
+    "shift_attribution"}`` (the loss and divergence only where the run measured predictions, the attribution only
+    where it split the residual stream into components), with the baselines beside ``result`` (called ``name``)."""
     variants = {name: result, **dict(baselines or {})}
     figures = {"shift_layers": shift_layers_figure(variants), "shift_heads": shift_heads_figure(result)}
     if result.config.predictions:
         figures["shift_loss"] = shift_loss_figure(variants)
         figures["shift_divergence"] = shift_divergence_figure(variants)
+    if result.config.components and all(other.config.components for other in variants.values()):
+        figures["shift_attribution"] = shift_attribution_figure(variants)
     return figures
 
 
@@ -427,13 +476,16 @@ def shift_report_section(result: ShiftResult, baselines: Mapping[str, ShiftResul
     """The shift test in the HTML report: each variant's table, the figures (:func:`shift_figures`) and, when
     given, the CircuitsVis view (drawn from the bundle the report carries once)."""
     variants = {name: result, **dict(baselines or {})}
-    tables = Markup("").join(Markup("<h3>{}</h3><pre>{}</pre>").format(variant, value.table())
-                             for variant, value in variants.items())
+    tables = Markup("").join(Markup("<h3>{}</h3><pre>{}</pre>").format(
+        variant, value.table() + ("\n" + value.attribution_table() if value.config.components else ""))
+        for variant, value in variants.items())
     captions = {
         "shift_layers": "Offset η² by layer, centred logits and residual stream, each variant (95 % intervals over segments)",
         "shift_heads": f"Per-head offset η² and pair η² (the equivariant part) of the centred logits, {name}",
         "shift_loss": "Next-token loss on the segment by offset (95 % intervals over segments)",
         "shift_divergence": "Jensen–Shannon divergence between offsets against between contexts, and their ratio",
+        "shift_attribution": "Each component's share of the residual stream's offset and context sums of squares after "
+                             "the target blocks (95 % intervals over segments)",
     }
     figures = {captions[key]: figure for key, figure in shift_figures(result, baselines, name).items()}
     body = Markup("<p>The same texts placed after other contexts at offsets {}; {}. Each representation's variation "

@@ -68,6 +68,7 @@ __all__ = [
     "gram_sum_of_squares",
     "component_shares",
     "identity_difference",
+    "IDENTITY_FLOOR",
 ]
 
 #: The additive sums behind the decomposition (each ``[..., layer, head]``), in the order they are stored.
@@ -266,11 +267,28 @@ def component_shares(gram: np.ndarray, rows: Sequence[int], columns: Sequence[in
         return np.where(defined[..., None], parts / np.where(defined, total, 1.0)[..., None], np.nan)
 
 
-def identity_difference(gram: np.ndarray, columns: Sequence[int], sum_of_squares: float) -> float:
-    """``|Σ_c C_c − SS| / SS``: how far the components' contributions (from the Gram matrix) are from the residual
-    stream's own sum of squares ``SS`` (measured from the block's output); 0 where both are 0. Beyond rounding it
-    says the residual stream is not the sum of the components (a norm after the addition, as in BERT's blocks)."""
-    total = float(gram_sum_of_squares(gram, columns))
-    if sum_of_squares == 0:
-        return 0.0 if total == 0 else float("inf")
-    return abs(total - float(sum_of_squares)) / abs(float(sum_of_squares))
+#: The identity check's floor on its scale, as a fraction of the residual stream's whole sum of squares: a term
+#: smaller than this (nothing moves: the context term of a model whose contexts are all one token) is judged
+#: against it, since the context Gram's streaming form (a difference of two sums over the grid) carries float64
+#: rounding of the offset's size, measured at 4e-16 of the whole on such a tiny GPT-2.
+IDENTITY_FLOOR = 1e-6
+
+
+def identity_difference(gram: np.ndarray, columns: Sequence[int], sum_of_squares: float, total: float = 0.0) -> float:
+    """``|Σ_c C_c − SS| / max(SS, Σ_c K[c, c], IDENTITY_FLOOR·SS_all)``: how far the components' contributions (from
+    the Gram matrix) are from the residual stream's own sum of squares ``SS`` (measured from the block's output).
+
+    The scale is the larger of ``SS`` and the components' own sums of squares, since rounding grows with the
+    components (where they cancel, ``SS`` is small and its rounding is theirs), but at least
+    :data:`IDENTITY_FLOOR` of ``total``, the residual stream's whole sum of squares ``SS_all``: a term that
+    nothing moves is rounding, and so is its difference. 0 where every scale is 0 and so is the difference. Beyond
+    rounding it says the residual stream is not the sum of the components (a norm after the addition, as in BERT's
+    blocks)."""
+    gram = np.asarray(gram, dtype=np.float64)
+    columns = list(columns)
+    found = float(gram_sum_of_squares(gram, columns))
+    scale = max(abs(float(sum_of_squares)), float(np.trace(gram[np.ix_(columns, columns)])),
+                IDENTITY_FLOOR * abs(float(total)))
+    if scale == 0:
+        return 0.0 if found == float(sum_of_squares) else float("inf")
+    return abs(found - float(sum_of_squares)) / scale
