@@ -19,23 +19,12 @@ from equivariance_probe.shift_result import attribution_check
 from equivariance_probe.sources.shift_grid import ShiftOptions
 from equivariance_probe.statistics.shift import ShiftConfig, SegmentGrid
 
-M = 10
-OFFSETS = [0, 7, 30]
-
-
-def design(n_segments=4, n_contexts=3, length=30, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    segments = [torch.randint(3, 97, (M,), generator=generator).tolist() for _ in range(n_segments)]
-    contexts = [torch.randint(3, 97, (length,), generator=generator).tolist() for _ in range(n_contexts)]
-    return segments, contexts
+from test_shift import M, OFFSETS, design
+from test_shift import run as plain_run
 
 
 def run(model, segments=None, contexts=None, **options):
-    if segments is None:
-        segments, contexts = design()
-    options = {"offsets": OFFSETS, "segment_length": M, "progress": False, "interval_groups": 4, "attribution": True,
-               **options}
-    return EquivarianceProbe(model).shift(segments, contexts, **options)
+    return plain_run(model, segments, contexts, **{"attribution": True, **options})
 
 
 def with_random_norms(model):

@@ -20,15 +20,8 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, require_extra
-from .base import (
-    LANGUAGE_MODEL_HEAD,
-    Adapter,
-    AttentionLayout,
-    PatternCallback,
-    SegmentAttentionCallback,
-    SegmentComponentCallback,
-    SegmentResidualCallback,
-)
+from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
+from .base import SegmentComponentCallback
 from .components import ComponentRequest, HeadPieces, block_parts
 from .internals import recompute_tolerance
 from .modules import layer_windows
