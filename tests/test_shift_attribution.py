@@ -246,3 +246,23 @@ def test_hugging_face_nnsight_and_a_bridge_give_the_same_attribution(kind, tmp_p
         for layer, shares in expected.attribution().items():
             np.testing.assert_allclose(list(got.attribution(layer)[layer].values()), list(shares.values()),
                                        rtol=1e-9, atol=1e-12, err_msg=framework)
+
+
+def test_the_command_runs_the_attribution_and_draws_it(tiny_model_folder, text_corpus, tmp_path, capsys):
+    from equivariance_probe.cli import main
+
+    model = tiny_model_folder("gemma3", n_positions=128)
+    corpus = text_corpus(n_docs=6, words=60)
+    common = ["--model", model, "--corpus", corpus, "--n-segments", "3", "--n-contexts", "2", "--segment-length", "8",
+              "--offsets", "0,5,20", "--interval-groups", "3", "--no-progress"]
+    assert main(["shift", "-o", str(tmp_path / "a"), *common, "--attribution", "--attribution-heads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Attribution of the residual stream" in out and "offset SS after block" in out
+    assert (tmp_path / "a" / "shift_attribution.png").exists()
+    assert "offset and context sums of squares after the target blocks" in (tmp_path / "a" / "shift_report.html").read_text()
+    result = ShiftResult.load(tmp_path / "a" / "shift_trained.safetensors")
+    assert "head.1.0" in result.config.components and result.metadata["attribution_check"]["passed"] is True
+    assert main(["shift", "-o", str(tmp_path / "b"), *common, "--attribution-heads", "1"]) == 2
+    assert "--attribution" in capsys.readouterr().err
+    assert main(["shift", "-o", str(tmp_path / "c"), *common, "--attribution", "--attribution-heads", "9"]) == 2
+    assert "layers (0 to" in capsys.readouterr().err
