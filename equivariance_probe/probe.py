@@ -497,8 +497,10 @@ class EquivarianceProbe:
         result.metadata["check"] = shift_check(result, has_rotary=bool(rotary_modules(hf_model_of(self.adapter.model))),
                                                dtype=dtype)
         if result.config.components:
+            with_heads = any(name.startswith("head.") for name in result.config.components)
             result.metadata["attribution_check"] = attribution_check(
-                result, dtype=dtype, heads_difference=max((h for h in heads if h is not None), default=None))
+                result, dtype=dtype,
+                heads_difference=max((h for h in heads if h is not None), default=None) if with_heads else None)
             if result.metadata["attribution_check"]["passed"] is False:
                 raise AttributionIdentityError(attribution_failure(result.metadata["attribution_check"]),
                                                result=result)

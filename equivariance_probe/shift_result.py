@@ -536,7 +536,7 @@ class ShiftResult(SumsReadOnUse):
         return missing_as(out, missing) if missing is not None else out
 
     def table(self, level: float = 0.95) -> str:
-        """A plain-text table of :meth:`summary`."""
+        """A plain-text table of :meth:`summary` (and :meth:`attribution_table` for a run with attribution)."""
         summary = self.summary(level)
         if summary["n_segments"] == 0:
             return "ShiftResult: no segments"
@@ -570,6 +570,8 @@ class ShiftResult(SumsReadOnUse):
                          f"{check.get('expected')}; tolerance {check.get('tolerance')})")
         if not summary["complete"]:
             lines.append("  PARTIAL: the run stopped before every segment was measured")
+        if self.config.components:
+            lines.append(self.attribution_table(level))
         return "\n".join(lines)
 
     def to_rows(self, level: float = 0.95) -> list[dict[str, Any]]:

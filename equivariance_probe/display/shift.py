@@ -476,9 +476,8 @@ def shift_report_section(result: ShiftResult, baselines: Mapping[str, ShiftResul
     """The shift test in the HTML report: each variant's table, the figures (:func:`shift_figures`) and, when
     given, the CircuitsVis view (drawn from the bundle the report carries once)."""
     variants = {name: result, **dict(baselines or {})}
-    tables = Markup("").join(Markup("<h3>{}</h3><pre>{}</pre>").format(
-        variant, value.table() + ("\n" + value.attribution_table() if value.config.components else ""))
-        for variant, value in variants.items())
+    tables = Markup("").join(Markup("<h3>{}</h3><pre>{}</pre>").format(variant, value.table())
+                             for variant, value in variants.items())
     captions = {
         "shift_layers": "Offset η² by layer, centred logits and residual stream, each variant (95 % intervals over segments)",
         "shift_heads": f"Per-head offset η² and pair η² (the equivariant part) of the centred logits, {name}",

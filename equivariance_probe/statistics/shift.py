@@ -17,6 +17,12 @@ segment runs on the server, so :meth:`ShiftStatistics.add_segment_sums` adds sum
 from here. Predictions keep, per offset, the latest context's next-token probabilities (``S·(m−1)·V``
 float32, float64 for a float64 model; each window's overwrite the previous context's at its offset).
 
+With attribution (:attr:`ShiftConfig.components`), a segment also keeps per component ``c`` (the embedding,
+each block's attention and MLP, chosen heads) ``Σ_f (c − c₀)`` per offset and the current context's
+``Σ_s (c − c₀)`` (``C·(S + 2)·m·D`` float64 values in all), and at its end two Gram matrices ``[C, C]``
+(:data:`ATTRIBUTION_ARRAYS`), from which every component's share of the residual stream's offset and context
+sums of squares follows (:mod:`~equivariance_probe.maths.shift`).
+
 Every array is declared once, in :data:`SHIFT_ARRAYS`, as the attention statistics declare theirs
 (:class:`~equivariance_probe.statistics.config.Sum`: its shape in letters of :meth:`ShiftConfig.sizes`,
 its meaning and its merge rule, ``"add"`` for all of them), so allocating, merging, saving and loading
@@ -28,6 +34,7 @@ caller) and a merge refuses a segment counted twice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,8 +277,9 @@ class SegmentGrid:
 
     def add_heads_difference(self, value: float) -> None:
         """Note one forward pass's :class:`~equivariance_probe.adapters.segments.HeadsCheck` difference (the largest
-        is kept in :attr:`heads_difference`)."""
-        self.heads_difference = value if not value <= self.heads_difference else self.heads_difference
+        is kept in :attr:`heads_difference`; a NaN, heads that were not all seen, is kept for good)."""
+        if math.isnan(value) or value > self.heads_difference:
+            self.heads_difference = value if not math.isnan(self.heads_difference) else self.heads_difference
 
     def add_predictions(self, offset_index: int, log_probs: torch.Tensor, targets: torch.Tensor) -> None:
         """``log_probs: [m − 1, vocab]`` next-token log-probabilities at the segment's positions but the last,

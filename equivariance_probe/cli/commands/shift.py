@@ -94,8 +94,7 @@ def handle(args: argparse.Namespace) -> int:
     if not args.no_figures:
         wrote += _shift_display(out, study.probe, study.results, study.segments, study.contexts, args.view_head,
                                 args.figure_format)
-    table = "\n\n".join(f"[{name}]\n{result.table()}" + (f"\n{result.attribution_table()}" if args.attribution else "")
-                        for name, result in study.results.items())
+    table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in study.results.items())
     print_result(args, f"{table}\n\n{shift_result_readings()}",
                  {name: result.summary() for name, result in study.results.items()}, wrote)
     return 0
