@@ -541,8 +541,8 @@ class EquivarianceProbe:
         attention and MLP, and the heads of ``options.attribution_heads``.
 
         Raises:
-            UnsupportedModelError: attribution on a model whose segment grid is summed where it runs (nnsight
-                remote), which does not read components there.
+            UnsupportedModelError: attribution heads on a model whose segment grid is summed where it runs (nnsight
+                remote), which reads block-level components only.
         """
         from .adapters.components import block_component_names, block_parts, head_component_names
         from .adapters.modules import hf_model_of
@@ -550,12 +550,12 @@ class EquivarianceProbe:
         if not options.attribution:
             return ()
         block_parts(hf_model_of(self.adapter.model))  # refuses, before any window runs, a block it cannot split
-        if self.adapter.sums_segment_grid:
+        if self.adapter.sums_segment_grid and options.attribution_heads:
             raise UnsupportedModelError(
-                "attribution reads each component of the residual stream at the segment's tokens, which a remote "
-                "nnsight model's session (its whole segment grid summed on the server) does not do yet; run the "
-                "attribution on a local model (remote=False, the Hugging Face model or a TransformerBridge), or the "
-                "shift test without attribution remotely")
+                f"attribution_heads={list(options.attribution_heads)}: a head's part is formed from its output and the "
+                "output projection's weights, which a remote nnsight session (the segment's grid summed on the server) "
+                "does not read; ask the remote model for the block-level attribution (attribution=True alone), or "
+                "run the heads on a local model (remote=False)")
         layout = self.adapter.layout
         return block_component_names(layout.n_layers) + head_component_names(options.attribution_heads, layout.n_heads)
 

@@ -195,12 +195,40 @@ def test_options_refuse_bad_attribution_settings_by_name():
         run(tiny_gemma3().to(torch.float64), attribution_heads=[3])
 
 
-def test_a_model_summed_where_it_runs_is_refused_with_the_reason(monkeypatch):
-    probe = EquivarianceProbe(tiny_llama().to(torch.float64))
-    monkeypatch.setattr(type(probe.adapter), "sums_segment_grid", True)
-    segments, contexts = design()
-    with pytest.raises(UnsupportedModelError, match="remote nnsight"):
-        probe.shift(segments, contexts, offsets=OFFSETS, segment_length=M, progress=False, attribution=True)
+def test_a_remote_session_sums_the_block_level_attribution_on_the_server(monkeypatch):
+    """``remote="local"``: the segment's grid is serialised as one nnsight session for a server (the functions shipped
+    by value), and its Gram matrices come back with the other sums, equal to the Hugging Face model's."""
+    pytest.importorskip("nnsight")
+    from nnsight.modeling.transformers import TransformersModel
+
+    from test_shift_adapters import tiny_tokenizer
+
+    from equivariance_probe.adapters.nnsight import NNsightAdapter
+    from equivariance_probe.adapters.nnsight_remote import segment_reply_nbytes
+    from equivariance_probe.statistics.shift import ShiftStatistics
+
+    model = with_random_norms(tiny_gemma3().to(torch.float64))
+    tokenizer = tiny_tokenizer()
+    segments, contexts = design(n_segments=3, n_contexts=2)
+    options = {"offsets": OFFSETS, "segment_length": M, "progress": False, "interval_groups": 3, "attribution": True,
+               "batch_size": 2}
+    expected = EquivarianceProbe(model, tokenizer=tokenizer).shift(segments, contexts, **options)
+    replies: list[dict] = []
+    add_segment_sums = ShiftStatistics.add_segment_sums
+    monkeypatch.setattr(ShiftStatistics, "add_segment_sums", lambda self, fingerprint, group, sums: (
+        replies.append(sums), add_segment_sums(self, fingerprint, group, sums))[1])
+    probe = EquivarianceProbe(NNsightAdapter(TransformersModel(model, tokenizer=tokenizer), remote="local"))
+    got = probe.shift(segments, contexts, **options)
+    for term in ("offset", "context"):
+        name = f"attribution/{term}_gram"
+        np.testing.assert_allclose(got.statistics.arrays[name], expected.statistics.arrays[name], rtol=1e-9, atol=1e-12)
+    assert got.metadata["attribution_check"]["passed"] is True
+    layout = probe.adapter.layout
+    assert sum(value.nbytes for value in replies[0].values()) == segment_reply_nbytes(
+        layout.n_layers, layout.n_heads, len(OFFSETS), hidden_size=model.config.hidden_size,
+        components=len(got.config.components))
+    with pytest.raises(UnsupportedModelError, match="block-level attribution"):
+        probe.shift(segments, contexts, **options, attribution_heads=[1])
 
 
 def test_the_attribution_figure_draws_each_target_block(attributed):

@@ -135,6 +135,14 @@ class NNsightSegments:
         return _ComponentReader(self.model, paths, parts, request, spans, on_component,
                                 HeadPieces(parts, self.layout.n_heads, request.heads, on_component))
 
+    def _component_envoys(self) -> list[tuple[Any, Any]]:
+        """Per layer, the envoys of :func:`~equivariance_probe.adapters.components.block_parts`' ``attention_out`` and
+        ``mlp_out`` (what the attribution reads in a remote session)."""
+        inner = self._hf.model
+        paths = {id(module): name for name, module in inner.named_modules()}
+        return [(self.model.get(paths[id(part.attention_out)]), self.model.get(paths[id(part.mlp_out)]))
+                for part in block_parts(inner)]
+
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
         """:meth:`Adapter.check_segment_recompute`.
 
@@ -197,7 +205,13 @@ class NNsightSegments:
             check_predicts(self.hf_model)
         plan = {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_offsets": len(config.offsets),
                 "segment_length": config.segment_length, "causal": True, "windows": list(self.layout.sliding_windows),
-                "predictions": targets is not None, "hidden_size": config.sizes()["D"]}
+                "predictions": targets is not None, "hidden_size": config.sizes()["D"],
+                "components": list(config.components)}
+        if any(name.startswith("head.") for name in config.components):
+            raise RemoteExecutionError(
+                "the attribution's heads are formed from each head's output and the output projection's weights, "
+                "which a remote session does not read; ask a remote model for the block-level attribution "
+                "(attribution=True without attribution_heads), or run the heads on a local model")
         runs = [[self._segment_trace_inputs(batch, config.segment_length, targets is not None) for batch in context]
                 for context in contexts]
         grid = (len(contexts), len(config.offsets), int(config.segment_length))
@@ -206,6 +220,7 @@ class NNsightSegments:
         self._refuse_if_planned(self.segment_plan, "segment")
         model, attention = self.model, self._attention_envoys()
         layers = [model.get(path) for path in self.layer_paths]
+        parts = self._component_envoys() if config.components else None
         sums = None
         started = perf_counter()
         # The session's body reads only these locals, the shipped functions and nnsight: what the request carries.
@@ -215,7 +230,7 @@ class NNsightSegments:
                 for context in runs:
                     for tokens, options, batch in context:
                         with model.trace(tokens, **options) as tracer:
-                            add_segment_windows_in_trace(state, attention, layers, plan, batch)
+                            add_segment_windows_in_trace(state, attention, layers, plan, batch, parts)
                             if plan["predictions"]:
                                 add_segment_predictions_in_trace(state, model.output.logits, batch, targets)
                             else:
