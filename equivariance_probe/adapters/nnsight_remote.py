@@ -31,12 +31,15 @@ from ..statistics.engines.shift_sums import (
     DECOMPOSITION_SUMS,
     PREDICTION_SUMS,
     REPRESENTATIONS,
+    SINK_SUMS,
     add_prediction_sums,
+    add_sink_sums,
     add_to_cell,
     counted_entries,
     end_context_of_cell,
     grid_sums,
     new_prediction_sums,
+    new_sink_sums,
     segment_representations,
 )
 from ..statistics.masks import KEY_BINS
@@ -177,7 +180,8 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
 def new_segment_state(plan: dict) -> dict:
     """The running sums of one segment's grid on the server: ``cells`` (per ``(representation, layer)``,
     :func:`~equivariance_probe.statistics.engines.shift_sums.add_to_cell`), the prediction sums, each offset's
-    latest distributions, the current context's, the contexts done, and each layer's counted entries.
+    latest distributions, the current context's, the contexts done, each layer's counted entries, and the sink
+    sums (:func:`~equivariance_probe.statistics.engines.shift_sums.new_sink_sums`).
 
     ``plan`` holds plain values: ``n_layers``, ``n_heads``, ``n_offsets``, ``segment_length``, ``causal``,
     ``windows`` (per layer, the sliding window or ``None``), ``predictions`` and ``hidden_size`` (the residual
@@ -189,12 +193,14 @@ def new_segment_state(plan: dict) -> dict:
         "current": {},
         "contexts": 0,
         "entries": [counted_entries(plan["segment_length"], plan["causal"], window) for window in plan["windows"]],
+        "sink": new_sink_sums(plan["n_layers"], plan["n_heads"], plan["n_offsets"]),
     }
 
 
 def add_segment_windows_in_trace(state: dict, attention: list, layers: list, plan: dict, batch: dict) -> None:
     """Inside one trace of the session: add every layer's segment block (its three representations) and residual
-    stream, for each window of the batch, to ``state``'s cells.
+    stream, for each window of the batch, to ``state``'s cells, and its rows' weights on the text before the
+    segment to ``state``'s sink sums.
 
     Args:
         attention: per layer, the attention module's envoy (its queries and keys are read at ``ATTENTION_CALL``).
@@ -203,18 +209,19 @@ def add_segment_windows_in_trace(state: dict, attention: list, layers: list, pla
     """
     for layer, module in enumerate(attention):
         args, kwargs = getattr(module.source, ATTENTION_CALL).inputs
-        scores, normaliser = segment_blocks_from_qk(args[1].detach(), args[2].detach(), kwargs.get("scaling"),
-                                                    kwargs.get("softcap"), batch["spans"], plan["windows"][layer],
-                                                    plan["causal"])
+        scores, normaliser, sink = segment_blocks_from_qk(args[1].detach(), args[2].detach(), kwargs.get("scaling"),
+                                                          kwargs.get("softcap"), batch["spans"],
+                                                          plan["windows"][layer], plan["causal"])
         for b, index in enumerate(batch["offsets"]):
             for name, values in segment_representations(scores[b], normaliser[b], state["entries"][layer]).items():
                 add_to_cell(state["cells"].setdefault((name, layer), {}), values, index, plan["n_offsets"])
+            add_sink_sums(state["sink"], layer, index, sink[b])
         output = layers[layer].output
         hidden = segment_rows(output[0] if isinstance(output, tuple) else output, batch["spans"])
         for b, index in enumerate(batch["offsets"]):
             add_to_cell(state["cells"].setdefault(("residual", layer), {}), hidden[b].reshape(1, -1), index,
                         plan["n_offsets"])
-        del scores, normaliser, hidden
+        del scores, normaliser, sink, hidden
 
 
 def add_segment_predictions_in_trace(state: dict, logits: torch.Tensor, batch: dict, targets: torch.Tensor) -> None:
@@ -235,9 +242,11 @@ def end_segment_context(state: dict) -> None:
 
 def segment_sums_in_trace(state: dict, plan: dict) -> dict:
     """What comes back from the server: the segment's decomposition sums (``"{representation}/{name}": [layer,
-    head]``) and prediction sums (``[offset]``, ``[offset, offset]``), float64 on the CPU."""
+    head]``), sink sums (``[layer, head, offset]``, ``[layer, offset]``) and prediction sums (``[offset]``,
+    ``[offset, offset]``), float64 on the CPU."""
     sums = grid_sums(state["cells"], plan["n_layers"], plan["n_heads"], state["contexts"], plan["n_offsets"],
                      plan["hidden_size"])
+    sums.update(state["sink"])
     if plan["predictions"]:
         sums.update(state["predictions"])
     return sums
@@ -279,6 +288,7 @@ SEGMENT_FUNCTIONS = (
     "equivariance_probe.adapters.segments.segment_blocks_from_qk",
     "equivariance_probe.adapters.segments.segment_blocks",
     "equivariance_probe.adapters.segments.segment_block",
+    "equivariance_probe.adapters.segments.sink_weights",
     "equivariance_probe.adapters.segments.hidden_keys",
     "equivariance_probe.adapters.segments.segment_rows",
     "equivariance_probe.adapters.segments.segment_log_probs",
@@ -295,6 +305,8 @@ SEGMENT_FUNCTIONS = (
     "equivariance_probe.statistics.engines.shift_sums.middle_negentropy",
     "equivariance_probe.statistics.engines.shift_sums.jensen_shannon_from",
     "equivariance_probe.statistics.engines.shift_sums.add_prediction_sums",
+    "equivariance_probe.statistics.engines.shift_sums.new_sink_sums",
+    "equivariance_probe.statistics.engines.shift_sums.add_sink_sums",
 )
 #: The functions of the shift test's check of the recomputation, run on the server in one trace (by value).
 SEGMENT_CHECK_FUNCTIONS = (
@@ -355,10 +367,11 @@ def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bo
 def segment_reply_nbytes(n_layers: int, n_heads: int, n_offsets: int, predictions: bool = True,
                          hidden_size: int = 0) -> int:
     """Bytes of float64 sums one segment's session sends back, from the shapes alone:
-    ``8·(|DECOMPOSITION_SUMS|·L·(3·H + 1) + L·d + predictions·(4·O + 2·O²))`` (``d`` the residual stream's
-    width, for its sums per hidden dimension), whatever the number of contexts, the segment's length, the
-    window or the vocabulary."""
+    ``8·(|DECOMPOSITION_SUMS|·L·(3·H + 1) + L·d + L·O·(2·H + 1) + predictions·(4·O + 2·O²))`` (``d`` the
+    residual stream's width, for its sums per hidden dimension; ``L·O·(2·H + 1)`` the sink sums), whatever the
+    number of contexts, the segment's length, the window or the vocabulary."""
     n = len(DECOMPOSITION_SUMS) * n_layers * ((len(REPRESENTATIONS) - 1) * n_heads + 1) + n_layers * hidden_size
+    n += n_layers * n_offsets * ((len(SINK_SUMS) - 1) * n_heads + 1)
     if predictions:
         n += sum(n_offsets**rank for _, rank in PREDICTION_SUMS)
     return 8 * n

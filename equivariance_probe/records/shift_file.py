@@ -21,7 +21,9 @@ array is read or allocated; :meth:`ShiftFile.statistics` reads the arrays on fir
 
 Versions: **1** — without the residual stream's sums per hidden dimension (its sums of squares were taken about
 one grand mean); **2** — adds ``residual/total_by_dim`` and the configuration's ``hidden_size`` and
-``residual_centre``. What each version added is declared once, in :data:`SHIFT_ADDED`: an array that a file's
+``residual_centre``; **3** — adds the sink sums (``sink/first_key``, ``sink/preceding``, ``sink/rows``: the
+attention the segment's rows put on the window's first key and on the rest of the text before the segment, by
+offset). What each version added is declared once, in :data:`SHIFT_ADDED`: an array that a file's
 version predates is filled in as that table says (an empty array of the older definition, or zeros that leave
 a representation the file never measured undefined), never read as missing.
 """
@@ -48,9 +50,9 @@ __all__ = ["SHIFT_KIND", "SHIFT_FORMAT_VERSION", "SHIFT_FORMAT_VERSIONS", "SHIFT
 #: The ``kind`` of a shift result file's header.
 SHIFT_KIND = "equivariance_probe.ShiftResult"
 #: The version :func:`write_shift_file` writes.
-SHIFT_FORMAT_VERSION = 2
+SHIFT_FORMAT_VERSION = 3
 #: The format versions this package reads.
-SHIFT_FORMAT_VERSIONS = (1, 2)
+SHIFT_FORMAT_VERSIONS = (1, 2, 3)
 #: The tensor of the segments' fingerprints.
 FINGERPRINTS = "segment_fingerprints"
 
@@ -73,6 +75,8 @@ class Added(NamedTuple):
 SHIFT_ADDED: dict[str, Added] = {
     "residual/total_by_dim": Added(2, "the residual stream's sums per hidden dimension (files of version 1 took its "
                                       "sums of squares about one grand mean)"),
+    "sink/": Added(3, "the attention the segment's rows put before the segment, by offset (zero rows: the sink "
+                      "mass of a file written before it was kept is undefined)"),
 }
 
 
