@@ -16,6 +16,8 @@ Numbers (docs/methods.md#shift-test; ``representation`` one of
 * :meth:`ShiftResult.loss_by_offset` and :meth:`ShiftResult.divergence` — the segment's next-token loss per
   offset, the mean Jensen–Shannon divergence between offsets in one context and between consecutive contexts
   at one offset, and their ratio.
+* :meth:`ShiftResult.sink_mass` — per offset, the mean attention weight the segment's rows put on the window's
+  first key (the BOS sink), on the rest of the text before the segment, and on the segment itself.
 
 Every number takes ``interval=0.95``: the delete-a-group jackknife over groups of segments (segments fall
 into groups by their fingerprint, as windows do in :class:`~equivariance_probe.ProbeResult`).
@@ -407,6 +409,54 @@ class ShiftResult(SumsReadOnUse):
 
         return self._number(value, interval)
 
+    def sink_mass(self, part: str = "first_key", by: str | None = None, interval: float | None = None, *,
+                  layer_groups: dict[str, Any] | None = None) -> Any:
+        """The mean attention weight of the segment's rows on one part of the window, at each offset.
+
+        Args:
+            part: ``"first_key"`` (the window's first key: the tokenizer's prefix token, such as BOS, else the
+                context's first token; 0 where nothing precedes the segment), ``"preceding"`` (the rest of the text
+                before the segment, positions ``1 .. start − 1``, as a whole) or ``"segment"`` (the segment's own
+                tokens: ``1 −`` the other two). Weights are under the layer's real mask: a sliding-window layer
+                gives 0 to keys a window or more behind the row.
+            by: ``None`` (every layer and head: ``[S]``), ``"layer"`` (``[L, S]``), ``"head"`` (``[L, H, S]``) or
+                ``"layer_group"`` (``{group: [S]}``, the groups of :meth:`layer_groups` or ``layer_groups``).
+            interval: a confidence level (0.95) for an :class:`~equivariance_probe.Interval` over segments.
+            layer_groups: ``{name: layer indices}`` for ``by="layer_group"`` (default: :meth:`layer_groups`).
+
+        Returns:
+            Means over contexts, segments, the segment's rows and the heads of each aggregate (a head counts once
+            per row), per offset: ``mean_i a_i0`` for the first key, ``mean_i Σ_{0<k<t} a_ik`` for the preceding
+            text (``t`` the segment's first position).
+
+        Raises:
+            UndefinedStatisticError: a file written before the sink mass was kept (format 2 or older).
+        """
+        check_choice("part", part, decomposition.SINK_PARTS)
+        by = split_axis(by, SHARE_BY)
+        self._require_data()
+        self._require_sink_mass()
+        groups = (layer_groups or self.layer_groups()) if by == "layer_group" else None
+
+        def value(arrays: dict[str, np.ndarray]) -> Any:
+            return decomposition.sink_mass(arrays["sink/first_key"], arrays["sink/preceding"], arrays["sink/rows"],
+                                           part, by, groups)
+
+        return self._number(value, interval, upper=1.0)
+
+    def _require_sink_mass(self) -> None:
+        """Refuse the sink mass unless every segment's rows are in its sums (``F·m`` rows per segment, layer and
+        offset): a file written before it was kept has none, and a merge with such a file only some."""
+        rows = self.statistics.totals()["sink/rows"]
+        if np.all(rows == self.n_segments * self.config.n_contexts * self.config.segment_length):
+            return
+        which = ("it was written before the shift test kept the attention before the segment (a file of format "
+                 f"{self._file.format_version if self._file else '2 or older'})" if not rows.any() else
+                 "some of its segments come from a file written before the shift test kept it (a merge with an "
+                 "older file), so a mean over the rest would pass for one over every segment")
+        raise UndefinedStatisticError(f"this result holds no sink mass: {which}; run the shift test again with this "
+                                      "version for it")
+
     def paired_difference(self, baseline: ShiftResult, representation: str = "centred_logits", term: str = "offset",
                           by: str | None = None, level: float = 0.95) -> Any:
         """``η²_self − η²_baseline`` with its interval from paired jackknife replicates: both results must hold the
@@ -526,6 +576,7 @@ class ShiftResult(SumsReadOnUse):
             "segment_length": self.config.segment_length, "representations": representations,
             "undefined": dict(self.undefined), "check": self.metadata.get("check"), "complete": self.complete,
         }
+        out["sink_mass"] = self._sink_summary(number, with_interval)
         if self.config.predictions:
             out["predictions"] = {
                 "loss_by_offset": with_interval(self.loss_by_offset),
@@ -534,6 +585,23 @@ class ShiftResult(SumsReadOnUse):
                 "js_ratio": with_interval(lambda interval=None: self.divergence("ratio", interval)),
             }
         return missing_as(out, missing) if missing is not None else out
+
+    def _sink_summary(self, number: Callable[..., Any], with_interval: Callable[..., Any]) -> dict[str, Any] | None:
+        """:meth:`summary`'s sink mass: per part the model's mean by offset (with its interval), and by layer group
+        where the model has more than one; ``None`` where the result holds none (a file written before it)."""
+        try:
+            self.sink_mass()
+        except UndefinedStatisticError:
+            return None
+        groups = self.layer_groups()
+        return {
+            **{part: with_interval(lambda interval=None, p=part: self.sink_mass(p, interval=interval))
+               for part in decomposition.SINK_PARTS},
+            "by_layer_group": {part: {group: value for group, value in
+                                      number(lambda p=part: self.sink_mass(p, by="layer_group")).items()
+                                      if group != "all"} if len(groups) > 1 else {}
+                               for part in decomposition.SINK_PARTS},
+        }
 
     def table(self, level: float = 0.95) -> str:
         """A plain-text table of :meth:`summary` (and :meth:`attribution_table` for a run with attribution)."""
@@ -564,6 +632,11 @@ class ShiftResult(SumsReadOnUse):
                          + ", ".join(f"{s}: {v:.3f}" for s, v in zip(summary["offsets"], estimates)))
             lines.append(f"  Jensen–Shannon between offsets {number_cell(predictions['js_offset'])}, between contexts "
                          f"{number_cell(predictions['js_context'])}, ratio {number_cell(predictions['js_ratio'])}")
+        sink = summary.get("sink_mass")
+        if sink:
+            lines.append("  attention before the segment (mean weight of its rows over layers and heads), by offset:")
+            lines.extend(f"    {offset}: first key {number_cell(_at(sink['first_key'], i))}, preceding text "
+                         f"{number_cell(_at(sink['preceding'], i))}" for i, offset in enumerate(summary["offsets"]))
         check = summary.get("check") or {}
         if check:
             lines.append(f"  check: {check.get('description', '')}: {number_cell(check.get('value'))} ({check_verdict(check)}; "
@@ -721,6 +794,13 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (float, np.floating)):
         return None if not math.isfinite(float(value)) else float(value)
     return value
+
+
+def _at(value: Any, index: int) -> Any:
+    """Element ``index`` of a summary's per-offset number (a list, or an interval's dict of lists)."""
+    if isinstance(value, dict):
+        return {key: item[index] if isinstance(item, list) else item for key, item in value.items()}
+    return value[index] if isinstance(value, list) else value
 
 
 def check_verdict(check: dict[str, Any]) -> str:

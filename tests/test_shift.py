@@ -119,7 +119,7 @@ def test_sdpa_equals_eager_and_raw_weights_equal_the_model_s_own():
     window = torch.tensor([contexts[0][:7] + segments[0]])
     captured = {}
     probe.adapter.run_segment(window, torch.tensor([window.shape[1]]), M,
-                              on_attention=lambda layer, s, z: captured.setdefault(layer, torch.exp(s - z[..., None])))
+                              on_attention=lambda layer, s, z, sink: captured.setdefault(layer, torch.exp(s - z[..., None])))
     weights = eager(window, output_attentions=True).attentions
     windows = probe.adapter.layout.sliding_windows
     for layer, block in captured.items():

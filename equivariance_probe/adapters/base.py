@@ -60,9 +60,11 @@ LANGUAGE_MODEL_HEAD = "language_model_head"
 #: Capability: the adapter can run the model elsewhere (nnsight on NDIF), so the attention never comes back.
 RUNS_REMOTELY = "runs_remotely"
 #: Callback of :meth:`Adapter.run_segment`, once per layer and batch: ``on_attention(layer, scores,
-#: log_normaliser)`` with the segment block's pre-softmax ``scores: [batch, head, m, m]`` and
-#: ``log_normaliser: [batch, head, m]``, each row's log-sum-exp over every key it sees in its window.
-SegmentAttentionCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+#: log_normaliser, sink)`` with the segment block's pre-softmax ``scores: [batch, head, m, m]``,
+#: ``log_normaliser: [batch, head, m]``, each row's log-sum-exp over every key it sees in its window, and
+#: ``sink: [batch, head, m, 2]`` float64, each row's attention weight on the window's first key and on the rest
+#: of the text before the segment (:func:`~equivariance_probe.adapters.segments.sink_weights`).
+SegmentAttentionCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 #: ``on_residual(layer, x)`` with the residual stream after block ``layer`` at the segment, ``x: [batch, m, d]``.
 SegmentResidualCallback = Callable[[int, torch.Tensor], None]
 #: ``on_component(name, x)`` with a component of the residual stream (``"embedding"``, ``"attention.{l}"``,
@@ -333,9 +335,9 @@ class Adapter(ABC):
                 is its positions ``lengths[b] − m .. lengths[b] − 1``.
             lengths: ``[batch]`` real tokens per window.
             segment_length: ``m``.
-            on_attention: called once per layer with the segment block's scores and row normalisers
-                (:data:`SegmentAttentionCallback`), computed from queries and keys in float32 (float64 for
-                a float64 model), so that no weight underflows.
+            on_attention: called once per layer with the segment block's scores, row normalisers and the rows'
+                weights on the text before the segment (:data:`SegmentAttentionCallback`), computed from queries
+                and keys in float32 (float64 for a float64 model), so that no weight underflows.
             on_residual: called once per layer with the residual stream after the block at the segment.
             position_start: ``[batch]`` the first position id of each window (``None``: 0): the
                 ``"position_ids"`` mode of the shift test.

@@ -313,8 +313,8 @@ class HuggingFaceAdapter(Adapter):
         on_component: SegmentComponentCallback | None = None,
     ) -> torch.Tensor | None:
         """:meth:`Adapter.run_segment`: queries and keys are read from transformers' attention function while the
-        model runs its own kernel (eager, sdpa or flash), and the segment block's scores and row normalisers are
-        computed from them (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`), as the probe's
+        model runs its own kernel (eager, sdpa or flash), and the segment block's scores, row normalisers and the
+        rows' weights on the text before the segment are computed from them (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`), as the probe's
         engine does for whole windows. Residual streams are the outputs of each layer's decoder block; the
         attribution's components are read by PyTorch hooks on the modules whose outputs they are
         (:func:`~equivariance_probe.adapters.segments.hook_components`)."""
@@ -391,7 +391,7 @@ class HuggingFaceAdapter(Adapter):
                 # up to 0.017 on Gemma 3 270M, which is rounding, not another attention.
                 recomputed = eager_weights(call, window, self.layout.causal)[0, :, start:, start:].to(torch.float32)
             else:
-                scores, normaliser = segment_blocks_from_call(call, spans, window, self.layout.causal)
+                scores, normaliser, _ = segment_blocks_from_call(call, spans, window, self.layout.causal)
                 recomputed = torch.exp(scores - normaliser.unsqueeze(-1))[0]
             own = call.weights[0, :, start:, start:].to(recomputed.dtype)
             differences.append(block_difference(recomputed, own, window, self.layout.causal))

@@ -9,6 +9,9 @@ the statistics the same tensors:
 * the segment block of one layer's attention, ``scores: [batch, head, m, m]``, and each segment row's
   ``log_normaliser: [batch, head, m]``, the log-sum-exp over every key the row sees in its window (prefix,
   context and segment), taken under the layer's real mask (causal or not, sliding window);
+* each segment row's attention weight on the text before the segment, ``sink: [batch, head, m, 2]``
+  (:func:`sink_weights`): on the window's first key and on the rest of the text before the segment, under
+  the same mask;
 * the residual stream at the segment, ``[batch, m, d]``;
 * for the attribution, the components that write into it (:mod:`~equivariance_probe.adapters.components`) at the
   segment, ``[batch, m, d]`` each, read from the modules :func:`~equivariance_probe.adapters.components.block_parts`
@@ -34,7 +37,7 @@ from .components import BIAS_PART, ComponentRequest, HeadPieces, block_input, ou
 from .internals import AttentionCall
 from .modules import is_causal_lm
 
-__all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "judged_recompute_check", "segment_block", "hidden_keys", "segment_blocks", "segment_blocks_from_call", "segment_blocks_from_qk",
+__all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "judged_recompute_check", "segment_block", "hidden_keys", "sink_weights", "segment_blocks", "segment_blocks_from_call", "segment_blocks_from_qk",
            "segment_rows",
            "kept_positions", "segment_log_probs", "capture_segment_batch", "capture_segment_grid", "HeadsCheck",
            "hook_components"]
@@ -53,7 +56,7 @@ def capture_segment_grid(adapter: Any, contexts: Sequence[Sequence[Any]], grid: 
         adapter: the model's adapter.
         contexts: per context, the forward passes that cover every offset
             (:class:`~equivariance_probe.adapters.base.SegmentBatch`).
-        grid: the segment's running sums (``add``, ``add_predictions``, ``end_context``).
+        grid: the segment's running sums (``add``, ``add_predictions``, ``add_sink``, ``end_context``).
         entries: per layer, the ``[m, m]`` entries that count.
         targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
     """
@@ -61,7 +64,7 @@ def capture_segment_grid(adapter: Any, contexts: Sequence[Sequence[Any]], grid: 
     for context in contexts:
         for batch in context:
             capture_segment_batch(adapter, batch, grid.config.segment_length, entries, grid.add, targets=targets,
-                                  add_predictions=grid.add_predictions, components=components,
+                                  add_predictions=grid.add_predictions, add_sink=grid.add_sink, components=components,
                                   add_component=grid.add_component if components else None,
                                   on_heads_difference=grid.add_heads_difference if components else None)
         grid.end_context()
@@ -71,6 +74,7 @@ def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries
                           add: Callable[[str, int, int, torch.Tensor], None], *,
                           targets: torch.Tensor | None = None,
                           add_predictions: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+                          add_sink: Callable[[int, int, torch.Tensor], None] | None = None,
                           components: Sequence[str] = (),
                           add_component: Callable[[str, int, torch.Tensor], None] | None = None,
                           on_heads_difference: Callable[[float], None] | None = None) -> None:
@@ -91,16 +95,21 @@ def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries
             and ``[1, m·d]`` for the residual stream after each block.
         targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
         add_predictions: called as ``add_predictions(offset_index, log_probs[m − 1, vocab], targets)`` per window.
+        add_sink: called as ``add_sink(layer, offset_index, sink[head, m, 2])`` per window and layer: each segment
+            row's weight on the window's first key and on the rest of the text before the segment
+            (:func:`sink_weights`).
         components: the attribution's components (names of :mod:`~equivariance_probe.adapters.components`).
         add_component: called as ``add_component(name, offset_index, values[m, d])`` for each of ``components``.
         on_heads_difference: called with :meth:`HeadsCheck.difference` per forward pass, where heads are read.
     """
     indices = batch.offset_indices
 
-    def on_attention(layer: int, scores: torch.Tensor, log_normaliser: torch.Tensor) -> None:
+    def on_attention(layer: int, scores: torch.Tensor, log_normaliser: torch.Tensor, sink: torch.Tensor) -> None:
         for b, index in enumerate(indices):
             for name, values in segment_representations(scores[b], log_normaliser[b], entries[layer]).items():
                 add(name, layer, index, values)
+            if add_sink is not None:
+                add_sink(layer, index, sink[b])
 
     def on_residual(layer: int, hidden: torch.Tensor) -> None:
         for b, index in enumerate(indices):
@@ -222,18 +231,41 @@ def shifted_position_ids(position_start: torch.Tensor, width: int) -> torch.Tens
     return position_start.view(-1, 1).to(torch.long) + torch.arange(width).view(1, -1)
 
 
-def segment_block(scores: torch.Tensor, start: int, window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def segment_block(scores: torch.Tensor, start: int, window: int | None, causal: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One window's segment block from ``scores: [head, m, length]``, its segment rows' pre-softmax scores against
     every key of the window (entries the mask hides may hold anything, ``−inf`` included).
 
     Returns:
-        ``(block [head, m, m], log_normaliser [head, m])``: the scores among the segment's own tokens and
-        ``log Σ_k exp(score_ik)`` over the keys ``k`` that row ``i`` (position ``start + i``) sees: ``k ≤ start + i``
-        for a causal model, every key for an encoder, and ``|start + i − k| < window`` under a sliding window.
+        ``(block [head, m, m], log_normaliser [head, m], sink [head, m, 2])``: the scores among the segment's own
+        tokens; ``log Σ_k exp(score_ik)`` over the keys ``k`` that row ``i`` (position ``start + i``) sees:
+        ``k ≤ start + i`` for a causal model, every key for an encoder, and ``|start + i − k| < window`` under a
+        sliding window; and the row's attention weight on the text before the segment (:func:`sink_weights`).
     """
     length = scores.shape[-1]
     hidden = hidden_keys(start, length, window, causal, scores.device)
-    return scores[..., start:length], torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1)
+    log_normaliser = torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1)
+    return scores[..., start:length], log_normaliser, sink_weights(scores, log_normaliser, hidden, start)
+
+
+def sink_weights(scores: torch.Tensor, log_normaliser: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
+    """``[head, m, 2]`` float64: each segment row's attention weight on the window's first key (position 0) and on
+    the rest of the text before the segment (positions ``1 .. start − 1``), ``a_ik = exp(score_ik −
+    log_normaliser_i)`` summed over those keys that the layer's mask shows it.
+
+    Position 0 is the tokenizer's prefix token (BOS) where there is one, else the context's first token; a key the
+    mask hides weighs 0 (under a sliding window ``w``, rows ``w`` or more positions after it). A window whose
+    segment starts at position 0 has no text before it: both weights are 0.
+
+    Args:
+        scores: ``[head, m, length]`` the segment rows' scores against every key of the window.
+        log_normaliser: ``[head, m]`` each row's log-sum-exp over the keys it sees.
+        hidden: ``[m, length]`` the keys the mask hides (:func:`hidden_keys`).
+        start: the segment's first position.
+    """
+    before = scores[..., :start].to(torch.float64) - log_normaliser.to(torch.float64).unsqueeze(-1)
+    weights = torch.exp(before.masked_fill(hidden[:, :start], float("-inf")))  # [head, m, start]
+    return torch.stack([weights[..., :1].sum(-1), weights[..., 1:].sum(-1)], -1)
 
 
 def hidden_keys(start: int, length: int, window: int | None, causal: bool, device: torch.device) -> torch.Tensor:
@@ -278,21 +310,23 @@ def judged_recompute_check(largest: float, tolerance: float, tokens: int, compar
 
 
 def segment_blocks(rows: Sequence[torch.Tensor], spans: Spans, window: int | None, causal: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`segment_block` of each window, stacked: ``rows[b]: [head, m, length_b]`` (``spans[b]``), returns
-    ``(scores [batch, head, m, m], log_normaliser [batch, head, m])``."""
-    blocks, normalisers = zip(*(segment_block(scores, start, window, causal) for scores, (start, _) in zip(rows, spans)))
-    return torch.stack(blocks), torch.stack(normalisers)
+    ``(scores [batch, head, m, m], log_normaliser [batch, head, m], sink [batch, head, m, 2])``."""
+    blocks, normalisers, sinks = zip(*(segment_block(scores, start, window, causal)
+                                       for scores, (start, _) in zip(rows, spans)))
+    return torch.stack(blocks), torch.stack(normalisers), torch.stack(sinks)
 
 
 def segment_blocks_from_call(call: AttentionCall, spans: Spans, window: int | None, causal: bool
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`segment_blocks_from_qk` of one attention call's queries and keys."""
     return segment_blocks_from_qk(call.query, call.key, call.scaling, call.softcap, spans, window, causal)
 
 
 def segment_blocks_from_qk(query: torch.Tensor, key: torch.Tensor, scaling: float | None, softcap: float | None,
-                           spans: Spans, window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                           spans: Spans, window: int | None, causal: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`segment_blocks` from queries ``[batch, head, T, d]`` and keys ``[batch, kv_head, T, d]``: the scores
     are ``softcap(q·kᵀ·scaling)`` in float32 (float64 for a float64 model,
     :func:`~equivariance_probe.statistics.engines.in_trace.attention_scores`), computed for the segment's

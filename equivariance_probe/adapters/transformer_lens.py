@@ -240,8 +240,8 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         turns into ``hook_pattern``, the pattern the main probe reads. Where the bridge keeps the model's own
         attention (:attr:`weights_as_scores`), the hook carries the module's post-softmax weights instead, and their
         logarithm stands for the scores (:func:`scores_from_weights`: equal up to each row's log-normaliser, which
-        nothing the shift test reads depends on). The segment block and its row normalisers
-        are cut from them as every adapter cuts them (:func:`~equivariance_probe.adapters.segments.segment_block`),
+        nothing the shift test reads depends on). The segment block, its row normalisers and the rows' weights on
+        the text before the segment are cut from them as every adapter cuts them (:func:`~equivariance_probe.adapters.segments.segment_block`),
         in float32 (float64 for a float64 model); in half precision the scores carry the model dtype's rounding,
         where the Hugging Face adapter recomputes them in float32 from half-precision queries and keys. The
         residual stream is ``hook_resid_post``; the attribution's components are the bridge's hooks of
@@ -352,7 +352,7 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         def on_scores(scores: torch.Tensor, hook: Any) -> None:
             layer = int(hook.name.split(".")[1])
             rows = self._segment_rows(scores, layer, 0, start, int(tokens.shape[1]))
-            block, normaliser = segment_block(rows, start, windows[layer], causal=True)
+            block, normaliser, _ = segment_block(rows, start, windows[layer], causal=True)
             blocks[layer] = torch.exp(block - normaliser.unsqueeze(-1))
 
         def on_pattern(pattern: torch.Tensor, hook: Any) -> None:

@@ -62,6 +62,8 @@ __all__ = [
     "offset_rms",
     "aggregate",
     "jensen_shannon",
+    "SINK_PARTS",
+    "sink_mass",
     "UNDEFINED_TOLERANCE",
     "component_grams_reference",
     "component_contributions",
@@ -218,6 +220,55 @@ def jensen_shannon(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
     return np.clip(0.5 * terms.sum(-1), 0.0, np.log(2.0))
 
 
+#: The parts of a segment row's attention that :func:`sink_mass` reports: on the window's first key, on the rest of
+#: the text before the segment, and on the segment itself (``1 −`` the other two).
+SINK_PARTS = ("first_key", "preceding", "segment")
+
+
+def sink_mass(first_key: np.ndarray, preceding: np.ndarray, rows: np.ndarray, part: str, by: str | None,
+              layer_groups: Mapping[str, Sequence[int]] | None = None) -> np.ndarray | dict[str, np.ndarray]:
+    """The mean attention weight of the segment's rows on one part of the window, per offset.
+
+    With ``a_ik`` row ``i``'s weight on key ``k`` and the segment starting at position ``t``:
+    ``first_key = mean a_i0`` (0 where ``t = 0``), ``preceding = mean Σ_{0<k<t} a_ik`` and
+    ``segment = 1 − first_key − preceding``, the mean over contexts, segments, the segment's rows and the heads
+    of the aggregate (every head counts once per row).
+
+    Args:
+        first_key, preceding: ``[..., layer, head, offset]`` the sums of the rows' weights on the first key and
+            on the rest of the text before the segment.
+        rows: ``[..., layer, offset]`` the rows behind them.
+        part: one of :data:`SINK_PARTS`.
+        by: ``"head"`` (``[..., layer, head, offset]``), ``"layer"`` (``[..., layer, offset]``), ``None``
+            (``[..., offset]``: every layer and head) or ``"layer_group"`` (``{group: [..., offset]}``).
+        layer_groups: ``{group: layer indices}`` for ``"layer_group"``.
+
+    Returns:
+        The means; NaN where no row was counted.
+    """
+    check_choice("part", part, SINK_PARTS)
+    check_choice("by", by, ("head", "layer", None, "layer_group"))
+    if by == "layer_group":
+        if not layer_groups:
+            raise InputError("by='layer_group' needs the model's layer groups")
+        return {group: _sink_mean(first_key[..., list(layers), :, :], preceding[..., list(layers), :, :],
+                                  rows[..., list(layers), :], part, None) for group, layers in layer_groups.items()}
+    return _sink_mean(first_key, preceding, rows, part, by)
+
+
+def _sink_mean(first_key: np.ndarray, preceding: np.ndarray, rows: np.ndarray, part: str, by: str | None
+               ) -> np.ndarray:
+    heads = first_key.shape[-2]
+    if by == "head":
+        weights, count = {"first_key": first_key, "preceding": preceding}, rows[..., None, :]
+    elif by == "layer":
+        weights, count = {"first_key": first_key.sum(-2), "preceding": preceding.sum(-2)}, heads * rows
+    else:
+        weights, count = ({"first_key": first_key.sum((-3, -2)), "preceding": preceding.sum((-3, -2))},
+                          heads * rows.sum(-2))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = {name: value / count for name, value in weights.items()}
+    return 1.0 - means["first_key"] - means["preceding"] if part == "segment" else means[part]
 def component_grams_reference(values: np.ndarray) -> dict[str, np.ndarray]:
     """The attribution's Gram matrices of one segment's grid, by brute force (the reference the streaming sums
     are tested against).

@@ -21,9 +21,11 @@ array is read or allocated; :meth:`ShiftFile.statistics` reads the arrays on fir
 
 Versions: **1** — without the residual stream's sums per hidden dimension (its sums of squares were taken about
 one grand mean); **2** — adds ``residual/total_by_dim`` and the configuration's ``hidden_size`` and
-``residual_centre``; **3** — adds the attribution's Gram matrices (``attribution/offset_gram``,
-``attribution/context_gram``, ``[group, C, C]``) and the configuration's ``components`` (empty, and the arrays
-``[group, 0, 0]``, for a run without attribution). What each version added is declared once, in :data:`SHIFT_ADDED`: an array that a file's
+``residual_centre``; **3** — adds the sink sums (``sink/first_key``, ``sink/preceding``, ``sink/rows``: the
+attention the segment's rows put on the window's first key and on the rest of the text before the segment, by
+offset), and the attribution's Gram matrices (``attribution/offset_gram``, ``attribution/context_gram``,
+``[group, C, C]``) with the configuration's ``components`` (empty, and the arrays ``[group, 0, 0]`` and not
+written, for a run without attribution). What each version added is declared once, in :data:`SHIFT_ADDED`: an array that a file's
 version predates is filled in as that table says (an empty array of the older definition, or zeros that leave
 a representation the file never measured undefined), never read as missing.
 """
@@ -76,6 +78,8 @@ class Added(NamedTuple):
 SHIFT_ADDED: dict[str, Added] = {
     "residual/total_by_dim": Added(2, "the residual stream's sums per hidden dimension (files of version 1 took its "
                                       "sums of squares about one grand mean)"),
+    "sink/": Added(3, "the attention the segment's rows put before the segment, by offset (zero rows: the sink "
+                      "mass of a file written before it was kept is undefined)"),
     **{f"attribution/{term}_gram": Added(3, f"the attribution's {term} Gram matrix over the components (files of "
                                             "versions 1 and 2 split nothing into components: no components, empty)")
        for term in ("offset", "context")},

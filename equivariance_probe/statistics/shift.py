@@ -15,7 +15,9 @@ which are added to the sums of the segment's interval group (``[group, layer, he
 :mod:`~equivariance_probe.statistics.engines.shift_sums`' torch-only functions, which a remote model's
 segment runs on the server, so :meth:`ShiftStatistics.add_segment_sums` adds sums from there exactly as
 from here. Predictions keep, per offset, the latest context's next-token probabilities (``S·(m−1)·V``
-float32, float64 for a float64 model; each window's overwrite the previous context's at its offset).
+float32, float64 for a float64 model; each window's overwrite the previous context's at its offset). The sink
+mass adds, per layer, head and offset, the sums of the rows' attention weights on the window's first key and on
+the rest of the text before the segment (:data:`SINK_ARRAYS`).
 
 With attribution (:attr:`ShiftConfig.components`), a segment also keeps per component ``c`` (the embedding,
 each block's attention and MLP, chosen heads) ``Σ_f (c − c₀)`` per offset and the current context's
@@ -52,8 +54,10 @@ from .engines.shift_sums import (
     REPRESENTATIONS,
     TOTAL_BY_DIM,
     VECTOR_REPRESENTATIONS,
+    SINK_SUMS,
     add_component_to_state,
     add_prediction_sums,
+    add_sink_sums,
     add_to_cell,
     component_grams,
     counted_entries,
@@ -62,6 +66,7 @@ from .engines.shift_sums import (
     grid_sums,
     jensen_shannon_from,
     new_component_state,
+    new_sink_sums,
     next_token_distribution,
     segment_representations,
 )
@@ -75,6 +80,7 @@ __all__ = [
     "RESIDUAL_CENTRES",
     "DECOMPOSITION_SUMS",
     "PREDICTION_ARRAYS",
+    "SINK_ARRAYS",
     "ATTRIBUTION_ARRAYS",
     "SHIFT_ARRAYS",
     "ShiftConfig",
@@ -100,6 +106,13 @@ PREDICTION_ARRAYS: dict[str, Sum] = {
     "js_context_sum": Sum("G O", "Σ JS between consecutive contexts at one offset, over positions"),
     "js_context_count": Sum("G O", "pairs behind js_context_sum"),
 }
+#: The attention the segment's rows put before the segment, by offset (the sink mass): sums over contexts and the
+#: segment's rows (:func:`~equivariance_probe.statistics.engines.shift_sums.add_sink_sums`).
+SINK_ARRAYS: dict[str, Sum] = dict(zip(SINK_SUMS, (
+    Sum("G L H O", "Σ attention weight on the window's first key (the prefix token, else the context's first)"),
+    Sum("G L H O", "Σ attention weight on the rest of the text before the segment (positions 1 .. start − 1)"),
+    Sum("G L O", "segment rows behind the sink sums"),
+)))
 _DECOMPOSITION_MEANINGS = {
     "count": "entries (i, j) or (i, d) of every cell of the grid",
     "total": "Σ Y over every entry and cell of the grid",
@@ -125,6 +138,7 @@ SHIFT_ARRAYS: dict[str, Sum] = {
                                     "squares are taken (empty in a file of the grand-mean definition)")
        for rep in VECTOR_REPRESENTATIONS},
     **PREDICTION_ARRAYS,
+    **SINK_ARRAYS,
     **ATTRIBUTION_ARRAYS,
     "segments": Sum("G", "segments counted in each interval group"),
 }
@@ -256,6 +270,8 @@ class SegmentGrid:
         # One segment's predictions: the shapes without the group letter.
         self.predictions = {name: np.zeros(shape[1:])
                             for name, shape in shapes_of(PREDICTION_ARRAYS, config.sizes(), config).items()}
+        #: The attention before the segment, by offset (:data:`SINK_ARRAYS` without the group letter).
+        self.sink = new_sink_sums(config.n_layers, config.n_heads, len(config.offsets))
 
     def add(self, representation: str, layer: int, offset_index: int, values: torch.Tensor) -> None:
         """``values: [head, E]`` (``[1, E]`` for the residual stream) of the current context at one offset."""
@@ -288,6 +304,12 @@ class SegmentGrid:
         sums = {name: torch.from_numpy(value) for name, value in self.predictions.items()}  # views: added in place
         add_prediction_sums(sums, self.distributions, self._current, offset_index, log_probs, targets)
 
+    def add_sink(self, layer: int, offset_index: int, sink: torch.Tensor) -> None:
+        """``sink: [head, m, 2]``, each segment row's attention weight on the window's first key and on the rest of
+        the text before the segment, for the current context at one offset
+        (:func:`~equivariance_probe.statistics.engines.shift_sums.add_sink_sums`)."""
+        add_sink_sums(self.sink, layer, offset_index, sink)
+
     def end_context(self) -> None:
         """Close the current context: every (representation, layer, offset) must have been added."""
         expected = {(rep, layer, s) for rep, layer in self._cells for s in range(len(self.config.offsets))}
@@ -307,16 +329,18 @@ class SegmentGrid:
         self.contexts_done += 1
 
     def sums(self) -> dict[str, np.ndarray]:
-        """The segment's :data:`DECOMPOSITION_SUMS` per representation (``"{rep}/{name}": [layer, head]``) and
-        its prediction sums (``[offset]``, ``[offset, offset]``)."""
+        """The segment's :data:`DECOMPOSITION_SUMS` per representation (``"{rep}/{name}": [layer, head]``), its
+        prediction sums (``[offset]``, ``[offset, offset]``) and its sink sums (:data:`SINK_ARRAYS`)."""
         if self.contexts_done != self.config.n_contexts:
             raise InputError(f"the segment's grid has {self.contexts_done} contexts done of {self.config.n_contexts}")
         sums = grid_sums(self._cells, self.config.n_layers, self.config.n_heads, self.contexts_done,
                          len(self.config.offsets), self.config.sizes()["D"])
+        sums = ({name: value.numpy() for name, value in sums.items()} | self.predictions
+                | {name: value.numpy() for name, value in self.sink.items()})
         if self.config.components:
             grams = component_grams(self._components)
-            sums |= {f"attribution/{term}_gram": grams[term] for term in ATTRIBUTION_GRAMS}
-        return {name: value.numpy() for name, value in sums.items()} | self.predictions
+            sums |= {f"attribution/{term}_gram": grams[term].numpy() for term in ATTRIBUTION_GRAMS}
+        return sums
 
 
 class ShiftStatistics:

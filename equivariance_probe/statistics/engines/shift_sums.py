@@ -12,7 +12,8 @@ cancels): ``shift = c [head, E]``, ``by_offset = Σ_f Y[f, s, e] [head, S, E]``,
 ``square = Σ (Y − c)²``, ``context_row`` (the current context's ``Σ_s (Y − c)``) and
 ``context_square = Σ_f (Σ_s (Y − c))²``. :func:`grid_sums` turns the cells into the segment's
 :data:`DECOMPOSITION_SUMS` (and, for the residual stream, its sums per hidden dimension);
-:func:`add_prediction_sums` adds one window's next-token predictions.
+:func:`add_prediction_sums` adds one window's next-token predictions; :func:`add_sink_sums` adds one window's
+attention weights on the text before the segment (the sink mass by offset).
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ __all__ = [
     "jensen_shannon_from",
     "add_prediction_sums",
     "PREDICTION_CHUNK",
+    "SINK_SUMS",
+    "new_sink_sums",
+    "add_sink_sums",
     "ATTRIBUTION_GRAMS",
     "new_component_state",
     "add_component_to_state",
@@ -197,6 +201,31 @@ def grid_sums(cells: dict, n_layers: int, n_heads: int, n_contexts: int, n_offse
         if by_dim is not None:
             out[representation + "/" + TOTAL_BY_DIM] = by_dim
     return out
+
+
+#: One segment's sums of the attention its rows put before the segment, by offset: ``sink/first_key`` and
+#: ``sink/preceding`` (``[layer, head, offset]``: Σ over contexts and segment rows of the weight on the window's
+#: first key, and on the rest of the text before the segment) and ``sink/rows`` (``[layer, offset]``: the rows
+#: behind them).
+SINK_SUMS = ("sink/first_key", "sink/preceding", "sink/rows")
+
+
+def new_sink_sums(n_layers: int, n_heads: int, n_offsets: int) -> dict:
+    """One segment's :data:`SINK_SUMS`, zero, float64 on the CPU."""
+    first_key, preceding, rows = SINK_SUMS
+    return {first_key: torch.zeros((n_layers, n_heads, n_offsets), dtype=torch.float64),
+            preceding: torch.zeros((n_layers, n_heads, n_offsets), dtype=torch.float64),
+            rows: torch.zeros((n_layers, n_offsets), dtype=torch.float64)}
+
+
+def add_sink_sums(sums: dict, layer: int, offset_index: int, sink: torch.Tensor) -> None:
+    """Add one window's ``sink: [head, m, 2]`` (each segment row's weight on the window's first key and on the
+    rest of the text before the segment) at ``layer`` and one offset to :func:`new_sink_sums`' ``sums``."""
+    first_key, preceding, rows = SINK_SUMS
+    totals = sink.detach().to(torch.float64).sum(1).cpu()  # [head, 2]
+    sums[first_key][layer, :, offset_index] += totals[:, 0]
+    sums[preceding][layer, :, offset_index] += totals[:, 1]
+    sums[rows][layer, offset_index] += sink.shape[1]
 
 
 def new_prediction_sums(n_offsets: int) -> dict:
