@@ -577,6 +577,13 @@ class ShiftResult(SumsReadOnUse):
             "undefined": dict(self.undefined), "check": self.metadata.get("check"), "complete": self.complete,
         }
         out["sink_mass"] = self._sink_summary(number, with_interval)
+        if self.config.components:  # {term: {layer: {component: share with its interval}}}, and the identity check
+            terms = [t for t in ATTRIBUTION_TERMS if not (t == "context" and self.mode == "position_ids")]
+            out["attribution"] = {
+                "layers": list(self.attribution_layers()), "check": self.metadata.get("attribution_check"),
+                **{term: {str(layer): shares for layer, shares in
+                          (with_interval(lambda interval=None, t=term: self.attribution(None, t, interval=interval))
+                           or {}).items()} for term in terms}}
         if self.config.predictions:
             out["predictions"] = {
                 "loss_by_offset": with_interval(self.loss_by_offset),

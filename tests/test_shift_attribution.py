@@ -133,7 +133,13 @@ def test_rows_table_and_intervals(attributed):
     assert row["low"] <= row["share"] <= row["high"]
     json.dumps(rows)
     table = attributed.attribution_table()
-    assert "offset SS after block" in table and "passed" in table
+    assert "offset SS after block" in table and "passed" in table and table in attributed.table()
+    summary = json.loads(json.dumps(attributed.summary()))["attribution"]
+    last = str(attributed.config.n_layers - 1)
+    assert summary["check"]["passed"] is True and int(last) in summary["layers"]
+    at_last = next(row for row in rows if row["component"] == "head.1.2" and row["term"] == "offset"
+                   and row["layer"] == int(last))
+    assert summary["offset"][last]["head.1.2"]["estimate"] == pytest.approx(at_last["share"])
 
 
 def test_save_load_and_merge_keep_the_gram_matrices(attributed, tmp_path):
