@@ -69,7 +69,14 @@ from .analyses.positional import gram_toeplitz, positional_logits, score_profile
 from .analyses.results import MergeableResult, Result
 from .display.figures import save_figures, study_figures
 from .display.report import RenderedReport, ReportSection, render_report
-from .display.shift import ShiftView, render_shift_report, shift_figures, shift_report_section, shift_view
+from .display.shift import (
+    ShiftView,
+    render_shift_report,
+    shift_attribution_figure,
+    shift_figures,
+    shift_report_section,
+    shift_view,
+)
 from .display.overview import BlockOverview
 from .display.views import HeadViews, head_views
 from .errors import (
@@ -91,6 +98,7 @@ from .errors import (
     ModelNotFoundError,
     NonFiniteAttentionError,
     EngineCheckError,
+    AttributionIdentityError,
     NotRunError,
     RemoteExecutionError,
     RemoteResultTooLargeError,
@@ -190,6 +198,7 @@ __all__ = [
     "shift_view",
     "ShiftView",
     "shift_figures",
+    "shift_attribution_figure",
     "shift_report_section",
     "render_shift_report",
     # further analyses
@@ -216,6 +225,7 @@ __all__ = [
     "AttentionCaptureError",
     "NonFiniteAttentionError",
     "EngineCheckError",
+    "AttributionIdentityError",
     "InsufficientMemoryError",
     "MissingDependencyError",
     "RemoteExecutionError",

@@ -33,6 +33,7 @@ __all__ = [
     "AttentionCaptureError",
     "NonFiniteAttentionError",
     "EngineCheckError",
+    "AttributionIdentityError",
     # what a run needs
     "InsufficientMemoryError",
     "MissingDependencyError",
@@ -112,6 +113,17 @@ class EngineCheckError(EquivarianceProbeError, ArithmeticError):
     def __init__(self, message: str, *, comparison: dict | None = None) -> None:
         super().__init__(message)
         self.comparison = comparison or {}
+
+
+class AttributionIdentityError(EquivarianceProbeError, ArithmeticError):
+    """The attribution's components do not add up to the residual stream: their offset sum of squares (from the
+    Gram matrices) differs from the residual stream's own beyond rounding (a norm after the residual addition, as
+    in BERT's post-LN blocks, or a block the adapter does not read whole). ``result`` is the run's result, kept
+    with its ``metadata["attribution_check"]`` marked failed."""
+
+    def __init__(self, message: str, *, result: object = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 # -- what a run needs -------------------------------------------------------------------------------

@@ -28,11 +28,19 @@ import torch
 from .adapters import Adapter, get_adapter
 from .adapters.checks import FirstBatchChecks, run_first_batch_checks
 from .adapters.segments import capture_segment_grid
-from .errors import ContextLengthError, EmptyCorpusError, InputError, check_integer, is_integer
+from .errors import (
+    AttributionIdentityError,
+    ContextLengthError,
+    EmptyCorpusError,
+    InputError,
+    UnsupportedModelError,
+    check_integer,
+    is_integer,
+)
 from .progress import STOP_REQUESTED, _bar_class, _stop_if_requested, keeping_partial, progress_bar  # noqa: F401 - _bar_class: imported from here by tests
 from .records.provenance import corpus_fingerprint, run_metadata, window_fingerprint, window_fingerprints
 from .result import ProbeResult
-from .shift_result import ShiftResult, shift_check
+from .shift_result import ShiftResult, attribution_check, attribution_failure, shift_check
 from .sources.devices import resolve_device
 from .sources.packing import PackedWindows, first_token_record, special_prefix, windows_record
 from .sources.shift_grid import ShiftOptions, shift_grid
@@ -475,17 +483,27 @@ class EquivarianceProbe:
         n_segments, done = int(grid.segments.shape[0]), result.n_segments
         bar = progress_bar(bool(progress), n_segments, progress if isinstance(progress, str) else "segments", "segments")
         bar.update(done)
+        heads = []
         with keeping_partial(result, bar):
             for g in range(done, n_segments):
                 _stop_if_requested()
-                self._shift_segment(grid, g, options.batch_size, result.statistics)
+                heads.append(self._shift_segment(grid, g, options.batch_size, result.statistics))
                 bar.update(1)
                 if on_segment is not None:
                     on_segment(result)
         result.metadata["complete"] = True
         # Every adapter that runs the shift test holds a Hugging Face model (raw weights) inside.
+        dtype = str(self.adapter.dtype).replace("torch.", "")
         result.metadata["check"] = shift_check(result, has_rotary=bool(rotary_modules(hf_model_of(self.adapter.model))),
-                                               dtype=str(self.adapter.dtype).replace("torch.", ""))
+                                               dtype=dtype)
+        if result.config.components:
+            with_heads = any(name.startswith("head.") for name in result.config.components)
+            result.metadata["attribution_check"] = attribution_check(
+                result, dtype=dtype,
+                heads_difference=max((h for h in heads if h is not None), default=None) if with_heads else None)
+            if result.metadata["attribution_check"]["passed"] is False:
+                raise AttributionIdentityError(attribution_failure(result.metadata["attribution_check"]),
+                                               result=result)
         return result
 
     def _shift_result(self, grid: Any, options: ShiftOptions, resume_from: ShiftResult | None) -> ShiftResult:
@@ -501,6 +519,7 @@ class EquivarianceProbe:
                              prefix_length=len(grid.prefix), mode=grid.mode, interval_groups=options.interval_groups,
                              causal=layout.causal, sliding_windows=tuple(layout.sliding_windows),
                              predictions=bool(predictions), hidden_size=residual_width(self.adapter.model),
+                             components=self._attribution_components(options),
                              patch_components=tuple(options.patch), patch_reference=options.patch_reference)
         statistics = ShiftStatistics(config)
         if resume_from is not None:
@@ -518,8 +537,33 @@ class EquivarianceProbe:
                         capture=self.adapter.segment_capture)
         return ShiftResult(statistics, metadata)
 
-    def _shift_segment(self, grid: Any, g: int, batch_size: int, statistics: ShiftStatistics) -> None:
-        """Run segment ``g``'s whole grid and add it to ``statistics`` (in its interval group)."""
+    def _attribution_components(self, options: ShiftOptions) -> tuple[str, ...]:
+        """The attribution's components for ``options`` (none without attribution): the embedding, every block's
+        attention and MLP, and the heads of ``options.attribution_heads``.
+
+        Raises:
+            UnsupportedModelError: attribution heads on a model whose segment grid is summed where it runs (nnsight
+                remote), which reads block-level components only.
+        """
+        from .adapters.components import block_component_names, block_parts, head_component_names
+        from .adapters.modules import hf_model_of
+
+        if not options.attribution:
+            return ()
+        block_parts(hf_model_of(self.adapter.model))  # refuses, before any window runs, a block it cannot split
+        if self.adapter.sums_segment_grid and options.attribution_heads:
+            raise UnsupportedModelError(
+                f"attribution_heads={list(options.attribution_heads)}: a head's part is formed from its output and the "
+                "output projection's weights, which a remote nnsight session (the segment's grid summed on the server) "
+                "does not read; ask the remote model for the block-level attribution (attribution=True alone), or "
+                "run the heads on a local model (remote=False)")
+        layout = self.adapter.layout
+        return block_component_names(layout.n_layers) + head_component_names(options.attribution_heads, layout.n_heads)
+
+    def _shift_segment(self, grid: Any, g: int, batch_size: int, statistics: ShiftStatistics) -> float | None:
+        """Run segment ``g``'s whole grid and add it to ``statistics`` (in its interval group); returns the largest
+        relative difference between the attribution heads' pieces and their attention's output (0 without heads;
+        ``None`` where the grid was summed where the model runs)."""
         config = statistics.config
         fingerprint = window_fingerprint(grid.segments[g])
         state = statistics.new_segment(fingerprint)
@@ -528,10 +572,11 @@ class EquivarianceProbe:
         group = int(group_of([fingerprint], config.rows)[0])
         if self.adapter.sums_segment_grid:  # summed where the model runs: only the sums come back
             statistics.add_segment_sums(fingerprint, group, self.adapter.segment_grid_sums(batches, config, targets))
-            return
+            return None
         entries = [segment_entries(config, layer) for layer in range(config.n_layers)]
         capture_segment_grid(self.adapter, batches, state, entries, targets)
         statistics.add_segment(fingerprint, group, state)
+        return state.heads_difference
 
 
 def counted(docs: Any) -> str:

@@ -10,9 +10,14 @@ Numbers (docs/methods.md#shift-test; ``representation`` one of
 * :meth:`ShiftResult.share` — ``η²`` of the offset, the context, the pair (the equivariant part) or the
   residual, by head, layer, layer group (sliding/global) or for the model: ratios of summed sums of squares.
 * :meth:`ShiftResult.offset_rms` — the root mean square of the offset effect, in the representation's unit.
+* :meth:`ShiftResult.attribution` — each component's share of the residual stream's offset (or context) sum of
+  squares after a block: ``C_c(l) / SS(r_l)``, from the attribution's Gram matrices (a run with
+  ``attribution=True``), and :meth:`ShiftResult.attribution_rows` the same in long form.
 * :meth:`ShiftResult.loss_by_offset` and :meth:`ShiftResult.divergence` — the segment's next-token loss per
   offset, the mean Jensen–Shannon divergence between offsets in one context and between consecutive contexts
   at one offset, and their ratio.
+* :meth:`ShiftResult.sink_mass` — per offset, the mean attention weight the segment's rows put on the window's
+  first key (the BOS sink), on the rest of the text before the segment, and on the segment itself.
 * :meth:`ShiftResult.patching` — activation patching (a run with ``patch``): per patched component, the share
   of the prediction change and of the last block's residual offset sum of squares that goes away when its
   output at the segment is the reference offset's.
@@ -26,7 +31,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +40,14 @@ import numpy as np
 from .analyses.results import SumsReadOnUse, Undefined, missing_as, split_axis
 from .errors import (
     EmptyResultError,
+    InputError,
     IncompatibleResultsError,
     IntervalUnavailableError,
     SupersededSumsError,
     UndefinedStatisticError,
     check_choice,
 )
+from .adapters.components import components_up_to, parse_component
 from .markup import Markup
 from .maths import shift as decomposition
 from .maths.intervals import Interval, format_interval, jackknife_interval
@@ -49,7 +56,8 @@ from .sources.registry import display_name
 from .statistics.masks import layer_groups
 from .statistics.shift import REPRESENTATION_UNITS, REPRESENTATIONS, VECTOR_REPRESENTATIONS, ShiftStatistics
 
-__all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell", "check_verdict"]
+__all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell",
+           "check_verdict", "attribution_check", "attribution_failure", "ATTRIBUTION_TOLERANCE", "ATTRIBUTION_TERMS"]
 
 #: ``by`` choices of the shares.
 SHARE_BY = (None, "layer", "head", "layer_group")
@@ -245,6 +253,129 @@ class ShiftResult(SumsReadOnUse):
                                        "variance to share out")
         return out
 
+    # -- attribution ----------------------------------------------------------------------------------
+    def _require_attribution(self) -> None:
+        if not self.config.components:
+            raise UndefinedStatisticError(
+                "this shift run split nothing into components; run it with attribution=True (--attribution), and "
+                "attribution_heads=[...] (--attribution-heads 5,6,7) for heads")
+
+    def attribution_layers(self) -> tuple[int, ...]:
+        """The default target layers of :meth:`attribution`: the layer where the residual stream's offset η² peaks,
+        and the last block (before the final norm)."""
+        self._require_data()
+        by_layer = np.asarray(self.share("residual", "offset", by="layer"), dtype=np.float64)
+        peak = int(np.nanargmax(by_layer)) if np.isfinite(by_layer).any() else self.config.n_layers - 1
+        return tuple(sorted({peak, self.config.n_layers - 1}))
+
+    def _attribution_indices(self, layer: int) -> tuple[list[int], list[int]]:
+        """``(rows, columns)`` of the Gram for block ``layer``: the components up to it (heads of layers up to it
+        included) and the block-level ones whose sum is the residual stream after it."""
+        names = self.config.components
+        rows = [i for i, name in enumerate(names) if (parse_component(name)[1] or 0) <= layer]
+        return rows, components_up_to(names, layer)
+
+    def attribution(self, layer: int | Sequence[int] | None = None, term: str = "offset",
+                    interval: float | None = None) -> dict[int, dict[str, Any]]:
+        """Each component's share of the residual stream's ``term`` sum of squares after block ``layer``:
+        ``C_c(l) / SS(r_l)`` with ``C_c(l) = Σ_{c' ≤ l} K[c, c']`` (docs/methods.md#attribution).
+
+        The block-level shares (the embedding, each attention and MLP up to ``l``) sum to 1; a share can be
+        negative (a component that cancels what the others write); a head's share is its part of its attention's.
+
+        Args:
+            layer: a block, several, or ``None`` for :meth:`attribution_layers`.
+            term: ``"offset"`` or ``"context"``.
+            interval: a confidence level (0.95) for jackknife intervals over groups of segments (each replicate a
+                ratio of summed Gram entries).
+
+        Returns:
+            ``{layer: {component: share or Interval}}``, components in the order they write into the residual stream.
+
+        Raises:
+            UndefinedStatisticError: the run measured no attribution, or ``term="context"`` in ``position_ids`` mode.
+        """
+        check_choice("term", term, ATTRIBUTION_TERMS)
+        self._check_term(term)
+        self._require_attribution()
+        layers = self.attribution_layers() if layer is None else (
+            (layer,) if isinstance(layer, (int, np.integer)) else tuple(layer))
+        out = {}
+        for target in layers:
+            if not 0 <= int(target) < self.config.n_layers:
+                raise InputError(f"layer={target!r}: the model has {self.config.n_layers} layers (0 to "
+                                 f"{self.config.n_layers - 1})")
+            rows, columns = self._attribution_indices(int(target))
+
+            def value(arrays: dict[str, np.ndarray], rows: list[int] = rows, columns: list[int] = columns) -> Any:
+                return decomposition.component_shares(arrays[f"attribution/{term}_gram"], rows, columns)
+
+            shares = self._number(value, interval)
+            names = [self.config.components[i] for i in rows]
+            if interval is None:
+                out[int(target)] = {name: float(share) for name, share in zip(names, shares)}
+            else:
+                out[int(target)] = {name: _interval_item(shares, k) for k, name in enumerate(names)}
+        return out
+
+    def attribution_identity(self, term: str = "offset") -> np.ndarray:
+        """``[L]`` per block, ``|Σ_c C_c(l) − SS(r_l)| / max(SS(r_l), Σ_c K[c, c], 1e-6·SS_all(r_l))``
+        (:func:`~equivariance_probe.maths.shift.identity_difference`): the components' sum of squares (from the
+        Gram) against the residual stream's own, measured from the blocks' outputs (rounding level when the residual
+        stream is the sum of the components)."""
+        check_choice("term", term, ATTRIBUTION_TERMS)
+        self._require_attribution()
+        totals = self.statistics.totals()
+        gram = totals[f"attribution/{term}_gram"]
+        residual = totals[f"residual/{term}"].sum(-1)
+        everything = decomposition.decomposition(decomposition.aggregate(self._sums(totals, "residual"), "layer"))["all"]
+        return np.array([decomposition.identity_difference(gram, components_up_to(self.config.components, layer),
+                                                           float(residual[layer]), float(everything[layer]))
+                         for layer in range(self.config.n_layers)])
+
+    def attribution_rows(self, level: float | None = 0.95, layer: int | Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """:meth:`attribution` in long form: one dict per term, target layer and component (``term``, ``layer``,
+        ``component``, ``kind``, ``component_layer``, ``head``, ``share``, ``low``, ``high``); intervals where
+        the run has at least two groups of segments (else ``low`` and ``high`` are ``None``)."""
+        terms = [t for t in ATTRIBUTION_TERMS if not (t == "context" and self.mode == "position_ids")]
+        rows = []
+        for term in terms:
+            try:
+                numbers = self.attribution(layer, term, interval=level)
+            except IntervalUnavailableError:
+                numbers = self.attribution(layer, term)
+            for target, shares in numbers.items():
+                for name, share in shares.items():
+                    kind, component_layer, head = parse_component(name)
+                    item = share.to_dict() if isinstance(share, Interval) else {"estimate": share}
+                    rows.append({"term": term, "layer": target, "component": name, "kind": kind,
+                                 "component_layer": component_layer, "head": head,
+                                 "share": _plain(item.get("estimate")), "low": _plain(item.get("low")),
+                                 "high": _plain(item.get("high"))})
+        return rows
+
+    def attribution_table(self, level: float | None = 0.95, layer: int | Sequence[int] | None = None,
+                          smallest: float = 0.01) -> str:
+        """A plain-text table of :meth:`attribution_rows`: per term and target layer, the components whose share
+        is at least ``smallest`` in size, largest first, and the identity check."""
+        rows = self.attribution_rows(level, layer)
+        lines = [f"Attribution of the residual stream's sums of squares ({self.model_name}; shares of SS after the "
+                 "block, block-level components sum to 1)"]
+        for (term, target) in dict.fromkeys((row["term"], row["layer"]) for row in rows):
+            chosen = sorted((row for row in rows if row["term"] == term and row["layer"] == target
+                             and row["share"] is not None and abs(row["share"]) >= smallest),
+                            key=lambda row: -abs(row["share"]))
+            lines.append(f"  {term} SS after block {target}:")
+            for row in chosen:
+                cell = number_cell({"estimate": row["share"], "low": row["low"], "high": row["high"]}
+                                   if row["low"] is not None else row["share"])
+                lines.append(f"    {row['component']:<16}{cell:>32}")
+        check = self.metadata.get("attribution_check")
+        if isinstance(check, dict):
+            lines.append(f"  check: {check.get('description')}: {number_cell(check.get('value'))} "
+                         f"({check_verdict(check)}; tolerance {check.get('tolerance')})")
+        return "\n".join(lines)
+
     def _require_predictions(self) -> None:
         if not self.config.predictions:
             raise UndefinedStatisticError("this run measured no next-token predictions (an encoder, or "
@@ -281,6 +412,53 @@ class ShiftResult(SumsReadOnUse):
 
         return self._number(value, interval)
 
+    def sink_mass(self, part: str = "first_key", by: str | None = None, interval: float | None = None, *,
+                  layer_groups: dict[str, Any] | None = None) -> Any:
+        """The mean attention weight of the segment's rows on one part of the window, at each offset.
+
+        Args:
+            part: ``"first_key"`` (the window's first key: the tokenizer's prefix token, such as BOS, else the
+                context's first token; 0 where nothing precedes the segment), ``"preceding"`` (the rest of the text
+                before the segment, positions ``1 .. start − 1``, as a whole) or ``"segment"`` (the segment's own
+                tokens: ``1 −`` the other two). Weights are under the layer's real mask: a sliding-window layer
+                gives 0 to keys a window or more behind the row.
+            by: ``None`` (every layer and head: ``[S]``), ``"layer"`` (``[L, S]``), ``"head"`` (``[L, H, S]``) or
+                ``"layer_group"`` (``{group: [S]}``, the groups of :meth:`layer_groups` or ``layer_groups``).
+            interval: a confidence level (0.95) for an :class:`~equivariance_probe.Interval` over segments.
+            layer_groups: ``{name: layer indices}`` for ``by="layer_group"`` (default: :meth:`layer_groups`).
+
+        Returns:
+            Means over contexts, segments, the segment's rows and the heads of each aggregate (a head counts once
+            per row), per offset: ``mean_i a_i0`` for the first key, ``mean_i Σ_{0<k<t} a_ik`` for the preceding
+            text (``t`` the segment's first position).
+
+        Raises:
+            UndefinedStatisticError: a file written before the sink mass was kept (format 2 or older).
+        """
+        check_choice("part", part, decomposition.SINK_PARTS)
+        by = split_axis(by, SHARE_BY)
+        self._require_data()
+        self._require_sink_mass()
+        groups = (layer_groups or self.layer_groups()) if by == "layer_group" else None
+
+        def value(arrays: dict[str, np.ndarray]) -> Any:
+            return decomposition.sink_mass(arrays["sink/first_key"], arrays["sink/preceding"], arrays["sink/rows"],
+                                           part, by, groups)
+
+        return self._number(value, interval, upper=1.0)
+
+    def _require_sink_mass(self) -> None:
+        """Refuse the sink mass unless every segment's rows are in its sums (``F·m`` rows per segment, layer and
+        offset): a file written before it was kept has none, and a merge with such a file only some."""
+        rows = self.statistics.totals()["sink/rows"]
+        if np.all(rows == self.n_segments * self.config.n_contexts * self.config.segment_length):
+            return
+        which = ("it was written before the shift test kept the attention before the segment (a file of format "
+                 f"{self._file.format_version if self._file else '2 or older'})" if not rows.any() else
+                 "some of its segments come from a file written before the shift test kept it (a merge with an "
+                 "older file), so a mean over the rest would pass for one over every segment")
+        raise UndefinedStatisticError(f"this result holds no sink mass: {which}; run the shift test again with this "
+                                      "version for it")
     # -- activation patching -------------------------------------------------------------------------------
     #: What :meth:`patching` measures: the share of the prediction change that patching removes, and the share
     #: of the last block's residual offset sum of squares.
@@ -414,6 +592,12 @@ class ShiftResult(SumsReadOnUse):
         statistics.segment_fingerprints = np.concatenate([self.statistics.segment_fingerprints,
                                                           other.statistics.segment_fingerprints])
         merged = ShiftResult(statistics, metadata)
+        if isinstance(self.metadata.get("attribution_check"), dict):
+            checks = [self.metadata["attribution_check"], other.metadata.get("attribution_check") or {}]
+            heads = [check.get("heads_max_difference") for check in checks if check.get("heads_max_difference") is not None]
+            merged.metadata["attribution_check"] = attribution_check(
+                merged, dtype=str(self.metadata.get("model", {}).get("dtype", "")),
+                heads_difference=max(heads) if heads else None)
         if isinstance(self.metadata.get("check"), dict):
             merged.metadata["check"] = shift_check(merged, has_rotary=bool(self.metadata["check"].get("rotary")),
                                                    dtype=str(self.metadata.get("model", {}).get("dtype", "")))
@@ -463,6 +647,14 @@ class ShiftResult(SumsReadOnUse):
             "segment_length": self.config.segment_length, "representations": representations,
             "undefined": dict(self.undefined), "check": self.metadata.get("check"), "complete": self.complete,
         }
+        out["sink_mass"] = self._sink_summary(number, with_interval)
+        if self.config.components:  # {term: {layer: {component: share with its interval}}}, and the identity check
+            terms = [t for t in ATTRIBUTION_TERMS if not (t == "context" and self.mode == "position_ids")]
+            out["attribution"] = {
+                "layers": list(self.attribution_layers()), "check": self.metadata.get("attribution_check"),
+                **{term: {str(layer): shares for layer, shares in
+                          (with_interval(lambda interval=None, t=term: self.attribution(None, t, interval=interval))
+                           or {}).items()} for term in terms}}
         if self.config.patch_components:
             out["patching"] = {"reference_offset": self.offsets[self.config.patch_reference],
                                "items": self.patching_rows(level)}
@@ -475,8 +667,25 @@ class ShiftResult(SumsReadOnUse):
             }
         return missing_as(out, missing) if missing is not None else out
 
+    def _sink_summary(self, number: Callable[..., Any], with_interval: Callable[..., Any]) -> dict[str, Any] | None:
+        """:meth:`summary`'s sink mass: per part the model's mean by offset (with its interval), and by layer group
+        where the model has more than one; ``None`` where the result holds none (a file written before it)."""
+        try:
+            self.sink_mass()
+        except UndefinedStatisticError:
+            return None
+        groups = self.layer_groups()
+        return {
+            **{part: with_interval(lambda interval=None, p=part: self.sink_mass(p, interval=interval))
+               for part in decomposition.SINK_PARTS},
+            "by_layer_group": {part: {group: value for group, value in
+                                      number(lambda p=part: self.sink_mass(p, by="layer_group")).items()
+                                      if group != "all"} if len(groups) > 1 else {}
+                               for part in decomposition.SINK_PARTS},
+        }
+
     def table(self, level: float = 0.95) -> str:
-        """A plain-text table of :meth:`summary`."""
+        """A plain-text table of :meth:`summary` (and :meth:`attribution_table` for a run with attribution)."""
         summary = self.summary(level)
         if summary["n_segments"] == 0:
             return "ShiftResult: no segments"
@@ -504,6 +713,11 @@ class ShiftResult(SumsReadOnUse):
                          + ", ".join(f"{s}: {v:.3f}" for s, v in zip(summary["offsets"], estimates)))
             lines.append(f"  Jensen–Shannon between offsets {number_cell(predictions['js_offset'])}, between contexts "
                          f"{number_cell(predictions['js_context'])}, ratio {number_cell(predictions['js_ratio'])}")
+        sink = summary.get("sink_mass")
+        if sink:
+            lines.append("  attention before the segment (mean weight of its rows over layers and heads), by offset:")
+            lines.extend(f"    {offset}: first key {number_cell(_at(sink['first_key'], i))}, preceding text "
+                         f"{number_cell(_at(sink['preceding'], i))}" for i, offset in enumerate(summary["offsets"]))
         patching = summary.get("patching")
         if patching:
             lines.append(f"  activation patching (reference offset {patching['reference_offset']}): "
@@ -517,6 +731,8 @@ class ShiftResult(SumsReadOnUse):
                          f"{check.get('expected')}; tolerance {check.get('tolerance')})")
         if not summary["complete"]:
             lines.append("  PARTIAL: the run stopped before every segment was measured")
+        if self.config.components:
+            lines.append(self.attribution_table(level))
         return "\n".join(lines)
 
     def to_rows(self, level: float = 0.95) -> list[dict[str, Any]]:
@@ -597,6 +813,58 @@ def shift_check(result: ShiftResult, *, has_rotary: bool, dtype: str) -> dict[st
     return check
 
 
+#: The attribution's terms (the residual stream's sums of squares it splits).
+ATTRIBUTION_TERMS = ("offset", "context")
+#: Largest relative difference, by the model's dtype, between the components' sum of squares and the residual
+#: stream's own that counts as rounding: the residual stream is the model's own sum of the components, rounded in
+#: its dtype at every block, while the Gram adds them in float64. Half precision rounds each addition to about
+#: 3 decimal digits, which the offset effect (a small part of the residual stream) does not survive: not judged.
+ATTRIBUTION_TOLERANCE = {"float64": 1e-8, "float32": 1e-2}
+#: Largest relative difference between the heads' pieces (with the projection's bias) and their attention's output.
+HEADS_TOLERANCE = {"float64": 1e-6, "float32": 1e-3}
+
+
+def attribution_check(result: ShiftResult, *, dtype: str, heads_difference: float | None = None) -> dict[str, Any]:
+    """The attribution's built-in check: for every block and both terms, the components' sum of squares (from the
+    Gram matrices) against the residual stream's own (from the blocks' outputs); and, where heads were read, that
+    their pieces add up to their attention's output. Judged for float32 and float64 models."""
+    terms = [t for t in ATTRIBUTION_TERMS if not (t == "context" and result.mode == "position_ids")]
+    by_term = {term: result.attribution_identity(term) for term in terms}
+    value = max(float(np.max(values)) for values in by_term.values())
+    tolerance = ATTRIBUTION_TOLERANCE.get(dtype)
+    check: dict[str, Any] = {
+        "description": "max over blocks of |Σ_c C_c(l) − SS(r_l)| / max(SS(r_l), Σ_c K[c, c], 1e-6·SS_all(r_l)), offset and context",
+        "value": value, "by_layer": {term: [float(v) for v in values] for term, values in by_term.items()},
+        "tolerance": tolerance, "passed": None if tolerance is None else bool(value <= tolerance),
+        "expected": "rounding level: the residual stream after a block is the sum of the embedding and every "
+                    "attention and MLP output up to it" if tolerance is not None else
+                    f"not judged in {dtype}: the model's own additions round the offset effect",
+    }
+    if heads_difference is not None:
+        heads_tolerance = HEADS_TOLERANCE.get(dtype)
+        check["heads_max_difference"] = heads_difference
+        check["heads_tolerance"] = heads_tolerance
+        if heads_tolerance is not None and check["passed"] is not False:
+            check["passed"] = bool(heads_difference <= heads_tolerance)
+    return check
+
+
+def attribution_failure(check: dict[str, Any]) -> str:
+    """What a failed :func:`attribution_check` says."""
+    return (f"the attribution's identity check failed: {check['description']} is {check['value']:.3g} (tolerance "
+            f"{check['tolerance']}), heads against their attention {check.get('heads_max_difference')}; the residual "
+            "stream is not the sum of the components this adapter reads (a norm after the residual addition, as in "
+            "BERT's post-LN blocks, or a block it does not read whole), so the shares would be wrong. The run's sums "
+            "are kept in the error's result (and probe.last_result); report the architecture")
+
+
+def _interval_item(interval: Interval, index: int) -> Interval:
+    """Entry ``index`` of an array-valued :class:`~equivariance_probe.Interval`."""
+    def item(value: Any) -> Any:
+        return None if value is None else float(np.asarray(value)[index])
+
+    return Interval(item(interval.estimate), item(interval.low), item(interval.high), interval.level,
+                    interval.n_groups, item(interval.standard_error), interval.method)
 def _patched_kind(item: str) -> tuple[str, int | None, int | None]:
     """``(kind, layer, head)`` of a patched item: its component's, or ``("combined", None, None)`` for several."""
     if "+" in item:
@@ -621,6 +889,13 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (float, np.floating)):
         return None if not math.isfinite(float(value)) else float(value)
     return value
+
+
+def _at(value: Any, index: int) -> Any:
+    """Element ``index`` of a summary's per-offset number (a list, or an interval's dict of lists)."""
+    if isinstance(value, dict):
+        return {key: item[index] if isinstance(item, list) else item for key, item in value.items()}
+    return value[index] if isinstance(value, list) else value
 
 
 def check_verdict(check: dict[str, Any]) -> str:

@@ -94,6 +94,11 @@ def test_nesting_just_past_the_limit_is_refused_and_the_package_s_own_depth_read
     ("offsets", [0, 8, 8], ["config.offsets", "distinct"]),
     ("causal", "yes", ["config.causal", "'yes'"]),
     ("interval_groups", True, ["config.interval_groups", "True"]),
+    ("components", ["embedding", "head.x"], ["config.components", "'head.x'"]),
+    ("components", "embedding", ["config.components", "'embedding'"]),
+    ("components", ["embedding"] * 2, ["config.components", "distinct"]),
+    ("components", ["embedding", "mlp.0"] * 10**3, ["config.components", "distinct"]),
+    ("components", ["embedding", "mlp.0"], ["'attribution/offset_gram' must be F64 [2, 2, 2]"]),  # arrays absent
 ])
 def test_a_shift_configuration_is_checked_against_its_schema_before_anything_is_allocated(tmp_path, field, value, words):
     path = _shift_result(tmp_path / "shift.safetensors")

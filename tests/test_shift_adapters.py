@@ -203,7 +203,7 @@ def test_bridge_segment_capture_equals_the_bridge_s_own_pattern_and_logits(bridg
     lengths = torch.tensor([12, 9])
     weights: dict[int, torch.Tensor] = {}
     log_probs = probe.adapter.run_segment(tokens, lengths, 4, predictions=True,
-                                          on_attention=lambda layer, s, z: weights.setdefault(layer, torch.exp(s - z[..., None])))
+                                          on_attention=lambda layer, s, z, sink: weights.setdefault(layer, torch.exp(s - z[..., None])))
     _, cache = bridge.run_with_cache(tokens)
     logits = bridge(tokens)
     windows = probe.adapter.layout.sliding_windows

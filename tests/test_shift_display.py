@@ -152,7 +152,8 @@ def test_report_section_holds_every_figure_and_the_view_in_a_rendered_report(shi
     view = shift_view(model, segments, contexts, result=variants["trained"])
     section = shift_report_section(variants["trained"], {"random_init": variants["random_init"]}, view=view)
     assert section.uses_circuitsvis
-    assert set(shift_figures(variants["trained"])) == {"shift_layers", "shift_heads", "shift_loss", "shift_divergence"}
+    assert set(shift_figures(variants["trained"])) == {"shift_layers", "shift_heads", "shift_loss", "shift_divergence",
+                                                       "shift_sink"}
     probe_result = EquivarianceProbe(model).run(torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(0)),
                                                 progress=False)
     bundle = circuitsvis_bundle()
@@ -164,7 +165,8 @@ def test_report_section_holds_every_figure_and_the_view_in_a_rendered_report(shi
         assert not EXTERNAL_URL.search(page.replace(bundle, ""))
         assert "Offset η² by layer" in page and "Per-head offset η²" in page and "Next-token loss" in page
         assert "Jensen–Shannon divergence between offsets" in page and "<h3>random_init</h3>" in page
-        assert page.count('src="data:image/png;base64,') >= 4
+        assert "first key and on the rest of the text before the segment, by offset and layer group" in page
+        assert page.count('src="data:image/png;base64,') >= 5
         difference = variants["trained"].paired_difference(variants["random_init"], "centred_logits", "offset")
         assert "<th>trained − random_init</th>" in page and f"<td>{difference}</td>" in page
     assert bundle not in str(render_shift_report(variants["trained"]))  # no view: no bundle
@@ -178,7 +180,8 @@ def test_command_line_writes_the_figures_and_the_report_with_its_view(tiny_model
               "--interval-groups", "3", "--no-progress"]
     assert main(["shift", "-o", str(tmp_path / "a"), *common, "--baselines", "random_init", "--view-head", "L1H0"]) == 0
     wrote = capsys.readouterr().out
-    for name in ("shift_layers.png", "shift_heads.png", "shift_loss.png", "shift_divergence.png", "shift_report.html"):
+    for name in ("shift_layers.png", "shift_heads.png", "shift_loss.png", "shift_divergence.png", "shift_sink.png",
+                 "shift_report.html"):
         assert (tmp_path / "a" / name).is_file() and name in wrote
     page = (tmp_path / "a" / "shift_report.html").read_text(encoding="utf-8")
     bundle = circuitsvis_bundle()
@@ -206,7 +209,8 @@ def test_an_encoder_s_view_shows_the_whole_block_and_its_figures_omit_prediction
     segments, contexts = design()
     model = tiny_bert()
     result = run(model, segments, contexts)
-    assert set(shift_figures(result)) == {"shift_layers", "shift_heads"}  # an encoder makes no next-token predictions
+    # An encoder makes no next-token predictions; its rows still attend to the text before the segment.
+    assert set(shift_figures(result)) == {"shift_layers", "shift_heads", "shift_sink"}
     view = shift_view(model, segments, contexts, result=result)
     assert not view.causal and view.entries.all()  # every segment key is visible to every segment query
     np.testing.assert_allclose(view.conditional.sum(-1), 1.0, rtol=1e-6)

@@ -243,3 +243,22 @@ def test_the_command_patches_with_its_smaller_default_grid(tiny_model_folder, te
     assert result.patching()[result.config.patch_components[1]] == pytest.approx(1.0, abs=1e-6)  # float32
     assert main(["shift", "-o", str(tmp_path / "b"), *common, "--patch", "mlp.x"]) == 2
     assert "not a component" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("framework", ["huggingface", "nnsight"])
+def test_patching_leaves_the_other_sums_of_the_run_as_they_are(framework):
+    """The reference outputs are captured in a pass of their own: with attribution and the sink sums read in the
+    clean passes, every array but patching's is bitwise the run's without patching."""
+    model = tiny_gemma3().to(torch.float64)
+    if framework == "nnsight":
+        pytest.importorskip("nnsight")
+        from nnsight.modeling.transformers import TransformersModel
+        from test_nnsight_adapter import tiny_tokenizer
+
+        model = TransformersModel(model, tokenizer=tiny_tokenizer())
+    plain = patched_run(model, False, attribution=True)
+    patched = patched_run(model, ["mlp.0", "head.2.1"], attribution=True)
+    assert patched.statistics.arrays["patch/js_sum"].any()
+    for name, value in plain.statistics.arrays.items():
+        if not name.startswith("patch/"):
+            assert np.array_equal(patched.statistics.arrays[name], value), name

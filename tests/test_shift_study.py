@@ -142,7 +142,8 @@ def test_a_file_written_before_a_representation_was_added_loads_with_it_undefine
     with pytest.raises(ResultFileError, match="'raw_weights/count' must be F64"):  # not declared as added: malformed
         ShiftResult.load(old)
     # Declared as a later format's representation, as adding one declares it: older files read it as not measured.
-    monkeypatch.setitem(shift_file.SHIFT_ADDED, "raw_weights/", shift_file.Added(shift_file.SHIFT_FORMAT_VERSION + 1, "the raw attention weights"))
+    monkeypatch.setitem(shift_file.SHIFT_ADDED, "raw_weights/", shift_file.Added(shift_file.SHIFT_FORMAT_VERSION + 1,
+                                                                             "the raw attention weights"))
     loaded = ShiftResult.load(old)
     assert loaded.verify() == "digests"
     assert np.isnan(loaded.share("raw_weights", "offset"))

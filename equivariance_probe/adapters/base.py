@@ -60,11 +60,17 @@ LANGUAGE_MODEL_HEAD = "language_model_head"
 #: Capability: the adapter can run the model elsewhere (nnsight on NDIF), so the attention never comes back.
 RUNS_REMOTELY = "runs_remotely"
 #: Callback of :meth:`Adapter.run_segment`, once per layer and batch: ``on_attention(layer, scores,
-#: log_normaliser)`` with the segment block's pre-softmax ``scores: [batch, head, m, m]`` and
-#: ``log_normaliser: [batch, head, m]``, each row's log-sum-exp over every key it sees in its window.
-SegmentAttentionCallback = Callable[[int, torch.Tensor, torch.Tensor], None]
+#: log_normaliser, sink)`` with the segment block's pre-softmax ``scores: [batch, head, m, m]``,
+#: ``log_normaliser: [batch, head, m]``, each row's log-sum-exp over every key it sees in its window, and
+#: ``sink: [batch, head, m, 2]`` float64, each row's attention weight on the window's first key and on the rest
+#: of the text before the segment (:func:`~equivariance_probe.adapters.segments.sink_weights`).
+SegmentAttentionCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 #: ``on_residual(layer, x)`` with the residual stream after block ``layer`` at the segment, ``x: [batch, m, d]``.
 SegmentResidualCallback = Callable[[int, torch.Tensor], None]
+#: ``on_component(name, x)`` with a component of the residual stream (``"embedding"``, ``"attention.{l}"``,
+#: ``"mlp.{l}"``, ``"head.{l}.{h}"``, and ``"bias.{l}"``: :mod:`~equivariance_probe.adapters.components`) at the
+#: segment, ``x: [batch, m, d]``.
+SegmentComponentCallback = Callable[[str, torch.Tensor], None]
 #: ``on_capture(component, x)`` with a component's output at the segment (:mod:`~.components`' names),
 #: ``x: [batch, m, d]`` (``[batch, m, head_dim]`` for a head: its slice of the output projection's input).
 ComponentCallback = Callable[[str, torch.Tensor], None]
@@ -322,6 +328,8 @@ class Adapter(ABC):
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        components: Sequence[str] = (),
+        on_component: SegmentComponentCallback | None = None,
         capture: Sequence[str] = (),
         on_capture: ComponentCallback | None = None,
         patch: Mapping[str, torch.Tensor] | None = None,
@@ -333,16 +341,22 @@ class Adapter(ABC):
                 is its positions ``lengths[b] − m .. lengths[b] − 1``.
             lengths: ``[batch]`` real tokens per window.
             segment_length: ``m``.
-            on_attention: called once per layer with the segment block's scores and row normalisers
-                (:data:`SegmentAttentionCallback`), computed from queries and keys in float32 (float64 for
-                a float64 model), so that no weight underflows (``None``: attention is not read, as in activation
-                patching's passes).
+            on_attention: called once per layer with the segment block's scores, row normalisers and the rows'
+                weights on the text before the segment (:data:`SegmentAttentionCallback`), computed from queries
+                and keys in float32 (float64 for a float64 model), so that no weight underflows (``None``: attention
+                is not read, as in activation patching's passes).
             on_residual: called once per layer with the residual stream after the block at the segment.
             position_start: ``[batch]`` the first position id of each window (``None``: 0): the
                 ``"position_ids"`` mode of the shift test.
             predictions: also return the next-token log-probabilities at the segment.
+            components: the attribution's components to read (names of
+                :mod:`~equivariance_probe.adapters.components`; heads of a layer are read together).
+            on_component: called with each of them at the segment (:data:`SegmentComponentCallback`), and with
+                ``"bias.{l}"`` where heads of layer ``l`` are read and its output projection has a bias.
             capture: components (:mod:`~equivariance_probe.adapters.components`' names) whose outputs at the segment
-                go to ``on_capture`` (:data:`ComponentCallback`).
+                go to ``on_capture`` (:data:`ComponentCallback`) as ``patch`` takes them back (a head: its slice of
+                the output projection's input, not its piece of the residual stream): activation patching's
+                reference outputs.
             on_capture: see ``capture``.
             patch: ``{component: [batch, m, d]}``: replace those components' outputs at each window's segment with
                 the given values (for a head, its slice of the output projection's input); every position outside

@@ -22,6 +22,7 @@ components (:class:`BlockParts`); adapters hook them to read (attribution) or to
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ from .modules import find_attention_modules, parent_layer
 
 __all__ = ["EMBEDDING", "COMPONENT_KINDS", "BlockParts", "block_parts", "block_component_names",
            "head_component_names", "parse_component", "component_layer", "components_up_to", "output_tensor",
-           "with_output_tensor", "head_columns", "component_site"]
+           "with_output_tensor", "BIAS_PART", "ComponentRequest", "head_pieces", "norm_epsilon", "norm_gain",
+           "post_norm_scale", "HeadPieces",
+           "block_input", "unwrapped", "head_columns", "component_site"]
 
 EMBEDDING = "embedding"
 #: The kinds of component, in the order :func:`block_component_names` lists a block's.
@@ -143,6 +146,141 @@ def with_output_tensor(output: Any, hidden: torch.Tensor) -> Any:
     return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
+#: The name under which an adapter hands over the output projection's bias as it reaches the residual stream
+#: (``"bias.{l}"``): not a component (it does not move with the offset), but the heads' pieces and it add up to
+#: ``"attention.{l}"``, which the capture checks.
+BIAS_PART = "bias.{layer}"
+
+
+@dataclass(frozen=True)
+class ComponentRequest:
+    """What an adapter reads for the attribution: which components of which layers.
+
+    Attributes:
+        embedding: read the embedding (block 0's input).
+        blocks: layers whose attention and MLP outputs are read.
+        heads: layers whose heads' pieces are read (with the projection's bias, :data:`BIAS_PART`).
+    """
+
+    embedding: bool
+    blocks: tuple[int, ...]
+    heads: tuple[int, ...]
+
+    @classmethod
+    def of(cls, names: Sequence[str]) -> ComponentRequest:
+        parsed = [parse_component(name) for name in names]
+        return cls(embedding=any(kind == EMBEDDING for kind, _, _ in parsed),
+                   blocks=tuple(sorted({layer for kind, layer, _ in parsed if kind in ("attention", "mlp")})),
+                   heads=tuple(sorted({layer for kind, layer, _ in parsed if kind == "head"})))
+
+    def __bool__(self) -> bool:
+        return self.embedding or bool(self.blocks) or bool(self.heads)
+
+
+def block_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden states a decoder block receives (positionally or as ``hidden_states=``)."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def unwrapped(module: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face module itself where a framework wraps it (a TransformerBridge's ``original_component``)."""
+    return getattr(module, "original_component", None) or module
+
+
+def norm_epsilon(norm: torch.nn.Module) -> float:
+    """An RMS norm's ``ε`` (its ``eps`` or ``variance_epsilon``)."""
+    norm = unwrapped(norm)
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    if eps is None:
+        raise AttentionCaptureError(
+            f"the post-norm {type(norm).__name__} has no eps or variance_epsilon, so the heads' pieces under it "
+            "cannot be formed; ask for block-level components only (no attribution heads) for this model")
+    return float(eps)
+
+
+def norm_gain(norm: torch.nn.Module) -> torch.Tensor:
+    """An RMS post-norm's effective gain ``w_eff`` (``1 + w`` for Gemma's norms, ``w`` for OLMo 2's), float64
+    ``[d]``, read by running the norm once on a vector of ones (``norm(1) = w_eff / √(1 + ε)``), so no
+    architecture's formula is copied here. Call it outside the forward pass (the norm's own hooks would fire)."""
+    norm = unwrapped(norm)
+    weight = norm.weight
+    ones = torch.ones((1, weight.shape[-1]), dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        return norm(ones)[0].detach().to(torch.float64) * math.sqrt(1.0 + norm_epsilon(norm))
+
+
+def post_norm_scale(gain: torch.Tensor, eps: float, norm_input: torch.Tensor) -> torch.Tensor:
+    """``w_eff / rms(o)`` per token, float64 ``[..., d]``: what an RMS post-norm multiplies its input ``o`` by,
+    with ``rms(o) = √(mean(o²) + ε)`` the token's own. A head's piece under the norm is ``w_eff ⊙ piece / rms(o)``:
+    linear in the piece, with the whole output's ``rms(o)`` taken as it was, so the heads' pieces still add up to
+    the norm's output."""
+    o = norm_input.detach().to(torch.float64)
+    return gain.to(o.device) / torch.sqrt(o.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def head_pieces(z: torch.Tensor, projection: torch.nn.Module, n_heads: int,
+                scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each head's piece of the attention output, float64: ``(pieces [..., head, d], bias [..., d] or None)``.
+
+    Args:
+        z: ``[..., head·d_head]``: the output projection's input, the heads' outputs side by side.
+        projection: ``o_proj`` (a ``Linear``, weight ``[d, head·d_head]``) or GPT-2's ``Conv1D`` (weight
+            ``[head·d_head, d]``).
+        n_heads: query heads.
+        scale: :func:`post_norm_scale` under a post-norm (``None``: none).
+
+    Returns:
+        ``piece_h = z_h · W_O[h]`` (times ``scale``) and the bias's part (``b``, times ``scale``), which sum to what
+        the attention adds to the residual stream.
+    """
+    projection = unwrapped(projection)
+    weight = projection.weight.detach().to(torch.float64)
+    split = z.detach().to(torch.float64).reshape(*z.shape[:-1], n_heads, -1)
+    if hasattr(projection, "nf"):  # transformers' Conv1D (GPT-2): y = x·W + b with W [in, out]
+        pieces = torch.einsum("...hk,hkd->...hd", split, weight.reshape(n_heads, -1, weight.shape[-1]))
+    else:  # a Linear: W [out, in]
+        pieces = torch.einsum("...hk,dhk->...hd", split, weight.reshape(weight.shape[0], n_heads, -1))
+    bias = getattr(projection, "bias", None)
+    bias = None if bias is None else bias.detach().to(torch.float64).expand(pieces.shape[:-2] + bias.shape).clone()
+    if scale is not None:
+        pieces = pieces * scale.unsqueeze(-2)
+        bias = None if bias is None else bias * scale
+    return pieces, bias
+
+
+class HeadPieces:
+    """Assembles the heads' pieces of chosen layers from what a forward pass shows, for every framework.
+
+    An adapter hands over, for each layer of :attr:`ComponentRequest.heads`, the output projection's input at the
+    segment's tokens (:meth:`projection_input`, which comes first in the forward pass) and then, when the
+    attention's output is known, the post-norm's input (under a post-norm) (:meth:`attention_output`), which
+    calls ``on_component("head.{l}.{h}", [batch, m, d])`` per head and ``on_component("bias.{l}", ...)`` for the
+    bias.
+    """
+
+    def __init__(self, parts: Sequence[BlockParts], n_heads: int, layers: Sequence[int], on_component: Any) -> None:
+        self.parts, self.n_heads, self.on_component = parts, n_heads, on_component
+        self._inputs: dict[int, torch.Tensor] = {}
+        #: Per layer under a post-norm, ``(w_eff, ε)``, read before the forward pass.
+        self._norms = {layer: (norm_gain(parts[layer].attention_out), norm_epsilon(parts[layer].attention_out))
+                       for layer in layers if parts[layer].post_norms}
+
+    def projection_input(self, layer: int, z: torch.Tensor) -> None:
+        self._inputs[layer] = z
+
+    def attention_output(self, layer: int, norm_input: torch.Tensor | None = None) -> None:
+        z = self._inputs.pop(layer, None)
+        if z is None:
+            raise AttentionCaptureError(
+                f"layer {layer}'s output projection was not seen before its attention's output, so its heads' pieces "
+                "cannot be formed; report the architecture")
+        part = self.parts[layer]
+        scale = post_norm_scale(*self._norms[layer], norm_input) if part.post_norms else None
+        pieces, bias = head_pieces(z, part.projection, self.n_heads, scale)
+        for head in range(self.n_heads):
+            self.on_component(f"head.{layer}.{head}", pieces[..., head, :])
+        if bias is not None:
+            self.on_component(BIAS_PART.format(layer=layer), bias)
 def head_columns(width: int, n_heads: int, head: int) -> slice:
     """Query head ``head``'s columns of an output projection's input of ``width`` (the heads side by side)."""
     size = width // n_heads

@@ -38,8 +38,15 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, check_choice
-from .base import Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
-from .base import ComponentCallback
+from .base import (
+    Adapter,
+    AttentionLayout,
+    ComponentCallback,
+    PatternCallback,
+    SegmentAttentionCallback,
+    SegmentComponentCallback,
+    SegmentResidualCallback,
+)
 from .components import block_parts, component_site, head_columns, output_tensor
 from .internals import AttentionCall, eager_weights, intercept_attention, position_embedding_modules, recompute_tolerance
 from .modules import (
@@ -51,7 +58,7 @@ from .modules import (
     parent_layer,
     text_config,
 )
-from .segments import check_predicts, block_difference, judged_recompute_check, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids, touch_component
+from .segments import check_predicts, block_difference, hook_components, judged_recompute_check, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids, touch_component
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -304,15 +311,19 @@ class HuggingFaceAdapter(Adapter):
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        components: Sequence[str] = (),
+        on_component: SegmentComponentCallback | None = None,
         capture: Sequence[str] = (),
         on_capture: ComponentCallback | None = None,
         patch: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """:meth:`Adapter.run_segment`: queries and keys are read from transformers' attention function while the
-        model runs its own kernel (eager, sdpa or flash), and the segment block's scores and row normalisers are
-        computed from them (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`), as the probe's
-        engine does for whole windows. Residual streams are the outputs of each layer's decoder block. Components
-        are captured and patched by hooks on :func:`~equivariance_probe.adapters.components.block_parts`' modules
+        model runs its own kernel (eager, sdpa or flash), and the segment block's scores, row normalisers and the
+        rows' weights on the text before the segment are computed from them (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`), as the probe's
+        engine does for whole windows. Residual streams are the outputs of each layer's decoder block; the
+        attribution's components are read by PyTorch hooks on the modules whose outputs they are
+        (:func:`~equivariance_probe.adapters.segments.hook_components`). Activation patching's components are
+        captured and patched by hooks on :func:`~equivariance_probe.adapters.components.block_parts`' modules
         (:func:`~equivariance_probe.adapters.components.component_site`): a forward hook on the module whose
         output the component is, a forward pre-hook on block 0 (the embedding) or on the output projection (a
         head's columns of its input)."""
@@ -331,6 +342,8 @@ class HuggingFaceAdapter(Adapter):
 
             handles += [parent_layer(self.model, module).register_forward_hook(make_hook(layer))
                         for layer, module in enumerate(self.attention_modules)]
+        if components and on_component is not None:
+            handles += hook_components(block_parts(self.model), self.layout.n_heads, components, spans, on_component)
         device = self.device
         width = tokens.shape[1]
         position_ids = None
@@ -417,7 +430,7 @@ class HuggingFaceAdapter(Adapter):
                 # up to 0.017 on Gemma 3 270M, which is rounding, not another attention.
                 recomputed = eager_weights(call, window, self.layout.causal)[0, :, start:, start:].to(torch.float32)
             else:
-                scores, normaliser = segment_blocks_from_call(call, spans, window, self.layout.causal)
+                scores, normaliser, _ = segment_blocks_from_call(call, spans, window, self.layout.causal)
                 recomputed = torch.exp(scores - normaliser.unsqueeze(-1))[0]
             own = call.weights[0, :, start:, start:].to(recomputed.dtype)
             differences.append(block_difference(recomputed, own, window, self.layout.causal))

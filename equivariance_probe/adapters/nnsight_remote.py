@@ -31,12 +31,20 @@ from ..statistics.engines.shift_sums import (
     DECOMPOSITION_SUMS,
     PREDICTION_SUMS,
     REPRESENTATIONS,
+    ATTRIBUTION_GRAMS,
+    add_component_to_state,
+    SINK_SUMS,
     add_prediction_sums,
+    add_sink_sums,
     add_to_cell,
+    component_grams,
     counted_entries,
     end_context_of_cell,
+    end_context_of_components,
     grid_sums,
+    new_component_state,
     new_prediction_sums,
+    new_sink_sums,
     segment_representations,
 )
 from ..statistics.masks import KEY_BINS
@@ -177,44 +185,68 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
 def new_segment_state(plan: dict) -> dict:
     """The running sums of one segment's grid on the server: ``cells`` (per ``(representation, layer)``,
     :func:`~equivariance_probe.statistics.engines.shift_sums.add_to_cell`), the prediction sums, each offset's
-    latest distributions, the current context's, the contexts done, and each layer's counted entries.
+    latest distributions, the current context's, the contexts done, each layer's counted entries, and the sink
+    sums (:func:`~equivariance_probe.statistics.engines.shift_sums.new_sink_sums`).
 
     ``plan`` holds plain values: ``n_layers``, ``n_heads``, ``n_offsets``, ``segment_length``, ``causal``,
     ``windows`` (per layer, the sliding window or ``None``), ``predictions`` and ``hidden_size`` (the residual
-    stream's width, for its sums per hidden dimension)."""
+    stream's width, for its sums per hidden dimension), and ``components`` (the attribution's block-level components,
+    empty for none: their running sums, :func:`~equivariance_probe.statistics.engines.shift_sums.new_component_state`)."""
     return {
+        "components": new_component_state(plan.get("components", []), plan["n_offsets"]),
         "cells": {},
         "predictions": new_prediction_sums(plan["n_offsets"]),
         "latest": [None] * plan["n_offsets"],
         "current": {},
         "contexts": 0,
         "entries": [counted_entries(plan["segment_length"], plan["causal"], window) for window in plan["windows"]],
+        "sink": new_sink_sums(plan["n_layers"], plan["n_heads"], plan["n_offsets"]),
     }
 
 
-def add_segment_windows_in_trace(state: dict, attention: list, layers: list, plan: dict, batch: dict) -> None:
+def add_segment_windows_in_trace(state: dict, attention: list, layers: list, plan: dict, batch: dict,
+                                 parts: list | None = None) -> None:
     """Inside one trace of the session: add every layer's segment block (its three representations) and residual
-    stream, for each window of the batch, to ``state``'s cells.
+    stream, for each window of the batch, to ``state``'s cells, and its rows' weights on the text before the
+    segment to ``state``'s sink sums; with ``parts``, the attribution's block-level components too (block 0's
+    input, and per layer the attention's and the MLP's outputs, or their post-norms'), read in the order the model
+    runs them.
 
     Args:
         attention: per layer, the attention module's envoy (its queries and keys are read at ``ATTENTION_CALL``).
         layers: per layer, the decoder layer's envoy (its output is the residual stream after the block).
         batch: ``spans`` (each window's segment ``(start, length)``) and ``offsets`` (each window's offset index).
+        parts: per layer, ``(attention_out, mlp_out)`` envoys
+            (:func:`~equivariance_probe.adapters.components.block_parts`), or ``None`` without attribution.
     """
+    components = state["components"]
+
+    def add_component(name: str, output: object) -> None:
+        hidden = segment_rows(output[0] if isinstance(output, tuple) else output, batch["spans"])
+        for b, index in enumerate(batch["offsets"]):
+            add_component_to_state(components, name, index, hidden[b])
+
+    if parts is not None:
+        args, kwargs = layers[0].inputs
+        add_component("embedding", args[0] if args else kwargs["hidden_states"])
     for layer, module in enumerate(attention):
         args, kwargs = getattr(module.source, ATTENTION_CALL).inputs
-        scores, normaliser = segment_blocks_from_qk(args[1].detach(), args[2].detach(), kwargs.get("scaling"),
-                                                    kwargs.get("softcap"), batch["spans"], plan["windows"][layer],
-                                                    plan["causal"])
+        scores, normaliser, sink = segment_blocks_from_qk(args[1].detach(), args[2].detach(), kwargs.get("scaling"),
+                                                          kwargs.get("softcap"), batch["spans"],
+                                                          plan["windows"][layer], plan["causal"])
         for b, index in enumerate(batch["offsets"]):
             for name, values in segment_representations(scores[b], normaliser[b], state["entries"][layer]).items():
                 add_to_cell(state["cells"].setdefault((name, layer), {}), values, index, plan["n_offsets"])
+            add_sink_sums(state["sink"], layer, index, sink[b])
+        if parts is not None:
+            add_component(f"attention.{layer}", parts[layer][0].output)
+            add_component(f"mlp.{layer}", parts[layer][1].output)
         output = layers[layer].output
         hidden = segment_rows(output[0] if isinstance(output, tuple) else output, batch["spans"])
         for b, index in enumerate(batch["offsets"]):
             add_to_cell(state["cells"].setdefault(("residual", layer), {}), hidden[b].reshape(1, -1), index,
                         plan["n_offsets"])
-        del scores, normaliser, hidden
+        del scores, normaliser, sink, hidden
 
 
 def add_segment_predictions_in_trace(state: dict, logits: torch.Tensor, batch: dict, targets: torch.Tensor) -> None:
@@ -229,17 +261,24 @@ def end_segment_context(state: dict) -> None:
     """Between the session's traces: close a context of the grid (every offset of it has run)."""
     for cell in state["cells"].values():
         end_context_of_cell(cell)
+    end_context_of_components(state["components"])
     state["current"].clear()
     state["contexts"] += 1
 
 
 def segment_sums_in_trace(state: dict, plan: dict) -> dict:
     """What comes back from the server: the segment's decomposition sums (``"{representation}/{name}": [layer,
-    head]``) and prediction sums (``[offset]``, ``[offset, offset]``), float64 on the CPU."""
+    head]``), sink sums (``[layer, head, offset]``, ``[layer, offset]``) and prediction sums (``[offset]``,
+    ``[offset, offset]``), float64 on the CPU."""
     sums = grid_sums(state["cells"], plan["n_layers"], plan["n_heads"], state["contexts"], plan["n_offsets"],
                      plan["hidden_size"])
+    sums.update(state["sink"])
     if plan["predictions"]:
         sums.update(state["predictions"])
+    if plan.get("components"):
+        grams = component_grams(state["components"])
+        for term in ATTRIBUTION_GRAMS:
+            sums["attribution/" + term + "_gram"] = grams[term]
     return sums
 
 
@@ -279,6 +318,7 @@ SEGMENT_FUNCTIONS = (
     "equivariance_probe.adapters.segments.segment_blocks_from_qk",
     "equivariance_probe.adapters.segments.segment_blocks",
     "equivariance_probe.adapters.segments.segment_block",
+    "equivariance_probe.adapters.segments.sink_weights",
     "equivariance_probe.adapters.segments.hidden_keys",
     "equivariance_probe.adapters.segments.segment_rows",
     "equivariance_probe.adapters.segments.segment_log_probs",
@@ -295,6 +335,12 @@ SEGMENT_FUNCTIONS = (
     "equivariance_probe.statistics.engines.shift_sums.middle_negentropy",
     "equivariance_probe.statistics.engines.shift_sums.jensen_shannon_from",
     "equivariance_probe.statistics.engines.shift_sums.add_prediction_sums",
+    "equivariance_probe.statistics.engines.shift_sums.new_component_state",
+    "equivariance_probe.statistics.engines.shift_sums.add_component_to_state",
+    "equivariance_probe.statistics.engines.shift_sums.end_context_of_components",
+    "equivariance_probe.statistics.engines.shift_sums.component_grams",
+    "equivariance_probe.statistics.engines.shift_sums.new_sink_sums",
+    "equivariance_probe.statistics.engines.shift_sums.add_sink_sums",
 )
 #: The functions of the shift test's check of the recomputation, run on the server in one trace (by value).
 SEGMENT_CHECK_FUNCTIONS = (
@@ -353,12 +399,15 @@ def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bo
 
 
 def segment_reply_nbytes(n_layers: int, n_heads: int, n_offsets: int, predictions: bool = True,
-                         hidden_size: int = 0) -> int:
+                         hidden_size: int = 0, components: int = 0) -> int:
     """Bytes of float64 sums one segment's session sends back, from the shapes alone:
-    ``8·(|DECOMPOSITION_SUMS|·L·(3·H + 1) + L·d + predictions·(4·O + 2·O²))`` (``d`` the residual stream's
-    width, for its sums per hidden dimension), whatever the number of contexts, the segment's length, the
-    window or the vocabulary."""
+    ``8·(|DECOMPOSITION_SUMS|·L·(3·H + 1) + L·d + L·O·(2·H + 1) + predictions·(4·O + 2·O²) + 2·C²)`` (``d`` the
+    residual stream's width, for its sums per hidden dimension; ``L·O·(2·H + 1)`` the sink sums; ``C`` the
+    attribution's components, for its two Gram matrices), whatever the number of contexts, the segment's length,
+    the window or the vocabulary."""
     n = len(DECOMPOSITION_SUMS) * n_layers * ((len(REPRESENTATIONS) - 1) * n_heads + 1) + n_layers * hidden_size
+    n += n_layers * n_offsets * ((len(SINK_SUMS) - 1) * n_heads + 1)
+    n += len(ATTRIBUTION_GRAMS) * components**2
     if predictions:
         n += sum(n_offsets**rank for _, rank in PREDICTION_SUMS)
     return 8 * n

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from ..errors import RemoteExecutionError
-from .base import ComponentCallback, SegmentAttentionCallback, SegmentBatch, SegmentResidualCallback
-from .components import EMBEDDING, block_parts, component_layer, component_site, head_columns, output_tensor, parse_component
+from .base import ComponentCallback, SegmentAttentionCallback, SegmentBatch, SegmentComponentCallback, SegmentResidualCallback
+from .components import (EMBEDDING, ComponentRequest, HeadPieces, block_input, block_parts, component_layer, component_site,
+                         head_columns, output_tensor, parse_component)
 from .internals import AttentionCall, recompute_tolerance
 from .request_sizes import plan_requests
 from .segments import (
@@ -68,6 +69,8 @@ class NNsightSegments:
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        components: Sequence[str] = (),
+        on_component: SegmentComponentCallback | None = None,
         capture: Sequence[str] = (),
         on_capture: ComponentCallback | None = None,
         patch: Mapping[str, torch.Tensor] | None = None,
@@ -80,10 +83,12 @@ class NNsightSegments:
         cuts it (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`). The residual stream is
         each decoder layer envoy's output; the predictions are the trace's own logits, for the last
         :func:`~equivariance_probe.adapters.segments.kept_positions` positions (``logits_to_keep``). Position ids
-        (``position_start``) go to the model as the trace's ``position_ids``. Components are captured and patched
-        at the envoys of :func:`~equivariance_probe.adapters.components.block_parts`' modules, in the order the
-        model runs them (block 0's input, then per layer the output projection's input, the attention's and the
-        MLP's outputs), each written in place inside the trace.
+        (``position_start``) go to the model as the trace's ``position_ids``. The attribution's components are the
+        envoys' inputs and outputs of :func:`~equivariance_probe.adapters.components.block_parts`' modules, read in
+        the order the model runs them (block 0's input; in each layer the output projection's input, the
+        attention's or its post-norm's output, the MLP's or its post-norm's output). Activation patching's
+        components are captured and patched at the same envoys, in the same order, each written in place inside
+        the trace (never in the same pass as the attribution's: the probe captures them in a pass of its own).
 
         Raises:
             RemoteExecutionError: a remote model (``remote`` set, ``"local"`` included): its blocks, residual streams
@@ -103,6 +108,7 @@ class NNsightSegments:
         layers = [self.model.get(path) for path in self.layer_paths]
         windows = self.layout.sliding_windows
         seen: list[int] = []
+        reader = self._component_reader(components, spans, on_component) if components and on_component else None
         sites = self._component_sites([*capture, *(patch or {})])
         patch = patch or {}
 
@@ -117,9 +123,13 @@ class NNsightSegments:
                 if EMBEDDING in sites:
                     touch(EMBEDDING, layers[0].input)
                 for layer, module in enumerate(attention):
+                    if reader is not None and layer == 0:
+                        reader.embedding()
                     if on_attention is not None:
                         on_attention(layer, *segment_blocks_from_call(attention_call(layer, module), spans,
                                                                       windows[layer], causal=True))
+                    if reader is not None:
+                        reader.layer(layer)
                     for envoy, names in sites.get(layer, []):
                         if names[0][1] is not None:  # heads: their columns of the output projection's input
                             hidden = envoy.input
@@ -138,6 +148,24 @@ class NNsightSegments:
         self.check_layers_seen(seen)
         return kept.get("log_probs")
 
+    def _component_reader(self, components: Sequence[str], spans: Any, on_component: SegmentComponentCallback
+                          ) -> _ComponentReader:
+        """What reads the attribution's components inside a local trace (built before it: a post-norm's gain is read
+        by running the norm, :func:`~equivariance_probe.adapters.components.norm_gain`)."""
+        inner = self._hf.model
+        paths = {id(module): name for name, module in inner.named_modules()}
+        parts = block_parts(inner)
+        request = ComponentRequest.of(components)
+        return _ComponentReader(self.model, paths, parts, request, spans, on_component,
+                                HeadPieces(parts, self.layout.n_heads, request.heads, on_component))
+
+    def _component_envoys(self) -> list[tuple[Any, Any]]:
+        """Per layer, the envoys of :func:`~equivariance_probe.adapters.components.block_parts`' ``attention_out`` and
+        ``mlp_out`` (what the attribution reads in a remote session)."""
+        inner = self._hf.model
+        paths = {id(module): name for name, module in inner.named_modules()}
+        return [(self.model.get(paths[id(part.attention_out)]), self.model.get(paths[id(part.mlp_out)]))
+                for part in block_parts(inner)]
     def _component_sites(self, names: Sequence[str]) -> dict[Any, Any]:
         """Where the components ``names`` are read in a trace: ``{"embedding": None}`` for block 0's input, and per
         layer ``[(envoy, [(name, head)])]`` in the order the model runs them (the output projection, whose input
@@ -233,7 +261,13 @@ class NNsightSegments:
             check_predicts(self.hf_model)
         plan = {"n_layers": config.n_layers, "n_heads": config.n_heads, "n_offsets": len(config.offsets),
                 "segment_length": config.segment_length, "causal": True, "windows": list(self.layout.sliding_windows),
-                "predictions": targets is not None, "hidden_size": config.sizes()["D"]}
+                "predictions": targets is not None, "hidden_size": config.sizes()["D"],
+                "components": list(config.components)}
+        if any(name.startswith("head.") for name in config.components):
+            raise RemoteExecutionError(
+                "the attribution's heads are formed from each head's output and the output projection's weights, "
+                "which a remote session does not read; ask a remote model for the block-level attribution "
+                "(attribution=True without attribution_heads), or run the heads on a local model")
         runs = [[self._segment_trace_inputs(batch, config.segment_length, targets is not None) for batch in context]
                 for context in contexts]
         grid = (len(contexts), len(config.offsets), int(config.segment_length))
@@ -242,6 +276,7 @@ class NNsightSegments:
         self._refuse_if_planned(self.segment_plan, "segment")
         model, attention = self.model, self._attention_envoys()
         layers = [model.get(path) for path in self.layer_paths]
+        parts = self._component_envoys() if config.components else None
         sums = None
         started = perf_counter()
         # The session's body reads only these locals, the shipped functions and nnsight: what the request carries.
@@ -251,7 +286,7 @@ class NNsightSegments:
                 for context in runs:
                     for tokens, options, batch in context:
                         with model.trace(tokens, **options) as tracer:
-                            add_segment_windows_in_trace(state, attention, layers, plan, batch)
+                            add_segment_windows_in_trace(state, attention, layers, plan, batch, parts)
                             if plan["predictions"]:
                                 add_segment_predictions_in_trace(state, model.output.logits, batch, targets)
                             else:
@@ -294,6 +329,37 @@ class NNsightSegments:
                 f"the segment blocks of a remote nnsight model (remote={self.remote!r}) stay on the server: only the "
                 "shift test's sums come back (probe.shift runs remotely). For the blocks themselves (the shift "
                 "view), pass remote=False (a model whose weights are here) or use the Hugging Face model directly")
+
+
+class _ComponentReader:
+    """Reads the attribution's components from a local trace's envoys, layer by layer, in the order the model
+    runs them (nnsight hands over a module's input and output only in that order)."""
+
+    def __init__(self, model: Any, paths: dict, parts: Sequence[Any], request: ComponentRequest, spans: Any,
+                 on_component: SegmentComponentCallback, heads: HeadPieces) -> None:
+        self.model, self.paths, self.parts, self.request = model, paths, parts, request
+        self.spans, self.on_component, self.heads = spans, on_component, heads
+
+    def _envoy(self, module: torch.nn.Module) -> Any:
+        return self.model.get(self.paths[id(module)])
+
+    def embedding(self) -> None:
+        if self.request.embedding:
+            args, kwargs = self._envoy(self.parts[0].layer).inputs
+            self.on_component("embedding", segment_rows(block_input(args, kwargs), self.spans))
+
+    def layer(self, layer: int) -> None:
+        if layer not in self.request.blocks and layer not in self.request.heads:
+            return
+        part = self.parts[layer]
+        with_heads = layer in self.request.heads
+        if with_heads:
+            self.heads.projection_input(layer, segment_rows(self._envoy(part.projection).input, self.spans))
+        attention = self._envoy(part.attention_out)
+        if with_heads:
+            self.heads.attention_output(layer, segment_rows(attention.input, self.spans) if part.post_norms else None)
+        self.on_component(f"attention.{layer}", segment_rows(output_tensor(attention.output), self.spans))
+        self.on_component(f"mlp.{layer}", segment_rows(output_tensor(self._envoy(part.mlp_out).output), self.spans))
 
 
 def _nbytes(sums: dict[str, torch.Tensor]) -> int:

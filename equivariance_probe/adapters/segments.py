@@ -9,7 +9,13 @@ the statistics the same tensors:
 * the segment block of one layer's attention, ``scores: [batch, head, m, m]``, and each segment row's
   ``log_normaliser: [batch, head, m]``, the log-sum-exp over every key the row sees in its window (prefix,
   context and segment), taken under the layer's real mask (causal or not, sliding window);
+* each segment row's attention weight on the text before the segment, ``sink: [batch, head, m, 2]``
+  (:func:`sink_weights`): on the window's first key and on the rest of the text before the segment, under
+  the same mask;
 * the residual stream at the segment, ``[batch, m, d]``;
+* for the attribution, the components that write into it (:mod:`~equivariance_probe.adapters.components`) at the
+  segment, ``[batch, m, d]`` each, read from the modules :func:`~equivariance_probe.adapters.components.block_parts`
+  finds (or the framework's hooks on the same tensors);
 * the next-token log-probabilities at the segment, ``[batch, m, vocab]``, from logits that cover only the last
   :func:`kept_positions` positions of the batch (transformers' ``logits_to_keep``), so the projection to the
   vocabulary runs on the stretch from the earliest segment to the end, not on the whole window.
@@ -28,14 +34,16 @@ from ..statistics.engines.in_trace import attention_scores
 from ..statistics.engines.shift_sums import PREDICTION_CHUNK, segment_representations
 from ..statistics.shift import patch_parts
 from ..errors import AttentionCaptureError
+from .components import BIAS_PART, ComponentRequest, HeadPieces, block_input, output_tensor, parse_component
 from .base import SegmentBatch
 from .internals import AttentionCall
 from .modules import is_causal_lm
 
-__all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "judged_recompute_check", "segment_block", "hidden_keys", "segment_blocks", "segment_blocks_from_call", "segment_blocks_from_qk",
+__all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "judged_recompute_check", "segment_block", "hidden_keys", "sink_weights", "segment_blocks", "segment_blocks_from_call", "segment_blocks_from_qk",
            "segment_rows",
-           "kept_positions", "segment_log_probs", "capture_segment_batch", "capture_segment_grid", "touch_component",
-           "without_offset", "patched_components", "patch_segment_context"]
+           "kept_positions", "segment_log_probs", "capture_segment_batch", "capture_segment_grid", "HeadsCheck",
+           "hook_components", "touch_component", "without_offset", "only_offset", "patched_components",
+           "patch_segment_context"]
 
 #: ``(start, length)`` of each window's segment: positions ``start .. length − 1``.
 Spans = Sequence[tuple[int, int]]
@@ -51,22 +59,26 @@ def capture_segment_grid(adapter: Any, contexts: Sequence[Sequence[Any]], grid: 
         adapter: the model's adapter.
         contexts: per context, the forward passes that cover every offset
             (:class:`~equivariance_probe.adapters.base.SegmentBatch`).
-        grid: the segment's running sums (``add``, ``add_predictions``, ``end_context``).
+        grid: the segment's running sums (``add``, ``add_predictions``, ``add_sink``, ``end_context``).
         entries: per layer, the ``[m, m]`` entries that count.
         targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
     """
     config = grid.config
+    components = config.components
     reference = config.patch_reference
-    components = patched_components(config.patch_components)
+    patched = patched_components(config.patch_components)
     for context in contexts:
-        captured: dict[str, torch.Tensor] = {}  # each patched component's output at the segment, reference window
         for batch in context:
-            here = reference in batch.offset_indices and bool(components)
-            row = batch.offset_indices.index(reference) if here else 0
             capture_segment_batch(adapter, batch, config.segment_length, entries, grid.add, targets=targets,
-                                  add_predictions=grid.add_predictions, capture=components if here else (),
-                                  on_capture=lambda name, values, row=row: captured.__setitem__(name, values[row]))
-        if components:
+                                  add_predictions=grid.add_predictions, add_sink=grid.add_sink, components=components,
+                                  add_component=grid.add_component if components else None,
+                                  on_heads_difference=grid.add_heads_difference if components else None)
+        if patched:
+            window = next(only_offset(batch, reference) for batch in context if reference in batch.offset_indices)
+            captured: dict[str, torch.Tensor] = {}  # each patched component's output at the segment, reference window
+            adapter.run_segment(window.tokens, window.lengths, config.segment_length,
+                                position_start=window.position_start, capture=patched,
+                                on_capture=lambda name, values: captured.__setitem__(name, values[0]))
             patch_segment_context(adapter, context, grid, captured, targets)
         grid.end_context()
 
@@ -106,6 +118,16 @@ def patch_segment_context(adapter: Any, context: Sequence[Any], grid: Any, captu
                                             patch=patch)
             for b, index in enumerate(rest.offset_indices):
                 grid.add_patched(item, index, None if log_probs is None else log_probs[b, :-1], residual[last][b])
+
+
+def only_offset(batch: SegmentBatch, offset_index: int) -> SegmentBatch:
+    """``batch``'s window at ``offset_index`` alone, its padding cut: the reference window whose components
+    activation patching captures, in a pass of its own (so that the clean pass, and the attribution read in it,
+    runs as it does without patching)."""
+    row = batch.offset_indices.index(offset_index)
+    length = int(batch.lengths[row])
+    return SegmentBatch(batch.tokens[row : row + 1, :length], batch.lengths[row : row + 1], (offset_index,),
+                        None if batch.position_start is None else batch.position_start[row : row + 1])
 
 
 def without_offset(batch: SegmentBatch, offset_index: int) -> SegmentBatch | None:
@@ -153,8 +175,10 @@ def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries
                           add: Callable[[str, int, int, torch.Tensor], None], *,
                           targets: torch.Tensor | None = None,
                           add_predictions: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-                          capture: Sequence[str] = (),
-                          on_capture: Callable[[str, torch.Tensor], None] | None = None) -> None:
+                          add_sink: Callable[[int, int, torch.Tensor], None] | None = None,
+                          components: Sequence[str] = (),
+                          add_component: Callable[[str, int, torch.Tensor], None] | None = None,
+                          on_heads_difference: Callable[[float], None] | None = None) -> None:
     """Run one forward pass of a segment's grid and hand over what the shift test measures of each window.
 
     The one capture loop of the shift test: the probe's run (into a
@@ -172,28 +196,120 @@ def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries
             and ``[1, m·d]`` for the residual stream after each block.
         targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
         add_predictions: called as ``add_predictions(offset_index, log_probs[m − 1, vocab], targets)`` per window.
-        capture: components whose outputs at the segment go to ``on_capture(name, [batch, m, d])`` (activation
-            patching's reference outputs).
-        on_capture: see ``capture``.
+        add_sink: called as ``add_sink(layer, offset_index, sink[head, m, 2])`` per window and layer: each segment
+            row's weight on the window's first key and on the rest of the text before the segment
+            (:func:`sink_weights`).
+        components: the attribution's components (names of :mod:`~equivariance_probe.adapters.components`).
+        add_component: called as ``add_component(name, offset_index, values[m, d])`` for each of ``components``.
+        on_heads_difference: called with :meth:`HeadsCheck.difference` per forward pass, where heads are read.
     """
     indices = batch.offset_indices
 
-    def on_attention(layer: int, scores: torch.Tensor, log_normaliser: torch.Tensor) -> None:
+    def on_attention(layer: int, scores: torch.Tensor, log_normaliser: torch.Tensor, sink: torch.Tensor) -> None:
         for b, index in enumerate(indices):
             for name, values in segment_representations(scores[b], log_normaliser[b], entries[layer]).items():
                 add(name, layer, index, values)
+            if add_sink is not None:
+                add_sink(layer, index, sink[b])
 
     def on_residual(layer: int, hidden: torch.Tensor) -> None:
         for b, index in enumerate(indices):
             add("residual", layer, index, hidden[b].reshape(1, -1))
 
+    options: dict[str, Any] = {}
+    check = HeadsCheck(ComponentRequest.of(components).heads)
+    if components and add_component is not None:
+        declared = frozenset(components)
+
+        def on_component(name: str, values: torch.Tensor) -> None:
+            check.add(name, values)
+            if name in declared:
+                for b, index in enumerate(indices):
+                    add_component(name, index, values[b])
+
+        options = {"components": tuple(components), "on_component": on_component}
     log_probs = adapter.run_segment(batch.tokens, batch.lengths, segment_length, on_attention=on_attention,
                                     on_residual=on_residual, position_start=batch.position_start,
-                                    predictions=targets is not None,
-                                    **({"capture": capture, "on_capture": on_capture} if capture else {}))
+                                    predictions=targets is not None, **options)
+    if options and on_heads_difference is not None and check.layers:
+        on_heads_difference(check.difference())
     if targets is not None and add_predictions is not None:
         for b, index in enumerate(indices):
             add_predictions(index, log_probs[b, :-1], targets)
+
+
+def hook_components(parts: Sequence[Any], n_heads: int, components: Sequence[str], spans: Spans,
+                    on_component: Callable[[str, torch.Tensor], None]) -> list[Any]:
+    """Register PyTorch hooks that hand ``on_component(name, values[batch, m, d])`` the attribution's components at
+    the segment's tokens; returns the handles (remove them after the forward pass).
+
+    The modules are :func:`~equivariance_probe.adapters.components.block_parts`' ``parts``: the embedding is block 0's
+    input (a forward pre-hook with keywords), each attention's and MLP's output that of ``attention_out`` and
+    ``mlp_out`` (the post-norms where the block has them), and a head's piece is formed from the output
+    projection's input (a forward pre-hook) once the attention's output is known (:class:`HeadPieces`)."""
+    request = ComponentRequest.of(components)
+    heads = HeadPieces(parts, n_heads, request.heads, on_component)
+    handles = []
+    if request.embedding:
+        def on_embedding(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            on_component("embedding", segment_rows(block_input(args, kwargs), spans))
+
+        handles.append(parts[0].layer.register_forward_pre_hook(on_embedding, with_kwargs=True))
+
+    def make_hook(name: str, layer: int, with_heads: bool):
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if with_heads:
+                heads.attention_output(layer, segment_rows(args[0], spans) if parts[layer].post_norms else None)
+            on_component(name, segment_rows(output_tensor(output), spans))
+        return hook
+
+    def make_projection_hook(layer: int):
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            heads.projection_input(layer, segment_rows(args[0], spans))
+        return hook
+
+    for layer in sorted(set(request.blocks) | set(request.heads)):
+        part = parts[layer]
+        handles.append(part.attention_out.register_forward_hook(
+            make_hook(f"attention.{layer}", layer, layer in request.heads)))
+        handles.append(part.mlp_out.register_forward_hook(make_hook(f"mlp.{layer}", layer, False)))
+        if layer in request.heads:
+            handles.append(part.projection.register_forward_pre_hook(make_projection_hook(layer)))
+    return handles
+
+
+class HeadsCheck:
+    """Do the heads' pieces and the projection's bias add up to the attention's output? Per layer of ``layers``, the
+    sum of what one forward pass handed over as ``"head.{l}.{h}"`` and ``"bias.{l}"`` against ``"attention.{l}"``."""
+
+    def __init__(self, layers: Sequence[int]) -> None:
+        self.layers = tuple(layers)
+        self._sums: dict[int, torch.Tensor] = {}
+        self._attention: dict[int, torch.Tensor] = {}
+
+    def add(self, name: str, values: torch.Tensor) -> None:
+        if name.startswith(BIAS_PART.split(".")[0] + "."):
+            layer, kind = int(name.split(".")[1]), "part"
+        else:
+            kind, layer, _ = parse_component(name)
+        if layer not in self.layers:
+            return
+        if kind == "attention":
+            self._attention[layer] = values.detach().to(torch.float64)
+        elif kind in ("head", "part"):
+            self._sums[layer] = self._sums.get(layer, 0) + values.detach().to(torch.float64)
+
+    def difference(self) -> float:
+        """``max |Σ_h piece_h + bias − attention| / max |attention|`` over the layers (NaN where a layer's attention
+        or heads were not both seen)."""
+        worst = 0.0
+        for layer in self.layers:
+            if layer not in self._sums or layer not in self._attention:
+                return float("nan")
+            attention = self._attention[layer]
+            scale = float(attention.abs().max()) or 1.0
+            worst = max(worst, float((self._sums[layer] - attention).abs().max()) / scale)
+        return worst
 
 
 def check_predicts(model: torch.nn.Module, causal: bool = True) -> None:
@@ -216,18 +332,41 @@ def shifted_position_ids(position_start: torch.Tensor, width: int) -> torch.Tens
     return position_start.view(-1, 1).to(torch.long) + torch.arange(width).view(1, -1)
 
 
-def segment_block(scores: torch.Tensor, start: int, window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def segment_block(scores: torch.Tensor, start: int, window: int | None, causal: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One window's segment block from ``scores: [head, m, length]``, its segment rows' pre-softmax scores against
     every key of the window (entries the mask hides may hold anything, ``−inf`` included).
 
     Returns:
-        ``(block [head, m, m], log_normaliser [head, m])``: the scores among the segment's own tokens and
-        ``log Σ_k exp(score_ik)`` over the keys ``k`` that row ``i`` (position ``start + i``) sees: ``k ≤ start + i``
-        for a causal model, every key for an encoder, and ``|start + i − k| < window`` under a sliding window.
+        ``(block [head, m, m], log_normaliser [head, m], sink [head, m, 2])``: the scores among the segment's own
+        tokens; ``log Σ_k exp(score_ik)`` over the keys ``k`` that row ``i`` (position ``start + i``) sees:
+        ``k ≤ start + i`` for a causal model, every key for an encoder, and ``|start + i − k| < window`` under a
+        sliding window; and the row's attention weight on the text before the segment (:func:`sink_weights`).
     """
     length = scores.shape[-1]
     hidden = hidden_keys(start, length, window, causal, scores.device)
-    return scores[..., start:length], torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1)
+    log_normaliser = torch.logsumexp(scores.masked_fill(hidden, float("-inf")), -1)
+    return scores[..., start:length], log_normaliser, sink_weights(scores, log_normaliser, hidden, start)
+
+
+def sink_weights(scores: torch.Tensor, log_normaliser: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
+    """``[head, m, 2]`` float64: each segment row's attention weight on the window's first key (position 0) and on
+    the rest of the text before the segment (positions ``1 .. start − 1``), ``a_ik = exp(score_ik −
+    log_normaliser_i)`` summed over those keys that the layer's mask shows it.
+
+    Position 0 is the tokenizer's prefix token (BOS) where there is one, else the context's first token; a key the
+    mask hides weighs 0 (under a sliding window ``w``, rows ``w`` or more positions after it). A window whose
+    segment starts at position 0 has no text before it: both weights are 0.
+
+    Args:
+        scores: ``[head, m, length]`` the segment rows' scores against every key of the window.
+        log_normaliser: ``[head, m]`` each row's log-sum-exp over the keys it sees.
+        hidden: ``[m, length]`` the keys the mask hides (:func:`hidden_keys`).
+        start: the segment's first position.
+    """
+    before = scores[..., :start].to(torch.float64) - log_normaliser.to(torch.float64).unsqueeze(-1)
+    weights = torch.exp(before.masked_fill(hidden[:, :start], float("-inf")))  # [head, m, start]
+    return torch.stack([weights[..., :1].sum(-1), weights[..., 1:].sum(-1)], -1)
 
 
 def hidden_keys(start: int, length: int, window: int | None, causal: bool, device: torch.device) -> torch.Tensor:
@@ -272,21 +411,23 @@ def judged_recompute_check(largest: float, tolerance: float, tokens: int, compar
 
 
 def segment_blocks(rows: Sequence[torch.Tensor], spans: Spans, window: int | None, causal: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`segment_block` of each window, stacked: ``rows[b]: [head, m, length_b]`` (``spans[b]``), returns
-    ``(scores [batch, head, m, m], log_normaliser [batch, head, m])``."""
-    blocks, normalisers = zip(*(segment_block(scores, start, window, causal) for scores, (start, _) in zip(rows, spans)))
-    return torch.stack(blocks), torch.stack(normalisers)
+    ``(scores [batch, head, m, m], log_normaliser [batch, head, m], sink [batch, head, m, 2])``."""
+    blocks, normalisers, sinks = zip(*(segment_block(scores, start, window, causal)
+                                       for scores, (start, _) in zip(rows, spans)))
+    return torch.stack(blocks), torch.stack(normalisers), torch.stack(sinks)
 
 
 def segment_blocks_from_call(call: AttentionCall, spans: Spans, window: int | None, causal: bool
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`segment_blocks_from_qk` of one attention call's queries and keys."""
     return segment_blocks_from_qk(call.query, call.key, call.scaling, call.softcap, spans, window, causal)
 
 
 def segment_blocks_from_qk(query: torch.Tensor, key: torch.Tensor, scaling: float | None, softcap: float | None,
-                           spans: Spans, window: int | None, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                           spans: Spans, window: int | None, causal: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`segment_blocks` from queries ``[batch, head, T, d]`` and keys ``[batch, kv_head, T, d]``: the scores
     are ``softcap(q·kᵀ·scaling)`` in float32 (float64 for a float64 model,
     :func:`~equivariance_probe.statistics.engines.in_trace.attention_scores`), computed for the segment's

@@ -22,8 +22,8 @@ import torch
 
 from ..errors import AttentionCaptureError, InputError, require_extra
 from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
-from .base import ComponentCallback
-from .components import head_columns, parse_component
+from .base import ComponentCallback, SegmentComponentCallback
+from .components import ComponentRequest, HeadPieces, block_parts, head_columns, parse_component
 from .internals import recompute_tolerance
 from .modules import layer_windows
 from .segments import (
@@ -47,14 +47,13 @@ PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
 SCORES_HOOK = "blocks.{layer}.attn.hook_attn_scores"
 #: The residual stream after block ``layer``, ``[batch, position, d_model]``.
 RESIDUAL_HOOK = "blocks.{layer}.hook_resid_post"
-#: Where a TransformerBridge exposes each component (:mod:`~equivariance_probe.adapters.components`): the input
-#: of block 0 (the embedding as the model scales it), the attention's and the MLP's outputs, or their post-norms'
-#: where the block norms its outputs before adding them (Gemma 2/3: ``ln1_post``, ``ln2_post``, the Hugging Face
-#: ``post_attention_layernorm`` and ``post_feedforward_layernorm``), and the output projection's input (the heads
-#: side by side).
-COMPONENT_HOOKS = {"embedding": "blocks.0.hook_in", "attention": "blocks.{layer}.attn.hook_out",
-                   "attention_post": "blocks.{layer}.ln1_post.hook_out", "mlp": "blocks.{layer}.mlp.hook_out",
-                   "mlp_post": "blocks.{layer}.ln2_post.hook_out", "head": "blocks.{layer}.attn.o.hook_in"}
+#: The bridge's hooks on the components of the residual stream (:mod:`~equivariance_probe.adapters.components`):
+#: block 0's input (the embedding as the model scales it), each attention's and MLP's output, or their post-norms'
+#: (Gemma's ``ln1_post`` and ``ln2_post``), and the output projection's input (the heads side by side).
+COMPONENT_HOOKS = {"embedding": "blocks.0.hook_resid_pre", "attention": "blocks.{layer}.attn.hook_out",
+                   "mlp": "blocks.{layer}.mlp.hook_out", "attention_post": "blocks.{layer}.ln1_post.hook_out",
+                   "attention_post_in": "blocks.{layer}.ln1_post.hook_in", "mlp_post": "blocks.{layer}.ln2_post.hook_out",
+                   "projection_in": "blocks.{layer}.attn.o.hook_in"}
 
 
 def scores_hook_carries_weights(attention: Any) -> bool:
@@ -233,6 +232,8 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         on_residual: SegmentResidualCallback | None = None,
         position_start: torch.Tensor | None = None,
         predictions: bool = False,
+        components: Sequence[str] = (),
+        on_component: SegmentComponentCallback | None = None,
         capture: Sequence[str] = (),
         on_capture: ComponentCallback | None = None,
         patch: Mapping[str, torch.Tensor] | None = None,
@@ -244,11 +245,13 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         turns into ``hook_pattern``, the pattern the main probe reads. Where the bridge keeps the model's own
         attention (:attr:`weights_as_scores`), the hook carries the module's post-softmax weights instead, and their
         logarithm stands for the scores (:func:`scores_from_weights`: equal up to each row's log-normaliser, which
-        nothing the shift test reads depends on). The segment block and its row normalisers
-        are cut from them as every adapter cuts them (:func:`~equivariance_probe.adapters.segments.segment_block`),
+        nothing the shift test reads depends on). The segment block, its row normalisers and the rows' weights on
+        the text before the segment are cut from them as every adapter cuts them (:func:`~equivariance_probe.adapters.segments.segment_block`),
         in float32 (float64 for a float64 model); in half precision the scores carry the model dtype's rounding,
         where the Hugging Face adapter recomputes them in float32 from half-precision queries and keys. The
-        residual stream is ``hook_resid_post``; the predictions are the bridge's logits for the last
+        residual stream is ``hook_resid_post``; the attribution's components are the bridge's hooks of
+        :data:`COMPONENT_HOOKS` (the heads' pieces formed from ``attn.o.hook_in`` with the projection's weights, as
+        every adapter forms them); the predictions are the bridge's logits for the last
         :func:`~equivariance_probe.adapters.segments.kept_positions` positions (``logits_to_keep`` and
         ``position_ids`` go through the bridge to the Hugging Face model it runs). Components are captured and
         patched at the bridge's hook points (:data:`COMPONENT_HOOKS`, :meth:`component_hook`).
@@ -280,20 +283,22 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         hooks = [(SCORES_HOOK.format(layer=i), on_scores) for i in range(self._layout.n_layers)] \
             if on_attention is not None else []
         hooks += [(RESIDUAL_HOOK.format(layer=i), on_block) for i in range(self._layout.n_layers)]
+        if components and on_component is not None:
+            hooks += self._component_hooks(components, spans, on_component)
         patch = patch or {}
         for name in dict.fromkeys([*capture, *patch]):
             hook_name, head = self.component_hook(name)
             touch = partial(touch_component, spans=spans, name=name,
                             on_capture=on_capture if name in capture else None, values=patch.get(name))
 
-            def on_component(hidden: torch.Tensor, hook: Any, touch: Any = touch, head: int | None = head) -> torch.Tensor:
+            def on_patched(hidden: torch.Tensor, hook: Any, touch: Any = touch, head: int | None = head) -> torch.Tensor:
                 if head is not None and hidden.dim() == 4:  # [batch, position, head, head_dim] (Gemma 3's bridge)
                     touch(hidden[:, :, head])  # a view: replaced in place
                     return hidden
                 return touch(hidden, columns=None if head is None else head_columns(hidden.shape[-1],
                                                                                     self._layout.n_heads, head))
 
-            hooks.append((hook_name, on_component))
+            hooks.append((hook_name, on_patched))
         options: dict[str, Any] = {"use_cache": False}
         if position_start is not None:
             options["position_ids"] = shifted_position_ids(position_start, width).to(self.device)
@@ -312,6 +317,43 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
             self.check_layers_seen(seen)
         return log_probs
 
+    def _component_hooks(self, components: Sequence[str], spans: Any, on_component: SegmentComponentCallback
+                         ) -> list[tuple[str, Any]]:
+        """``(hook name, function)`` pairs that hand ``on_component`` the attribution's components at the segment."""
+        request = ComponentRequest.of(components)
+        parts = block_parts(self.model.original_model)
+        heads = HeadPieces(parts, self._layout.n_heads, request.heads, on_component)
+        hooks: list[tuple[str, Any]] = []
+        if request.embedding:
+            hooks.append((COMPONENT_HOOKS["embedding"],
+                          lambda hidden, hook: on_component("embedding", segment_rows(hidden, spans))))
+
+        def reader(name: str):
+            return lambda hidden, hook: on_component(name, segment_rows(hidden, spans))
+
+        def projection_input(layer: int):  # some bridges hand the heads unflattened, [batch, T, head, d_head]
+            return lambda z, hook: heads.projection_input(layer, segment_rows(z.flatten(2) if z.dim() == 4 else z, spans))
+
+        def attention(layer: int, post: bool, with_heads: bool):
+            def hook(hidden: torch.Tensor, hook: Any) -> None:
+                if with_heads and not post:
+                    heads.attention_output(layer)
+                on_component(f"attention.{layer}", segment_rows(hidden, spans))
+            return hook
+
+        def post_norm_input(layer: int):
+            return lambda hidden, hook: heads.attention_output(layer, segment_rows(hidden, spans))
+
+        for layer in sorted(set(request.blocks) | set(request.heads)):
+            post = parts[layer].post_norms
+            hooks.append((COMPONENT_HOOKS["attention_post" if post else "attention"].format(layer=layer),
+                          attention(layer, post, layer in request.heads)))
+            hooks.append((COMPONENT_HOOKS["mlp_post" if post else "mlp"].format(layer=layer), reader(f"mlp.{layer}")))
+            if layer in request.heads:
+                hooks.append((COMPONENT_HOOKS["projection_in"].format(layer=layer), projection_input(layer)))
+                if post:
+                    hooks.append((COMPONENT_HOOKS["attention_post_in"].format(layer=layer), post_norm_input(layer)))
+        return hooks
     def component_hook(self, name: str) -> tuple[str, int | None]:
         """``(hook point, head)`` where the bridge exposes component ``name`` (:data:`COMPONENT_HOOKS`; a head is
         its columns of the output projection's input).
@@ -325,7 +367,7 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
             raise InputError(f"component {name!r}: the model has layers 0 to {self._layout.n_layers - 1}")
         if kind in ("attention", "mlp") and COMPONENT_HOOKS[f"{kind}_post"].format(layer=layer) in self.model.hook_dict:
             kind = f"{kind}_post"
-        hook_name = COMPONENT_HOOKS[kind].format(layer=layer)
+        hook_name = COMPONENT_HOOKS["projection_in" if kind == "head" else kind].format(layer=layer)
         if hook_name not in self.model.hook_dict:
             raise AttentionCaptureError(f"this TransformerBridge has no hook point {hook_name!r} for component "
                                         f"{name!r}; run the Hugging Face model itself (framework huggingface)")
@@ -350,7 +392,7 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         def on_scores(scores: torch.Tensor, hook: Any) -> None:
             layer = int(hook.name.split(".")[1])
             rows = self._segment_rows(scores, layer, 0, start, int(tokens.shape[1]))
-            block, normaliser = segment_block(rows, start, windows[layer], causal=True)
+            block, normaliser, _ = segment_block(rows, start, windows[layer], causal=True)
             blocks[layer] = torch.exp(block - normaliser.unsqueeze(-1))
 
         def on_pattern(pattern: torch.Tensor, hook: Any) -> None:

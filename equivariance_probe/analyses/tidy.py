@@ -149,7 +149,8 @@ def shift_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[
     Per representation: ``offset_eta2``, ``context_eta2``, ``pair_eta2`` (shares of its variance, with
     intervals over segments) and ``offset_rms`` (in the representation's unit) for the model;
     ``offset_eta2`` per layer and per layer group. Predictions: ``loss`` per offset (nats),
-    ``js_offset``, ``js_context``, ``js_ratio``.
+    ``js_offset``, ``js_context``, ``js_ratio``. Sink mass: ``sink_first_key``, ``sink_preceding`` and
+    ``sink_segment`` per offset (mean attention weight), for the model and per layer group.
     """
     if not summary.get("n_segments"):
         return []
@@ -177,6 +178,16 @@ def shift_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[
         for name in ("js_offset", "js_context", "js_ratio"):
             rows.append(_row(identity, name, **_estimate(predictions.get(name)),
                              unit="ratio" if name == "js_ratio" else "nats"))
+    sink = summary.get("sink_mass") or {}
+    offsets = summary.get("offsets", [])
+    for part in (("first_key", "preceding", "segment") if sink else ()):
+        model, groups = _estimate(sink.get(part)), (sink.get("by_layer_group") or {}).get(part) or {}
+        for i, offset in enumerate(offsets):
+            picked = {key: (value[i] if isinstance(value, Sequence) else value) for key, value in model.items()}
+            rows.append(_row(identity, f"sink_{part}", **picked, offset=offset, unit="attention weight"))
+            for group, values in groups.items():
+                rows.append(_row(identity, f"sink_{part}", values[i], split="layer_group", layer_group=group,
+                                 offset=offset, unit="attention weight"))
     return rows
 
 

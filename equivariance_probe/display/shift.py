@@ -14,6 +14,10 @@ shift run decomposes. matplotlib and circuitsvis are imported when something is 
 * :func:`shift_loss_figure` — the segment's next-token loss by offset, with intervals.
 * :func:`shift_divergence_figure` — Jensen–Shannon divergence between offsets against between contexts, and
   their ratio.
+* :func:`shift_sink_figure` — the attention the segment's rows put on the window's first key and on the rest of
+  the text before it, by offset, one line per layer group (:meth:`~equivariance_probe.ShiftResult.sink_mass`).
+* :func:`shift_attribution_figure` — each component's share of the residual stream's offset and context sums
+  of squares after the target blocks (a run with attribution), with intervals.
 * :func:`shift_view` → :class:`ShiftView` — one head's segment block at two offsets, side by side.
 * :func:`shift_report_section`, :func:`render_shift_report` — all of it in the HTML report.
 """
@@ -54,11 +58,14 @@ __all__ = [
     "shift_divergence_figure",
     "shift_patching_figure",
     "shift_figures",
+    "shift_attribution_figure",
     "ShiftView",
     "shift_view",
     "most_moved_head",
     "shift_report_section",
     "render_shift_report",
+    "shift_sink_figure",
+    "sink_layer_groups",
     "INTERVAL_LEVEL",
 ]
 
@@ -210,6 +217,93 @@ def shift_divergence_figure(results: ShiftResult | Mapping[str, ShiftResult]) ->
                             f"{next(iter(variants.values())).model_name}", variants)
 
 
+def sink_layer_groups(result: ShiftResult) -> dict[str, tuple[int, ...]]:
+    """The layer groups of :func:`shift_sink_figure`: sliding-window and global layers for a model with both (Gemma
+    3), else every layer of a model with at most 4, else the thirds of its depth."""
+    groups = result.layer_groups()
+    if "sliding" in groups:
+        return {f"{name} layers": layers for name, layers in groups.items() if name != "all"}
+    n_layers = result.config.n_layers
+    if n_layers <= 4:
+        return {f"layer {layer}": (layer,) for layer in range(n_layers)}
+    thirds = np.array_split(np.arange(n_layers), 3)
+    return {f"layers {int(part[0])}–{int(part[-1])}": tuple(int(layer) for layer in part) for part in thirds}
+
+
+def shift_sink_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figure:
+    """Two panels by offset: the mean attention weight of the segment's rows on the window's first key (the BOS
+    sink where the tokenizer puts one first) and on the rest of the text before the segment, one line per layer
+    group (:func:`sink_layer_groups`) and variant (solid for the first, then dashed and dotted), with 95 %
+    interval bands over segments."""
+    plt = pyplot()
+    variants = _variants(results)
+    first = next(iter(variants.values()))
+    groups = sink_layer_groups(first)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), squeeze=False)
+    panels = (("first_key", "first key of the window"), ("preceding", "rest of the text before the segment"))
+    for ax, (part, what) in zip(axes[0], panels):
+        for number, (name, result) in enumerate(variants.items()):
+            style = ("-", "--", ":")[number % 3]
+            means = _number(result.sink_mass, part, by="layer_group", layer_groups=groups)
+            for index, (group, value) in enumerate(means.items()):
+                estimate, _ = _with_interval(value)
+                colour = colours[index % len(colours)]
+                label = group if len(variants) == 1 else f"{name}: {group}"
+                ax.plot(result.offsets, estimate, style, marker="o", ms=3, color=colour, label=label)
+                if isinstance(value, Interval):
+                    ax.fill_between(result.offsets, np.asarray(value.low, dtype=np.float64),
+                                    np.asarray(value.high, dtype=np.float64), color=colour, alpha=0.15, lw=0)
+        ax.set_xlabel("offset s (tokens of context before the segment)")
+        ax.set_ylabel("mean attention weight")
+        ax.set_ylim(bottom=0)
+        _axes_title(ax, f"on the {what}", fontsize=9)
+        ax.legend(fontsize=8)
+    figure_title(fig, f"Attention the segment puts before itself, by offset: {first.model_name} "
+                      f"({_interval_note(variants).replace('bars', 'bands')}; {_offset_meaning(first)})")
+    fig.tight_layout()
+    return fig
+def shift_attribution_figure(results: ShiftResult | Mapping[str, ShiftResult], layers: Sequence[int] | None = None,
+                             terms: Sequence[str] | None = None) -> Figure:
+    """Each component's share of the residual stream's sum of squares after each target block
+    (:meth:`~equivariance_probe.ShiftResult.attribution`): one panel per term and block, one bar per component and
+    variant, with 95 % intervals over segments. Heads (where the run split layers into heads) follow the blocks,
+    hatched: a head's share is a part of its attention's."""
+    plt = pyplot()
+    variants = _variants(results)
+    first = next(iter(variants.values()))
+    layers = tuple(first.attribution_layers() if layers is None else layers)
+    terms = tuple(terms or [t for t in ("offset", "context") if not (t == "context" and first.mode == "position_ids")])
+    panels = [(term, layer) for term in terms for layer in layers]
+    width = max(6.0, 0.22 * len(first.config.components) * len(variants) + 2)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(width, 3.2 * len(panels)), squeeze=False)
+    for ax, (term, layer) in zip(axes[:, 0], panels):
+        for number, (name, result) in enumerate(variants.items()):
+            shares = _number(result.attribution, layer, term)[layer]
+            components = list(shares)
+            estimate, error = _with_interval(_stacked(list(shares.values())))
+            positions = np.arange(len(components)) + 0.8 * (number + 0.5) / len(variants) - 0.4
+            bars = ax.bar(positions, estimate, width=0.8 / len(variants), yerr=error, capsize=2, label=name)
+            for bar, component in zip(bars, components):
+                if component.startswith("head."):
+                    bar.set_hatch("//")
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set_xticks(range(len(components)))
+        ax.set_xticklabels(components, rotation=90, fontsize=7)
+        ax.set_ylabel("share")
+        _axes_title(ax, f"{term} sum of squares of the residual stream after block {layer}")
+        ax.legend(fontsize=8)
+    return _titled(fig, None, f"Attribution, {first.model_name}: what each component writes of the residual "
+                   "stream's variation (block-level shares sum to 1)", variants, f"; {_offset_meaning(first)}")
+
+
+def _stacked(values: Sequence[Any]) -> Any:
+    """Per-component numbers as one: an :class:`~equivariance_probe.Interval` of arrays where they are intervals."""
+    if values and isinstance(values[0], Interval):
+        first = values[0]
+        return Interval(*(np.array([getattr(v, key) for v in values]) for key in ("estimate", "low", "high")),
+                        first.level, first.n_groups, np.array([v.standard_error for v in values]), first.method)
+    return np.asarray(values, dtype=np.float64)
 def _bars(numbers: Sequence[Any]) -> tuple[np.ndarray, np.ndarray | None]:
     """:func:`_with_interval` of several numbers (all intervals, or all estimates) side by side."""
     pairs = [_with_interval(number) for number in numbers]
@@ -273,17 +367,32 @@ def _format(number: Any) -> str:
 
 def shift_figures(result: ShiftResult, baselines: Mapping[str, ShiftResult] | None = None,
                   name: str = "trained") -> dict[str, Figure]:
-    """Every figure of a shift run: ``{"shift_layers", "shift_heads", "shift_loss", "shift_divergence"}`` (the last
-    two only where the run measured predictions), and ``"shift_patching"`` where it patched
+    """Every figure of a shift run: ``{"shift_layers", "shift_heads", "shift_loss", "shift_divergence",
+    "shift_sink", "shift_attribution"}`` (the loss and divergence only where the run measured predictions; the sink
+    mass only for the variants that hold it, none in a file written before it was kept; the attribution only where
+    it split the residual stream into components), and ``"shift_patching"`` where it patched
     (:func:`shift_patching_figure`), with the baselines beside ``result`` (called ``name``)."""
     variants = {name: result, **dict(baselines or {})}
     figures = {"shift_layers": shift_layers_figure(variants), "shift_heads": shift_heads_figure(result)}
     if result.config.predictions:
         figures["shift_loss"] = shift_loss_figure(variants)
         figures["shift_divergence"] = shift_divergence_figure(variants)
+    with_sink = {key: value for key, value in variants.items() if _has_sink_mass(value)}
+    if name in with_sink:
+        figures["shift_sink"] = shift_sink_figure(with_sink)
+    if result.config.components and all(other.config.components for other in variants.values()):
+        figures["shift_attribution"] = shift_attribution_figure(variants)
     if result.config.patch_components:
         figures["shift_patching"] = shift_patching_figure(result)
     return figures
+
+
+def _has_sink_mass(result: ShiftResult) -> bool:
+    try:
+        result.sink_mass()
+    except UndefinedStatisticError:
+        return False
+    return True
 
 
 # -- one head at two offsets (CircuitsVis) ------------------------------------------------------------------
@@ -493,6 +602,10 @@ def shift_report_section(result: ShiftResult, baselines: Mapping[str, ShiftResul
         "shift_heads": f"Per-head offset η² and pair η² (the equivariant part) of the centred logits, {name}",
         "shift_loss": "Next-token loss on the segment by offset (95 % intervals over segments)",
         "shift_divergence": "Jensen–Shannon divergence between offsets against between contexts, and their ratio",
+        "shift_sink": "Mean attention weight of the segment's rows on the window's first key and on the rest of the "
+                      "text before the segment, by offset and layer group (95 % interval bands over segments)",
+        "shift_attribution": "Each component's share of the residual stream's offset and context sums of squares after "
+                             "the target blocks (95 % intervals over segments)",
         "shift_patching": f"Activation patching, {name}: the share of the prediction change that goes away when a "
                           "component's output at the segment is the reference offset's (95 % intervals over segments)",
     }

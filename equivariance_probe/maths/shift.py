@@ -62,7 +62,15 @@ __all__ = [
     "offset_rms",
     "aggregate",
     "jensen_shannon",
+    "SINK_PARTS",
+    "sink_mass",
     "UNDEFINED_TOLERANCE",
+    "component_grams_reference",
+    "component_contributions",
+    "gram_sum_of_squares",
+    "component_shares",
+    "identity_difference",
+    "IDENTITY_FLOOR",
 ]
 
 #: The additive sums behind the decomposition (each ``[..., layer, head]``), in the order they are stored.
@@ -210,3 +218,128 @@ def jensen_shannon(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         terms = np.where(p > 0, p * (log_p - log_m), 0.0) + np.where(q > 0, q * (log_q - log_m), 0.0)
     return np.clip(0.5 * terms.sum(-1), 0.0, np.log(2.0))
+
+
+#: The parts of a segment row's attention that :func:`sink_mass` reports: on the window's first key, on the rest of
+#: the text before the segment, and on the segment itself (``1 −`` the other two).
+SINK_PARTS = ("first_key", "preceding", "segment")
+
+
+def sink_mass(first_key: np.ndarray, preceding: np.ndarray, rows: np.ndarray, part: str, by: str | None,
+              layer_groups: Mapping[str, Sequence[int]] | None = None) -> np.ndarray | dict[str, np.ndarray]:
+    """The mean attention weight of the segment's rows on one part of the window, per offset.
+
+    With ``a_ik`` row ``i``'s weight on key ``k`` and the segment starting at position ``t``:
+    ``first_key = mean a_i0`` (0 where ``t = 0``), ``preceding = mean Σ_{0<k<t} a_ik`` and
+    ``segment = 1 − first_key − preceding``, the mean over contexts, segments, the segment's rows and the heads
+    of the aggregate (every head counts once per row).
+
+    Args:
+        first_key, preceding: ``[..., layer, head, offset]`` the sums of the rows' weights on the first key and
+            on the rest of the text before the segment.
+        rows: ``[..., layer, offset]`` the rows behind them.
+        part: one of :data:`SINK_PARTS`.
+        by: ``"head"`` (``[..., layer, head, offset]``), ``"layer"`` (``[..., layer, offset]``), ``None``
+            (``[..., offset]``: every layer and head) or ``"layer_group"`` (``{group: [..., offset]}``).
+        layer_groups: ``{group: layer indices}`` for ``"layer_group"``.
+
+    Returns:
+        The means; NaN where no row was counted.
+    """
+    check_choice("part", part, SINK_PARTS)
+    check_choice("by", by, ("head", "layer", None, "layer_group"))
+    if by == "layer_group":
+        if not layer_groups:
+            raise InputError("by='layer_group' needs the model's layer groups")
+        return {group: _sink_mean(first_key[..., list(layers), :, :], preceding[..., list(layers), :, :],
+                                  rows[..., list(layers), :], part, None) for group, layers in layer_groups.items()}
+    return _sink_mean(first_key, preceding, rows, part, by)
+
+
+def _sink_mean(first_key: np.ndarray, preceding: np.ndarray, rows: np.ndarray, part: str, by: str | None
+               ) -> np.ndarray:
+    heads = first_key.shape[-2]
+    if by == "head":
+        weights, count = {"first_key": first_key, "preceding": preceding}, rows[..., None, :]
+    elif by == "layer":
+        weights, count = {"first_key": first_key.sum(-2), "preceding": preceding.sum(-2)}, heads * rows
+    else:
+        weights, count = ({"first_key": first_key.sum((-3, -2)), "preceding": preceding.sum((-3, -2))},
+                          heads * rows.sum(-2))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = {name: value / count for name, value in weights.items()}
+    return 1.0 - means["first_key"] - means["preceding"] if part == "segment" else means[part]
+def component_grams_reference(values: np.ndarray) -> dict[str, np.ndarray]:
+    """The attribution's Gram matrices of one segment's grid, by brute force (the reference the streaming sums
+    are tested against).
+
+    Args:
+        values: ``[C, F, S, m, d]``: component ``c`` at context ``f``, offset ``s``, segment token ``i``.
+
+    Returns:
+        ``{"offset": K_off, "context": K_ctx}``, each ``[C, C]``: with ``δ_s(c) = mean_f c[f, s] − mean_{f,s} c`` and
+        ``δ_f(c) = mean_s c[f, s] − mean_{f,s} c`` (vectors over ``(i, d)``),
+        ``K_off[c, c'] = F·Σ_s ⟨δ_s(c), δ_s(c')⟩`` and ``K_ctx[c, c'] = S·Σ_f ⟨δ_f(c), δ_f(c')⟩``.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    n, contexts, offsets = values.shape[:3]
+    flat = values.reshape(n, contexts, offsets, -1)
+    grand = flat.mean((1, 2), keepdims=True)
+    by_offset = (flat.mean(1, keepdims=True) - grand)[:, 0].reshape(n, -1)       # [C, S·E]
+    by_context = (flat.mean(2, keepdims=True) - grand)[:, :, 0].reshape(n, -1)   # [C, F·E]
+    return {"offset": contexts * by_offset @ by_offset.T, "context": offsets * by_context @ by_context.T}
+
+
+def component_contributions(gram: np.ndarray, rows: Sequence[int], columns: Sequence[int]) -> np.ndarray:
+    """``C_c = Σ_{c' ∈ columns} K[c, c']`` for each ``c`` of ``rows``: ``[..., len(rows)]`` of ``gram [..., C, C]``.
+
+    When ``columns`` are the components whose sum is the residual stream after a block (the embedding and every
+    attention and MLP up to it), ``C_c`` is component ``c``'s part of the residual stream's offset (context) sum
+    of squares: ``SS(r) = Σ ⟨δ(r), δ(r)⟩ = Σ_c ⟨δ(c), δ(r)⟩`` because ``δ`` is linear and ``r = Σ_c c``. A head is
+    a part of its attention (the heads' pieces and the output projection's bias, which does not move, add up to
+    it), so its row gives its part of the attention's."""
+    gram = np.asarray(gram, dtype=np.float64)
+    return gram[..., list(rows), :][..., list(columns)].sum(-1)
+
+
+def gram_sum_of_squares(gram: np.ndarray, columns: Sequence[int]) -> np.ndarray:
+    """``SS(r) = Σ_{c, c' ∈ columns} K[c, c']``: the sum of squares of the sum of the ``columns`` components."""
+    return component_contributions(gram, columns, columns).sum(-1)
+
+
+def component_shares(gram: np.ndarray, rows: Sequence[int], columns: Sequence[int]) -> np.ndarray:
+    """``C_c / SS(r)`` (:func:`component_contributions`, :func:`gram_sum_of_squares`): each component's share of
+    the residual stream's sum of squares, ``[..., len(rows)]``; the block-level components' shares sum to 1, and a
+    share can be negative (a component that cancels what the others write). NaN where ``SS(r)`` is 0."""
+    total = gram_sum_of_squares(gram, columns)
+    parts = component_contributions(gram, rows, columns)
+    defined = np.asarray(total) > 0
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(defined[..., None], parts / np.where(defined, total, 1.0)[..., None], np.nan)
+
+
+#: The identity check's floor on its scale, as a fraction of the residual stream's whole sum of squares: a term
+#: smaller than this (nothing moves: the context term of a model whose contexts are all one token) is judged
+#: against it, since the context Gram's streaming form (a difference of two sums over the grid) carries float64
+#: rounding of the offset's size, measured at 4e-16 of the whole on such a tiny GPT-2.
+IDENTITY_FLOOR = 1e-6
+
+
+def identity_difference(gram: np.ndarray, columns: Sequence[int], sum_of_squares: float, total: float = 0.0) -> float:
+    """``|Σ_c C_c − SS| / max(SS, Σ_c K[c, c], IDENTITY_FLOOR·SS_all)``: how far the components' contributions (from
+    the Gram matrix) are from the residual stream's own sum of squares ``SS`` (measured from the block's output).
+
+    The scale is the larger of ``SS`` and the components' own sums of squares, since rounding grows with the
+    components (where they cancel, ``SS`` is small and its rounding is theirs), but at least
+    :data:`IDENTITY_FLOOR` of ``total``, the residual stream's whole sum of squares ``SS_all``: a term that
+    nothing moves is rounding, and so is its difference. 0 where every scale is 0 and so is the difference. Beyond
+    rounding it says the residual stream is not the sum of the components (a norm after the addition, as in BERT's
+    blocks)."""
+    gram = np.asarray(gram, dtype=np.float64)
+    columns = list(columns)
+    found = float(gram_sum_of_squares(gram, columns))
+    scale = max(abs(float(sum_of_squares)), float(np.trace(gram[np.ix_(columns, columns)])),
+                IDENTITY_FLOOR * abs(float(total)))
+    if scale == 0:
+        return 0.0 if found == float(sum_of_squares) else float("inf")
+    return abs(found - float(sum_of_squares)) / scale

@@ -8,7 +8,7 @@ checks them, not the decomposition's maths.
 One file per result (:mod:`~equivariance_probe.records.container`):
 
 * tensors — every array of :data:`~equivariance_probe.statistics.shift.SHIFT_ARRAYS` (float64, ``[group, ...]``,
-  under its own name) and the segments' fingerprints as ``segment_fingerprints`` (uint64);
+  under its own name; one that the configuration keeps empty is not written) and the segments' fingerprints as ``segment_fingerprints`` (uint64);
 * header — ``kind`` (:data:`SHIFT_KIND`), ``format_version``, ``checksum``
   (:func:`~equivariance_probe.records.container.tensor_checksum` of every tensor), ``config``
   (:meth:`~equivariance_probe.statistics.shift.ShiftConfig.to_dict`), ``metadata`` (the run's), ``summary`` (the
@@ -21,8 +21,12 @@ array is read or allocated; :meth:`ShiftFile.statistics` reads the arrays on fir
 
 Versions: **1** — without the residual stream's sums per hidden dimension (its sums of squares were taken about
 one grand mean); **2** — adds ``residual/total_by_dim`` and the configuration's ``hidden_size`` and
-``residual_centre``; **3** — adds activation patching's ``patch/*`` arrays and the configuration's
-``patch_components`` and ``patch_reference``. What each version added is declared once, in :data:`SHIFT_ADDED`: an array that a file's
+``residual_centre``; **3** — adds the sink sums (``sink/first_key``, ``sink/preceding``, ``sink/rows``: the
+attention the segment's rows put on the window's first key and on the rest of the text before the segment, by
+offset), and the attribution's Gram matrices (``attribution/offset_gram``, ``attribution/context_gram``,
+``[group, C, C]``) with the configuration's ``components`` (empty, and the arrays ``[group, 0, 0]`` and not
+written, for a run without attribution), and activation patching's ``patch/*`` arrays with the configuration's
+``patch_components`` and ``patch_reference`` (likewise empty and not written without patching). What each version added is declared once, in :data:`SHIFT_ADDED`: an array that a file's
 version predates is filled in as that table says (an empty array of the older definition, or zeros that leave
 a representation the file never measured undefined), never read as missing.
 """
@@ -37,7 +41,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import ResultFileError, is_integer
+from ..adapters.components import parse_component
+from ..errors import InputError, ResultFileError, is_integer
 from ..statistics.config import shapes_of
 from ..statistics.shift import SHIFT_ARRAYS, ShiftConfig, ShiftStatistics
 from .container import Container, check_finite, read_container, read_tensors, tensor_checksum, write_container
@@ -74,6 +79,11 @@ class Added(NamedTuple):
 SHIFT_ADDED: dict[str, Added] = {
     "residual/total_by_dim": Added(2, "the residual stream's sums per hidden dimension (files of version 1 took its "
                                       "sums of squares about one grand mean)"),
+    "sink/": Added(3, "the attention the segment's rows put before the segment, by offset (zero rows: the sink "
+                      "mass of a file written before it was kept is undefined)"),
+    **{f"attribution/{term}_gram": Added(3, f"the attribution's {term} Gram matrix over the components (files of "
+                                            "versions 1 and 2 split nothing into components: no components, empty)")
+       for term in ("offset", "context")},
     "patch/": Added(3, "activation patching's sums (files before version 3 patched nothing: no items, empty arrays)"),
 }
 
@@ -86,7 +96,8 @@ def _added(name: str) -> Added | None:
 def write_shift_file(path: str | os.PathLike, statistics: ShiftStatistics, metadata: dict[str, Any],
                      summary: dict[str, Any]) -> Path:
     """Write one shift result atomically (the sums bitwise, the metadata and ``summary`` as JSON)."""
-    # An empty array (one the configuration keeps none of: no patched items) is not written; reading fills it in.
+    # An empty array (the attribution's Grams of a run without it) is not written: a file's reader fills in every
+    # array its configuration keeps empty (_checked_header), and safetensors' bytes of nothing have no use.
     tensors = {name: np.ascontiguousarray(value) for name, value in statistics.arrays.items() if value.size}
     tensors[FINGERPRINTS] = statistics.segment_fingerprints
     header = {"kind": SHIFT_KIND, "format_version": SHIFT_FORMAT_VERSION, "checksum": tensor_checksum(tensors),
@@ -229,6 +240,11 @@ def _check_config(config: dict[str, Any], require: Any) -> None:
     require(isinstance(windows, list) and len(windows) in (0, config["n_layers"])
             and all(w is None or is_integer(w, 1) for w in windows),
             f"'config.sliding_windows' must be a list of null or positive widths, one per layer, not {windows!r}")
+    components = config.get("components", [])
+    require(isinstance(components, list) and all(_is_component(name) for name in components)
+            and len(set(components)) == len(components),
+            f"'config.components' must be a list of distinct component names ('embedding', 'attention.<layer>', "
+            f"'mlp.<layer>', 'head.<layer>.<head>'), not {components!r}")
     if "patch_components" in config:
         items = config["patch_components"]
         require(isinstance(items, list) and all(isinstance(item, str) and item for item in items),
@@ -239,3 +255,11 @@ def _check_config(config: dict[str, Any], require: Any) -> None:
     if "hidden_size" in config:
         require(is_integer(config["hidden_size"], 0),
                 f"'config.hidden_size' must be an integer of at least 0, not {config['hidden_size']!r}")
+
+
+def _is_component(name: Any) -> bool:
+    try:
+        parse_component(name)
+    except InputError:
+        return False
+    return True

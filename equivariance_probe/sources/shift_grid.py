@@ -30,8 +30,8 @@ from ..statistics.options import Options
 from .packing import special_prefix
 
 __all__ = ["SHIFT_MODES", "ShiftGrid", "ShiftOptions", "SHIFT_FIELDS", "shift_grid", "check_shift_options",
-           "default_offsets", "split_documents", "DEFAULT_SHIFT", "DEFAULT_PATCH_SHIFT", "PATCH_KEYWORDS",
-           "check_patch", "resolve_patch"]
+           "default_offsets", "split_documents", "DEFAULT_SHIFT", "check_attribution", "check_attribution_layers",
+           "DEFAULT_PATCH_SHIFT", "PATCH_KEYWORDS", "check_patch", "resolve_patch"]
 
 SHIFT_MODES = ("text", "position_ids")
 #: Defaults of the study: 8 segments of 64 tokens, 4 contexts, 6 offsets, windows of at most 1024 tokens.
@@ -394,6 +394,11 @@ class ShiftOptions(Options):
         batch_size: windows per forward pass (one context at several offsets). Results do not depend on it.
         predictions: measure next-token predictions (``None``: for a causal language model with its head).
         interval_groups: groups of segments for the jackknife intervals; 0 for none (as for ``run``).
+        attribution: also split the residual stream's offset and context sums of squares into what each
+            component writes (the embedding, every block's attention and MLP): the Gram matrices of
+            :data:`~equivariance_probe.statistics.shift.ATTRIBUTION_ARRAYS`.
+        attribution_heads: layers whose attention is split further into its heads (with ``attribution``); a
+            head's state is as large as a block's, so heads are read only for the layers named.
         patch: activation patching (``False``: none): ``True`` for each block's attention and MLP, one at a time,
             or items as :func:`check_patch` reads them (``"attention.3,mlp.3"``, ``["heads.5"]``, ``"all"``);
             settled for the model by :meth:`resolved` (:func:`resolve_patch`: component names).
@@ -411,6 +416,8 @@ class ShiftOptions(Options):
     batch_size: int = 1
     predictions: bool | None = None
     interval_groups: int = DEFAULT_INTERVAL_GROUPS
+    attribution: bool = False
+    attribution_heads: tuple[int, ...] = ()
     patch: bool | str | tuple[str, ...] = False
     patch_reference: int = 0
 
@@ -426,6 +433,7 @@ class ShiftOptions(Options):
             f"{option('interval_groups', DEFAULT_INTERVAL_GROUPS)}"))
         if self.predictions is not None and not isinstance(self.predictions, bool):
             raise InputError(f"predictions must be True, False or None (the default for the model), not {self.predictions!r}")
+        object.__setattr__(self, "attribution_heads", check_attribution(self.attribution, self.attribution_heads))
         object.__setattr__(self, "patch", check_patch(self.patch))
         check_integer("patch_reference", self.patch_reference, minimum=0, message=(
             f"patch_reference must be the index of an offset (0: the smallest), not {self.patch_reference!r}; pass "
@@ -444,6 +452,7 @@ class ShiftOptions(Options):
             ContextLengthError: the model's window leaves a segment no room to move.
             InputError: a patched layer or head the model does not have, or ``patch_reference`` beyond the offsets.
         """
+        check_attribution_layers(self.attribution_heads, layout.n_layers)
         patch = resolve_patch(self.patch, layout.n_layers, layout.n_heads)
         if self.offsets is not None:
             return self.replace(patch=patch) if patch != self.patch else self
@@ -453,6 +462,37 @@ class ShiftOptions(Options):
         else:
             offsets = default_offsets(layout.max_context, prefix_length, self.segment_length, layout.sliding_windows)
         return self.replace(patch=patch, offsets=offsets)
+
+
+def check_attribution(attribution: Any, heads: Any) -> tuple[int, ...]:
+    """The layers of ``attribution_heads``, sorted and each once, checked with ``attribution`` (a bool).
+
+    Raises:
+        InputError: ``attribution`` not a bool, a layer that is not a non-negative integer, or heads without
+            attribution.
+    """
+    if not isinstance(attribution, bool):
+        raise InputError(f"attribution must be True or False, not {attribution!r}; pass {option('attribution', True)}")
+    if isinstance(heads, (str, bytes)) or not isinstance(heads, Iterable):
+        raise InputError(f"attribution_heads={heads!r} must be a list of layer indices; pass e.g. "
+                         f"{option('attribution_heads', [5, 6, 7])}")
+    layers = list(heads)
+    for layer in layers:
+        check_integer("attribution_heads", layer, minimum=0, message=(
+            f"attribution_heads must be layer indices (integers of at least 0); {layer!r} is not one (of {layers!r}): "
+            f"pass e.g. {option('attribution_heads', [5, 6, 7])}"))
+    if layers and not attribution:
+        raise InputError(f"attribution_heads={layers!r} splits the attribution's attention into heads, but attribution "
+                         f"is off; pass {option('attribution', True)} as well")
+    return tuple(sorted({int(layer) for layer in layers}))
+
+
+def check_attribution_layers(layers: Sequence[int], n_layers: int) -> None:
+    """Refuse attribution heads of a layer the model does not have (it has ``n_layers``)."""
+    beyond = [layer for layer in layers if layer >= n_layers]
+    if beyond:
+        raise InputError(f"attribution_heads names layer(s) {beyond}, but the model has {n_layers} layers (0 to "
+                         f"{n_layers - 1}); pass layers in that range")
 
 
 #: The names of :class:`ShiftOptions`' fields, in order.

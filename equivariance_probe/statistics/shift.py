@@ -15,7 +15,15 @@ which are added to the sums of the segment's interval group (``[group, layer, he
 :mod:`~equivariance_probe.statistics.engines.shift_sums`' torch-only functions, which a remote model's
 segment runs on the server, so :meth:`ShiftStatistics.add_segment_sums` adds sums from there exactly as
 from here. Predictions keep, per offset, the latest context's next-token probabilities (``S·(m−1)·V``
-float32, float64 for a float64 model; each window's overwrite the previous context's at its offset).
+float32, float64 for a float64 model; each window's overwrite the previous context's at its offset). The sink
+mass adds, per layer, head and offset, the sums of the rows' attention weights on the window's first key and on
+the rest of the text before the segment (:data:`SINK_ARRAYS`).
+
+With attribution (:attr:`ShiftConfig.components`), a segment also keeps per component ``c`` (the embedding,
+each block's attention and MLP, chosen heads) ``Σ_f (c − c₀)`` per offset and the current context's
+``Σ_s (c − c₀)`` (``C·(S + 2)·m·D`` float64 values in all), and at its end two Gram matrices ``[C, C]``
+(:data:`ATTRIBUTION_ARRAYS`), from which every component's share of the residual stream's offset and context
+sums of squares follows (:mod:`~equivariance_probe.maths.shift`).
 
 Every array is declared once, in :data:`SHIFT_ARRAYS`, as the attention statistics declare theirs
 (:class:`~equivariance_probe.statistics.config.Sum`: its shape in letters of :meth:`ShiftConfig.sizes`,
@@ -28,6 +36,7 @@ caller) and a merge refuses a segment counted twice.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,18 +48,26 @@ from .config import Sum, merge_arrays, shapes_of
 from .engines.shift_sums import (
     PREDICTION_CHUNK,
     ATTENTION_REPRESENTATIONS,
+    ATTRIBUTION_GRAMS,
     DECOMPOSITION_SUMS,
     REPRESENTATION_LABELS,
     REPRESENTATION_UNITS,
     REPRESENTATIONS,
     TOTAL_BY_DIM,
     VECTOR_REPRESENTATIONS,
+    SINK_SUMS,
+    add_component_to_state,
     add_prediction_sums,
+    add_sink_sums,
     add_to_cell,
+    component_grams,
     counted_entries,
     end_context_of_cell,
+    end_context_of_components,
     grid_sums,
     jensen_shannon_from,
+    new_component_state,
+    new_sink_sums,
     next_token_distribution,
     segment_representations,
 )
@@ -64,6 +81,8 @@ __all__ = [
     "RESIDUAL_CENTRES",
     "DECOMPOSITION_SUMS",
     "PREDICTION_ARRAYS",
+    "SINK_ARRAYS",
+    "ATTRIBUTION_ARRAYS",
     "SHIFT_ARRAYS",
     "ShiftConfig",
     "ShiftStatistics",
@@ -91,6 +110,13 @@ PREDICTION_ARRAYS: dict[str, Sum] = {
     "js_context_sum": Sum("G O", "Σ JS between consecutive contexts at one offset, over positions"),
     "js_context_count": Sum("G O", "pairs behind js_context_sum"),
 }
+#: The attention the segment's rows put before the segment, by offset (the sink mass): sums over contexts and the
+#: segment's rows (:func:`~equivariance_probe.statistics.engines.shift_sums.add_sink_sums`).
+SINK_ARRAYS: dict[str, Sum] = dict(zip(SINK_SUMS, (
+    Sum("G L H O", "Σ attention weight on the window's first key (the prefix token, else the context's first)"),
+    Sum("G L H O", "Σ attention weight on the rest of the text before the segment (positions 1 .. start − 1)"),
+    Sum("G L O", "segment rows behind the sink sums"),
+)))
 _DECOMPOSITION_MEANINGS = {
     "count": "entries (i, j) or (i, d) of every cell of the grid",
     "total": "Σ Y over every entry and cell of the grid",
@@ -98,6 +124,15 @@ _DECOMPOSITION_MEANINGS = {
     "within": "Σ over entries of Σ (Y − entry mean)²",
     "offset": "SS_offset: Σ over entries of F·Σ_s (offset mean − entry mean)²",
     "context": "SS_context: Σ over entries of S·Σ_f (context mean − entry mean)²",
+}
+#: The attribution's Gram matrices over the components (``C`` of them, :attr:`ShiftConfig.components`; 0 when no
+#: attribution was asked for, so a plain run's arrays are empty): additive over segments, and every component's
+#: share of the residual stream's offset (context) sum of squares is a sum of their entries
+#: (:func:`~equivariance_probe.maths.shift.component_contributions`).
+ATTRIBUTION_ARRAYS: dict[str, Sum] = {
+    f"attribution/{term}_gram": Sum("G C C", f"K[c, c'] = {factor}·Σ ⟨δ_{index}(c), δ_{index}(c')⟩ over segment tokens "
+                                    f"and {what}: the components' {term} effects' inner products")
+    for term, factor, index, what in (("offset", "F", "s", "offsets"), ("context", "S", "f", "contexts"))
 }
 #: Activation patching's sums (``P`` patched items, 0 where patching was not asked for): for each item ``p``
 #: (one component, or several joined by :data:`PATCH_SEPARATOR` and patched together) and offset ``s``, the
@@ -120,6 +155,8 @@ SHIFT_ARRAYS: dict[str, Sum] = {
                                     "squares are taken (empty in a file of the grand-mean definition)")
        for rep in VECTOR_REPRESENTATIONS},
     **PREDICTION_ARRAYS,
+    **SINK_ARRAYS,
+    **ATTRIBUTION_ARRAYS,
     **PATCH_ARRAYS,
     "segments": Sum("G", "segments counted in each interval group"),
 }
@@ -131,7 +168,8 @@ SHIFT_ARRAYS: dict[str, Sum] = {
 #: recovered from their sums).
 RESIDUAL_CENTRES = ("mean_vector", "grand_mean")
 #: What a file's configuration without a key meant when it was written (before the mean vector was kept).
-_FILE_DEFAULTS = {"hidden_size": 0, "residual_centre": "grand_mean", "patch_components": (), "patch_reference": 0}
+_FILE_DEFAULTS = {"hidden_size": 0, "residual_centre": "grand_mean", "components": (), "patch_components": (),
+                  "patch_reference": 0}
 
 
 def patch_parts(item: str) -> tuple[str, ...]:
@@ -160,6 +198,8 @@ class ShiftConfig:
         hidden_size: ``D``, the residual stream's width (0 where the per-dimension sums were not kept).
         residual_centre: one of :data:`RESIDUAL_CENTRES`: about what the residual stream's sums of squares
             were taken.
+        components: the attribution's components (``"embedding"``, ``"attention.{l}"``, ``"mlp.{l}"``,
+            ``"head.{l}.{h}"``), the rows and columns of its Gram matrices; empty without attribution.
         patch_components: the patched items (``P``), each a component name
             (:mod:`~equivariance_probe.adapters.components`) or several joined by :data:`PATCH_SEPARATOR`;
             empty without patching.
@@ -179,6 +219,7 @@ class ShiftConfig:
     predictions: bool = True
     hidden_size: int = 0
     residual_centre: str = "mean_vector"
+    components: tuple[str, ...] = ()
     patch_components: tuple[str, ...] = ()
     patch_reference: int = 0
 
@@ -197,7 +238,8 @@ class ShiftConfig:
     def sizes(self) -> dict[str, int]:
         """The letters of :data:`SHIFT_ARRAYS`' shapes."""
         return {"G": self.rows, "L": self.n_layers, "H": self.n_heads, "O": len(self.offsets), "1": 1,
-                "D": self.hidden_size if self.residual_centre == "mean_vector" else 0, "P": len(self.patch_components)}
+                "D": self.hidden_size if self.residual_centre == "mean_vector" else 0, "C": len(self.components),
+                "P": len(self.patch_components)}
 
     @property
     def rows(self) -> int:
@@ -215,7 +257,8 @@ class ShiftConfig:
                 "prefix_length": self.prefix_length, "mode": self.mode, "interval_groups": self.interval_groups,
                 "causal": self.causal, "sliding_windows": list(self.sliding_windows), "predictions": self.predictions,
                 "hidden_size": self.hidden_size, "residual_centre": self.residual_centre,
-                "patch_components": list(self.patch_components), "patch_reference": self.patch_reference}
+                "components": list(self.components), "patch_components": list(self.patch_components),
+                "patch_reference": self.patch_reference}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ShiftConfig:
@@ -223,6 +266,7 @@ class ShiftConfig:
         (:data:`_FILE_DEFAULTS`)."""
         return cls(**{**_FILE_DEFAULTS, **data, "offsets": tuple(data["offsets"]),
                       "sliding_windows": tuple(data["sliding_windows"]),
+                      "components": tuple(data.get("components", ())),
                       "patch_components": tuple(data.get("patch_components", ()))})
 
 
@@ -257,9 +301,16 @@ class SegmentGrid:
         #: Per offset, the latest context's next-token distributions (:func:`next_token_distribution`).
         self.distributions: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(config.offsets)
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: The attribution's running sums over the components (``shift_sums.new_component_state``).
+        self._components = new_component_state(list(config.components), len(config.offsets))
+        self._known_components = frozenset(config.components)
+        #: The largest relative difference between the heads' pieces (with the bias) and their attention's output.
+        self.heads_difference = 0.0
         # One segment's predictions: the shapes without the group letter.
         self.predictions = {name: np.zeros(shape[1:])
                             for name, shape in shapes_of(PREDICTION_ARRAYS, config.sizes(), config).items()}
+        #: The attention before the segment, by offset (:data:`SINK_ARRAYS` without the group letter).
+        self.sink = new_sink_sums(config.n_layers, config.n_heads, len(config.offsets))
         # Patching: one segment's divergences ([P, O]) and, per item and offset, Σ_f of the last block's residual
         # stream on the patched grid ([P, O, m·d], filled on first use; the reference offset's column is the clean
         # run's, read from the residual cell when the grid is complete).
@@ -276,6 +327,22 @@ class SegmentGrid:
         self._seen.add(key)
         add_to_cell(self._cells.setdefault((representation, layer), {}), values, offset_index, len(self.config.offsets))
 
+    def add_component(self, name: str, offset_index: int, values: torch.Tensor) -> None:
+        """``values: [m, d]``: component ``name`` (one of :attr:`ShiftConfig.components`) at the segment's tokens,
+        for the current context at one offset."""
+        if name not in self._known_components:
+            raise InputError(f"component {name!r} is not one of this run's components ({len(self._known_components)} "
+                             "declared in ShiftConfig.components)")
+        if (name, offset_index) in self._components["seen"]:
+            raise InputError(f"component {name} at offset index {offset_index} was added twice in one context")
+        add_component_to_state(self._components, name, offset_index, values)
+
+    def add_heads_difference(self, value: float) -> None:
+        """Note one forward pass's :class:`~equivariance_probe.adapters.segments.HeadsCheck` difference (the largest
+        is kept in :attr:`heads_difference`; a NaN, heads that were not all seen, is kept for good)."""
+        if math.isnan(value) or value > self.heads_difference:
+            self.heads_difference = value if not math.isnan(self.heads_difference) else self.heads_difference
+
     def add_predictions(self, offset_index: int, log_probs: torch.Tensor, targets: torch.Tensor) -> None:
         """``log_probs: [m − 1, vocab]`` next-token log-probabilities at the segment's positions but the last,
         ``targets: [m − 1]`` the segment's own next tokens, for the current context at one offset
@@ -283,6 +350,11 @@ class SegmentGrid:
         sums = {name: torch.from_numpy(value) for name, value in self.predictions.items()}  # views: added in place
         add_prediction_sums(sums, self.distributions, self._current, offset_index, log_probs, targets)
 
+    def add_sink(self, layer: int, offset_index: int, sink: torch.Tensor) -> None:
+        """``sink: [head, m, 2]``, each segment row's attention weight on the window's first key and on the rest of
+        the text before the segment, for the current context at one offset
+        (:func:`~equivariance_probe.statistics.engines.shift_sums.add_sink_sums`)."""
+        add_sink_sums(self.sink, layer, offset_index, sink)
     def add_patched(self, item: int, offset_index: int, log_probs: torch.Tensor | None,
                     last_residual: torch.Tensor) -> None:
         """One patched window of the current context, after the context's clean windows: patched item ``item``
@@ -332,6 +404,12 @@ class SegmentGrid:
         if self._seen != expected:
             missing = sorted(expected - self._seen)[:3]
             raise InputError(f"a context of the segment's grid is incomplete (missing {missing}); every offset must run")
+        if self.config.components:
+            expected_components = len(self.config.components) * len(self.config.offsets)
+            if len(self._components["seen"]) != expected_components:
+                raise InputError(f"a context of the segment's grid holds {len(self._components['seen'])} of its "
+                                 f"{expected_components} component values; every component must be added at every offset")
+            end_context_of_components(self._components)
         patched = {(p, s) for p in range(len(self.config.patch_components)) for s in range(len(self.config.offsets))
                    if s != self.config.patch_reference}
         if self._patched_seen != patched:
@@ -345,13 +423,18 @@ class SegmentGrid:
         self.contexts_done += 1
 
     def sums(self) -> dict[str, np.ndarray]:
-        """The segment's :data:`DECOMPOSITION_SUMS` per representation (``"{rep}/{name}": [layer, head]``) and
-        its prediction sums (``[offset]``, ``[offset, offset]``)."""
+        """The segment's :data:`DECOMPOSITION_SUMS` per representation (``"{rep}/{name}": [layer, head]``), its
+        prediction sums (``[offset]``, ``[offset, offset]``) and its sink sums (:data:`SINK_ARRAYS`)."""
         if self.contexts_done != self.config.n_contexts:
             raise InputError(f"the segment's grid has {self.contexts_done} contexts done of {self.config.n_contexts}")
         sums = grid_sums(self._cells, self.config.n_layers, self.config.n_heads, self.contexts_done,
                          len(self.config.offsets), self.config.sizes()["D"])
-        return {name: value.numpy() for name, value in sums.items()} | self.predictions | self._patch_sums()
+        sums = ({name: value.numpy() for name, value in sums.items()} | self.predictions
+                | {name: value.numpy() for name, value in self.sink.items()} | self._patch_sums())
+        if self.config.components:
+            grams = component_grams(self._components)
+            sums |= {f"attribution/{term}_gram": grams[term].numpy() for term in ATTRIBUTION_GRAMS}
+        return sums
 
     def _patch_sums(self) -> dict[str, np.ndarray]:
         """The segment's patching sums: the divergences, and ``SS_offset = F·Σ_{s,e} (Ȳ_se − Ȳ_e)²`` of the last

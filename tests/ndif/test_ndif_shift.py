@@ -117,3 +117,25 @@ def test_connection_dropped_mid_shift_keeps_finished_segments_and_the_rest_merge
     assert partial.statistics.n_segments == 1
     rest = probe.shift(segments[1:], contexts, **options)
     assert_same_sums(partial + rest, local_shift(folder, "text"))
+
+
+def test_the_block_level_attribution_on_the_server_equals_the_local_run(ndif_server):
+    """The attribution's Gram matrices are summed in the segment's session on the server, with its other sums, and
+    come back as sums alone: equal to the local run's to float32 rounding (``rtol=1e-5``) relative to the
+    matrix's largest entry, and the identity check holds there as here."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = ndif_server.folders["gemma"]
+    segments, contexts = design()
+    options = {"offsets": OFFSETS, "segment_length": M, "batch_size": 3, "progress": False, "interval_groups": 3,
+               "attribution": True}
+    remote = EquivarianceProbe(NNsightAdapter(client_model(folder), remote=True)).shift(segments, contexts, **options)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    expected = EquivarianceProbe(model, tokenizer=AutoTokenizer.from_pretrained(folder)).shift(segments, contexts,
+                                                                                                **options)
+    assert remote.config.components == expected.config.components
+    for term in ("offset", "context"):
+        name = f"attribution/{term}_gram"
+        value = np.asarray(expected.statistics.arrays[name])
+        np.testing.assert_allclose(remote.statistics.arrays[name], value, rtol=0, atol=1e-5 * np.abs(value).max())
+    assert remote.metadata["attribution_check"]["passed"] is True

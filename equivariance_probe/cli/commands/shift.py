@@ -69,6 +69,13 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=SHIFT_MODES, default="text",
                         help="text (default): context tokens precede the segment; position_ids: the segment alone with "
                              "its position ids moved")
+    parser.add_argument("--attribution", action="store_true",
+                        help="also split the residual stream's offset and context sums of squares into what the "
+                             "embedding and each block's attention and MLP write (shift_attribution figure, attribution "
+                             "table)")
+    parser.add_argument("--attribution-heads", type=int_list, default=[],
+                        help="comma-separated layers whose attention is split into heads too, with --attribution "
+                             "(e.g. 5,6,7; each head's state is as large as a block's)")
     add_shared_options(parser, "checkpoint_every", "resume", differ={"checkpoint_every": (
         {"default": DEFAULT_SHIFT_CHECKPOINT_EVERY, "help": "save a checkpoint in OUT/checkpoint every N segments (0: never)"},
         "default 1: a segment's grid is many forward passes, its checkpoint one small file")})
@@ -90,8 +97,9 @@ def handle(args: argparse.Namespace) -> int:
     check_writable(out)
     args.checkpoint_folder = out / CHECKPOINT_FOLDER  # for the note of a study that stops (see main)
     options = ShiftOptions(offsets=args.offsets, segment_length=args.segment_length, mode=args.mode,
-                           batch_size=args.batch_size, interval_groups=args.interval_groups, patch=args.patch,
-                           patch_reference=args.patch_reference)
+                           batch_size=args.batch_size, interval_groups=args.interval_groups,
+                           attribution=args.attribution, attribution_heads=tuple(args.attribution_heads),
+                           patch=args.patch, patch_reference=args.patch_reference)
     study = run_shift_study(model_source_of(args), out, options, corpus=read_documents(args),
                             n_segments=args.n_segments, n_contexts=args.n_contexts, baselines=args.baselines,
                             seed=args.seed, checkpoint_every=args.checkpoint_every, resume=args.resume,

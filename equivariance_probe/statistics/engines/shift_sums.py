@@ -12,7 +12,8 @@ cancels): ``shift = c [head, E]``, ``by_offset = Σ_f Y[f, s, e] [head, S, E]``,
 ``square = Σ (Y − c)²``, ``context_row`` (the current context's ``Σ_s (Y − c)``) and
 ``context_square = Σ_f (Σ_s (Y − c))²``. :func:`grid_sums` turns the cells into the segment's
 :data:`DECOMPOSITION_SUMS` (and, for the residual stream, its sums per hidden dimension);
-:func:`add_prediction_sums` adds one window's next-token predictions.
+:func:`add_prediction_sums` adds one window's next-token predictions; :func:`add_sink_sums` adds one window's
+attention weights on the text before the segment (the sink mass by offset).
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ __all__ = [
     "jensen_shannon_from",
     "add_prediction_sums",
     "PREDICTION_CHUNK",
+    "SINK_SUMS",
+    "new_sink_sums",
+    "add_sink_sums",
+    "ATTRIBUTION_GRAMS",
+    "new_component_state",
+    "add_component_to_state",
+    "end_context_of_components",
+    "component_grams",
 ]
 
 class Representation(NamedTuple):
@@ -194,6 +203,31 @@ def grid_sums(cells: dict, n_layers: int, n_heads: int, n_contexts: int, n_offse
     return out
 
 
+#: One segment's sums of the attention its rows put before the segment, by offset: ``sink/first_key`` and
+#: ``sink/preceding`` (``[layer, head, offset]``: Σ over contexts and segment rows of the weight on the window's
+#: first key, and on the rest of the text before the segment) and ``sink/rows`` (``[layer, offset]``: the rows
+#: behind them).
+SINK_SUMS = ("sink/first_key", "sink/preceding", "sink/rows")
+
+
+def new_sink_sums(n_layers: int, n_heads: int, n_offsets: int) -> dict:
+    """One segment's :data:`SINK_SUMS`, zero, float64 on the CPU."""
+    first_key, preceding, rows = SINK_SUMS
+    return {first_key: torch.zeros((n_layers, n_heads, n_offsets), dtype=torch.float64),
+            preceding: torch.zeros((n_layers, n_heads, n_offsets), dtype=torch.float64),
+            rows: torch.zeros((n_layers, n_offsets), dtype=torch.float64)}
+
+
+def add_sink_sums(sums: dict, layer: int, offset_index: int, sink: torch.Tensor) -> None:
+    """Add one window's ``sink: [head, m, 2]`` (each segment row's weight on the window's first key and on the
+    rest of the text before the segment) at ``layer`` and one offset to :func:`new_sink_sums`' ``sums``."""
+    first_key, preceding, rows = SINK_SUMS
+    totals = sink.detach().to(torch.float64).sum(1).cpu()  # [head, 2]
+    sums[first_key][layer, :, offset_index] += totals[:, 0]
+    sums[preceding][layer, :, offset_index] += totals[:, 1]
+    sums[rows][layer, offset_index] += sink.shape[1]
+
+
 def new_prediction_sums(n_offsets: int) -> dict:
     """One segment's :data:`PREDICTION_SUMS`, zero, float64 on the CPU."""
     return {name: torch.zeros((n_offsets,) * rank, dtype=torch.float64) for name, rank in PREDICTION_SUMS}
@@ -298,3 +332,81 @@ def add_prediction_sums(sums: dict, latest: list, current: dict, offset_index: i
         sums["js_offset_count"][low, high] += n
     current[offset_index] = kept
     latest[offset_index] = kept
+
+
+#: The attribution's Gram matrices of one segment, ``[C, C]`` over its components: ``"offset"``
+#: ``K_off[c, c'] = F·Σ_{s,i} ⟨δ_s(c), δ_s(c')⟩`` and ``"context"`` ``K_ctx[c, c'] = S·Σ_{f,i} ⟨δ_f(c), δ_f(c')⟩``.
+ATTRIBUTION_GRAMS = ("offset", "context")
+
+
+#: Entries per block of the offset Gram's product: ``C × chunk`` float64 values are copied at a time.
+GRAM_CHUNK = 1 << 16
+
+
+def new_component_state(names: list, n_offsets: int) -> dict:
+    """The running sums of one segment's grid for the attribution's components ``names`` (empty cells, filled on
+    first use): per component ``shift = c`` (its first value, ``[E]``: Welford's shift, so no Gram term cancels),
+    ``by_offset = Σ_f (Y − c) [S, E]`` and ``context_row`` (the current context's ``Σ_s (Y − c)``, ``[E]``);
+    for the whole set ``context_gram = Σ_f ⟨B_f(c), B_f(c')⟩ [C, C]``, ``B_f`` the context rows. Memory:
+    ``C·(S + 2)·E`` float64 values, ``E = m·d``."""
+    return {"names": list(names), "n_offsets": n_offsets, "cells": {}, "seen": [], "context_gram": None,
+            "contexts": 0}
+
+
+def add_component_to_state(state: dict, name: str, offset_index: int, values: torch.Tensor) -> None:
+    """Add component ``name``'s ``values`` (``[m, d]``, any shape: flattened) at one offset of the current context."""
+    y = values.detach().reshape(-1).to(torch.float64)
+    cell = state["cells"].get(name)
+    if cell is None:
+        cell = {"shift": y.clone(),
+                "by_offset": torch.zeros((state["n_offsets"], y.shape[0]), dtype=torch.float64, device=y.device),
+                "context_row": torch.zeros_like(y)}
+        state["cells"][name] = cell
+    centred = y - cell["shift"]
+    cell["by_offset"][offset_index] += centred
+    cell["context_row"] += centred
+    state["seen"].append((name, offset_index))
+
+
+def end_context_of_components(state: dict) -> None:
+    """Close the current context: ``context_gram += R·Rᵀ`` with ``R [C, E]`` the components' context rows
+    (in the order of ``state["names"]``), and new rows."""
+    cells = state["cells"]
+    if not cells:
+        return
+    rows = torch.stack([cells[name]["context_row"] for name in state["names"]])
+    gram = rows @ rows.T
+    state["context_gram"] = gram if state["context_gram"] is None else state["context_gram"] + gram
+    for name in state["names"]:
+        cells[name]["context_row"].zero_()
+    state["seen"] = []
+    state["contexts"] += 1
+
+
+def component_grams(state: dict) -> dict:
+    """A finished grid's Gram matrices (:data:`ATTRIBUTION_GRAMS`), float64 ``[C, C]`` on the CPU.
+
+    With ``b_s = Σ_f (Y_fs − c)``, ``T = Σ_s b_s`` and ``B_f`` the context rows (``F`` contexts, ``S`` offsets):
+    ``δ_s = b_s/F − T/(F·S)`` (the shift ``c`` cancels), ``K_off = F·Σ_s δ_s·δ_sᵀ`` and
+    ``K_ctx = Σ_f B_f·B_fᵀ / S − T·Tᵀ/(F·S)``. The offset term is formed from the offset means themselves (no
+    difference of large sums). Each component's ``by_offset`` is overwritten by its ``δ`` (the grid is finished;
+    no copy of the state is made), so a state gives its Grams once."""
+    names, cells = state["names"], state["cells"]
+    n = len(names)
+    if not cells or n == 0:
+        zeros = torch.zeros((n, n), dtype=torch.float64)
+        return {"offset": zeros, "context": zeros.clone()}
+    contexts, offsets = state["contexts"], state["n_offsets"]
+    totals = torch.stack([cells[name]["by_offset"].sum(0) for name in names])          # [C, E]: T
+    context = state["context_gram"] / offsets - (totals @ totals.T) / (contexts * offsets)
+    deltas = []
+    for k, name in enumerate(names):
+        delta = cells[name]["by_offset"]
+        delta.div_(contexts).sub_(totals[k] / (contexts * offsets))                    # [S, E]: δ_s
+        deltas.append(delta.reshape(-1))
+    offset = torch.zeros((n, n), dtype=torch.float64, device=totals.device)
+    width = deltas[0].shape[0]
+    for first in range(0, width, GRAM_CHUNK):  # a [C, chunk] copy at a time, not a second copy of the state
+        block = torch.stack([delta[first : first + GRAM_CHUNK] for delta in deltas])
+        offset += block @ block.T
+    return {"offset": (contexts * offset).cpu(), "context": context.cpu()}
