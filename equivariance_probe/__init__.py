@@ -74,6 +74,7 @@ from .display.shift import (
     render_shift_report,
     shift_attribution_figure,
     shift_figures,
+    shift_patching_figure,
     shift_report_section,
     shift_view,
 )
@@ -199,6 +200,7 @@ __all__ = [
     "ShiftView",
     "shift_figures",
     "shift_attribution_figure",
+    "shift_patching_figure",
     "shift_report_section",
     "render_shift_report",
     # further analyses
