@@ -2,7 +2,7 @@
 
 Place in the seams: one part of :mod:`~equivariance_probe.shift_result`, below its class: :func:`shift_check` (layer
 0's offset η² under rotary positions) and :func:`attribution_check` (the components add up to the residual stream),
-with their tolerances by dtype;
+with their tolerances by dtype, both written into a finished run's metadata by :func:`record_checks`;
 :func:`check_verdict` and :func:`number_cell` write them and the other numbers in a table. :data:`SHARE_BY`, the
 split axes, is shared by the class's core and its mechanisms.
 """
@@ -10,16 +10,18 @@ split axes, is shared by the class's core and its mechanisms.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import AttributionIdentityError
 from ..maths.intervals import Interval, format_interval
 
 if TYPE_CHECKING:
     from .core import ShiftResult
 
-__all__ = ["shift_check", "SHIFT_CHECK_TOLERANCE", "attribution_check", "attribution_failure", "ATTRIBUTION_TOLERANCE",
+__all__ = ["shift_check", "SHIFT_CHECK_TOLERANCE", "attribution_check", "attribution_failure", "record_checks", "ATTRIBUTION_TOLERANCE",
            "ATTRIBUTION_TERMS", "HEADS_TOLERANCE", "check_verdict", "number_cell", "SHARE_BY"]
 
 #: ``by`` choices of the shares (and of the sink mass).
@@ -84,6 +86,26 @@ def attribution_check(result: ShiftResult, *, dtype: str, heads_difference: floa
         if heads_tolerance is not None and check["passed"] is not False:
             check["passed"] = bool(heads_difference <= heads_tolerance)
     return check
+
+
+def record_checks(result: ShiftResult, *, has_rotary: bool, dtype: str,
+                  head_differences: Sequence[float | None] = ()) -> None:
+    """Write a finished run's built-in checks into ``result.metadata``: ``"check"`` (:func:`shift_check`) and, for a
+    run with attribution, ``"attribution_check"`` (:func:`attribution_check`, with the largest of
+    ``head_differences``, one per segment, where heads were read).
+
+    Raises:
+        AttributionIdentityError: the attribution's check failed; the error keeps ``result``, its check marked.
+    """
+    result.metadata["check"] = shift_check(result, has_rotary=has_rotary, dtype=dtype)
+    if not result.config.components:
+        return
+    with_heads = any(name.startswith("head.") for name in result.config.components)
+    result.metadata["attribution_check"] = check = attribution_check(
+        result, dtype=dtype,
+        heads_difference=max((h for h in head_differences if h is not None), default=None) if with_heads else None)
+    if check["passed"] is False:
+        raise AttributionIdentityError(attribution_failure(check), result=result)
 
 
 def attribution_failure(check: dict[str, Any]) -> str:
