@@ -29,7 +29,6 @@ from .adapters import Adapter, get_adapter
 from .adapters.checks import FirstBatchChecks, run_first_batch_checks
 from .adapters.segments import capture_segment_grid
 from .errors import (
-    AttributionIdentityError,
     ContextLengthError,
     EmptyCorpusError,
     InputError,
@@ -40,7 +39,7 @@ from .errors import (
 from .progress import STOP_REQUESTED, _bar_class, _stop_if_requested, keeping_partial, progress_bar  # noqa: F401 - _bar_class: imported from here by tests
 from .records.provenance import corpus_fingerprint, run_metadata, window_fingerprint, window_fingerprints
 from .result import ProbeResult
-from .shift_result import ShiftResult, attribution_check, attribution_failure, shift_check
+from .shift_result import ShiftResult, record_checks
 from .sources.devices import resolve_device
 from .sources.packing import PackedWindows, first_token_record, special_prefix, windows_record
 from .sources.shift_grid import ShiftOptions, shift_grid
@@ -493,17 +492,8 @@ class EquivarianceProbe:
                     on_segment(result)
         result.metadata["complete"] = True
         # Every adapter that runs the shift test holds a Hugging Face model (raw weights) inside.
-        dtype = str(self.adapter.dtype).replace("torch.", "")
-        result.metadata["check"] = shift_check(result, has_rotary=bool(rotary_modules(hf_model_of(self.adapter.model))),
-                                               dtype=dtype)
-        if result.config.components:
-            with_heads = any(name.startswith("head.") for name in result.config.components)
-            result.metadata["attribution_check"] = attribution_check(
-                result, dtype=dtype,
-                heads_difference=max((h for h in heads if h is not None), default=None) if with_heads else None)
-            if result.metadata["attribution_check"]["passed"] is False:
-                raise AttributionIdentityError(attribution_failure(result.metadata["attribution_check"]),
-                                               result=result)
+        record_checks(result, has_rotary=bool(rotary_modules(hf_model_of(self.adapter.model))),
+                      dtype=str(self.adapter.dtype).replace("torch.", ""), head_differences=heads)
         return result
 
     def _shift_result(self, grid: Any, options: ShiftOptions, resume_from: ShiftResult | None) -> ShiftResult:

@@ -9,7 +9,7 @@ methods (:class:`NNsightSegments`); what runs inside the server's session is
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 from typing import Any
 
@@ -110,11 +110,7 @@ class NNsightSegments:
         seen: list[int] = []
         reader = self._component_reader(components, spans, on_component) if components and on_component else None
         sites = self._component_sites([*capture, *(patch or {})])
-        patch = patch or {}
-
-        def touch(name: str, hidden: torch.Tensor, columns: slice | None = None) -> None:
-            touch_component(hidden, spans, name, columns, on_capture=on_capture if name in capture else None,
-                            values=patch.get(name))
+        touch = _component_toucher(spans, capture, on_capture, patch or {})
 
         # Filled in the trace: nnsight hands back only objects that outlive it (a name bound inside is not).
         kept: dict[str, torch.Tensor] = {}
@@ -130,13 +126,7 @@ class NNsightSegments:
                                                                       windows[layer], causal=True))
                     if reader is not None:
                         reader.layer(layer)
-                    for envoy, names in sites.get(layer, []):
-                        if names[0][1] is not None:  # heads: their columns of the output projection's input
-                            hidden = envoy.input
-                            for name, head in names:
-                                touch(name, hidden, head_columns(hidden.shape[-1], self.layout.n_heads, head))
-                        else:
-                            touch(names[0][0], output_tensor(envoy.output))
+                    self._touch_sites(sites.get(layer, []), touch)
                     if on_residual is not None:
                         output = layers[layer].output
                         on_residual(layer, segment_rows(output[0] if isinstance(output, tuple) else output, spans))
@@ -147,6 +137,17 @@ class NNsightSegments:
                     tracer.stop()  # nothing after the last block is read
         self.check_layers_seen(seen)
         return kept.get("log_probs")
+
+    def _touch_sites(self, layer_sites: Sequence[tuple[Any, Any]], touch: Callable[..., None]) -> None:
+        """Capture and patch one layer's components inside the trace, at their envoys (:meth:`_component_sites`):
+        heads at their columns of the output projection's input, the rest at the envoy's output."""
+        for envoy, names in layer_sites:
+            if names[0][1] is not None:  # heads: their columns of the output projection's input
+                hidden = envoy.input
+                for name, head in names:
+                    touch(name, hidden, head_columns(hidden.shape[-1], self.layout.n_heads, head))
+            else:
+                touch(names[0][0], output_tensor(envoy.output))
 
     def _component_reader(self, components: Sequence[str], spans: Any, on_component: SegmentComponentCallback
                           ) -> _ComponentReader:
@@ -360,6 +361,17 @@ class _ComponentReader:
             self.heads.attention_output(layer, segment_rows(attention.input, self.spans) if part.post_norms else None)
         self.on_component(f"attention.{layer}", segment_rows(output_tensor(attention.output), self.spans))
         self.on_component(f"mlp.{layer}", segment_rows(output_tensor(self._envoy(part.mlp_out).output), self.spans))
+
+
+def _component_toucher(spans: Any, capture: Sequence[str], on_capture: ComponentCallback | None,
+                       patch: Mapping[str, torch.Tensor]) -> Callable[..., None]:
+    """``touch(name, hidden, columns=None)``: capture component ``name`` at the segment (where it is in ``capture``)
+    and write ``patch``'s values for it in place (:func:`~equivariance_probe.adapters.segments.touch_component`)."""
+    def touch(name: str, hidden: torch.Tensor, columns: slice | None = None) -> None:
+        touch_component(hidden, spans, name, columns, on_capture=on_capture if name in capture else None,
+                        values=patch.get(name))
+
+    return touch
 
 
 def _nbytes(sums: dict[str, torch.Tensor]) -> int:

@@ -283,22 +283,8 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         hooks = [(SCORES_HOOK.format(layer=i), on_scores) for i in range(self._layout.n_layers)] \
             if on_attention is not None else []
         hooks += [(RESIDUAL_HOOK.format(layer=i), on_block) for i in range(self._layout.n_layers)]
-        if components and on_component is not None:
-            hooks += self._component_hooks(components, spans, on_component)
-        patch = patch or {}
-        for name in dict.fromkeys([*capture, *patch]):
-            hook_name, head = self.component_hook(name)
-            touch = partial(touch_component, spans=spans, name=name,
-                            on_capture=on_capture if name in capture else None, values=patch.get(name))
-
-            def on_patched(hidden: torch.Tensor, hook: Any, touch: Any = touch, head: int | None = head) -> torch.Tensor:
-                if head is not None and hidden.dim() == 4:  # [batch, position, head, head_dim] (Gemma 3's bridge)
-                    touch(hidden[:, :, head])  # a view: replaced in place
-                    return hidden
-                return touch(hidden, columns=None if head is None else head_columns(hidden.shape[-1],
-                                                                                    self._layout.n_heads, head))
-
-            hooks.append((hook_name, on_patched))
+        hooks += self._component_hooks(components, spans, on_component) if components and on_component else []
+        hooks += self._touch_hooks(spans, capture, on_capture, patch or {})
         options: dict[str, Any] = {"use_cache": False}
         if position_start is not None:
             options["position_ids"] = shifted_position_ids(position_start, width).to(self.device)
@@ -316,6 +302,26 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         if on_attention is not None:
             self.check_layers_seen(seen)
         return log_probs
+
+    def _touch_hooks(self, spans: Any, capture: Sequence[str], on_capture: ComponentCallback | None,
+                     patch: Mapping[str, torch.Tensor]) -> list[tuple[str, Any]]:
+        """``(hook name, function)`` pairs that capture and patch components at the segment, at the bridge's hook
+        points (:meth:`component_hook`; a head is its columns of the output projection's input)."""
+        hooks = []
+        for name in dict.fromkeys([*capture, *patch]):
+            hook_name, head = self.component_hook(name)
+            touch = partial(touch_component, spans=spans, name=name,
+                            on_capture=on_capture if name in capture else None, values=patch.get(name))
+
+            def on_patched(hidden: torch.Tensor, hook: Any, touch: Any = touch, head: int | None = head) -> torch.Tensor:
+                if head is not None and hidden.dim() == 4:  # [batch, position, head, head_dim] (Gemma 3's bridge)
+                    touch(hidden[:, :, head])  # a view: replaced in place
+                    return hidden
+                return touch(hidden, columns=None if head is None else head_columns(hidden.shape[-1],
+                                                                                    self._layout.n_heads, head))
+
+            hooks.append((hook_name, on_patched))
+        return hooks
 
     def _component_hooks(self, components: Sequence[str], spans: Any, on_component: SegmentComponentCallback
                          ) -> list[tuple[str, Any]]:

@@ -1,29 +1,9 @@
-"""ShiftResult: what changes when the same text sits elsewhere in the window, with intervals over segments.
+"""ShiftResult's core: the design, the decomposition's shares, the predictions, merging, the summary and display,
+save and load.
 
-Place in the seams: beside :mod:`~equivariance_probe.result` (the probe's other result), above the
-statistics (:class:`~equivariance_probe.statistics.shift.ShiftStatistics`, the sums), the maths
-(:mod:`~equivariance_probe.maths.shift`, the decomposition) and the records (one safetensors file).
-
-Numbers (docs/methods.md#shift-test; ``representation`` one of
-:data:`~equivariance_probe.statistics.shift.REPRESENTATIONS`):
-
-* :meth:`ShiftResult.share` — ``η²`` of the offset, the context, the pair (the equivariant part) or the
-  residual, by head, layer, layer group (sliding/global) or for the model: ratios of summed sums of squares.
-* :meth:`ShiftResult.offset_rms` — the root mean square of the offset effect, in the representation's unit.
-* :meth:`ShiftResult.attribution` — each component's share of the residual stream's offset (or context) sum of
-  squares after a block: ``C_c(l) / SS(r_l)``, from the attribution's Gram matrices (a run with
-  ``attribution=True``), and :meth:`ShiftResult.attribution_rows` the same in long form.
-* :meth:`ShiftResult.loss_by_offset` and :meth:`ShiftResult.divergence` — the segment's next-token loss per
-  offset, the mean Jensen–Shannon divergence between offsets in one context and between consecutive contexts
-  at one offset, and their ratio.
-* :meth:`ShiftResult.sink_mass` — per offset, the mean attention weight the segment's rows put on the window's
-  first key (the BOS sink), on the rest of the text before the segment, and on the segment itself.
-* :meth:`ShiftResult.patching` — activation patching (a run with ``patch``): per patched component, the share
-  of the prediction change and of the last block's residual offset sum of squares that goes away when its
-  output at the segment is the reference offset's.
-
-Every number takes ``interval=0.95``: the delete-a-group jackknife over groups of segments (segments fall
-into groups by their fingerprint, as windows do in :class:`~equivariance_probe.ProbeResult`).
+Place in the seams: one part of :mod:`~equivariance_probe.shift_result`; the class mixes in
+:class:`~equivariance_probe.shift_result.mechanisms.ShiftMechanisms` (attribution, sink mass, patching) and calls
+:mod:`~equivariance_probe.shift_result.checks` for its built-in checks and its cells.
 """
 
 from __future__ import annotations
@@ -31,36 +11,34 @@ from __future__ import annotations
 import copy
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .analyses.results import SumsReadOnUse, Undefined, missing_as, split_axis
-from .errors import (
+from ..analyses.results import SumsReadOnUse, Undefined, missing_as, split_axis
+from ..errors import (
     EmptyResultError,
-    InputError,
     IncompatibleResultsError,
     IntervalUnavailableError,
     SupersededSumsError,
     UndefinedStatisticError,
     check_choice,
 )
-from .adapters.components import components_up_to, parse_component
-from .markup import Markup
-from .maths import shift as decomposition
-from .maths.intervals import Interval, format_interval, jackknife_interval
-from .records.shift_file import SHIFT_FORMAT_VERSION, SHIFT_KIND, ShiftFile, open_shift_file, write_shift_file
-from .sources.registry import display_name
-from .statistics.masks import layer_groups
-from .statistics.shift import REPRESENTATION_UNITS, REPRESENTATIONS, VECTOR_REPRESENTATIONS, ShiftStatistics
+from ..markup import Markup
+from ..maths import shift as decomposition
+from ..maths.intervals import jackknife_interval
+from ..records.shift_file import ShiftFile, open_shift_file, write_shift_file
+from ..sources.registry import display_name
+from ..statistics.masks import layer_groups
+from ..statistics.shift import REPRESENTATION_UNITS, REPRESENTATIONS, VECTOR_REPRESENTATIONS, ShiftStatistics
+from .checks import (ATTRIBUTION_TERMS, SHARE_BY, _at, _plain, attribution_check, check_verdict, number_cell,
+                     shift_check)
+from .mechanisms import ShiftMechanisms
 
-__all__ = ["ShiftResult", "SHIFT_KIND", "SHIFT_FORMAT_VERSION", "shift_check", "SHIFT_CHECK_TOLERANCE", "number_cell",
-           "check_verdict", "attribution_check", "attribution_failure", "ATTRIBUTION_TOLERANCE", "ATTRIBUTION_TERMS"]
+__all__ = ["ShiftResult", "UNITS", "OFFSET_MEANING"]
 
-#: ``by`` choices of the shares.
-SHARE_BY = (None, "layer", "head", "layer_group")
 #: Units of :meth:`ShiftResult.offset_rms`.
 UNITS = REPRESENTATION_UNITS
 OFFSET_MEANING = {
@@ -70,7 +48,7 @@ OFFSET_MEANING = {
 }
 
 
-class ShiftResult(SumsReadOnUse):
+class ShiftResult(ShiftMechanisms, SumsReadOnUse):
     """The shift test's sums and the numbers they give; merges over disjoint segments.
 
     Args:
@@ -253,129 +231,6 @@ class ShiftResult(SumsReadOnUse):
                                        "variance to share out")
         return out
 
-    # -- attribution ----------------------------------------------------------------------------------
-    def _require_attribution(self) -> None:
-        if not self.config.components:
-            raise UndefinedStatisticError(
-                "this shift run split nothing into components; run it with attribution=True (--attribution), and "
-                "attribution_heads=[...] (--attribution-heads 5,6,7) for heads")
-
-    def attribution_layers(self) -> tuple[int, ...]:
-        """The default target layers of :meth:`attribution`: the layer where the residual stream's offset η² peaks,
-        and the last block (before the final norm)."""
-        self._require_data()
-        by_layer = np.asarray(self.share("residual", "offset", by="layer"), dtype=np.float64)
-        peak = int(np.nanargmax(by_layer)) if np.isfinite(by_layer).any() else self.config.n_layers - 1
-        return tuple(sorted({peak, self.config.n_layers - 1}))
-
-    def _attribution_indices(self, layer: int) -> tuple[list[int], list[int]]:
-        """``(rows, columns)`` of the Gram for block ``layer``: the components up to it (heads of layers up to it
-        included) and the block-level ones whose sum is the residual stream after it."""
-        names = self.config.components
-        rows = [i for i, name in enumerate(names) if (parse_component(name)[1] or 0) <= layer]
-        return rows, components_up_to(names, layer)
-
-    def attribution(self, layer: int | Sequence[int] | None = None, term: str = "offset",
-                    interval: float | None = None) -> dict[int, dict[str, Any]]:
-        """Each component's share of the residual stream's ``term`` sum of squares after block ``layer``:
-        ``C_c(l) / SS(r_l)`` with ``C_c(l) = Σ_{c' ≤ l} K[c, c']`` (docs/methods.md#attribution).
-
-        The block-level shares (the embedding, each attention and MLP up to ``l``) sum to 1; a share can be
-        negative (a component that cancels what the others write); a head's share is its part of its attention's.
-
-        Args:
-            layer: a block, several, or ``None`` for :meth:`attribution_layers`.
-            term: ``"offset"`` or ``"context"``.
-            interval: a confidence level (0.95) for jackknife intervals over groups of segments (each replicate a
-                ratio of summed Gram entries).
-
-        Returns:
-            ``{layer: {component: share or Interval}}``, components in the order they write into the residual stream.
-
-        Raises:
-            UndefinedStatisticError: the run measured no attribution, or ``term="context"`` in ``position_ids`` mode.
-        """
-        check_choice("term", term, ATTRIBUTION_TERMS)
-        self._check_term(term)
-        self._require_attribution()
-        layers = self.attribution_layers() if layer is None else (
-            (layer,) if isinstance(layer, (int, np.integer)) else tuple(layer))
-        out = {}
-        for target in layers:
-            if not 0 <= int(target) < self.config.n_layers:
-                raise InputError(f"layer={target!r}: the model has {self.config.n_layers} layers (0 to "
-                                 f"{self.config.n_layers - 1})")
-            rows, columns = self._attribution_indices(int(target))
-
-            def value(arrays: dict[str, np.ndarray], rows: list[int] = rows, columns: list[int] = columns) -> Any:
-                return decomposition.component_shares(arrays[f"attribution/{term}_gram"], rows, columns)
-
-            shares = self._number(value, interval)
-            names = [self.config.components[i] for i in rows]
-            if interval is None:
-                out[int(target)] = {name: float(share) for name, share in zip(names, shares)}
-            else:
-                out[int(target)] = {name: _interval_item(shares, k) for k, name in enumerate(names)}
-        return out
-
-    def attribution_identity(self, term: str = "offset") -> np.ndarray:
-        """``[L]`` per block, ``|Σ_c C_c(l) − SS(r_l)| / max(SS(r_l), Σ_c K[c, c], 1e-6·SS_all(r_l))``
-        (:func:`~equivariance_probe.maths.shift.identity_difference`): the components' sum of squares (from the
-        Gram) against the residual stream's own, measured from the blocks' outputs (rounding level when the residual
-        stream is the sum of the components)."""
-        check_choice("term", term, ATTRIBUTION_TERMS)
-        self._require_attribution()
-        totals = self.statistics.totals()
-        gram = totals[f"attribution/{term}_gram"]
-        residual = totals[f"residual/{term}"].sum(-1)
-        everything = decomposition.decomposition(decomposition.aggregate(self._sums(totals, "residual"), "layer"))["all"]
-        return np.array([decomposition.identity_difference(gram, components_up_to(self.config.components, layer),
-                                                           float(residual[layer]), float(everything[layer]))
-                         for layer in range(self.config.n_layers)])
-
-    def attribution_rows(self, level: float | None = 0.95, layer: int | Sequence[int] | None = None) -> list[dict[str, Any]]:
-        """:meth:`attribution` in long form: one dict per term, target layer and component (``term``, ``layer``,
-        ``component``, ``kind``, ``component_layer``, ``head``, ``share``, ``low``, ``high``); intervals where
-        the run has at least two groups of segments (else ``low`` and ``high`` are ``None``)."""
-        terms = [t for t in ATTRIBUTION_TERMS if not (t == "context" and self.mode == "position_ids")]
-        rows = []
-        for term in terms:
-            try:
-                numbers = self.attribution(layer, term, interval=level)
-            except IntervalUnavailableError:
-                numbers = self.attribution(layer, term)
-            for target, shares in numbers.items():
-                for name, share in shares.items():
-                    kind, component_layer, head = parse_component(name)
-                    item = share.to_dict() if isinstance(share, Interval) else {"estimate": share}
-                    rows.append({"term": term, "layer": target, "component": name, "kind": kind,
-                                 "component_layer": component_layer, "head": head,
-                                 "share": _plain(item.get("estimate")), "low": _plain(item.get("low")),
-                                 "high": _plain(item.get("high"))})
-        return rows
-
-    def attribution_table(self, level: float | None = 0.95, layer: int | Sequence[int] | None = None,
-                          smallest: float = 0.01) -> str:
-        """A plain-text table of :meth:`attribution_rows`: per term and target layer, the components whose share
-        is at least ``smallest`` in size, largest first, and the identity check."""
-        rows = self.attribution_rows(level, layer)
-        lines = [f"Attribution of the residual stream's sums of squares ({self.model_name}; shares of SS after the "
-                 "block, block-level components sum to 1)"]
-        for (term, target) in dict.fromkeys((row["term"], row["layer"]) for row in rows):
-            chosen = sorted((row for row in rows if row["term"] == term and row["layer"] == target
-                             and row["share"] is not None and abs(row["share"]) >= smallest),
-                            key=lambda row: -abs(row["share"]))
-            lines.append(f"  {term} SS after block {target}:")
-            for row in chosen:
-                cell = number_cell({"estimate": row["share"], "low": row["low"], "high": row["high"]}
-                                   if row["low"] is not None else row["share"])
-                lines.append(f"    {row['component']:<16}{cell:>32}")
-        check = self.metadata.get("attribution_check")
-        if isinstance(check, dict):
-            lines.append(f"  check: {check.get('description')}: {number_cell(check.get('value'))} "
-                         f"({check_verdict(check)}; tolerance {check.get('tolerance')})")
-        return "\n".join(lines)
-
     def _require_predictions(self) -> None:
         if not self.config.predictions:
             raise UndefinedStatisticError("this run measured no next-token predictions (an encoder, or "
@@ -411,122 +266,6 @@ class ShiftResult(SumsReadOnUse):
                 return context if kind == "context" else offset / context
 
         return self._number(value, interval)
-
-    def sink_mass(self, part: str = "first_key", by: str | None = None, interval: float | None = None, *,
-                  layer_groups: dict[str, Any] | None = None) -> Any:
-        """The mean attention weight of the segment's rows on one part of the window, at each offset.
-
-        Args:
-            part: ``"first_key"`` (the window's first key: the tokenizer's prefix token, such as BOS, else the
-                context's first token; 0 where nothing precedes the segment), ``"preceding"`` (the rest of the text
-                before the segment, positions ``1 .. start − 1``, as a whole) or ``"segment"`` (the segment's own
-                tokens: ``1 −`` the other two). Weights are under the layer's real mask: a sliding-window layer
-                gives 0 to keys a window or more behind the row.
-            by: ``None`` (every layer and head: ``[S]``), ``"layer"`` (``[L, S]``), ``"head"`` (``[L, H, S]``) or
-                ``"layer_group"`` (``{group: [S]}``, the groups of :meth:`layer_groups` or ``layer_groups``).
-            interval: a confidence level (0.95) for an :class:`~equivariance_probe.Interval` over segments.
-            layer_groups: ``{name: layer indices}`` for ``by="layer_group"`` (default: :meth:`layer_groups`).
-
-        Returns:
-            Means over contexts, segments, the segment's rows and the heads of each aggregate (a head counts once
-            per row), per offset: ``mean_i a_i0`` for the first key, ``mean_i Σ_{0<k<t} a_ik`` for the preceding
-            text (``t`` the segment's first position).
-
-        Raises:
-            UndefinedStatisticError: a file written before the sink mass was kept (format 2 or older).
-        """
-        check_choice("part", part, decomposition.SINK_PARTS)
-        by = split_axis(by, SHARE_BY)
-        self._require_data()
-        self._require_sink_mass()
-        groups = (layer_groups or self.layer_groups()) if by == "layer_group" else None
-
-        def value(arrays: dict[str, np.ndarray]) -> Any:
-            return decomposition.sink_mass(arrays["sink/first_key"], arrays["sink/preceding"], arrays["sink/rows"],
-                                           part, by, groups)
-
-        return self._number(value, interval, upper=1.0)
-
-    def _require_sink_mass(self) -> None:
-        """Refuse the sink mass unless every segment's rows are in its sums (``F·m`` rows per segment, layer and
-        offset): a file written before it was kept has none, and a merge with such a file only some."""
-        rows = self.statistics.totals()["sink/rows"]
-        if np.all(rows == self.n_segments * self.config.n_contexts * self.config.segment_length):
-            return
-        which = ("it was written before the shift test kept the attention before the segment (a file of format "
-                 f"{self._file.format_version if self._file else '2 or older'})" if not rows.any() else
-                 "some of its segments come from a file written before the shift test kept it (a merge with an "
-                 "older file), so a mean over the rest would pass for one over every segment")
-        raise UndefinedStatisticError(f"this result holds no sink mass: {which}; run the shift test again with this "
-                                      "version for it")
-    # -- activation patching -------------------------------------------------------------------------------
-    #: What :meth:`patching` measures: the share of the prediction change that patching removes, and the share
-    #: of the last block's residual offset sum of squares.
-    PATCH_MEASURES = ("recovered", "residual_removed")
-
-    def patching(self, measure: str = "recovered", interval: float | None = None) -> dict[str, Any]:
-        """Per patched item (a component, or components joined by ``+``; ``config.patch_components``), how much of
-        what the offset changes goes away when the item's output at the segment is the reference offset's ``s₀``.
-
-        * ``"recovered"``: ``1 − Σ JS(patched_s, clean_s₀) / Σ JS(clean_s, clean_s₀)``, the sums over segments,
-          contexts, offsets ``s ≠ s₀`` and the segment's positions (a ratio of sums): 0 where the item carries
-          none of the offset into the predictions, 1 where patching it makes them the reference's.
-        * ``"residual_removed"``: ``1 − SS_offset(patched) / SS_offset(clean)`` of the residual stream after the
-          last block (before the final norm), both taken on each segment's grid about its own means (negative
-          where patching moves the stream more).
-
-        Args:
-            measure: one of :data:`PATCH_MEASURES`.
-            interval: a confidence level for jackknife intervals over groups of segments.
-
-        Returns:
-            ``{item: value}`` (NaN where the clean divergence or offset sum of squares is 0).
-
-        Raises:
-            UndefinedStatisticError: the run patched nothing (``patch=True`` / ``--patch`` patches), or
-                ``"recovered"`` without predictions.
-        """
-        check_choice("measure", measure, self.PATCH_MEASURES)
-        items = self.config.patch_components
-        if not items:
-            raise UndefinedStatisticError("this shift run patched nothing; run probe.shift(..., patch=True) "
-                                          "(equivariance-probe shift --patch) for activation patching")
-        if measure == "recovered":
-            self._require_predictions()
-        reference = self.config.patch_reference
-        others = [s for s in range(len(self.offsets)) if s != reference]
-
-        def value(arrays: dict[str, np.ndarray]) -> dict[str, Any]:
-            with np.errstate(invalid="ignore", divide="ignore"):
-                if measure == "recovered":
-                    patched = arrays["patch/js_sum"][..., others].sum(-1)
-                    clean = sum(arrays["js_offset_sum"][..., min(s, reference), max(s, reference)] for s in others)
-                else:
-                    patched = arrays["patch/residual_offset"]
-                    clean = arrays["residual/offset"][..., -1, 0]
-                shares = 1.0 - patched / np.asarray(clean)[..., None]
-            return {item: (float(shares[p]) if shares.ndim == 1 else shares[..., p]) for p, item in enumerate(items)}
-
-        return self._number(value, interval)
-
-    def patching_rows(self, level: float | None = 0.95) -> list[dict[str, Any]]:
-        """:meth:`patching`'s numbers as one dict per item: ``component``, ``kind`` (``attention``, ``mlp``, ``head``,
-        ``embedding`` or ``combined``), ``layer``, ``head``, ``recovered`` and ``residual_removed`` (an
-        :class:`~equivariance_probe.Interval`'s dict with ``level``, where there are at least two groups of
-        segments; else the estimate)."""
-        measures = [m for m in self.PATCH_MEASURES if m != "recovered" or self.config.predictions]
-        numbers = {}
-        for measure in measures:
-            try:
-                numbers[measure] = self.patching(measure, interval=level) if level is not None else self.patching(measure)
-            except IntervalUnavailableError:
-                numbers[measure] = self.patching(measure)
-        rows = []
-        for item in self.config.patch_components:
-            kind, layer, head = _patched_kind(item)
-            rows.append({"component": item, "kind": kind, "layer": layer, "head": head,
-                         **{measure: _plain(numbers[measure][item]) for measure in measures}})
-        return rows
 
     def paired_difference(self, baseline: ShiftResult, representation: str = "centred_logits", term: str = "offset",
                           by: str | None = None, level: float = 0.95) -> Any:
@@ -667,23 +406,6 @@ class ShiftResult(SumsReadOnUse):
             }
         return missing_as(out, missing) if missing is not None else out
 
-    def _sink_summary(self, number: Callable[..., Any], with_interval: Callable[..., Any]) -> dict[str, Any] | None:
-        """:meth:`summary`'s sink mass: per part the model's mean by offset (with its interval), and by layer group
-        where the model has more than one; ``None`` where the result holds none (a file written before it)."""
-        try:
-            self.sink_mass()
-        except UndefinedStatisticError:
-            return None
-        groups = self.layer_groups()
-        return {
-            **{part: with_interval(lambda interval=None, p=part: self.sink_mass(p, interval=interval))
-               for part in decomposition.SINK_PARTS},
-            "by_layer_group": {part: {group: value for group, value in
-                                      number(lambda p=part: self.sink_mass(p, by="layer_group")).items()
-                                      if group != "all"} if len(groups) > 1 else {}
-                               for part in decomposition.SINK_PARTS},
-        }
-
     def table(self, level: float = 0.95) -> str:
         """A plain-text table of :meth:`summary` (and :meth:`attribution_table` for a run with attribution)."""
         summary = self.summary(level)
@@ -740,7 +462,7 @@ class ShiftResult(SumsReadOnUse):
         layer; the loss per offset), with their intervals, units and the run's model, variant, run id and
         mode (:mod:`~equivariance_probe.analyses.tidy` lists the columns). Built from :meth:`summary`;
         needs no pandas. ``equivariance-probe show --csv`` prints these rows."""
-        from .analyses.tidy import shift_identity, shift_rows
+        from ..analyses.tidy import shift_identity, shift_rows
 
         summary = self.summary(level)
         return shift_rows(summary, shift_identity(self.metadata, summary, self.model_name))
@@ -751,7 +473,7 @@ class ShiftResult(SumsReadOnUse):
         Raises:
             MissingDependencyError: pandas is not installed (the message gives ``pip install pandas``).
         """
-        from .analyses.tidy import rows_dataframe
+        from ..analyses.tidy import rows_dataframe
 
         return rows_dataframe(self.to_rows(level), "ShiftResult.to_dataframe()")
 
@@ -787,134 +509,3 @@ class ShiftResult(SumsReadOnUse):
         """
         opened = open_shift_file(path)
         return cls(None, opened.metadata, file=opened)
-
-
-#: Largest layer-0 offset η² of the centred logits that counts as rounding, by the model's dtype: the logits are
-#: computed from queries and keys in float32 (float64 for a float64 model); half precision rounds the keys.
-SHIFT_CHECK_TOLERANCE = {"float64": 1e-12, "float32": 1e-8, "bfloat16": 1e-3, "float16": 1e-3}
-
-
-def shift_check(result: ShiftResult, *, has_rotary: bool, dtype: str) -> dict[str, Any]:
-    """The built-in check of a shift run: with rotary positions, layer 0's scores depend on ``i − j`` alone, so its
-    offset η² of the centred logits is at rounding level (any mode). Recorded for every model; judged for rotary ones."""
-    value = result.share("centred_logits", "offset", by="layer")[0]
-    value = None if not math.isfinite(float(value)) else float(value)
-    check: dict[str, Any] = {"description": "layer-0 offset η² of the centred logits", "value": value,
-                             "rotary": has_rotary}
-    if has_rotary and value is None:
-        check.update(tolerance=None, passed=None, expected="undefined: layer 0's centred logits do not vary (e.g. "
-                     "all-zero weights)")
-    elif has_rotary:
-        tolerance = SHIFT_CHECK_TOLERANCE.get(dtype, 1e-3)
-        check.update(tolerance=tolerance, passed=value <= tolerance,
-                     expected="rounding level: rotary positions make layer 0's scores depend on i − j alone")
-    else:
-        check.update(tolerance=None, passed=None, expected="no expectation: the model has no rotary positions")
-    return check
-
-
-#: The attribution's terms (the residual stream's sums of squares it splits).
-ATTRIBUTION_TERMS = ("offset", "context")
-#: Largest relative difference, by the model's dtype, between the components' sum of squares and the residual
-#: stream's own that counts as rounding: the residual stream is the model's own sum of the components, rounded in
-#: its dtype at every block, while the Gram adds them in float64. Half precision rounds each addition to about
-#: 3 decimal digits, which the offset effect (a small part of the residual stream) does not survive: not judged.
-ATTRIBUTION_TOLERANCE = {"float64": 1e-8, "float32": 1e-2}
-#: Largest relative difference between the heads' pieces (with the projection's bias) and their attention's output.
-HEADS_TOLERANCE = {"float64": 1e-6, "float32": 1e-3}
-
-
-def attribution_check(result: ShiftResult, *, dtype: str, heads_difference: float | None = None) -> dict[str, Any]:
-    """The attribution's built-in check: for every block and both terms, the components' sum of squares (from the
-    Gram matrices) against the residual stream's own (from the blocks' outputs); and, where heads were read, that
-    their pieces add up to their attention's output. Judged for float32 and float64 models."""
-    terms = [t for t in ATTRIBUTION_TERMS if not (t == "context" and result.mode == "position_ids")]
-    by_term = {term: result.attribution_identity(term) for term in terms}
-    value = max(float(np.max(values)) for values in by_term.values())
-    tolerance = ATTRIBUTION_TOLERANCE.get(dtype)
-    check: dict[str, Any] = {
-        "description": "max over blocks of |Σ_c C_c(l) − SS(r_l)| / max(SS(r_l), Σ_c K[c, c], 1e-6·SS_all(r_l)), offset and context",
-        "value": value, "by_layer": {term: [float(v) for v in values] for term, values in by_term.items()},
-        "tolerance": tolerance, "passed": None if tolerance is None else bool(value <= tolerance),
-        "expected": "rounding level: the residual stream after a block is the sum of the embedding and every "
-                    "attention and MLP output up to it" if tolerance is not None else
-                    f"not judged in {dtype}: the model's own additions round the offset effect",
-    }
-    if heads_difference is not None:
-        heads_tolerance = HEADS_TOLERANCE.get(dtype)
-        check["heads_max_difference"] = heads_difference
-        check["heads_tolerance"] = heads_tolerance
-        if heads_tolerance is not None and check["passed"] is not False:
-            check["passed"] = bool(heads_difference <= heads_tolerance)
-    return check
-
-
-def attribution_failure(check: dict[str, Any]) -> str:
-    """What a failed :func:`attribution_check` says."""
-    return (f"the attribution's identity check failed: {check['description']} is {check['value']:.3g} (tolerance "
-            f"{check['tolerance']}), heads against their attention {check.get('heads_max_difference')}; the residual "
-            "stream is not the sum of the components this adapter reads (a norm after the residual addition, as in "
-            "BERT's post-LN blocks, or a block it does not read whole), so the shares would be wrong. The run's sums "
-            "are kept in the error's result (and probe.last_result); report the architecture")
-
-
-def _interval_item(interval: Interval, index: int) -> Interval:
-    """Entry ``index`` of an array-valued :class:`~equivariance_probe.Interval`."""
-    def item(value: Any) -> Any:
-        return None if value is None else float(np.asarray(value)[index])
-
-    return Interval(item(interval.estimate), item(interval.low), item(interval.high), interval.level,
-                    interval.n_groups, item(interval.standard_error), interval.method)
-def _patched_kind(item: str) -> tuple[str, int | None, int | None]:
-    """``(kind, layer, head)`` of a patched item: its component's, or ``("combined", None, None)`` for several."""
-    if "+" in item:
-        return "combined", None, None
-    kind, _, rest = item.partition(".")
-    numbers = [int(part) for part in rest.split(".")] if rest else []
-    return kind, (numbers[0] if numbers else None), (numbers[1] if len(numbers) > 1 else None)
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Interval):
-        value = value.to_dict()
-    if isinstance(value, dict):
-        return {key: _plain(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_plain(item) for item in value]
-    if isinstance(value, np.ndarray) and value.ndim == 0:
-        value = float(value)
-    if isinstance(value, np.ndarray):
-        return [None if not np.isfinite(v) else float(v) for v in value.ravel()] if value.ndim == 1 else \
-            [_plain(row) for row in value]
-    if isinstance(value, (float, np.floating)):
-        return None if not math.isfinite(float(value)) else float(value)
-    return value
-
-
-def _at(value: Any, index: int) -> Any:
-    """Element ``index`` of a summary's per-offset number (a list, or an interval's dict of lists)."""
-    if isinstance(value, dict):
-        return {key: item[index] if isinstance(item, list) else item for key, item in value.items()}
-    return value[index] if isinstance(value, list) else value
-
-
-def check_verdict(check: dict[str, Any]) -> str:
-    """``"passed"``, ``"NOT passed"`` or ``"not judged"``: a result's built-in check (:func:`shift_check`) in words."""
-    return {True: "passed", False: "NOT passed", None: "not judged"}[check.get("passed")]
-
-
-def number_cell(value: Any) -> str:
-    """A number, ``number [low, high]``, or ``undefined``."""
-    if isinstance(value, Interval):
-        value = value.to_dict()
-    if isinstance(value, dict) and "estimate" in value:
-        if value["estimate"] is None:
-            return "undefined"
-        if 0 < abs(value["estimate"]) < 1e-3:  # rounding-level shares (position ids under rotary positions)
-            return "{} [{}, {}]".format(*(f"{v:.2e}" if v is not None else "n/a"
-                                          for v in (value["estimate"], value["low"], value["high"])))
-        return format_interval(value["estimate"], value["low"], value["high"])
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "undefined"
-    return f"{float(value):.4f}" if abs(float(value)) >= 1e-3 or value == 0 else f"{float(value):.2e}"
-
