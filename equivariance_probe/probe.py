@@ -498,7 +498,7 @@ class EquivarianceProbe:
 
     def _shift_result(self, grid: Any, options: ShiftOptions, resume_from: ShiftResult | None) -> ShiftResult:
         """The empty result of a shift run on ``grid`` (or ``resume_from``'s sums, checked to be this run's)."""
-        from .adapters.modules import is_causal_lm, residual_width
+        from .adapters.modules import residual_width
 
         layout = self.adapter.layout
         predictions = options.predictions
