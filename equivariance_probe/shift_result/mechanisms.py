@@ -52,7 +52,7 @@ class ShiftMechanisms:
     def attribution(self, layer: int | Sequence[int] | None = None, term: str = "offset",
                     interval: float | None = None) -> dict[int, dict[str, Any]]:
         """Each component's share of the residual stream's ``term`` sum of squares after block ``layer``:
-        ``C_c(l) / SS(r_l)`` with ``C_c(l) = Σ_{c' ≤ l} K[c, c']`` (docs/methods.md#attribution).
+        ``C_c(l) / SS(r_l)`` with ``C_c(l) = Σ_{c' ≤ l} K[c, c']`` (docs/methods.md#shift-attribution).
 
         The block-level shares (the embedding, each attention and MLP up to ``l``) sum to 1; a share can be
         negative (a component that cancels what the others write); a head's share is its part of its attention's.
