@@ -11,18 +11,33 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import AttributionIdentityError
 from ..maths.intervals import Interval, format_interval
 
-if TYPE_CHECKING:
-    from .core import ShiftResult
-
 __all__ = ["shift_check", "SHIFT_CHECK_TOLERANCE", "attribution_check", "attribution_failure", "record_checks", "ATTRIBUTION_TOLERANCE",
            "ATTRIBUTION_TERMS", "HEADS_TOLERANCE", "check_verdict", "number_cell", "SHARE_BY"]
+
+class CheckedResult(Protocol):
+    """What the checks read of a :class:`~equivariance_probe.ShiftResult`: its design, its metadata and two of its
+    numbers. Named here, below the class, so that the checks need nothing from the module that defines it."""
+
+    metadata: dict[str, Any]
+
+    @property
+    def config(self) -> Any: ...
+
+    @property
+    def mode(self) -> str: ...
+
+    def share(self, representation: str = ..., term: str = ..., by: str | None = ...,
+              interval: float | None = ...) -> Any: ...
+
+    def attribution_identity(self, term: str = ...) -> np.ndarray: ...
+
 
 #: ``by`` choices of the shares (and of the sink mass).
 SHARE_BY = (None, "layer", "head", "layer_group")
@@ -33,7 +48,7 @@ SHARE_BY = (None, "layer", "head", "layer_group")
 SHIFT_CHECK_TOLERANCE = {"float64": 1e-12, "float32": 1e-8, "bfloat16": 1e-3, "float16": 1e-3}
 
 
-def shift_check(result: ShiftResult, *, has_rotary: bool, dtype: str) -> dict[str, Any]:
+def shift_check(result: CheckedResult, *, has_rotary: bool, dtype: str) -> dict[str, Any]:
     """The built-in check of a shift run: with rotary positions, layer 0's scores depend on ``i − j`` alone, so its
     offset η² of the centred logits is at rounding level (any mode). Recorded for every model; judged for rotary ones."""
     value = result.share("centred_logits", "offset", by="layer")[0]
@@ -63,7 +78,7 @@ ATTRIBUTION_TOLERANCE = {"float64": 1e-8, "float32": 1e-2}
 HEADS_TOLERANCE = {"float64": 1e-6, "float32": 1e-3}
 
 
-def attribution_check(result: ShiftResult, *, dtype: str, heads_difference: float | None = None) -> dict[str, Any]:
+def attribution_check(result: CheckedResult, *, dtype: str, heads_difference: float | None = None) -> dict[str, Any]:
     """The attribution's built-in check: for every block and both terms, the components' sum of squares (from the
     Gram matrices) against the residual stream's own (from the blocks' outputs); and, where heads were read, that
     their pieces add up to their attention's output. Judged for float32 and float64 models."""
@@ -88,7 +103,7 @@ def attribution_check(result: ShiftResult, *, dtype: str, heads_difference: floa
     return check
 
 
-def record_checks(result: ShiftResult, *, has_rotary: bool, dtype: str,
+def record_checks(result: CheckedResult, *, has_rotary: bool, dtype: str,
                   head_differences: Sequence[float | None] = ()) -> None:
     """Write a finished run's built-in checks into ``result.metadata``: ``"check"`` (:func:`shift_check`) and, for a
     run with attribution, ``"attribution_check"`` (:func:`attribution_check`, with the largest of
