@@ -142,6 +142,12 @@ class NDIFStack:
             raise RuntimeError("ndif's controller did not launch:\n" + self.log("controller")[-3000:])
 
     def start_api(self) -> None:
+        # The dispatcher keeps Redis's ``ray:connected`` flag, and an API that was stopped leaves it set: a new API
+        # would then answer /status before its own dispatcher reached Ray, and 503 ("compute backend is
+        # reconnecting") while it connects. Clearing the flag first makes the wait below wait for the new one.
+        import redis
+
+        redis.Redis(host="127.0.0.1", port=self.ports["redis"]).delete("ray:connected")
         self.spawn("api", [str(Path(sys.executable).parent / "gunicorn"), "--config",
                            "python:ndif.services.api.gunicorn_conf", "ndif.services.api.app:app"])
         # /status answers once the API's dispatcher reached Ray (503 before).
