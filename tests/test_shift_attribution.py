@@ -140,6 +140,12 @@ def test_rows_table_and_intervals(attributed):
     at_last = next(row for row in rows if row["component"] == "head.1.2" and row["term"] == "offset"
                    and row["layer"] == int(last))
     assert summary["offset"][last]["head.1.2"]["estimate"] == pytest.approx(at_last["share"])
+    tidy = [row for row in attributed.to_rows() if row["statistic"] == "attribution_offset"]
+    assert len(tidy) == sum(row["term"] == "offset" for row in rows)
+    same = next(row for row in tidy if row["component"] == "head.1.2" and row["layer"] == int(last))
+    assert same["split"] == "component" and same["head"] is None  # the head is the component's, not the layer's
+    assert (same["value"], same["low"], same["high"]) == pytest.approx((at_last["share"], at_last["low"],
+                                                                         at_last["high"]))
 
 
 def test_save_load_and_merge_keep_the_gram_matrices(attributed, tmp_path):

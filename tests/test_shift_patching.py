@@ -203,6 +203,14 @@ def test_patching_sums_save_load_and_merge(tmp_path):
     assert loaded.patching() == whole.patching()
     rows = loaded.patching_rows()
     assert [(row["kind"], row["layer"], row["head"]) for row in rows] == [("mlp", 0, None), ("head", 1, 1)]
+    tidy = {(row["statistic"], row["component"]): row for row in loaded.to_rows() if row["split"] == "component"}
+    assert set(tidy) == {(f"patch_{m}", c) for m in ("recovered", "residual_removed") for c in ("mlp.0", "head.1.1")}
+    for row in rows:
+        for measure in ("recovered", "residual_removed"):
+            got = tidy[f"patch_{measure}", row["component"]]
+            assert (got["layer"], got["head"]) == (row["layer"], row["head"])
+            assert got["value"] == pytest.approx(row[measure]["estimate"] if isinstance(row[measure], dict)
+                                                 else row[measure])
     assert "activation patching (reference offset 7)" in loaded.table()
     with pytest.raises(Exception, match="patch_components"):
         whole.merge(patched_run(model, ["mlp.1"], segments=segments[:1], patch_reference=1))

@@ -15,8 +15,9 @@ Columns (:data:`COLUMNS`), ``None`` where a column does not apply:
   ``dtype`` — the run;
 * ``statistic`` — the number's name (``log_eta2``, ``persistence_power_r2``, ``offset_eta2``...);
   ``representation`` — the shift test's (``centred_logits``, ``weights``, ``residual``);
-* ``split`` — ``model``, ``layer_group``, ``layer`` or ``head``, with ``layer_group``, ``layer``,
-  ``head`` (zero-based) and ``offset`` (the shift test's loss by offset) where they apply;
+* ``split`` — ``model``, ``layer_group``, ``layer``, ``head`` or ``component``, with ``layer_group``,
+  ``layer``, ``head`` (zero-based), ``offset`` (the shift test's loss and sink mass by offset) and
+  ``component`` (a residual-stream component such as ``mlp.5``, or a patched item) where they apply;
 * ``value``, ``low``, ``high``, ``level`` — the number and its confidence interval over windows
   (or segments), where the result has one; ``unit`` — what the value is measured in.
 """
@@ -31,7 +32,7 @@ from ..errors import MissingDependencyError
 __all__ = ["COLUMNS", "probe_rows", "shift_rows", "positional_rows", "rows_dataframe", "require_pandas"]
 
 COLUMNS = ("kind", "model", "variant", "run_id", "mode", "dtype", "statistic", "representation", "split",
-           "layer_group", "layer", "head", "offset", "value", "low", "high", "level", "unit")
+           "layer_group", "layer", "head", "offset", "component", "value", "low", "high", "level", "unit")
 
 
 def require_pandas(what: str) -> Any:
@@ -151,6 +152,10 @@ def shift_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[
     ``offset_eta2`` per layer and per layer group. Predictions: ``loss`` per offset (nats),
     ``js_offset``, ``js_context``, ``js_ratio``. Sink mass: ``sink_first_key``, ``sink_preceding`` and
     ``sink_segment`` per offset (mean attention weight), for the model and per layer group.
+    Attribution: ``attribution_offset`` and ``attribution_context`` per target block (``layer``: the block
+    after which the residual stream is split, not the component's own, which its name says) and component,
+    each a share of that residual stream's sum of squares.
+    Patching: ``patch_recovered`` and ``patch_residual_removed`` per patched item (``component``).
     """
     if not summary.get("n_segments"):
         return []
@@ -188,6 +193,32 @@ def shift_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[
             for group, values in groups.items():
                 rows.append(_row(identity, f"sink_{part}", values[i], split="layer_group", layer_group=group,
                                  offset=offset, unit="attention weight"))
+    return rows + _attribution_rows(summary, identity) + _patching_rows(summary, identity)
+
+
+def _attribution_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Each component's share of the residual stream's offset (and context) sum of squares after each target
+    block, from the summary's ``attribution``: ``{term: {layer: {component: share}}}``."""
+    attribution = summary.get("attribution") or {}
+    rows = []
+    for term in ("offset", "context"):
+        for layer, shares in (attribution.get(term) or {}).items():
+            for component, share in shares.items():
+                rows.append(_row(identity, f"attribution_{term}", **_estimate(share), split="component",
+                                 layer=int(layer), component=component, unit="share of sum of squares"))
+    return rows
+
+
+def _patching_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per patched item, the share of the prediction change it recovers and of the last block's residual
+    offset sum of squares it removes, from the summary's ``patching``."""
+    rows = []
+    for item in (summary.get("patching") or {}).get("items") or ():
+        for measure in ("recovered", "residual_removed"):
+            if measure in item:
+                rows.append(_row(identity, f"patch_{measure}", **_estimate(item[measure]), split="component",
+                                 layer=item.get("layer"), head=item.get("head"), component=item["component"],
+                                 unit="share"))
     return rows
 
 
