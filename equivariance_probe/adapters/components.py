@@ -35,7 +35,7 @@ from .modules import find_attention_modules, parent_layer
 
 __all__ = ["EMBEDDING", "COMPONENT_KINDS", "BlockParts", "block_parts", "block_component_names",
            "head_component_names", "parse_component", "component_layer", "components_up_to", "output_tensor",
-           "with_output_tensor", "BIAS_PART", "ComponentRequest", "head_pieces", "norm_epsilon", "norm_gain",
+           "with_output_tensor", "BIAS_PART", "parse_piece", "ComponentRequest", "head_pieces", "norm_epsilon", "norm_gain",
            "post_norm_scale", "HeadPieces",
            "block_input", "unwrapped", "head_columns", "component_site"]
 
@@ -150,6 +150,18 @@ def with_output_tensor(output: Any, hidden: torch.Tensor) -> Any:
 #: (``"bias.{l}"``): not a component (it does not move with the offset), but the heads' pieces and it add up to
 #: ``"attention.{l}"``, which the capture checks.
 BIAS_PART = "bias.{layer}"
+_BIAS = re.compile("^" + re.escape(BIAS_PART).replace(re.escape("{layer}"), r"(\d+)") + "$")
+
+
+def parse_piece(name: str) -> tuple[str, int | None, int | None]:
+    """:func:`parse_component` of what an adapter hands over when it reads heads: a component, or a projection's
+    bias (:data:`BIAS_PART`), whose kind is ``"bias"``.
+
+    Raises:
+        InputError: neither.
+    """
+    match = _BIAS.match(name) if isinstance(name, str) else None
+    return ("bias", int(match.group(1)), None) if match else parse_component(name)
 
 
 @dataclass(frozen=True)

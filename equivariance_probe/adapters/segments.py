@@ -34,7 +34,7 @@ from ..statistics.engines.in_trace import attention_scores
 from ..statistics.engines.shift_sums import PREDICTION_CHUNK, segment_representations
 from ..statistics.shift import patch_parts
 from ..errors import AttentionCaptureError
-from .components import BIAS_PART, ComponentRequest, HeadPieces, block_input, output_tensor, parse_component
+from .components import ComponentRequest, HeadPieces, block_input, output_tensor, parse_piece
 from .base import SegmentBatch
 from .internals import AttentionCall
 from .modules import is_causal_lm
@@ -111,23 +111,24 @@ def patch_segment_context(adapter: Any, context: Sequence[Any], grid: Any, captu
         size = len(rest.offset_indices)
         for item, components in enumerate(config.patch_components):
             patch = {name: captured[name].expand(size, *captured[name].shape) for name in patch_parts(components)}
-            residual: dict[int, torch.Tensor] = {}
-            log_probs = adapter.run_segment(rest.tokens, rest.lengths, config.segment_length,
-                                            on_residual=lambda layer, hidden: residual.__setitem__(layer, hidden),
+            residual: list[torch.Tensor] = []  # the last block's: the only one the patched sums read
+
+            def keep_last(layer: int, hidden: torch.Tensor) -> None:
+                if layer == last:
+                    residual.append(hidden)
+
+            log_probs = adapter.run_segment(rest.tokens, rest.lengths, config.segment_length, on_residual=keep_last,
                                             position_start=rest.position_start, predictions=targets is not None,
                                             patch=patch)
             for b, index in enumerate(rest.offset_indices):
-                grid.add_patched(item, index, None if log_probs is None else log_probs[b, :-1], residual[last][b])
+                grid.add_patched(item, index, None if log_probs is None else log_probs[b, :-1], residual[-1][b])
 
 
 def only_offset(batch: SegmentBatch, offset_index: int) -> SegmentBatch:
     """``batch``'s window at ``offset_index`` alone, its padding cut: the reference window whose components
     activation patching captures, in a pass of its own (so that the clean pass, and the attribution read in it,
     runs as it does without patching)."""
-    row = batch.offset_indices.index(offset_index)
-    length = int(batch.lengths[row])
-    return SegmentBatch(batch.tokens[row : row + 1, :length], batch.lengths[row : row + 1], (offset_index,),
-                        None if batch.position_start is None else batch.position_start[row : row + 1])
+    return _rows_of(batch, [batch.offset_indices.index(offset_index)])
 
 
 def without_offset(batch: SegmentBatch, offset_index: int) -> SegmentBatch | None:
@@ -136,8 +137,11 @@ def without_offset(batch: SegmentBatch, offset_index: int) -> SegmentBatch | Non
     keep = [b for b, index in enumerate(batch.offset_indices) if index != offset_index]
     if not keep:
         return None
-    if len(keep) == len(batch.offset_indices):
-        return batch
+    return batch if len(keep) == len(batch.offset_indices) else _rows_of(batch, keep)
+
+
+def _rows_of(batch: SegmentBatch, keep: Sequence[int]) -> SegmentBatch:
+    """The windows ``keep`` (row indices) of ``batch``, their padding cut to the longest of them."""
     rows = torch.tensor(keep)
     lengths = batch.lengths[rows]
     return SegmentBatch(batch.tokens[rows, : int(lengths.max())], lengths,
@@ -288,15 +292,12 @@ class HeadsCheck:
         self._attention: dict[int, torch.Tensor] = {}
 
     def add(self, name: str, values: torch.Tensor) -> None:
-        if name.startswith(BIAS_PART.split(".")[0] + "."):
-            layer, kind = int(name.split(".")[1]), "part"
-        else:
-            kind, layer, _ = parse_component(name)
+        kind, layer, _ = parse_piece(name)
         if layer not in self.layers:
             return
         if kind == "attention":
             self._attention[layer] = values.detach().to(torch.float64)
-        elif kind in ("head", "part"):
+        elif kind in ("head", "bias"):
             self._sums[layer] = self._sums.get(layer, 0) + values.detach().to(torch.float64)
 
     def difference(self) -> float:

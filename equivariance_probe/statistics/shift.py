@@ -340,8 +340,8 @@ class SegmentGrid:
     def add_heads_difference(self, value: float) -> None:
         """Note one forward pass's :class:`~equivariance_probe.adapters.segments.HeadsCheck` difference (the largest
         is kept in :attr:`heads_difference`; a NaN, heads that were not all seen, is kept for good)."""
-        if math.isnan(value) or value > self.heads_difference:
-            self.heads_difference = value if not math.isnan(self.heads_difference) else self.heads_difference
+        if not math.isnan(self.heads_difference):
+            self.heads_difference = value if math.isnan(value) else max(self.heads_difference, value)
 
     def add_predictions(self, offset_index: int, log_probs: torch.Tensor, targets: torch.Tensor) -> None:
         """``log_probs: [m − 1, vocab]`` next-token log-probabilities at the segment's positions but the last,
