@@ -7,6 +7,7 @@ saved with a word-level tokenizer (:func:`synthetic.save_tiny_model_with_tokeniz
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -32,6 +33,16 @@ if not torch.cuda.is_available():
 def pytest_configure(config: pytest.Config) -> None:
     for name, description in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {description}")
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Close every pyplot figure a test opened: pyplot keeps them until closed, and the suite draws hundreds.
+    A closed figure still saves and draws, so a test that holds one keeps it."""
+    yield
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is not None:
+        pyplot.close("all")
 
 
 @pytest.fixture(scope="session")
