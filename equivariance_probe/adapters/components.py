@@ -34,7 +34,7 @@ from ..errors import AttentionCaptureError, InputError
 from .modules import find_attention_modules, parent_layer
 
 __all__ = ["EMBEDDING", "COMPONENT_KINDS", "BlockParts", "block_parts", "block_component_names",
-           "head_component_names", "parse_component", "component_layer", "components_up_to", "output_tensor",
+           "head_component_names", "parse_component", "parse_component_of", "component_layer", "components_up_to", "output_tensor",
            "with_output_tensor", "BIAS_PART", "parse_piece", "ComponentRequest", "head_pieces", "norm_epsilon", "norm_gain",
            "post_norm_scale", "HeadPieces",
            "block_input", "unwrapped", "head_columns", "component_site"]
@@ -121,6 +121,18 @@ def parse_component(name: str) -> tuple[str, int | None, int | None]:
     if match.group(2):
         return match.group(2), int(match.group(3)), None
     return "head", int(match.group(4)), int(match.group(5))
+
+
+def parse_component_of(name: str, n_layers: int) -> tuple[str, int | None, int | None]:
+    """:func:`parse_component` of a component of a model with ``n_layers`` blocks.
+
+    Raises:
+        InputError: not a component name, or a layer the model does not have.
+    """
+    kind, layer, head = parse_component(name)
+    if layer is not None and not 0 <= layer < n_layers:
+        raise InputError(f"component {name!r}: the model has layers 0 to {n_layers - 1}")
+    return kind, layer, head
 
 
 def component_layer(name: str) -> int:
@@ -293,6 +305,8 @@ class HeadPieces:
             self.on_component(f"head.{layer}.{head}", pieces[..., head, :])
         if bias is not None:
             self.on_component(BIAS_PART.format(layer=layer), bias)
+
+
 def head_columns(width: int, n_heads: int, head: int) -> slice:
     """Query head ``head``'s columns of an output projection's input of ``width`` (the heads side by side)."""
     size = width // n_heads
@@ -307,9 +321,7 @@ def component_site(parts: Sequence[BlockParts], name: str) -> tuple[torch.nn.Mod
     Raises:
         InputError: not a component name, or a layer the model does not have.
     """
-    kind, layer, head = parse_component(name)
-    if layer is not None and not 0 <= layer < len(parts):
-        raise InputError(f"component {name!r}: the model has layers 0 to {len(parts) - 1}")
+    kind, layer, head = parse_component_of(name, len(parts))
     if kind == EMBEDDING:
         return parts[0].layer, True, None
     if kind == "head":

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from functools import partial
 from typing import Any
 
 import torch
@@ -58,7 +57,7 @@ from .modules import (
     parent_layer,
     text_config,
 )
-from .segments import check_predicts, block_difference, hook_components, judged_recompute_check, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids, touch_component
+from .segments import check_predicts, block_difference, hook_components, judged_recompute_check, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids, component_toucher
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -333,7 +332,7 @@ class HuggingFaceAdapter(Adapter):
         def on_call(call: AttentionCall) -> None:
             on_attention(call.layer, *segment_blocks_from_call(call, spans, windows[call.layer], self.layout.causal))
 
-        handles = self._component_hooks(spans, capture, on_capture, patch or {})
+        handles = self._touch_hooks(spans, capture, on_capture, patch or {})
         if on_residual is not None:
             def make_hook(layer: int):
                 def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -375,29 +374,28 @@ class HuggingFaceAdapter(Adapter):
             self.check_layers_seen(sorted(set(seen)))
         return log_probs
 
-    def _component_hooks(self, spans: list[tuple[int, int]], capture: Sequence[str], on_capture: ComponentCallback | None,
-                         patch: Mapping[str, torch.Tensor]) -> list[Any]:
+    def _touch_hooks(self, spans: list[tuple[int, int]], capture: Sequence[str], on_capture: ComponentCallback | None,
+                     patch: Mapping[str, torch.Tensor]) -> list[Any]:
         """Hooks that capture (``on_capture``) and patch (``patch``) components at the segment
-        (:func:`~equivariance_probe.adapters.segments.touch_component`); their handles, to be removed."""
+        (:func:`~equivariance_probe.adapters.segments.component_toucher`); their handles, to be removed."""
         if not capture and not patch:
             return []
         parts = block_parts(self.model)
+        touch = component_toucher(spans, capture, on_capture, patch)
         handles = []
         for name in dict.fromkeys([*capture, *patch]):
             module, reads_input, head = component_site(parts, name)
-            touch = partial(touch_component, spans=spans, name=name,
-                            on_capture=on_capture if name in capture else None, values=patch.get(name))
             if reads_input:
-                def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict, touch: Any = touch,
+                def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict, name: str = name,
                              head: int | None = head) -> None:
                     hidden = args[0] if args else kwargs["hidden_states"]
-                    touch(hidden, columns=None if head is None else head_columns(hidden.shape[-1], self.layout.n_heads,
-                                                                                   head))
+                    touch(name, hidden, None if head is None else head_columns(hidden.shape[-1], self.layout.n_heads,
+                                                                               head))
 
                 handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
             else:
-                def hook(module: torch.nn.Module, args: Any, output: Any, touch: Any = touch) -> None:
-                    touch(output_tensor(output))  # in place: the module's output is what the block adds
+                def hook(module: torch.nn.Module, args: Any, output: Any, name: str = name) -> None:
+                    touch(name, output_tensor(output))  # in place: the module's output is what the block adds
 
                 handles.append(module.register_forward_hook(hook))
         return handles

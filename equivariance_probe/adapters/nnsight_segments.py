@@ -17,7 +17,7 @@ import torch
 
 from ..errors import RemoteExecutionError
 from .base import ComponentCallback, SegmentAttentionCallback, SegmentBatch, SegmentComponentCallback, SegmentResidualCallback
-from .components import (EMBEDDING, ComponentRequest, HeadPieces, block_input, block_parts, component_layer, component_site,
+from .components import (EMBEDDING, ComponentRequest, HeadPieces, block_input, block_parts, component_site,
                          head_columns, output_tensor, parse_component)
 from .internals import AttentionCall, recompute_tolerance
 from .request_sizes import plan_requests
@@ -30,7 +30,7 @@ from .segments import (
     segment_rows,
     segment_spans,
     shifted_position_ids,
-    touch_component,
+    component_toucher,
 )
 from .nnsight_remote import (
     ATTENTION_CALL,
@@ -110,7 +110,7 @@ class NNsightSegments:
         seen: list[int] = []
         reader = self._component_reader(components, spans, on_component) if components and on_component else None
         sites = self._component_sites([*capture, *(patch or {})])
-        touch = _component_toucher(spans, capture, on_capture, patch or {})
+        touch = component_toucher(spans, capture, on_capture, patch or {})
 
         # Filled in the trace: nnsight hands back only objects that outlive it (a name bound inside is not).
         kept: dict[str, torch.Tensor] = {}
@@ -167,6 +167,7 @@ class NNsightSegments:
         paths = {id(module): name for name, module in inner.named_modules()}
         return [(self.model.get(paths[id(part.attention_out)]), self.model.get(paths[id(part.mlp_out)]))
                 for part in block_parts(inner)]
+
     def _component_sites(self, names: Sequence[str]) -> dict[Any, Any]:
         """Where the components ``names`` are read in a trace: ``{"embedding": None}`` for block 0's input, and per
         layer ``[(envoy, [(name, head)])]`` in the order the model runs them (the output projection, whose input
@@ -179,12 +180,11 @@ class NNsightSegments:
         by_layer: dict[int, dict[int, list[tuple[str, int | None]]]] = {}
         order = {"head": 0, "attention": 1, "mlp": 2}
         for name in dict.fromkeys(names):
-            kind = parse_component(name)[0]
             module, _, head = component_site(parts, name)
+            kind, layer, _ = parse_component(name)
             if kind == EMBEDDING:
                 sites[EMBEDDING] = None
                 continue
-            layer = component_layer(name)
             by_layer.setdefault(layer, {}).setdefault((order[kind], id(module)), []).append((name, head))
         for layer, groups in by_layer.items():
             sites[layer] = [(self.model.get(paths[module]), group) for (_, module), group in sorted(groups.items())]
@@ -361,17 +361,6 @@ class _ComponentReader:
             self.heads.attention_output(layer, segment_rows(attention.input, self.spans) if part.post_norms else None)
         self.on_component(f"attention.{layer}", segment_rows(output_tensor(attention.output), self.spans))
         self.on_component(f"mlp.{layer}", segment_rows(output_tensor(self._envoy(part.mlp_out).output), self.spans))
-
-
-def _component_toucher(spans: Any, capture: Sequence[str], on_capture: ComponentCallback | None,
-                       patch: Mapping[str, torch.Tensor]) -> Callable[..., None]:
-    """``touch(name, hidden, columns=None)``: capture component ``name`` at the segment (where it is in ``capture``)
-    and write ``patch``'s values for it in place (:func:`~equivariance_probe.adapters.segments.touch_component`)."""
-    def touch(name: str, hidden: torch.Tensor, columns: slice | None = None) -> None:
-        touch_component(hidden, spans, name, columns, on_capture=on_capture if name in capture else None,
-                        values=patch.get(name))
-
-    return touch
 
 
 def _nbytes(sums: dict[str, torch.Tensor]) -> int:

@@ -25,7 +25,7 @@ A window ``b`` is described by its span ``(start, length)``: the segment is posi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from .modules import is_causal_lm
 __all__ = ["check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "judged_recompute_check", "segment_block", "hidden_keys", "sink_weights", "segment_blocks", "segment_blocks_from_call", "segment_blocks_from_qk",
            "segment_rows",
            "kept_positions", "segment_log_probs", "capture_segment_batch", "capture_segment_grid", "HeadsCheck",
-           "hook_components", "touch_component", "without_offset", "only_offset", "patched_components",
+           "hook_components", "touch_component", "component_toucher", "without_offset", "only_offset", "patched_components",
            "patch_segment_context"]
 
 #: ``(start, length)`` of each window's segment: positions ``start .. length − 1``.
@@ -173,6 +173,18 @@ def touch_component(hidden: torch.Tensor, spans: Spans, name: str, columns: slic
         for b, (start, length) in enumerate(spans):
             part[b, start:length] = values[b].to(device=part.device, dtype=part.dtype)
     return hidden
+
+
+def component_toucher(spans: Spans, capture: Sequence[str], on_capture: Callable[[str, torch.Tensor], None] | None,
+                      patch: Mapping[str, torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``touch(name, hidden, columns=None)``: :func:`touch_component` of component ``name`` in one pass, which
+    captures it (where it is in ``capture``) and writes ``patch``'s values for it (where ``patch`` holds it): how
+    every adapter binds a pass's ``capture``, ``on_capture`` and ``patch``."""
+    def touch(name: str, hidden: torch.Tensor, columns: slice | None = None) -> torch.Tensor:
+        return touch_component(hidden, spans, name, columns, on_capture=on_capture if name in capture else None,
+                               values=patch.get(name))
+
+    return touch
 
 
 def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries: Sequence[torch.Tensor],

@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from functools import partial
 from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, InputError, require_extra
+from ..errors import AttentionCaptureError, require_extra
 from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
 from .base import ComponentCallback, SegmentComponentCallback
-from .components import ComponentRequest, HeadPieces, block_parts, head_columns, parse_component
+from .components import ComponentRequest, HeadPieces, block_parts, head_columns, parse_component_of
 from .internals import recompute_tolerance
 from .modules import layer_windows
 from .segments import (
@@ -38,7 +37,7 @@ from .segments import (
     segment_rows,
     segment_spans,
     shifted_position_ids,
-    touch_component,
+    component_toucher,
 )
 
 PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
@@ -307,18 +306,17 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
                      patch: Mapping[str, torch.Tensor]) -> list[tuple[str, Any]]:
         """``(hook name, function)`` pairs that capture and patch components at the segment, at the bridge's hook
         points (:meth:`component_hook`; a head is its columns of the output projection's input)."""
+        touch = component_toucher(spans, capture, on_capture, patch)
         hooks = []
         for name in dict.fromkeys([*capture, *patch]):
             hook_name, head = self.component_hook(name)
-            touch = partial(touch_component, spans=spans, name=name,
-                            on_capture=on_capture if name in capture else None, values=patch.get(name))
 
-            def on_patched(hidden: torch.Tensor, hook: Any, touch: Any = touch, head: int | None = head) -> torch.Tensor:
+            def on_patched(hidden: torch.Tensor, hook: Any, name: str = name, head: int | None = head) -> torch.Tensor:
                 if head is not None and hidden.dim() == 4:  # [batch, position, head, head_dim] (Gemma 3's bridge)
-                    touch(hidden[:, :, head])  # a view: replaced in place
+                    touch(name, hidden[:, :, head])  # a view: replaced in place
                     return hidden
-                return touch(hidden, columns=None if head is None else head_columns(hidden.shape[-1],
-                                                                                    self._layout.n_heads, head))
+                return touch(name, hidden, None if head is None else head_columns(hidden.shape[-1],
+                                                                                  self._layout.n_heads, head))
 
             hooks.append((hook_name, on_patched))
         return hooks
@@ -360,6 +358,7 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
                 if post:
                     hooks.append((COMPONENT_HOOKS["attention_post_in"].format(layer=layer), post_norm_input(layer)))
         return hooks
+
     def component_hook(self, name: str) -> tuple[str, int | None]:
         """``(hook point, head)`` where the bridge exposes component ``name`` (:data:`COMPONENT_HOOKS`; a head is
         its columns of the output projection's input).
@@ -368,9 +367,7 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
             InputError: not a component name, or a layer the model does not have.
             AttentionCaptureError: the bridge has no such hook point.
         """
-        kind, layer, head = parse_component(name)
-        if layer is not None and not 0 <= layer < self._layout.n_layers:
-            raise InputError(f"component {name!r}: the model has layers 0 to {self._layout.n_layers - 1}")
+        kind, layer, head = parse_component_of(name, self._layout.n_layers)
         if kind in ("attention", "mlp") and COMPONENT_HOOKS[f"{kind}_post"].format(layer=layer) in self.model.hook_dict:
             kind = f"{kind}_post"
         hook_name = COMPONENT_HOOKS["projection_in" if kind == "head" else kind].format(layer=layer)
