@@ -334,6 +334,7 @@ SEGMENT_FUNCTIONS = (
     "equivariance_probe.statistics.engines.shift_sums.next_token_distribution",
     "equivariance_probe.statistics.engines.shift_sums.middle_negentropy",
     "equivariance_probe.statistics.engines.shift_sums.jensen_shannon_from",
+    "equivariance_probe.statistics.engines.shift_sums.prediction_log_probs",
     "equivariance_probe.statistics.engines.shift_sums.add_prediction_sums",
     "equivariance_probe.statistics.engines.shift_sums.new_component_state",
     "equivariance_probe.statistics.engines.shift_sums.add_component_to_state",

@@ -46,7 +46,6 @@ import torch
 from ..errors import IncompatibleResultsError, InputError, check_choice, is_integer
 from .config import Sum, merge_arrays, shapes_of
 from .engines.shift_sums import (
-    PREDICTION_CHUNK,
     ATTENTION_REPRESENTATIONS,
     ATTRIBUTION_GRAMS,
     DECOMPOSITION_SUMS,
@@ -66,6 +65,7 @@ from .engines.shift_sums import (
     end_context_of_components,
     grid_sums,
     jensen_shannon_from,
+    jensen_shannon_sum_to,
     new_component_state,
     new_sink_sums,
     next_token_distribution,
@@ -355,6 +355,7 @@ class SegmentGrid:
         the text before the segment, for the current context at one offset
         (:func:`~equivariance_probe.statistics.engines.shift_sums.add_sink_sums`)."""
         add_sink_sums(self.sink, layer, offset_index, sink)
+
     def add_patched(self, item: int, offset_index: int, log_probs: torch.Tensor | None,
                     last_residual: torch.Tensor) -> None:
         """One patched window of the current context, after the context's clean windows: patched item ``item``
@@ -365,7 +366,7 @@ class SegmentGrid:
             offset_index: the window's offset.
             log_probs: ``[m − 1, vocab]`` the patched window's next-token log-probabilities at the segment's
                 positions but the last (``None`` without predictions); paired with the clean reference window's
-                distributions of the same context (:func:`jensen_shannon_from`, as ``js_offset_sum`` pairs them).
+                distributions of the same context (:func:`jensen_shannon_sum_to`, as ``js_offset_sum`` pairs them).
             last_residual: ``[m, d]`` the patched window's residual stream after the last block at the segment.
         """
         config = self.config
@@ -381,15 +382,7 @@ class SegmentGrid:
             if clean is None:
                 raise InputError("a patched window came before the clean window at the reference offset of its "
                                  "context; run the context's clean windows first")
-            log_probs = log_probs.detach()
-            if log_probs.dtype != torch.float64:
-                log_probs = log_probs.to(torch.float32)
-            total = 0.0
-            for first in range(0, log_probs.shape[0], PREDICTION_CHUNK):
-                rows = slice(first, first + PREDICTION_CHUNK)
-                total += float(jensen_shannon_from((clean[0][rows], clean[1][rows]),
-                                                   next_token_distribution(log_probs[rows])).sum())
-            self.patched["patch/js_sum"][item, offset_index] += total
+            self.patched["patch/js_sum"][item, offset_index] += jensen_shannon_sum_to(clean, log_probs)
             self.patched["patch/js_count"][item, offset_index] += log_probs.shape[0]
         values = last_residual.detach().to(torch.float64).reshape(-1)
         if self._patched_by_offset is None:

@@ -45,6 +45,8 @@ __all__ = [
     "middle_negentropy",
     "jensen_shannon_from",
     "add_prediction_sums",
+    "prediction_log_probs",
+    "jensen_shannon_sum_to",
     "PREDICTION_CHUNK",
     "SINK_SUMS",
     "new_sink_sums",
@@ -283,6 +285,25 @@ def jensen_shannon_from(p: tuple[torch.Tensor, torch.Tensor], q: tuple[torch.Ten
     return (0.5 * (p[1] + q[1]) - middle).clamp(0.0, math.log(2.0))
 
 
+def prediction_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    """``log_probs`` as the divergences read them: detached, in float32 (float64 kept for a float64 model)."""
+    log_probs = log_probs.detach()
+    return log_probs if log_probs.dtype == torch.float64 else log_probs.to(torch.float32)
+
+
+def jensen_shannon_sum_to(reference: tuple[torch.Tensor, torch.Tensor], log_probs: torch.Tensor) -> float:
+    """``Σ_i JS(reference_i, p_i)`` over the positions of ``log_probs: [n, vocab]`` against a
+    :func:`next_token_distribution` ``reference`` of the same positions, :data:`PREDICTION_CHUNK` positions at a
+    time (no temporary spans more than a chunk of the vocabulary)."""
+    log_probs = prediction_log_probs(log_probs)
+    total = 0.0
+    for first in range(0, log_probs.shape[0], PREDICTION_CHUNK):
+        rows = slice(first, first + PREDICTION_CHUNK)
+        total += float(jensen_shannon_from((reference[0][rows], reference[1][rows]),
+                                           next_token_distribution(log_probs[rows])).sum())
+    return total
+
+
 def add_prediction_sums(sums: dict, latest: list, current: dict, offset_index: int, log_probs: torch.Tensor,
                         targets: torch.Tensor) -> None:
     """Add one window's next-token predictions to a segment's prediction sums.
@@ -301,9 +322,7 @@ def add_prediction_sums(sums: dict, latest: list, current: dict, offset_index: i
         log_probs: ``[m − 1, vocab]`` next-token log-probabilities at the segment's positions but the last.
         targets: ``[m − 1]`` the segment's own next tokens.
     """
-    log_probs = log_probs.detach()
-    if log_probs.dtype != torch.float64:
-        log_probs = log_probs.to(torch.float32)
+    log_probs = prediction_log_probs(log_probs)
     n = int(targets.numel())
     nll = -log_probs.gather(-1, targets.to(log_probs.device).view(-1, 1)).to(torch.float64).sum()
     sums["nll_sum"][offset_index] += float(nll)
