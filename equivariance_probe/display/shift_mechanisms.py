@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import UndefinedStatisticError
 from ..maths.intervals import Interval
-from ..shift_result import ShiftResult
+from ..shift_result import ShiftResult, measured_terms
 from .figures import _axes_title, figure_title, pyplot
 from .shift_parts import _interval_note, _number, _offset_meaning, _titled, _variants, _with_interval
 
@@ -91,7 +91,7 @@ def shift_attribution_figure(results: ShiftResult | Mapping[str, ShiftResult], l
     variants = _variants(results)
     first = next(iter(variants.values()))
     layers = tuple(first.attribution_layers() if layers is None else layers)
-    terms = tuple(terms or [t for t in ("offset", "context") if not (t == "context" and first.mode == "position_ids")])
+    terms = tuple(terms or measured_terms(first.mode))
     panels = [(term, layer) for term in terms for layer in layers]
     width = max(6.0, 0.22 * len(first.config.components) * len(variants) + 2)
     fig, axes = plt.subplots(len(panels), 1, figsize=(width, 3.2 * len(panels)), squeeze=False)

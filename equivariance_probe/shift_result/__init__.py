@@ -37,7 +37,7 @@ The class is cut along its seams:
 # SHARE_BY, UNITS, OFFSET_MEANING and HEADS_TOLERANCE are importable from here too, outside __all__.
 from ..records.shift_file import SHIFT_FORMAT_VERSION, SHIFT_KIND
 from .checks import (ATTRIBUTION_TERMS, ATTRIBUTION_TOLERANCE, HEADS_TOLERANCE, SHARE_BY, SHIFT_CHECK_TOLERANCE,
-                     attribution_check, attribution_failure, check_verdict, number_cell, record_checks,
+                     attribution_check, attribution_failure, check_verdict, measured_terms, number_cell, record_checks,
                      shift_check)  # noqa: F401
 from .core import OFFSET_MEANING, UNITS, ShiftResult  # noqa: F401
 

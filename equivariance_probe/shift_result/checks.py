@@ -19,7 +19,8 @@ from ..errors import AttributionIdentityError
 from ..maths.intervals import Interval, format_interval
 
 __all__ = ["shift_check", "SHIFT_CHECK_TOLERANCE", "attribution_check", "attribution_failure", "record_checks", "ATTRIBUTION_TOLERANCE",
-           "ATTRIBUTION_TERMS", "HEADS_TOLERANCE", "check_verdict", "number_cell", "SHARE_BY"]
+           "ATTRIBUTION_TERMS", "measured_terms", "HEADS_TOLERANCE", "check_verdict", "number_cell", "SHARE_BY"]
+
 
 class CheckedResult(Protocol):
     """What the checks read of a :class:`~equivariance_probe.ShiftResult`: its design, its metadata and two of its
@@ -69,6 +70,11 @@ def shift_check(result: CheckedResult, *, has_rotary: bool, dtype: str) -> dict[
 
 #: The attribution's terms (the residual stream's sums of squares it splits).
 ATTRIBUTION_TERMS = ("offset", "context")
+
+
+def measured_terms(mode: str, terms: Sequence[str] = ATTRIBUTION_TERMS) -> list[str]:
+    """The ``terms`` a run in ``mode`` measures: ``"position_ids"`` mode runs one context, so no ``"context"``."""
+    return [term for term in terms if not (term == "context" and mode == "position_ids")]
 #: Largest relative difference, by the model's dtype, between the components' sum of squares and the residual
 #: stream's own that counts as rounding: the residual stream is the model's own sum of the components, rounded in
 #: its dtype at every block, while the Gram adds them in float64. Half precision rounds each addition to about
@@ -82,8 +88,7 @@ def attribution_check(result: CheckedResult, *, dtype: str, heads_difference: fl
     """The attribution's built-in check: for every block and both terms, the components' sum of squares (from the
     Gram matrices) against the residual stream's own (from the blocks' outputs); and, where heads were read, that
     their pieces add up to their attention's output. Judged for float32 and float64 models."""
-    terms = [t for t in ATTRIBUTION_TERMS if not (t == "context" and result.mode == "position_ids")]
-    by_term = {term: result.attribution_identity(term) for term in terms}
+    by_term = {term: result.attribution_identity(term) for term in measured_terms(result.mode)}
     value = max(float(np.max(values)) for values in by_term.values())
     tolerance = ATTRIBUTION_TOLERANCE.get(dtype)
     check: dict[str, Any] = {

@@ -33,7 +33,7 @@ from ..records.shift_file import ShiftFile, open_shift_file, write_shift_file
 from ..sources.registry import display_name
 from ..statistics.masks import layer_groups
 from ..statistics.shift import REPRESENTATION_UNITS, REPRESENTATIONS, VECTOR_REPRESENTATIONS, ShiftStatistics
-from .checks import (ATTRIBUTION_TERMS, SHARE_BY, _at, _plain, attribution_check, check_verdict, number_cell,
+from .checks import (SHARE_BY, _at, _plain, attribution_check, check_verdict, measured_terms, number_cell,
                      shift_check)
 from .mechanisms import ShiftMechanisms
 
@@ -369,7 +369,7 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
             except UndefinedStatisticError:
                 return None
 
-        terms = [t for t in ("offset", "context", "pair") if not (t == "context" and self.mode == "position_ids")]
+        terms = measured_terms(self.mode, ("offset", "context", "pair"))
         representations = {}
         for rep in REPRESENTATIONS:
             representations[rep] = {
@@ -388,12 +388,11 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
         }
         out["sink_mass"] = self._sink_summary(number, with_interval)
         if self.config.components:  # {term: {layer: {component: share with its interval}}}, and the identity check
-            terms = [t for t in ATTRIBUTION_TERMS if not (t == "context" and self.mode == "position_ids")]
             out["attribution"] = {
                 "layers": list(self.attribution_layers()), "check": self.metadata.get("attribution_check"),
                 **{term: {str(layer): shares for layer, shares in
                           (with_interval(lambda interval=None, t=term: self.attribution(None, t, interval=interval))
-                           or {}).items()} for term in terms}}
+                           or {}).items()} for term in measured_terms(self.mode)}}
         if self.config.patch_components:
             out["patching"] = {"reference_offset": self.offsets[self.config.patch_reference],
                                "items": self.patching_rows(level)}

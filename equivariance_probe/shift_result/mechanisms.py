@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from ..analyses.results import split_axis
-from ..adapters.components import components_up_to, parse_component
+from ..adapters.components import component_layer, components_up_to, parse_component
 from ..errors import InputError, IntervalUnavailableError, UndefinedStatisticError, check_choice
 from ..maths import shift as decomposition
 from ..maths.intervals import Interval
-from .checks import ATTRIBUTION_TERMS, SHARE_BY, _plain, check_verdict, number_cell
+from .checks import ATTRIBUTION_TERMS, SHARE_BY, _plain, check_verdict, measured_terms, number_cell
 
 __all__ = ["ShiftMechanisms"]
 
@@ -46,7 +46,7 @@ class ShiftMechanisms:
         """``(rows, columns)`` of the Gram for block ``layer``: the components up to it (heads of layers up to it
         included) and the block-level ones whose sum is the residual stream after it."""
         names = self.config.components
-        rows = [i for i, name in enumerate(names) if (parse_component(name)[1] or 0) <= layer]
+        rows = [i for i, name in enumerate(names) if component_layer(name) <= layer]
         return rows, components_up_to(names, layer)
 
     def attribution(self, layer: int | Sequence[int] | None = None, term: str = "offset",
@@ -111,19 +111,18 @@ class ShiftMechanisms:
         """:meth:`attribution` in long form: one dict per term, target layer and component (``term``, ``layer``,
         ``component``, ``kind``, ``component_layer``, ``head``, ``share``, ``low``, ``high``); intervals where
         the run has at least two groups of segments (else ``low`` and ``high`` are ``None``)."""
-        terms = [t for t in ATTRIBUTION_TERMS if not (t == "context" and self.mode == "position_ids")]
         rows = []
-        for term in terms:
+        for term in measured_terms(self.mode):
             try:
                 numbers = self.attribution(layer, term, interval=level)
             except IntervalUnavailableError:
                 numbers = self.attribution(layer, term)
             for target, shares in numbers.items():
                 for name, share in shares.items():
-                    kind, component_layer, head = parse_component(name)
+                    kind, own_layer, head = parse_component(name)
                     item = share.to_dict() if isinstance(share, Interval) else {"estimate": share}
                     rows.append({"term": term, "layer": target, "component": name, "kind": kind,
-                                 "component_layer": component_layer, "head": head,
+                                 "component_layer": own_layer, "head": head,
                                  "share": _plain(item.get("estimate")), "low": _plain(item.get("low")),
                                  "high": _plain(item.get("high"))})
         return rows
@@ -197,6 +196,7 @@ class ShiftMechanisms:
                  "older file), so a mean over the rest would pass for one over every segment")
         raise UndefinedStatisticError(f"this result holds no sink mass: {which}; run the shift test again with this "
                                       "version for it")
+
     # -- activation patching -------------------------------------------------------------------------------
     #: What :meth:`patching` measures: the share of the prediction change that patching removes, and the share
     #: of the last block's residual offset sum of squares.
