@@ -26,6 +26,7 @@ __all__ = [
     "InputError",
     "EmptyCorpusError",
     "ContextLengthError",
+    "SiteError",
     "UnsupportedModelError",
     "ModelNotFoundError",
     "ModelFileError",
@@ -82,6 +83,11 @@ class EmptyCorpusError(InputError):
 
 class ContextLengthError(InputError):
     """A window is longer than the model's maximum context."""
+
+
+class SiteError(InputError):
+    """A site name (a named place in a model: ``"resid.3"``, ``"head.4.2"``) that is not one, or that the model
+    does not have; the message lists the valid spellings."""
 
 
 class UnsupportedModelError(EquivarianceProbeError, TypeError):

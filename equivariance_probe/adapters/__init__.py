@@ -14,7 +14,7 @@ from ..errors import InputError
 from .base import Adapter, AttentionLayout, ModelInfo, PatternCallback
 from .registry import adapter_for, supported_models
 
-__all__ = ["Adapter", "AttentionLayout", "ModelInfo", "PatternCallback", "get_adapter", "SUPPORTED_MODELS"]
+__all__ = ["Adapter", "AttentionLayout", "ModelInfo", "PatternCallback", "get_adapter", "adapter_of", "SUPPORTED_MODELS"]
 
 
 def get_adapter(model: Any, *, tokenizer: Any | None = None, **options: Any) -> Adapter:
@@ -31,6 +31,19 @@ def get_adapter(model: Any, *, tokenizer: Any | None = None, **options: Any) -> 
     if isinstance(model, Adapter):
         return model
     return _built(adapter_for(model), model, tokenizer, options)
+
+
+def adapter_of(model: Any) -> Adapter:
+    """The adapter that runs plans on ``model``: an :class:`Adapter` itself, a probe's own adapter (an object
+    with ``.model`` beside an adapter at ``.adapter``), or :func:`get_adapter`'s for a framework's model.
+
+    Raises:
+        UnsupportedModelError: none of these.
+    """
+    inner = getattr(model, "adapter", None)
+    if isinstance(inner, Adapter) and hasattr(model, "model"):
+        return inner
+    return get_adapter(model)
 
 
 def _built(adapter: type, model: Any, tokenizer: Any, options: dict[str, Any]) -> Adapter:

@@ -403,6 +403,39 @@ class Adapter(ABC):
             f"this {self.framework or type(self).__name__} adapter hands the shift test its blocks window by window "
             "(run_segment); it does not sum a segment's grid where the model runs")
 
+    # -- plans: one forward pass that reads and replaces named sites ---------------------------
+    def plan(self, steps: Sequence[tuple[str, Any]], *, ablation: str | None = None,
+             last_position_logits: bool = False) -> Any:
+        """A :class:`~equivariance_probe.adapters.plan.Plan` of ``(site name, action)`` pairs, checked against
+        this model's layers and heads (:meth:`~equivariance_probe.adapters.plan.Plan.of`)."""
+        from .plan import Plan
+
+        return Plan.of(steps, n_layers=self.layout.n_layers, n_heads=self.layout.n_heads, ablation=ablation,
+                       last_position_logits=last_position_logits)
+
+    def check_plan(self, plan: Any) -> None:
+        """Refuse, before any pass, a plan whose sites or ablation this framework cannot bind.
+
+        Raises:
+            UnsupportedModelError: this adapter binds no sites (the default).
+        """
+        raise UnsupportedModelError(
+            f"the {self.framework or type(self).__name__} adapter binds no sites, so analyses that read a model's "
+            "insides (position probes, permutation sensitivity, representation sums) cannot run on it; use a "
+            "Hugging Face model, a TransformerBridge or a local nnsight model")
+
+    def run_plan(self, tokens: torch.Tensor, plan: Any) -> dict[str, Any]:
+        """Run ``tokens: [batch, T]`` through the model once under ``plan``
+        (:mod:`~equivariance_probe.adapters.plan`), without gradients, each site bound to this framework's hook
+        points once, and the model left as it was found.
+
+        Returns:
+            What the pass recorded of the plan's ablation (``{"ablation": (...), "rotary_calls": ...,
+            "position_table_calls": ...}``; ``{"ablation": ()}`` without one).
+        """
+        self.check_plan(plan)
+        return {}
+
     def resolved_source(self) -> str:
         """Where this adapter's attention comes from: ``"weights"`` (captured patterns, the default)
         or ``"recompute"`` (queries and keys, the weights recomputed by the statistics)."""

@@ -47,6 +47,7 @@ from .base import (
     SegmentResidualCallback,
 )
 from .components import block_parts, component_site, head_columns, output_tensor
+from .hf_binder import check_hf_plan, run_hf_plan
 from .internals import AttentionCall, eager_weights, intercept_attention, position_embedding_modules, recompute_tolerance
 from .modules import (
     config_max_context,
@@ -399,6 +400,15 @@ class HuggingFaceAdapter(Adapter):
 
                 handles.append(module.register_forward_hook(hook))
         return handles
+
+    def check_plan(self, plan: Any) -> None:
+        """:meth:`Adapter.check_plan` (:func:`~equivariance_probe.adapters.hf_binder.check_hf_plan`)."""
+        check_hf_plan(self.model, plan)
+
+    def run_plan(self, tokens: torch.Tensor, plan: Any) -> dict[str, Any]:
+        """:meth:`Adapter.run_plan` with hooks on the model's modules
+        (:func:`~equivariance_probe.adapters.hf_binder.run_hf_plan`)."""
+        return run_hf_plan(self.model, tokens, plan, n_heads=self.layout.n_heads)
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
         """Run one window ``tokens: [1, T]`` (its segment the last ``segment_length`` tokens) under eager attention

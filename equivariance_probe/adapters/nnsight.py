@@ -78,6 +78,7 @@ from ..statistics.masks import default_log_floor
 from .base import LANGUAGE_MODEL_HEAD, RUNS_REMOTELY, Adapter, AttentionLayout, ModelInfo, PatternCallback
 from .huggingface import PATTERN_SOURCES, HuggingFaceAdapter
 from .modules import inner_module, parent_layer
+from .nnsight_binder import check_nnsight_plan, run_nnsight_plan
 from .request_sizes import RequestLimits, RequestPlan, plan_requests
 from .nnsight_segments import NNsightSegments, _nbytes, attention_call
 from .nnsight_remote import (
@@ -412,6 +413,15 @@ class NNsightAdapter(NNsightSegments, Adapter):
                     seen.append(layer)
                 tracer.stop()
         self.check_layers_seen(seen)
+
+    def check_plan(self, plan: Any) -> None:
+        """:meth:`Adapter.check_plan` (:func:`~equivariance_probe.adapters.nnsight_binder.check_nnsight_plan`)."""
+        check_nnsight_plan(self, plan)
+
+    def run_plan(self, tokens: torch.Tensor, plan: Any) -> dict[str, Any]:
+        """:meth:`Adapter.run_plan` with the envoys of one local trace
+        (:func:`~equivariance_probe.adapters.nnsight_binder.run_nnsight_plan`)."""
+        return run_nnsight_plan(self, tokens, plan)
 
     @property
     def sends_requests(self) -> bool:  # type: ignore[override]

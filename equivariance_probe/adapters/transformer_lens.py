@@ -22,6 +22,7 @@ import torch
 from ..errors import AttentionCaptureError, require_extra
 from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
 from .base import ComponentCallback, SegmentComponentCallback
+from .tl_binder import check_bridge_plan, run_bridge_plan
 from .components import ComponentRequest, HeadPieces, block_parts, head_columns, parse_component_of
 from .internals import recompute_tolerance
 from .modules import layer_windows
@@ -375,6 +376,15 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
             raise AttentionCaptureError(f"this TransformerBridge has no hook point {hook_name!r} for component "
                                         f"{name!r}; run the Hugging Face model itself (framework huggingface)")
         return hook_name, head
+
+    def check_plan(self, plan: Any) -> None:
+        """:meth:`Adapter.check_plan` (:func:`~equivariance_probe.adapters.tl_binder.check_bridge_plan`)."""
+        check_bridge_plan(self, plan)
+
+    def run_plan(self, tokens: torch.Tensor, plan: Any) -> dict[str, Any]:
+        """:meth:`Adapter.run_plan` through the bridge's hook points
+        (:func:`~equivariance_probe.adapters.tl_binder.run_bridge_plan`)."""
+        return run_bridge_plan(self, tokens, plan)
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
         """:meth:`Adapter.check_segment_recompute`: on one window ``tokens: [1, T]``, the weights

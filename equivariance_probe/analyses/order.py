@@ -3,8 +3,8 @@
 Place in the seams: *analyses*. Tensor maths (:func:`distribution_change`), the mergeable
 :class:`~equivariance_probe.statistics.representation.RepresentationSums`, the shrinkage fit of
 :mod:`~equivariance_probe.maths.fitting`, and thin functions that run a Hugging Face model (or
-the one inside a TransformerBridge / nnsight model / probe) under the ablations of
-:mod:`~equivariance_probe.adapters.internals`. docs/methods.md#order: "Breaking
+a TransformerBridge, nnsight model or probe) as plans of named sites
+(:mod:`~equivariance_probe.adapters.plan`), under the ablations of :mod:`~equivariance_probe.adapters.internals`. docs/methods.md#order: "Breaking
 Symmetry When Training Transformers" and "Latent Positional Information is in the
 Self-Attention Variance of Transformer Language Models Without Positional Embeddings".
 
@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..adapters.internals import ablate
-from ..adapters.modules import find_attention_modules, hf_model_of, parent_layer
+from ..adapters import adapter_of
+from ..adapters.modules import residual_width
+from ..adapters.plan import Read, Stop
 from ..errors import AttentionCaptureError, InputError
 from ..maths.fitting import fit_shrinkage_exponent
 from ..statistics.representation import RepresentationSums, variance_or_zero
@@ -159,15 +160,16 @@ class PermutationSensitivity:
                    keep_first=data["keep_first"], n_tokens=data["n_tokens"])
 
 
-def _last_outputs(hf: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Last-position logits ``[batch, vocab]`` and final hidden state ``[batch, d]``."""
-    import inspect
-
-    extra = {}
-    if "logits_to_keep" in inspect.signature(hf.forward).parameters:
-        extra["logits_to_keep"] = 1  # the vocabulary projection of the last position only
-    output = hf(input_ids=tokens.to(next(hf.parameters()).device), output_hidden_states=True, use_cache=False, **extra)
-    return output.logits[:, -1], output.hidden_states[-1][:, -1]
+def _last_plan(adapter: Any, got: dict[str, torch.Tensor], *, ablation: str | None = None,
+               on_weights: Any = None) -> Any:
+    """The plan of one pass that puts the last position's final hidden state and logits in ``got`` (the
+    language-model head projects the last position only), under ``ablation``, every layer's attention weights
+    handed to ``on_weights`` where given."""
+    steps: list[tuple[str, Any]] = [("final", Read(lambda value: got.__setitem__("final", value[:, -1]))),
+                                    ("logits", Read(lambda value: got.__setitem__("logits", value[:, -1])))]
+    if on_weights is not None:
+        steps += [(f"weights.{layer}", Read(on_weights)) for layer in range(adapter.layout.n_layers)]
+    return adapter.plan(steps, ablation=ablation, last_position_logits=True)
 
 
 def permutation_sensitivity(
@@ -194,41 +196,46 @@ def permutation_sensitivity(
         AttentionCaptureError: an ablation changed nothing (e.g. ``no_positions`` on a model
             whose position code this module does not know).
     """
-    hf = hf_model_of(model)
+    adapter = adapter_of(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     kl: dict[str, list] = {}
     tv: dict[str, list] = {}
     hidden: dict[str, list] = {}
     effect: dict[str, float] = {}
     upper: dict[str, float] = {}
-    with torch.no_grad():
-        # Unpermuted, unablated last-position logits: an ablation that leaves them unchanged did nothing.
-        reference = [_last_outputs(hf, window[None])[0][0] for window in tokens]
+    got: dict[str, torch.Tensor] = {}
+    for name in ablations:  # what the framework cannot run is refused before any pass
+        adapter.check_plan(_last_plan(adapter, got, ablation=name, on_weights=len))
+    # Unpermuted, unablated last-position logits: an ablation that leaves them unchanged did nothing.
+    reference = []
+    for window in tokens:
+        adapter.run_plan(window[None], _last_plan(adapter, got))
+        reference.append(got["logits"][0])
     for name in ablations:
         largest_upper = [0.0]
 
-        def on_call(call) -> None:
-            weights = call.weights
-            if weights is not None:
-                largest_upper[0] = max(largest_upper[0], float(weights.float().triu(1).sum(-1).max()))
+        def on_weights(weights: torch.Tensor) -> None:
+            largest_upper[0] = max(largest_upper[0], float(weights.float().triu(1).sum(-1).max()))
 
         rows_kl, rows_tv, rows_hidden, deltas = [], [], [], []
-        with torch.no_grad(), ablate(hf, name, on_call, keep_weights=True) as record:
-            for prompt, window in enumerate(tokens):
-                batch = torch.cat([window[None], permute_middle(window, n_permutations, keep_first=keep_first, seed=seed + prompt)])
-                logits, states = _last_outputs(hf, batch)
-                change_kl, change_tv = distribution_change(logits[:1], logits[1:])
-                rows_kl.append(change_kl.cpu().numpy())
-                rows_tv.append(change_tv.cpu().numpy())
-                base = states[:1].to(torch.float64)
-                rows_hidden.append(((states[1:].to(torch.float64) - base).norm(dim=-1) / base.norm(dim=-1)).cpu().numpy())
-                deltas.append(float((logits[0] - reference[prompt]).abs().max()))
-        if "no_positions" in record["ablation"] and record["rotary_calls"] + record["position_table_calls"] == 0:
+        plan, calls = _last_plan(adapter, got, ablation=name, on_weights=on_weights), 0
+        for prompt, window in enumerate(tokens):
+            batch = torch.cat([window[None], permute_middle(window, n_permutations, keep_first=keep_first, seed=seed + prompt)])
+            record = adapter.run_plan(batch, plan)
+            logits, states = got["logits"], got["final"]
+            calls += record.get("rotary_calls", 0) + record.get("position_table_calls", 0)
+            change_kl, change_tv = distribution_change(logits[:1], logits[1:])
+            rows_kl.append(change_kl.cpu().numpy())
+            rows_tv.append(change_tv.cpu().numpy())
+            base = states[:1].to(torch.float64)
+            rows_hidden.append(((states[1:].to(torch.float64) - base).norm(dim=-1) / base.norm(dim=-1)).cpu().numpy())
+            deltas.append(float((logits[0] - reference[prompt]).abs().max()))
+        if "no_positions" in plan.ablation and calls == 0:
             raise AttentionCaptureError(
                 f"ablation {name!r}: found no rotary embedding and no position-embedding table to remove in "
-                f"{type(hf).__name__}; if the model has no position encoding, leave 'no_positions' out"
+                f"{adapter.model_name()}; if the model has no position encoding, leave 'no_positions' out"
             )
-        if record["ablation"] and max(deltas) == 0.0:
+        if plan.ablation and max(deltas) == 0.0:
             raise AttentionCaptureError(f"ablation {name!r} did not change the model's output: it did not take effect")
         kl[name], tv[name], hidden[name] = np.stack(rows_kl), np.stack(rows_tv), np.stack(rows_hidden)
         effect[name] = max(deltas)
@@ -239,35 +246,26 @@ def permutation_sensitivity(
 def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4) -> RepresentationSums:
     """Run windows ``[n, T]`` through a causal LM and sum its attention outputs and residual streams.
 
-    The attention output is the output of each layer's attention module (found as every adapter
-    finds it: :func:`~equivariance_probe.adapters.modules.find_attention_modules`), the residual
-    stream each decoder layer's output.
+    The attention output of block ``l`` is site ``"attention.{l}"``, what the block's attention adds to the
+    residual stream (:mod:`~equivariance_probe.adapters.sites`; under a post-norm, the norm's output); the
+    residual stream is ``"resid.{l}"``, the block's output.
     """
-    hf = hf_model_of(model)
+    adapter = adapter_of(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
-    attention = find_attention_modules(hf)
-    layers = [parent_layer(hf, module) for module in attention]
-    dim = int(getattr(hf.config.get_text_config(), "hidden_size"))
-    sums = RepresentationSums.empty(len(attention), tokens.shape[-1], dim)
+    n_layers = adapter.layout.n_layers
+    sums = RepresentationSums.empty(n_layers, tokens.shape[-1], residual_width(model))
 
-    def hook(stream: int, layer: int):
-        def record(module, args, output):
-            sums.add(stream, layer, output[0] if isinstance(output, tuple) else output)
+    def add(stream: int, layer: int):
+        return Read(lambda hidden: sums.add(stream, layer, hidden))
 
-        return record
-
-    handles = [m.register_forward_hook(hook(0, i)) for i, m in enumerate(attention)]
-    handles += [m.register_forward_hook(hook(1, i)) for i, m in enumerate(layers)]
-    device = next(hf.parameters()).device
-    try:
-        with torch.no_grad():
-            for start in range(0, len(tokens), batch_size):
-                batch = tokens[start : start + batch_size]
-                hf.base_model(input_ids=batch.to(device), use_cache=False)
-                sums.add_documents(len(batch))
-    finally:
-        for handle in handles:
-            handle.remove()
+    plan = adapter.plan([step for layer in range(n_layers)
+                         for step in ((f"attention.{layer}", add(0, layer)), (f"resid.{layer}", add(1, layer)))]
+                        + [(f"resid.{n_layers - 1}", Stop())])
+    adapter.check_plan(plan)
+    for start in range(0, len(tokens), batch_size):
+        batch = tokens[start : start + batch_size]
+        adapter.run_plan(batch, plan)
+        sums.add_documents(len(batch))
     return sums
 
 

@@ -26,7 +26,6 @@ view of the same question, a probe the decoding view.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,8 +33,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..adapters.internals import ablate
-from ..adapters.modules import find_attention_modules, hf_model_of, parent_layer, residual_width
+from ..adapters import adapter_of
+from ..adapters.modules import residual_width
+from ..adapters.plan import Read, Stop
 from ..errors import InputError, check_integer
 from ..maths.intervals import Interval
 from ..maths.probing import fold_interval, grouped_folds, grouped_ridge_scores
@@ -99,46 +99,34 @@ def residual_samples(model: Any, tokens: torch.Tensor, positions: torch.Tensor, 
     Returns:
         float32 (float64 where the model computes in float64), on the CPU.
     """
-    hf = hf_model_of(model)
+    adapter = adapter_of(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     positions = torch.as_tensor(positions, dtype=torch.long)
     if tokens.dim() != 2 or positions.dim() != 2 or positions.shape[0] != tokens.shape[0]:
         raise InputError(f"tokens [n_windows, T] and positions [n_windows, P] must share n_windows; got shapes "
                          f"{tuple(tokens.shape)} and {tuple(positions.shape)}")
-    layers = [parent_layer(hf, module) for module in find_attention_modules(hf)]
-    parameter = next(hf.parameters())
-    dtype = torch.float64 if parameter.dtype == torch.float64 else torch.float32
+    n_layers = adapter.layout.n_layers
+    dtype = torch.float64 if adapter.dtype == torch.float64 else torch.float32
     per_window = positions.shape[1]
-    out = torch.empty(len(layers) + 1, tokens.shape[0] * per_window, residual_width(hf), dtype=dtype)
-    current = {"rows": positions[:0]}  # the batch's positions, [batch, P]
-    offset = {"row": 0}
+    out = torch.empty(n_layers + 1, tokens.shape[0] * per_window, residual_width(model), dtype=dtype)
+    current = {"rows": positions[:0], "row": 0}  # the batch's positions [batch, P] and its first output row
 
-    def keep(row: int, hidden: torch.Tensor) -> None:
-        index = current["rows"].to(hidden.device)
-        picked = torch.gather(hidden, 1, index[..., None].expand(-1, -1, hidden.shape[-1]))
-        start = offset["row"]
-        out[row, start : start + picked.shape[0] * per_window] = picked.reshape(-1, hidden.shape[-1]).to("cpu", dtype)
+    def keep(row: int):
+        def read(hidden: torch.Tensor) -> None:
+            index = current["rows"].to(hidden.device)
+            picked = torch.gather(hidden, 1, index[..., None].expand(-1, -1, hidden.shape[-1]))
+            start = current["row"]
+            out[row, start : start + picked.shape[0] * per_window] = picked.reshape(-1, hidden.shape[-1]).to("cpu", dtype)
+        return read
 
-    def entering(module, args, kwargs):
-        keep(0, args[0] if args else kwargs["hidden_states"])
-
-    def leaving(row: int):
-        def record(module, args, output):
-            keep(row, output[0] if isinstance(output, tuple) else output)
-
-        return record
-
-    handles = [layers[0].register_forward_pre_hook(entering, with_kwargs=True)]
-    handles += [layer.register_forward_hook(leaving(i + 1)) for i, layer in enumerate(layers)]
-    try:
-        with torch.no_grad(), ablate(hf, ablation) if ablation not in (None, "none") else contextlib.nullcontext():
-            for start in range(0, len(tokens), batch_size):
-                batch = tokens[start : start + batch_size]
-                current["rows"], offset["row"] = positions[start : start + batch_size], start * per_window
-                hf.base_model(input_ids=batch.to(parameter.device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    # The residual stream entering block 0 and after every block; nothing after the last block is needed.
+    plan = adapter.plan([("embedding", Read(keep(0))), *((f"resid.{layer}", Read(keep(layer + 1)))
+                                                         for layer in range(n_layers)),
+                         (f"resid.{n_layers - 1}", Stop())], ablation=ablation)
+    adapter.check_plan(plan)
+    for start in range(0, len(tokens), batch_size):
+        current["rows"], current["row"] = positions[start : start + batch_size], start * per_window
+        adapter.run_plan(tokens[start : start + batch_size], plan)
     return out
 
 

@@ -32,7 +32,9 @@ import numpy as np
 import torch
 
 from ..adapters.internals import intercept_attention, position_embedding_modules, visible_from_mask
+from ..adapters import adapter_of
 from ..adapters.modules import hf_model_of
+from ..adapters.plan import Read
 from ..errors import InputError, UnsupportedModelError
 from ..maths.fitting import KernelFit, fit_tisa_kernel
 from ..maths.metrics import toeplitz_r2
@@ -308,7 +310,7 @@ def score_profile(
         :class:`ScoreProfile` over lags ``k = -(T-1) .. T-1`` (a causal model has counts only
         for ``k >= 0``, and a sliding-window layer only for ``k < w``).
     """
-    hf = hf_model_of(model)
+    adapter = adapter_of(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     n_positions = tokens.shape[-1]
     per_layer: dict[int, list[torch.Tensor]] = {}
@@ -327,10 +329,11 @@ def score_profile(
         else:
             per_layer[call.layer] = [sums, counts]
 
-    device = next(hf.parameters()).device
-    with intercept_attention(hf, on_call), torch.no_grad():
-        for start in range(0, len(tokens), batch_size):
-            hf.base_model(input_ids=tokens[start : start + batch_size].to(device), use_cache=False)
+    # The queries and keys as every layer's attention call receives them, with its mask.
+    plan = adapter.plan([(f"qk.{layer}", Read(on_call)) for layer in range(adapter.layout.n_layers)])
+    adapter.check_plan(plan)
+    for start in range(0, len(tokens), batch_size):
+        adapter.run_plan(tokens[start : start + batch_size], plan)
     layers = sorted(per_layer)
     sums = torch.stack([per_layer[layer][0] for layer in layers]).numpy()
     counts = torch.stack([per_layer[layer][1] for layer in layers]).numpy()

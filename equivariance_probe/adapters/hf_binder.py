@@ -1,0 +1,173 @@
+"""The Hugging Face site binder: a :class:`~equivariance_probe.adapters.plan.Plan` run on a ``transformers`` model.
+
+Place in the seams: *adapters* (the only code that registers hooks). Each site of the grammar
+(:mod:`~equivariance_probe.adapters.sites`) is found once among the model's modules:
+
+* ``"embedding"``: block 0's input (a forward pre-hook); ``"resid.{l}"``: block ``l``'s output;
+* ``"attention.{l}"``, ``"mlp.{l}"``, ``"head.{l}.{h}"``: the outputs of
+  :func:`~equivariance_probe.adapters.components.block_parts`' modules, and the head's columns of the output
+  projection's input;
+* ``"qk.{l}"``, ``"weights.{l}"``: the attention call, intercepted by
+  :func:`~equivariance_probe.adapters.internals.ablate` (eager attention for the pass, as weights need);
+* ``"final"``, ``"logits"``: the language-model head's input and output.
+
+A plan without ``"final"`` or ``"logits"`` runs the base model (no head), as the analyses always have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import AttentionCaptureError
+from .components import block_input, block_parts, head_columns, output_tensor, with_output_tensor
+from .internals import AttentionCall, ablate
+from .modules import find_attention_modules, parent_layer
+from .plan import Plan, apply
+from .sites import Site
+
+__all__ = ["run_hf_plan", "check_hf_plan", "intercepted_calls", "Stopped"]
+
+
+class Stopped(Exception):
+    """Raised from a hook to end the forward pass at a plan's :class:`~equivariance_probe.adapters.plan.Stop`."""
+
+
+def check_hf_plan(model: Any, plan: Plan) -> None:
+    """Refuse, before any pass, a plan that ``model`` cannot run: the head's sites on a model without a
+    language-model head, or a block it cannot split into components.
+
+    Raises:
+        AttentionCaptureError: the reason, naming the site.
+    """
+    if plan.needs_head() and model.get_output_embeddings() is None:
+        raise AttentionCaptureError(
+            f"{type(model).__name__} has no language-model head, so the plan's 'final'/'logits' sites do not exist; "
+            "load the model with AutoModelForCausalLM")
+    if plan.kinds() & {"attention", "mlp", "head"}:
+        block_parts(model)
+
+
+def run_hf_plan(model: Any, tokens: torch.Tensor, plan: Plan, *, n_heads: int) -> dict[str, Any]:
+    """Run ``tokens: [batch, T]`` through ``model`` under ``plan``, without gradients.
+
+    Returns:
+        What the ablation recorded (:func:`~equivariance_probe.adapters.internals.ablate`'s dict: how often the
+        ablated modules ran), ``{"ablation": ()}`` without interception.
+    """
+    check_hf_plan(model, plan)
+    handles = []
+    layers = [parent_layer(model, module) for module in find_attention_modules(model)]
+    parts = block_parts(model) if plan.kinds() & {"attention", "mlp", "head"} else None
+    try:
+        for site in plan.sites():
+            if site.kind not in ("qk", "weights"):
+                handles.append(_hook(model, layers, parts, site, plan, n_heads))
+        with torch.no_grad(), intercepted_calls(model, plan) as record:
+            try:
+                _forward(model, tokens, plan)
+            except Stopped:
+                pass
+        return record
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _hook(model: Any, layers: list, parts: Any, site: Site, plan: Plan, n_heads: int) -> Any:
+    """The hook handle that runs ``plan``'s actions at ``site``."""
+    actions = plan.actions(site)
+    rows = plan.last_position_logits
+
+    def after(value: Any) -> Any:
+        value, replaced, stop = apply(actions, value, head_rows=rows and site.kind in ("final", "logits"))
+        if stop:
+            raise Stopped
+        return value if replaced else None
+
+    if site.kind == "embedding":
+        return layers[0].register_forward_pre_hook(_input_hook(after), with_kwargs=True)
+    if site.kind == "resid":
+        return layers[site.layer].register_forward_hook(_output_hook(after))
+    if site.kind in ("attention", "mlp"):
+        part = parts[site.layer]
+        return (part.attention_out if site.kind == "attention" else part.mlp_out).register_forward_hook(
+            _output_hook(after))
+    if site.kind == "head":
+        return parts[site.layer].projection.register_forward_pre_hook(_head_hook(after, site.head, n_heads))
+    head = model.get_output_embeddings()
+    if site.kind == "final":
+        return head.register_forward_pre_hook(_input_hook(after), with_kwargs=True)
+    return head.register_forward_hook(_output_hook(after))
+
+
+def _output_hook(after: Callable[[Any], Any]) -> Callable:
+    def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
+        new = after(output_tensor(output))
+        return None if new is None else with_output_tensor(output, new)
+    return hook
+
+
+def _input_hook(after: Callable[[Any], Any]) -> Callable:
+    def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        new = after(block_input(args, kwargs))
+        if new is None:
+            return None
+        return ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
+    return hook
+
+
+def _head_hook(after: Callable[[Any], Any], head: int, n_heads: int) -> Callable:
+    def hook(module: torch.nn.Module, args: tuple) -> Any:
+        z = args[0]
+        columns = head_columns(z.shape[-1], n_heads, head)
+        new = after(z[..., columns])
+        if new is None:
+            return None
+        z = z.clone()
+        z[..., columns] = new
+        return (z, *args[1:])
+    return hook
+
+
+@contextlib.contextmanager
+def intercepted_calls(model: Any, plan: Plan):
+    """The attention calls of ``model`` intercepted where the plan reads them (``"qk.{l}"``, ``"weights.{l}"``) or
+    an ablation is in force, else nothing; a :class:`~equivariance_probe.adapters.plan.Stop` there raises
+    :class:`Stopped`. Yields :func:`~equivariance_probe.adapters.internals.ablate`'s record."""
+    calls = [site for site in plan.sites() if site.kind in ("qk", "weights")]
+    if not calls and not plan.ablation:
+        yield {"ablation": ()}
+        return
+    by_layer = {(site.kind, site.layer): plan.actions(site) for site in calls}
+
+    def on_call(call: AttentionCall) -> None:
+        stop = False
+        if ("qk", call.layer) in by_layer:
+            stop |= apply(by_layer[("qk", call.layer)], call)[2]
+        if ("weights", call.layer) in by_layer and call.weights is not None:
+            stop |= apply(by_layer[("weights", call.layer)], call.weights)[2]
+        if stop:
+            raise Stopped
+
+    keep = any(site.kind == "weights" for site in calls)
+    with ablate(model, "+".join(plan.ablation) or None, on_call if calls else None, keep_weights=keep) as record:
+        yield record
+
+
+def _forward(model: Any, tokens: torch.Tensor, plan: Plan) -> None:
+    """The base model's pass, or the whole model's where the plan needs its head (the last position only where
+    the plan asks and the model takes ``logits_to_keep``)."""
+    device = next(model.parameters()).device
+    if not plan.needs_head():
+        model.base_model(input_ids=tokens.to(device), use_cache=False)
+        return
+    extra = {}
+    if plan.last_position_logits and "logits_to_keep" in inspect.signature(model.forward).parameters:
+        extra["logits_to_keep"] = 1
+    model(input_ids=tokens.to(device), use_cache=False, **extra)
+

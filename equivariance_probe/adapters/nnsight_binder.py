@@ -1,0 +1,116 @@
+"""The nnsight site binder: a :class:`~equivariance_probe.adapters.plan.Plan` run in one local trace.
+
+Place in the seams: *adapters*. The tensor sites are envoys of the modules the Hugging Face binder hooks (the
+wrapped model's own module tree), read and assigned inside ``model.trace`` in the order the forward pass reaches
+them: ``"embedding"`` is block 0's input, ``"resid.{l}"`` block ``l``'s output, ``"attention.{l}"`` and
+``"mlp.{l}"`` the outputs of :func:`~equivariance_probe.adapters.components.block_parts`' modules,
+``"head.{l}.{h}"`` the head's columns of the output projection's input, ``"final"`` and ``"logits"`` the head's
+input and output. The attention call (``"qk.{l}"``, ``"weights.{l}"``) and the ablations are the Hugging Face
+interception of the wrapped model (:func:`~equivariance_probe.adapters.internals.ablate`), which runs inside the
+trace, so both frameworks hand a feature the same call, mask included. Plans run where the model is local; a
+remote model is refused before any request.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ..errors import RemoteExecutionError
+from .components import block_input, block_parts, head_columns, output_tensor, with_output_tensor
+from .hf_binder import Stopped, check_hf_plan, intercepted_calls
+from .plan import Plan, apply
+from .sites import Site
+
+__all__ = ["run_nnsight_plan", "check_nnsight_plan"]
+
+
+def check_nnsight_plan(adapter: Any, plan: Plan) -> None:
+    """Refuse, before any pass, a plan the nnsight model cannot run here.
+
+    Raises:
+        RemoteExecutionError: a remote model (a plan's reads call functions of this process).
+        AttentionCaptureError: as :func:`~equivariance_probe.adapters.hf_binder.check_hf_plan`.
+    """
+    if adapter.remote:
+        raise RemoteExecutionError(
+            "this plan's reads call functions of this process, which a remote trace cannot reach; run the "
+            "analysis on a local nnsight model (remote=False) or on the Hugging Face model")
+    check_hf_plan(adapter.hf_model, plan)
+
+
+def run_nnsight_plan(adapter: Any, tokens: torch.Tensor, plan: Plan) -> dict[str, Any]:
+    """Run ``tokens: [batch, T]`` through the nnsight model ``adapter.model`` under ``plan``, without gradients.
+
+    Returns:
+        What the ablation recorded, as :func:`~equivariance_probe.adapters.hf_binder.run_hf_plan`.
+    """
+    check_nnsight_plan(adapter, plan)
+    hf = adapter.hf_model
+    paths = {id(module): name for name, module in hf.named_modules()}
+    parts = block_parts(hf) if plan.kinds() & {"attention", "mlp", "head"} else None
+    envoys = _EnvoysOf(adapter, paths, parts)
+    options: dict[str, Any] = {"use_cache": False}
+    if plan.needs_head() and plan.last_position_logits and "logits_to_keep" in inspect.signature(hf.forward).parameters:
+        options["logits_to_keep"] = 1
+    sites = [site for site in plan.sites() if site.kind not in ("qk", "weights")]
+    with adapter._local_run("recompute"), intercepted_calls(hf, plan) as record:
+        try:
+            with adapter.model.trace(tokens.to(adapter.device), **options) as tracer:
+                for site in sites:
+                    if _visit(envoys, site, plan, adapter.layout.n_heads):
+                        tracer.stop()
+                        break
+        except Stopped:
+            pass
+    return record
+
+
+class _EnvoysOf:
+    """The envoys of a plan's sites."""
+
+    def __init__(self, adapter: Any, paths: dict[int, str], parts: Any) -> None:
+        self.adapter, self.paths, self.parts = adapter, paths, parts
+
+    def of(self, module: torch.nn.Module) -> Any:
+        return self.adapter.model.get(self.paths[id(module)])
+
+    def layer(self, index: int) -> Any:
+        return self.adapter.model.get(self.adapter.layer_paths[index])
+
+    def head(self) -> Any:
+        return self.of(self.adapter.hf_model.get_output_embeddings())
+
+
+def _visit(envoys: _EnvoysOf, site: Site, plan: Plan, n_heads: int) -> bool:
+    """Run the plan's actions at ``site`` inside the trace; whether to stop after it."""
+    actions = plan.actions(site)
+    rows = plan.last_position_logits and site.kind in ("final", "logits")
+    if site.kind in ("embedding", "final", "head"):
+        envoy = envoys.layer(0) if site.kind == "embedding" else envoys.head() if site.kind == "final" \
+            else envoys.of(envoys.parts[site.layer].projection)
+        args, kwargs = envoy.inputs
+        value = block_input(args, kwargs)
+        columns = head_columns(value.shape[-1], n_heads, site.head) if site.kind == "head" else None
+        new, replaced, stop = apply(actions, value if columns is None else value[..., columns], head_rows=rows)
+        if replaced:
+            if columns is not None:
+                whole = value.clone()
+                whole[..., columns] = new
+                new = whole
+            envoy.inputs = ((new, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": new})
+        return stop
+    if site.kind == "resid":
+        envoy = envoys.layer(site.layer)
+    elif site.kind == "logits":
+        envoy = envoys.head()
+    else:
+        part = envoys.parts[site.layer]
+        envoy = envoys.of(part.attention_out if site.kind == "attention" else part.mlp_out)
+    output = envoy.output
+    new, replaced, stop = apply(actions, output_tensor(output), head_rows=rows)
+    if replaced:
+        envoy.output = with_output_tensor(output, new)
+    return stop
