@@ -117,3 +117,19 @@ def test_a_result_written_with_the_backend_key_reads_as_framework(tmp_path):
 def test_every_adapter_class_declares_a_framework():
     for cls in adapter_classes():
         assert issubclass(cls, Adapter) and cls.framework and cls.supported_models
+
+
+def test_what_a_framework_can_do_is_read_from_its_adapter_not_its_name():
+    from equivariance_probe.adapters.base import RUNS_ENCODERS
+    from equivariance_probe.adapters.registry import framework_can, frameworks_that
+    from equivariance_probe.runs.study import _remote_options
+    from equivariance_probe.sources.model_source import ModelSource
+
+    assert frameworks_that(RUNS_REMOTELY) == ("nnsight",)
+    assert frameworks_that(RUNS_ENCODERS) == ("huggingface",)
+    assert framework_can("nnsight", RUNS_REMOTELY) and not framework_can("huggingface", RUNS_REMOTELY)
+    with pytest.raises(InputError, match="Unknown framework 'jax'"):
+        framework_can("jax", RUNS_REMOTELY)
+    with pytest.raises(InputError, match="which the nnsight framework does: pass ModelSource.*framework='nnsight'"):
+        _remote_options(True, None, ModelSource("gpt2", framework="huggingface"), object(), ())
+    assert _remote_options(True, None, ModelSource("gpt2", framework="nnsight"), object(), ())["remote"] is True

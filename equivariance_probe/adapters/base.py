@@ -59,6 +59,8 @@ PatternCallback = Callable[[int, torch.Tensor], None]
 LANGUAGE_MODEL_HEAD = "language_model_head"
 #: Capability: the adapter can run the model elsewhere (nnsight on NDIF), so the attention never comes back.
 RUNS_REMOTELY = "runs_remotely"
+#: Capability: the adapter runs bidirectional encoders (BERT-like) as well as causal decoders.
+RUNS_ENCODERS = "runs_encoders"
 #: Callback of :meth:`Adapter.run_segment`, once per layer and batch: ``on_attention(layer, scores,
 #: log_normaliser, sink)`` with the segment block's pre-softmax ``scores: [batch, head, m, m]``,
 #: ``log_normaliser: [batch, head, m]``, each row's log-sum-exp over every key it sees in its window, and
@@ -149,7 +151,8 @@ class Adapter(ABC):
     #: finding an adapter imports no framework. Only a class that declares it in its own body is registered (a
     #: variant that inherits it does not compete with its parent); empty: the registry never picks the class.
     model_types: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    #: What the framework's models can do beyond the contract: :data:`LANGUAGE_MODEL_HEAD`, :data:`RUNS_REMOTELY`.
+    #: What the framework's models can do beyond the contract: :data:`LANGUAGE_MODEL_HEAD`, :data:`RUNS_REMOTELY`,
+    #: :data:`RUNS_ENCODERS`; read through :func:`~equivariance_probe.adapters.registry.framework_can`.
     capabilities: frozenset[str] = frozenset()
     #: The registry tries adapters in this order, lower first: a framework whose models hold another
     #: framework's model inside (nnsight's envoys hold a ``transformers`` model) comes before it.

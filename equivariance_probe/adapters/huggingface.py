@@ -41,6 +41,7 @@ from .base import (
     Adapter,
     AttentionLayout,
     ComponentCallback,
+    RUNS_ENCODERS,
     PatternCallback,
     SegmentAttentionCallback,
     SegmentComponentCallback,
@@ -92,6 +93,7 @@ class HuggingFaceAdapter(Adapter):
 
     framework = "huggingface"
     model_types = (("transformers", ("PreTrainedModel",)),)
+    capabilities = frozenset({RUNS_ENCODERS})
     supported_models = "transformers.PreTrainedModel (a Hugging Face causal LM)"
     #: Last: the other frameworks' models hold a Hugging Face model inside.
     detection_order = 2

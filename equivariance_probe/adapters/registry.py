@@ -39,6 +39,8 @@ __all__ = [
     "wrap_model",
     "unwrap_model",
     "framework_keyword",
+    "framework_can",
+    "frameworks_that",
 ]
 
 #: The framework :func:`~equivariance_probe.sources.models.load_model` and the command line use when none is named.
@@ -114,6 +116,21 @@ def framework_adapter(framework: str) -> type[Adapter]:
     if framework not in wrappers:
         raise InputError(f"Unknown framework {framework!r}; choose one of {', '.join(wrappers)}.")
     return wrappers[framework]
+
+
+def framework_can(framework: str, capability: str) -> bool:
+    """Whether the adapter that wraps models for ``framework`` declares ``capability``
+    (:data:`~.base.RUNS_REMOTELY`, :data:`~.base.RUNS_ENCODERS`, :data:`~.base.LANGUAGE_MODEL_HEAD`).
+
+    Raises:
+        InputError: an unknown ``framework``.
+    """
+    return capability in framework_adapter(framework).capabilities
+
+
+def frameworks_that(capability: str) -> tuple[str, ...]:
+    """The frameworks whose adapters declare ``capability``, for error messages."""
+    return tuple(name for name in framework_names() if framework_can(name, capability))
 
 
 def framework_keyword(framework: str | None, backend: str | None, default: str = DEFAULT_FRAMEWORK) -> str:

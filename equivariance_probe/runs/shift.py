@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..adapters.base import RUNS_ENCODERS
+from ..adapters.registry import framework_can, frameworks_that
 from ..errors import EquivarianceProbeError, InputError, option
 from ..probe import EquivarianceProbe
 from ..records.provenance import corpus_fingerprint, model_identity
@@ -74,8 +76,9 @@ def load_shift_model(source: ModelSource) -> tuple[Any, Any]:
     baseline is built from it and wrapped the same way), or the packaged BERT encoder, which runs as a Hugging Face
     model (the segment ends the window, attention both ways)."""
     if source.is_packaged_encoder:
-        if source.framework != "huggingface":
-            raise InputError(f"the packaged encoder {source.name!r} runs as a Hugging Face model only; drop "
+        if not framework_can(source.framework, RUNS_ENCODERS):
+            raise InputError(f"the packaged encoder {source.name!r} runs on a framework that runs encoders "
+                             f"({', '.join(frameworks_that(RUNS_ENCODERS))}) only; drop "
                              f"{option('framework', source.framework)}")
         return source.load_positional()
     return source.load()

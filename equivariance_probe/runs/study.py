@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..adapters.base import RUNS_REMOTELY
+from ..adapters.registry import framework_can, frameworks_that
 from ..adapters.request_sizes import RequestLimits
 from ..errors import InputError
 from ..probe import EquivarianceProbe, MeasurementOptions
@@ -322,9 +324,11 @@ def _remote_options(remote: bool | str, request_limits: RequestLimits | None, so
             raise InputError("request_limits sizes remote requests only; pass remote=True (or a host URL) with it, "
                              "or leave it out")
         return {}
-    if source.framework != "nnsight" or loaded is None or list(baselines):
+    if not framework_can(source.framework, RUNS_REMOTELY) or loaded is None or list(baselines):
+        remote_frameworks = frameworks_that(RUNS_REMOTELY)
         raise InputError(
-            f"remote={remote!r} runs an nnsight model on a server: pass ModelSource(name, framework='nnsight'), "
+            f"remote={remote!r} runs a model on a server, which the {'/'.join(remote_frameworks)} framework does: "
+            f"pass ModelSource(name, framework={remote_frameworks[0]!r}), "
             "loaded=(model, tokenizer) with model = nnsight.TransformersModel(hub_id), and baselines=() (a baseline's "
             f"weights would be made here); got framework={source.framework!r}, "
             f"loaded={'given' if loaded is not None else None}, baselines={list(baselines)!r}")
