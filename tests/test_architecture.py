@@ -43,3 +43,16 @@ def test_the_code_speaks_of_itself_not_of_its_issues():
         if re.search(r"issue [0-9]", line, flags=re.IGNORECASE)
     ]
     assert not mentions, mentions
+
+
+def test_no_hook_is_registered_outside_the_adapters():
+    """Only the adapters bind sites: everything above them reads a model through a plan (adapters/plan.py)."""
+    registering = re.compile(r"\.register_(?:full_backward_|forward_|module_forward_)\w*hook\w*\(|\brun_with_hooks\(|"
+                             r"\.add_hook\(|\.hooks\(")
+    found = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in PACKAGE.rglob("*.py") if "adapters" not in path.relative_to(PACKAGE).parts
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if registering.search(line)
+    ]
+    assert not found, found

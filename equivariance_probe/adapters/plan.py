@@ -4,7 +4,8 @@ Place in the seams: *adapters*, the contract between a feature and the framework
 above the adapters) says *what* it needs as a :class:`Plan` of named sites
 (:mod:`~equivariance_probe.adapters.sites`) and actions, and hands it with token windows to
 :meth:`~equivariance_probe.adapters.base.Adapter.run_plan`; each framework's binder
-(:mod:`~equivariance_probe.adapters.binders`) finds the sites among its own hook points, once, and runs the
+(:mod:`~equivariance_probe.adapters.hf_binder`, :mod:`~equivariance_probe.adapters.tl_binder`,
+:mod:`~equivariance_probe.adapters.nnsight_binder`) finds the sites among its own hook points, once, and runs the
 pass. A feature never registers a hook, and runs on every framework whose binder gives its sites.
 
 Actions:

@@ -1,7 +1,8 @@
 """The site grammar: named places in a model, spelt the same on every framework.
 
 Place in the seams: *adapters*. A site names a place in a decoder's forward pass; each framework's binder
-(:mod:`~equivariance_probe.adapters.binders`) finds it among its own hook points, and a
+(:mod:`~equivariance_probe.adapters.hf_binder`, :mod:`~equivariance_probe.adapters.tl_binder`,
+:mod:`~equivariance_probe.adapters.nnsight_binder`) finds it among its own hook points, and a
 :class:`~equivariance_probe.adapters.plan.Plan` reads or replaces what flows there. The components of the
 residual stream (:mod:`~equivariance_probe.adapters.components`) are sites of this grammar.
 

@@ -16,8 +16,8 @@ Self-Attention Variance of Transformer Language Models Without Positional Embedd
   without position encodings the last position's output is a function of the multiset of
   tokens, so all three are 0 up to floating-point rounding.
 * **Variance shrinkage.** Per layer ``l`` and position ``q``, with ``x[doc, q, d]`` the attention
-  output (the attention module's output, before any residual add) or the residual stream
-  (the layer's output):
+  output (site ``"attention.{l}"``: what the attention adds to the residual stream, the attention module's
+  output, or under a post-norm the norm's) or the residual stream (the layer's output):
   ``var_docs[l, q] = mean_d Var_doc(x[doc, q, d])`` (variance across documents, averaged over
   hidden dimensions) and ``var_dims[l, q] = mean_doc Var_d(x[doc, q, d])`` (variance across
   hidden dimensions within a document, averaged over documents; the Latent Positional study's).
