@@ -172,3 +172,42 @@ def test_a_replacement_changes_what_follows_and_a_stop_ends_the_pass(framework):
     reached: list[str] = []
     adapter.run_plan(tokens, adapter.plan([("resid.0", Stop()), ("resid.1", Read(lambda value: reached.append("1")))]))
     assert reached == []
+
+
+def test_the_position_probe_samples_on_the_remote_path_equal_hugging_face_and_refusals_come_first():
+    """nnsight's ``remote="local"`` serialises each request as for a server: the rows are picked there."""
+    pytest.importorskip("nnsight")
+    from nnsight.modeling.transformers import TransformersModel
+
+    from equivariance_probe.adapters.nnsight import NNsightAdapter
+    from equivariance_probe.errors import RemoteExecutionError
+    from test_nnsight_adapter import tiny_tokenizer
+
+    hf = tiny_gemma3(window=4).eval()
+    adapter = NNsightAdapter(TransformersModel(hf, tokenizer=tiny_tokenizer()), remote="local")
+    tokens = _windows(3)
+    positions = probe_positions(len(tokens), tokens.shape[1], 4, seed=3)
+    expected = residual_samples(hf, tokens, positions, batch_size=2)
+    assert torch.equal(residual_samples(adapter, tokens, positions, batch_size=2), expected)
+    for plan_steps, ablation in (([("resid.0", Read(len))], "no_mask"), ([("weights.0", Read(len))], None),
+                                 ([("resid.0", Replace(torch.zeros(1)))], None)):
+        with pytest.raises(RemoteExecutionError, match="local nnsight model"):
+            adapter.check_plan(adapter.plan(plan_steps, ablation=ablation))
+
+
+def test_a_remote_plan_ships_its_reducers_by_value_and_brings_back_only_what_they_pick(monkeypatch):
+    pytest.importorskip("nnsight")
+    from nnsight.modeling.transformers import TransformersModel
+
+    from equivariance_probe.adapters.nnsight import NNsightAdapter
+    from equivariance_probe.adapters.nnsight_remote import PLAN_FUNCTIONS
+    from test_nnsight_adapter import assert_payload_imports_only_torch_math_collections, recorded_payloads, tiny_tokenizer
+
+    blobs = recorded_payloads(monkeypatch)
+    model = TransformersModel(tiny_llama().eval(), tokenizer=tiny_tokenizer())
+    tokens = _windows(2)
+    positions = probe_positions(2, tokens.shape[1], 3, seed=4)
+    samples = residual_samples(NNsightAdapter(model, remote="local"), tokens, positions, batch_size=2)
+    assert len(blobs) == 1 and samples.shape == (3, 2 * 3, 32)
+    # The probe's reducer (which rows to keep) travels as source beside the shipped reader; nothing is imported.
+    assert_payload_imports_only_torch_math_collections(blobs[0], model, (*PLAN_FUNCTIONS, "position_probe.picked"))

@@ -8,7 +8,8 @@ attention's and its MLP's outputs. A block with norms on its outputs (Gemma 2 an
 component is the norm's output. A block whose norm comes after the addition (BERT's post-LN) is not a sum of
 components at all, which the run's identity check (the components' sum against the residual stream) reports.
 
-Component names, shared by every framework's adapter and by the statistics:
+Component names, shared by every framework's adapter and by the statistics, are the sites
+(:mod:`~equivariance_probe.adapters.sites`) that add up to the residual stream, in their canonical spelling:
 
 * ``"embedding"``: the input of the first block;
 * ``"attention.{l}"`` and ``"mlp.{l}"``: what block ``l``'s attention and MLP add;
@@ -30,8 +31,9 @@ from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, InputError
+from ..errors import AttentionCaptureError, InputError, SiteError
 from .modules import find_attention_modules, parent_layer
+from .sites import parse_site
 
 __all__ = ["EMBEDDING", "COMPONENT_KINDS", "BlockParts", "block_parts", "block_component_names",
            "head_component_names", "parse_component", "parse_component_of", "component_layer", "components_up_to", "output_tensor",
@@ -45,7 +47,6 @@ COMPONENT_KINDS = ("embedding", "attention", "mlp", "head")
 #: Names of a block's MLP module, and of the output projection inside an attention module, in the order tried.
 MLP_NAMES = ("mlp", "feed_forward", "ffn")
 PROJECTION_NAMES = ("o_proj", "c_proj", "out_proj", "dense")
-_NAME = re.compile(r"^(?:(embedding)|(attention|mlp)\.(\d+)|head\.(\d+)\.(\d+))$")
 
 
 @dataclass(frozen=True)
@@ -112,15 +113,15 @@ def parse_component(name: str) -> tuple[str, int | None, int | None]:
     Raises:
         InputError: not a component name.
     """
-    match = _NAME.match(name) if isinstance(name, str) else None
-    if match is None:
+    try:
+        site = parse_site(name) if isinstance(name, str) else None
+    except SiteError:
+        site = None
+    # Components are the sites that add up to the residual stream, spelt canonically (a name is a key).
+    if site is None or site.kind not in COMPONENT_KINDS or site.name != name:
         raise InputError(f"component {name!r} is not one of 'embedding', 'attention.<layer>', 'mlp.<layer>' or "
                          "'head.<layer>.<head>'")
-    if match.group(1):
-        return EMBEDDING, None, None
-    if match.group(2):
-        return match.group(2), int(match.group(3)), None
-    return "head", int(match.group(4)), int(match.group(5))
+    return site.kind, site.layer, site.head
 
 
 def parse_component_of(name: str, n_layers: int) -> tuple[str, int | None, int | None]:

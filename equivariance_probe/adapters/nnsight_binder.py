@@ -21,7 +21,8 @@ import torch
 from ..errors import RemoteExecutionError
 from .components import block_input, block_parts, head_columns, output_tensor, with_output_tensor
 from .hf_binder import Stopped, check_hf_plan, intercepted_calls
-from .plan import Plan, apply
+from .nnsight_remote import read_sites_in_trace
+from .plan import Plan, Read, Replace, Stop, apply
 from .sites import Site
 
 __all__ = ["run_nnsight_plan", "check_nnsight_plan"]
@@ -31,14 +32,24 @@ def check_nnsight_plan(adapter: Any, plan: Plan) -> None:
     """Refuse, before any pass, a plan the nnsight model cannot run here.
 
     Raises:
-        RemoteExecutionError: a remote model (a plan's reads call functions of this process).
+        RemoteExecutionError: on a remote model, an ablation, a replacement or the attention call's sites (a
+            remote request reads tensors and reduces them; it does not change the model).
         AttentionCaptureError: as :func:`~equivariance_probe.adapters.hf_binder.check_hf_plan`.
     """
-    if adapter.remote:
-        raise RemoteExecutionError(
-            "this plan's reads call functions of this process, which a remote trace cannot reach; run the "
-            "analysis on a local nnsight model (remote=False) or on the Hugging Face model")
     check_hf_plan(adapter.hf_model, plan)
+    if not adapter.remote:
+        return
+    if plan.ablation:
+        raise RemoteExecutionError(
+            f"ablation {'+'.join(plan.ablation)!r} changes the model's modules, which a remote model's server "
+            "does not let a request do; run the analysis on a local nnsight model (remote=False) or the Hugging "
+            "Face model")
+    for site, action in plan.steps:
+        if site.kind in ("qk", "weights") or isinstance(action, Replace):
+            raise RemoteExecutionError(
+                f"a remote model's plan reads tensor sites only; {type(action).__name__} at site {site.name!r} "
+                "needs the model here: run the analysis on a local nnsight model (remote=False) or the Hugging "
+                "Face model")
 
 
 def run_nnsight_plan(adapter: Any, tokens: torch.Tensor, plan: Plan) -> dict[str, Any]:
@@ -48,6 +59,8 @@ def run_nnsight_plan(adapter: Any, tokens: torch.Tensor, plan: Plan) -> dict[str
         What the ablation recorded, as :func:`~equivariance_probe.adapters.hf_binder.run_hf_plan`.
     """
     check_nnsight_plan(adapter, plan)
+    if adapter.remote:
+        return _run_remote(adapter, tokens, plan)
     hf = adapter.hf_model
     paths = {id(module): name for name, module in hf.named_modules()}
     parts = block_parts(hf) if plan.kinds() & {"attention", "mlp", "head"} else None
@@ -82,6 +95,62 @@ class _EnvoysOf:
 
     def head(self) -> Any:
         return self.of(self.adapter.hf_model.get_output_embeddings())
+
+
+def _run_remote(adapter: Any, tokens: torch.Tensor, plan: Plan) -> dict[str, Any]:
+    """A plan of reads in one remote trace: each read's ``reduce`` runs on the server
+    (:func:`~equivariance_probe.adapters.nnsight_remote.read_sites_in_trace`), only what it returns comes back, and
+    each ``fn`` is called here with it; the trace stops after the last read (or the plan's first stop)."""
+    import nnsight
+
+    hf = adapter.hf_model
+    paths = {id(module): name for name, module in hf.named_modules()}
+    envoys = _EnvoysOf(adapter, paths, block_parts(hf) if plan.kinds() & {"attention", "mlp", "head"} else None)
+    reads, fns = [], []
+    for site in plan.sites():
+        actions = plan.actions(site)
+        kept = [action for action in actions if isinstance(action, Read)]
+        envoy, reads_input, columns = _place(envoys, site, adapter.layout.n_heads)
+        if kept:
+            reads.append((envoy, reads_input, columns, plan.last_position_logits and site.kind in ("final", "logits"),
+                          [action.reduce for action in kept]))
+            fns.append([action.fn for action in kept])
+        if any(isinstance(action, Stop) for action in actions):
+            break
+    options: dict[str, Any] = {"use_cache": False, **adapter._trace_options()}
+    if plan.needs_head() and plan.last_position_logits and "logits_to_keep" in inspect.signature(hf.forward).parameters:
+        options["logits_to_keep"] = 1
+    values = None
+    with adapter._translate_errors("recompute"), adapter._shipped_by_value():
+        # The block reads only these locals, the shipped function and nnsight.
+        with adapter.model.trace(tokens, **options) as tracer:
+            values = read_sites_in_trace(reads)
+            nnsight.save(values)
+            tracer.stop()
+    if not isinstance(values, list) or len(values) != len(fns):
+        raise RemoteExecutionError(f"the remote trace returned no reads (got {type(values).__name__}); run again; "
+                                   "if it persists, report it with nnsight's version")
+    for site_fns, site_values in zip(fns, values):
+        for fn, value in zip(site_fns, site_values):
+            fn(value)
+    return {"ablation": ()}
+
+
+def _place(envoys: _EnvoysOf, site: Site, n_heads: int) -> tuple[Any, bool, tuple[int, int] | None]:
+    """``(envoy, reads its input, (start, stop) columns or None)`` of a tensor site."""
+    if site.kind in ("embedding", "final"):
+        return (envoys.layer(0) if site.kind == "embedding" else envoys.head()), True, None
+    if site.kind == "head":
+        projection = envoys.parts[site.layer].projection
+        width = getattr(projection, "in_features", None) or getattr(projection, "nx", None)
+        columns = head_columns(int(width), n_heads, site.head)
+        return envoys.of(projection), True, (columns.start, columns.stop)
+    if site.kind == "resid":
+        return envoys.layer(site.layer), False, None
+    if site.kind == "logits":
+        return envoys.head(), False, None
+    part = envoys.parts[site.layer]
+    return envoys.of(part.attention_out if site.kind == "attention" else part.mlp_out), False, None
 
 
 def _visit(envoys: _EnvoysOf, site: Site, plan: Plan, n_heads: int) -> bool:

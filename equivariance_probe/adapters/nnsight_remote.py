@@ -76,6 +76,8 @@ __all__ = [
     "remote_failure_kind",
     "is_source_failure",
     "REMOTE_MODULES",
+    "PLAN_FUNCTIONS",
+    "read_sites_in_trace",
 ]
 
 
@@ -306,6 +308,40 @@ def segment_check_in_trace(attention: list, plan: dict, span: tuple) -> torch.Te
         scale = value.abs().max().clamp_min(1e-30)
         differences.append(((torch.matmul(weights, value) - own).abs().max() / scale).to(torch.float64).cpu())
     return torch.stack(differences)
+
+
+def read_sites_in_trace(reads: list) -> list:
+    """Inside a trace, each read site's value, reduced where the model runs.
+
+    Args:
+        reads: per site, in the order the forward pass reaches them, ``(envoy, reads_input, columns, last_row,
+            reducers)``: the module's envoy, whether the site is its input (else its output), the site's
+            ``(start, stop)`` columns or ``None``, whether to keep the last position only, and one function (or
+            ``None``: the value itself) per read of the site.
+
+    Returns:
+        Per site, the list of what its reducers returned.
+    """
+    values = []
+    for envoy, reads_input, columns, last_row, reducers in reads:
+        if reads_input:
+            args, kwargs = envoy.inputs
+            value = args[0] if len(args) > 0 else kwargs["hidden_states"]
+        else:
+            value = envoy.output
+            if isinstance(value, tuple):
+                value = value[0]
+        if columns is not None:
+            value = value[..., columns[0]:columns[1]]
+        if last_row and value.shape[-2] != 1:
+            value = value[..., -1:, :]
+        value = value.detach()
+        values.append([value if reduce is None else reduce(value) for reduce in reducers])
+    return values
+
+
+#: The function of a plan's reads that runs on the server (by value), with the reducers the plan carries.
+PLAN_FUNCTIONS = ("equivariance_probe.adapters.nnsight_remote.read_sites_in_trace",)
 
 
 #: The functions of the shift test that run on the server, in one session per segment (by value).

@@ -37,9 +37,14 @@ __all__ = ["Read", "Replace", "Stop", "Action", "Plan"]
 
 @dataclass(frozen=True)
 class Read:
-    """Call ``fn(value)`` with the value at the site."""
+    """Call ``fn(value)`` with the value at the site, or ``fn(reduce(value))``.
+
+    ``reduce`` runs where the model runs (on a server, for a remote model), so only what it returns travels: it
+    must use nothing but ``torch`` and the values it closes over (a remote request ships it by value).
+    """
 
     fn: Callable[[Any], None]
+    reduce: Callable[[torch.Tensor], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -130,7 +135,8 @@ def apply(actions: Sequence[Action], value: Any, *, head_rows: bool = False) -> 
     replaced = stop = False
     for action in actions:
         if isinstance(action, Read):
-            action.fn(value.detach() if isinstance(value, torch.Tensor) else value)
+            seen = value.detach() if isinstance(value, torch.Tensor) else value
+            action.fn(seen if action.reduce is None else action.reduce(seen))
         elif isinstance(action, Replace):
             value, replaced = action.applied(value), True
         else:

@@ -253,7 +253,7 @@ def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4
     adapter = adapter_of(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     n_layers = adapter.layout.n_layers
-    sums = RepresentationSums.empty(n_layers, tokens.shape[-1], residual_width(model))
+    sums = RepresentationSums.empty(n_layers, tokens.shape[-1], residual_width(adapter.model))
 
     def add(stream: int, layer: int):
         return Read(lambda hidden: sums.add(stream, layer, hidden))

@@ -108,25 +108,27 @@ def residual_samples(model: Any, tokens: torch.Tensor, positions: torch.Tensor, 
     n_layers = adapter.layout.n_layers
     dtype = torch.float64 if adapter.dtype == torch.float64 else torch.float32
     per_window = positions.shape[1]
-    out = torch.empty(n_layers + 1, tokens.shape[0] * per_window, residual_width(model), dtype=dtype)
-    current = {"rows": positions[:0], "row": 0}  # the batch's positions [batch, P] and its first output row
+    out = torch.empty(n_layers + 1, tokens.shape[0] * per_window, residual_width(adapter.model), dtype=dtype)
 
-    def keep(row: int):
-        def read(hidden: torch.Tensor) -> None:
-            index = current["rows"].to(hidden.device)
-            picked = torch.gather(hidden, 1, index[..., None].expand(-1, -1, hidden.shape[-1]))
-            start = current["row"]
-            out[row, start : start + picked.shape[0] * per_window] = picked.reshape(-1, hidden.shape[-1]).to("cpu", dtype)
-        return read
+    def plan_for(rows: torch.Tensor, first: int) -> Any:
+        """Reads of the residual stream entering block 0 and after every block, at ``rows: [batch, P]``; the
+        rows are picked where the model runs, so a remote model sends back ``P × d`` per window and layer."""
+        def picked(hidden: torch.Tensor, index: torch.Tensor = rows) -> torch.Tensor:
+            index = index.to(hidden.device)
+            return torch.gather(hidden, 1, index[..., None].expand(-1, -1, hidden.shape[-1]))
 
-    # The residual stream entering block 0 and after every block; nothing after the last block is needed.
-    plan = adapter.plan([("embedding", Read(keep(0))), *((f"resid.{layer}", Read(keep(layer + 1)))
-                                                         for layer in range(n_layers)),
-                         (f"resid.{n_layers - 1}", Stop())], ablation=ablation)
-    adapter.check_plan(plan)
+        def keep(row: int):
+            def store(values: torch.Tensor) -> None:
+                out[row, first : first + values.shape[0] * per_window] = values.reshape(-1, values.shape[-1]).to("cpu", dtype)
+            return Read(store, reduce=picked)
+
+        # Nothing after the last block is needed.
+        return adapter.plan([("embedding", keep(0)), *((f"resid.{layer}", keep(layer + 1)) for layer in range(n_layers)),
+                             (f"resid.{n_layers - 1}", Stop())], ablation=ablation)
+
+    adapter.check_plan(plan_for(positions[:0], 0))
     for start in range(0, len(tokens), batch_size):
-        current["rows"], current["row"] = positions[start : start + batch_size], start * per_window
-        adapter.run_plan(tokens[start : start + batch_size], plan)
+        adapter.run_plan(tokens[start : start + batch_size], plan_for(positions[start : start + batch_size], start * per_window))
     return out
 
 
