@@ -189,7 +189,7 @@ def test_the_position_probe_samples_on_the_remote_path_equal_hugging_face_and_re
     positions = probe_positions(len(tokens), tokens.shape[1], 4, seed=3)
     expected = residual_samples(hf, tokens, positions, batch_size=2)
     assert torch.equal(residual_samples(adapter, tokens, positions, batch_size=2), expected)
-    for plan_steps, ablation in (([("resid.0", Read(len))], "no_mask"), ([("weights.0", Read(len))], None),
+    for plan_steps, ablation in (([("resid.0", Read(len))], "no_mask"), ([("qk.0", Read(len))], None),
                                  ([("resid.0", Replace(torch.zeros(1)))], None)):
         with pytest.raises(RemoteExecutionError, match="local nnsight model"):
             adapter.check_plan(adapter.plan(plan_steps, ablation=ablation))
@@ -211,3 +211,25 @@ def test_a_remote_plan_ships_its_reducers_by_value_and_brings_back_only_what_the
     assert len(blobs) == 1 and samples.shape == (3, 2 * 3, 32)
     # The probe's reducer (which rows to keep) travels as source beside the shipped reader; nothing is imported.
     assert_payload_imports_only_torch_math_collections(blobs[0], model, (*PLAN_FUNCTIONS, "position_probe.picked"))
+
+
+def test_permutation_sensitivity_on_the_remote_path_equals_hugging_face():
+    """Remotely the attention weights are recomputed from queries and keys where the model runs, and only the
+    largest mass on later keys comes back; an ablation is refused before any request."""
+    pytest.importorskip("nnsight")
+    from nnsight.modeling.transformers import TransformersModel
+
+    from equivariance_probe.adapters.nnsight import NNsightAdapter
+    from equivariance_probe.errors import RemoteExecutionError
+    from test_nnsight_adapter import tiny_tokenizer
+
+    hf = tiny_gemma3(window=4).eval()
+    adapter = NNsightAdapter(TransformersModel(hf, tokenizer=tiny_tokenizer()), remote="local")
+    tokens = _windows(2)
+    mine = permutation_sensitivity(adapter, tokens, n_permutations=3, ablations=("none",))
+    theirs = permutation_sensitivity(hf, tokens, n_permutations=3, ablations=("none",))
+    np.testing.assert_allclose(mine.total_variation["none"], theirs.total_variation["none"], atol=1e-6)
+    np.testing.assert_allclose(mine.hidden_change["none"], theirs.hidden_change["none"], atol=1e-5)
+    assert mine.upper_mass["none"] == theirs.upper_mass["none"] == 0.0
+    with pytest.raises(RemoteExecutionError, match="ablation 'no_mask'"):
+        permutation_sensitivity(adapter, tokens, n_permutations=3)

@@ -32,8 +32,9 @@ def check_nnsight_plan(adapter: Any, plan: Plan) -> None:
     """Refuse, before any pass, a plan the nnsight model cannot run here.
 
     Raises:
-        RemoteExecutionError: on a remote model, an ablation, a replacement or the attention call's sites (a
-            remote request reads tensors and reduces them; it does not change the model).
+        RemoteExecutionError: on a remote model, an ablation, a replacement or ``"qk.{l}"`` (a remote request reads
+            tensors and reduces them where the model runs; it does not change the model; ``"weights.{l}"`` is
+            recomputed there from the queries and keys).
         AttentionCaptureError: as :func:`~equivariance_probe.adapters.hf_binder.check_hf_plan`.
     """
     check_hf_plan(adapter.hf_model, plan)
@@ -45,7 +46,7 @@ def check_nnsight_plan(adapter: Any, plan: Plan) -> None:
             "does not let a request do; run the analysis on a local nnsight model (remote=False) or the Hugging "
             "Face model")
     for site, action in plan.steps:
-        if site.kind in ("qk", "weights") or isinstance(action, Replace):
+        if site.kind == "qk" or isinstance(action, Replace):
             raise RemoteExecutionError(
                 f"a remote model's plan reads tensor sites only; {type(action).__name__} at site {site.name!r} "
                 "needs the model here: run the analysis on a local nnsight model (remote=False) or the Hugging "
@@ -110,9 +111,9 @@ def _run_remote(adapter: Any, tokens: torch.Tensor, plan: Plan) -> dict[str, Any
     for site in plan.sites():
         actions = plan.actions(site)
         kept = [action for action in actions if isinstance(action, Read)]
-        envoy, reads_input, columns = _place(envoys, site, adapter.layout.n_heads)
+        envoy, place, columns = _place(envoys, site, adapter.layout.n_heads)
         if kept:
-            reads.append((envoy, reads_input, columns, plan.last_position_logits and site.kind in ("final", "logits"),
+            reads.append((envoy, place, columns, plan.last_position_logits and site.kind in ("final", "logits"),
                           [action.reduce for action in kept]))
             fns.append([action.fn for action in kept])
         if any(isinstance(action, Stop) for action in actions):
@@ -136,21 +137,25 @@ def _run_remote(adapter: Any, tokens: torch.Tensor, plan: Plan) -> dict[str, Any
     return {"ablation": ()}
 
 
-def _place(envoys: _EnvoysOf, site: Site, n_heads: int) -> tuple[Any, bool, tuple[int, int] | None]:
-    """``(envoy, reads its input, (start, stop) columns or None)`` of a tensor site."""
+def _place(envoys: _EnvoysOf, site: Site, n_heads: int) -> tuple[Any, Any, tuple[int, int] | None]:
+    """``(envoy, place, (start, stop) columns or None)`` of a site read remotely
+    (:func:`~equivariance_probe.adapters.nnsight_remote.read_sites_in_trace`)."""
     if site.kind in ("embedding", "final"):
-        return (envoys.layer(0) if site.kind == "embedding" else envoys.head()), True, None
+        return (envoys.layer(0) if site.kind == "embedding" else envoys.head()), "input", None
     if site.kind == "head":
         projection = envoys.parts[site.layer].projection
         width = getattr(projection, "in_features", None) or getattr(projection, "nx", None)
         columns = head_columns(int(width), n_heads, site.head)
-        return envoys.of(projection), True, (columns.start, columns.stop)
+        return envoys.of(projection), "input", (columns.start, columns.stop)
+    if site.kind == "weights":
+        return (envoys.adapter.model.get(envoys.adapter.attention_paths[site.layer]),
+                ("weights", envoys.adapter.layout.sliding_windows[site.layer]), None)
     if site.kind == "resid":
-        return envoys.layer(site.layer), False, None
+        return envoys.layer(site.layer), "output", None
     if site.kind == "logits":
-        return envoys.head(), False, None
+        return envoys.head(), "output", None
     part = envoys.parts[site.layer]
-    return envoys.of(part.attention_out if site.kind == "attention" else part.mlp_out), False, None
+    return envoys.of(part.attention_out if site.kind == "attention" else part.mlp_out), "output", None
 
 
 def _visit(envoys: _EnvoysOf, site: Site, plan: Plan, n_heads: int) -> bool:

@@ -314,17 +314,21 @@ def read_sites_in_trace(reads: list) -> list:
     """Inside a trace, each read site's value, reduced where the model runs.
 
     Args:
-        reads: per site, in the order the forward pass reaches them, ``(envoy, reads_input, columns, last_row,
-            reducers)``: the module's envoy, whether the site is its input (else its output), the site's
-            ``(start, stop)`` columns or ``None``, whether to keep the last position only, and one function (or
-            ``None``: the value itself) per read of the site.
+        reads: per site, in the order the forward pass reaches them, ``(envoy, place, columns, last_row,
+            reducers)``: the module's envoy; ``"input"`` or ``"output"`` (the site is the module's), or
+            ``("weights", window)`` (the attention module's post-softmax weights, recomputed from the queries
+            and keys its attention call receives: :func:`layer_pattern`, whatever kernel the server runs); the
+            site's ``(start, stop)`` columns or ``None``; whether to keep the last position only; and one
+            function (or ``None``: the value itself) per read of the site.
 
     Returns:
         Per site, the list of what its reducers returned.
     """
     values = []
-    for envoy, reads_input, columns, last_row, reducers in reads:
-        if reads_input:
+    for envoy, place, columns, last_row, reducers in reads:
+        if isinstance(place, tuple):
+            value = layer_pattern(envoy, "recompute", place[1])
+        elif place == "input":
             args, kwargs = envoy.inputs
             value = args[0] if len(args) > 0 else kwargs["hidden_states"]
         else:
@@ -341,7 +345,13 @@ def read_sites_in_trace(reads: list) -> list:
 
 
 #: The function of a plan's reads that runs on the server (by value), with the reducers the plan carries.
-PLAN_FUNCTIONS = ("equivariance_probe.adapters.nnsight_remote.read_sites_in_trace",)
+PLAN_FUNCTIONS = (
+    "equivariance_probe.adapters.nnsight_remote.read_sites_in_trace",
+    "equivariance_probe.adapters.nnsight_remote.layer_pattern",
+    "equivariance_probe.statistics.engines.in_trace.recompute_pattern",
+    "equivariance_probe.statistics.engines.in_trace.attention_scores",
+    "equivariance_probe.statistics.engines.in_trace.repeat_kv",
+)
 
 
 #: The functions of the shift test that run on the server, in one session per segment (by value).

@@ -163,12 +163,16 @@ class PermutationSensitivity:
 def _last_plan(adapter: Any, got: dict[str, torch.Tensor], *, ablation: str | None = None,
                on_weights: Any = None) -> Any:
     """The plan of one pass that puts the last position's final hidden state and logits in ``got`` (the
-    language-model head projects the last position only), under ``ablation``, every layer's attention weights
-    handed to ``on_weights`` where given."""
+    language-model head projects the last position only), under ``ablation``, every layer's largest attention mass
+    on later keys handed to ``on_weights`` where given."""
+    def upper_mass(weights: torch.Tensor) -> torch.Tensor:
+        # Computed where the model runs (a remote request ships this function by value): one number per layer.
+        return weights.float().triu(1).sum(-1).max()
+
     steps: list[tuple[str, Any]] = [("final", Read(lambda value: got.__setitem__("final", value[:, -1]))),
                                     ("logits", Read(lambda value: got.__setitem__("logits", value[:, -1])))]
     if on_weights is not None:
-        steps += [(f"weights.{layer}", Read(on_weights)) for layer in range(adapter.layout.n_layers)]
+        steps += [(f"weights.{layer}", Read(on_weights, reduce=upper_mass)) for layer in range(adapter.layout.n_layers)]
     return adapter.plan(steps, ablation=ablation, last_position_logits=True)
 
 
@@ -214,8 +218,8 @@ def permutation_sensitivity(
     for name in ablations:
         largest_upper = [0.0]
 
-        def on_weights(weights: torch.Tensor) -> None:
-            largest_upper[0] = max(largest_upper[0], float(weights.float().triu(1).sum(-1).max()))
+        def on_weights(mass: torch.Tensor) -> None:
+            largest_upper[0] = max(largest_upper[0], float(mass))
 
         rows_kl, rows_tv, rows_hidden, deltas = [], [], [], []
         plan, calls = _last_plan(adapter, got, ablation=name, on_weights=on_weights), 0

@@ -210,3 +210,42 @@ def test_a_refused_remote_study_keeps_its_requests_and_resumes_from_them(short_t
     local = EquivarianceProbe(model, tokenizer=tiny_tokenizer()).run(corpus, context_length=WIDTH, batch_size=2,
                                                                      interval_groups=0, progress=False)
     assert_same_statistics(resumed, local)
+
+
+def test_the_position_probe_samples_on_the_server_equal_the_local_run(ndif_server, sent_and_received):
+    """The residual stream at sampled positions, picked on the server: each reply is ``(L+1)·P·d`` numbers per
+    window, whatever the window's length."""
+    from transformers import AutoModelForCausalLM
+
+    from equivariance_probe.analyses.position_probe import probe_positions, residual_samples
+
+    folder = ndif_server.folders["gemma"]
+    tokens = token_windows(3, WIDTH)
+    positions = probe_positions(3, WIDTH, 4, seed=0)
+    remote = residual_samples(NNsightAdapter(client_model(folder), remote=True), tokens, positions, batch_size=3)
+    local = residual_samples(AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval(), tokens,
+                             positions, batch_size=3)
+    assert remote.shape == local.shape == (4, 3 * 4, 32)
+    # The server runs its own attention kernel in float32: equal to float32 rounding (measured: 1.4e-6).
+    torch.testing.assert_close(remote, local, rtol=1e-4, atol=1e-5)
+    assert len(sent_and_received["received"]) == 1
+    assert max(sent_and_received["received"]) < remote.numel() * 4 + 20_000
+
+
+def test_permutation_sensitivity_on_the_server_equals_the_local_run(ndif_server):
+    """The last position's logits and final state come back, and per layer one number: the largest attention
+    mass on later keys, from weights recomputed on the server."""
+    from transformers import AutoModelForCausalLM
+
+    from equivariance_probe.analyses.order import permutation_sensitivity
+
+    folder = ndif_server.folders["gemma"]
+    tokens = token_windows(2, WIDTH)
+    tokens[:, 0] = 1
+    remote = permutation_sensitivity(NNsightAdapter(client_model(folder), remote=True), tokens, n_permutations=3,
+                                     ablations=("none",))
+    local = permutation_sensitivity(AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval(),
+                                    tokens, n_permutations=3, ablations=("none",))
+    np.testing.assert_allclose(remote.total_variation["none"], local.total_variation["none"], atol=1e-6)
+    np.testing.assert_allclose(remote.hidden_change["none"], local.hidden_change["none"], atol=1e-5)
+    assert remote.upper_mass["none"] == local.upper_mass["none"] == 0.0
