@@ -30,7 +30,8 @@ def test_a_head_has_one_spelling_and_the_short_label_parses_to_it():
     assert parse_site("L4H3") == parse_site("head.4.3") == Site("head", 4, 3)
     assert parse_site("L4H3").name == head_site(4, 3) == "head.4.3"
     assert [site.name for site in parse_sites(every_head(2), n_heads=3)] == ["head.2.0", "head.2.1", "head.2.2"]
-    for name in ("embedding", "attention.1", "mlp.0", "resid.1", "qk.0", "weights.1", "final", "logits"):
+    for name in ("embedding", "attention.1", "attention_module.0", "mlp.0", "resid.1", "qk.0", "weights.1", "final",
+                 "logits"):
         assert parse_site(name, n_layers=2).name == name
 
 
@@ -142,13 +143,16 @@ def test_a_local_nnsight_model_gives_the_hugging_face_numbers_exactly(build):
 def test_every_site_reads_the_same_on_hugging_face_and_nnsight_and_heads_add_up():
     nnsight = pytest.importorskip("nnsight")
     hf = tiny_llama().eval()
-    names = ["embedding", "head.0.*", "attention.0", "mlp.0", "resid.0", "resid.1", "final", "logits"]
+    names = ["embedding", "head.0.*", "attention_module.0", "attention.0", "mlp.0", "resid.0", "resid.1", "final",
+             "logits"]
     tokens = _windows(2)
     expected = _reads(hf, names, tokens)
     got = _reads(nnsight.NNsight(hf), names, tokens)
     assert set(got) == set(expected)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+    # A pre-norm block adds its attention module's output as it is.
+    assert torch.equal(expected["attention_module.0"], expected["attention.0"])
     # The block's residual stream is its input plus what its attention and MLP add.
     torch.testing.assert_close(expected["resid.0"], expected["embedding"] + expected["attention.0"] + expected["mlp.0"])
 
@@ -233,3 +237,46 @@ def test_permutation_sensitivity_on_the_remote_path_equals_hugging_face():
     assert mine.upper_mass["none"] == theirs.upper_mass["none"] == 0.0
     with pytest.raises(RemoteExecutionError, match="ablation 'no_mask'"):
         permutation_sensitivity(adapter, tokens, n_permutations=3)
+
+
+def test_an_adapter_that_binds_no_sites_is_refused_by_name_before_any_pass():
+    from equivariance_probe.adapters import Adapter, AttentionLayout
+    from equivariance_probe.analyses.order import representation_sums
+    from equivariance_probe.errors import UnsupportedModelError
+
+    class Bare(Adapter):
+        framework = "bare"
+
+        def __init__(self) -> None:
+            super().__init__(torch.nn.Linear(2, 2))
+            self._layout = AttentionLayout(n_layers=2, n_heads=4, sliding_windows=(None, None))
+
+        def run_patterns(self, tokens, on_pattern):
+            raise AssertionError("no pass may run")
+
+    tokens = _windows(2)
+    with pytest.raises(UnsupportedModelError, match="the bare adapter binds no sites"):
+        residual_samples(Bare(), tokens, probe_positions(2, tokens.shape[1], 3))
+    with pytest.raises(UnsupportedModelError, match="the bare adapter binds no sites"):
+        representation_sums(Bare(), tokens)
+    with pytest.raises(UnsupportedModelError, match="the bare adapter binds no sites"):
+        permutation_sensitivity(Bare(), tokens, n_permutations=2)
+
+
+def test_the_attention_module_s_output_comes_before_a_post_norm_on_every_framework(bridged):
+    """Gemma 3 norms its attention's output before adding it: ``attention_module.{l}`` is the norm's input,
+    ``attention.{l}`` its output; a bridge and a local nnsight model read the same places."""
+    nnsight = pytest.importorskip("nnsight")
+    hf, bridge = bridged
+    tokens = _windows(2)
+    names = ["attention_module.0", "attention.0", "attention_module.1"]
+    expected = _reads(hf, names, tokens)
+    for got in (_reads(bridge, names, tokens), _reads(nnsight.NNsight(hf), names, tokens)):
+        for name in names:
+            torch.testing.assert_close(got[name], expected[name], atol=2e-5, rtol=1e-4)
+    post = hf.model.layers[0].post_attention_layernorm if hasattr(hf, "model") else None
+    if post is not None and hasattr(hf.model.layers[0], "post_feedforward_layernorm"):
+        with torch.no_grad():
+            torch.testing.assert_close(post(expected["attention_module.0"]), expected["attention.0"])
+    else:  # GPT-2 is pre-norm: the two are one tensor
+        assert torch.equal(expected["attention_module.0"], expected["attention.0"])

@@ -422,10 +422,7 @@ class Adapter(ABC):
         Raises:
             UnsupportedModelError: this adapter binds no sites (the default).
         """
-        raise UnsupportedModelError(
-            f"the {self.framework or type(self).__name__} adapter binds no sites, so analyses that read a model's "
-            "insides (position probes, permutation sensitivity, representation sums) cannot run on it; use a "
-            "Hugging Face model, a TransformerBridge or a local nnsight model")
+        raise self._binds_no_sites()
 
     def run_plan(self, tokens: torch.Tensor, plan: Any) -> dict[str, Any]:
         """Run ``tokens: [batch, T]`` through the model once under ``plan``
@@ -435,9 +432,17 @@ class Adapter(ABC):
         Returns:
             What the pass recorded of the plan's ablation (``{"ablation": (...), "rotary_calls": ...,
             "position_table_calls": ...}``; ``{"ablation": ()}`` without one).
+
+        Raises:
+            UnsupportedModelError: this adapter binds no sites (the default).
         """
-        self.check_plan(plan)
-        return {}
+        raise self._binds_no_sites()
+
+    def _binds_no_sites(self) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"the {self.framework or type(self).__name__} adapter binds no sites, so analyses that read a model's "
+            "insides (position probes, permutation sensitivity, representation sums) cannot run on it; use a "
+            "Hugging Face model, a TransformerBridge or an nnsight model")
 
     def resolved_source(self) -> str:
         """Where this adapter's attention comes from: ``"weights"`` (captured patterns, the default)

@@ -4,6 +4,8 @@ Place in the seams: *adapters* (the only code that registers hooks). Each site o
 (:mod:`~equivariance_probe.adapters.sites`) is found once among the model's modules:
 
 * ``"embedding"``: block 0's input (a forward pre-hook); ``"resid.{l}"``: block ``l``'s output;
+  ``"attention_module.{l}"``: the output of its attention module (as every adapter finds it:
+  :func:`~equivariance_probe.adapters.modules.find_attention_modules`);
 * ``"attention.{l}"``, ``"mlp.{l}"``, ``"head.{l}.{h}"``: the outputs of
   :func:`~equivariance_probe.adapters.components.block_parts`' modules, and the head's columns of the output
   projection's input;
@@ -93,6 +95,8 @@ def _hook(model: Any, layers: list, parts: Any, site: Site, plan: Plan, n_heads:
         return layers[0].register_forward_pre_hook(_input_hook(after), with_kwargs=True)
     if site.kind == "resid":
         return layers[site.layer].register_forward_hook(_output_hook(after))
+    if site.kind == "attention_module":
+        return find_attention_modules(model)[site.layer].register_forward_hook(_output_hook(after))
     if site.kind in ("attention", "mlp"):
         part = parts[site.layer]
         return (part.attention_out if site.kind == "attention" else part.mlp_out).register_forward_hook(

@@ -2,7 +2,8 @@
 
 Place in the seams: *adapters*. The tensor sites are envoys of the modules the Hugging Face binder hooks (the
 wrapped model's own module tree), read and assigned inside ``model.trace`` in the order the forward pass reaches
-them: ``"embedding"`` is block 0's input, ``"resid.{l}"`` block ``l``'s output, ``"attention.{l}"`` and
+them: ``"embedding"`` is block 0's input, ``"resid.{l}"`` block ``l``'s output, ``"attention_module.{l}"`` its
+attention module's output, ``"attention.{l}"`` and
 ``"mlp.{l}"`` the outputs of :func:`~equivariance_probe.adapters.components.block_parts`' modules,
 ``"head.{l}.{h}"`` the head's columns of the output projection's input, ``"final"`` and ``"logits"`` the head's
 input and output. The attention call (``"qk.{l}"``, ``"weights.{l}"``) and the ablations are the Hugging Face
@@ -94,6 +95,9 @@ class _EnvoysOf:
     def layer(self, index: int) -> Any:
         return self.adapter.model.get(self.adapter.layer_paths[index])
 
+    def attention(self, index: int) -> Any:
+        return self.adapter.model.get(self.adapter.attention_paths[index])
+
     def head(self) -> Any:
         return self.of(self.adapter.hf_model.get_output_embeddings())
 
@@ -148,10 +152,9 @@ def _place(envoys: _EnvoysOf, site: Site, n_heads: int) -> tuple[Any, Any, tuple
         columns = head_columns(int(width), n_heads, site.head)
         return envoys.of(projection), "input", (columns.start, columns.stop)
     if site.kind == "weights":
-        return (envoys.adapter.model.get(envoys.adapter.attention_paths[site.layer]),
-                ("weights", envoys.adapter.layout.sliding_windows[site.layer]), None)
-    if site.kind == "resid":
-        return envoys.layer(site.layer), "output", None
+        return envoys.attention(site.layer), ("weights", envoys.adapter.layout.sliding_windows[site.layer]), None
+    if site.kind in ("resid", "attention_module"):
+        return (envoys.layer if site.kind == "resid" else envoys.attention)(site.layer), "output", None
     if site.kind == "logits":
         return envoys.head(), "output", None
     part = envoys.parts[site.layer]
@@ -178,6 +181,8 @@ def _visit(envoys: _EnvoysOf, site: Site, plan: Plan, n_heads: int) -> bool:
         return stop
     if site.kind == "resid":
         envoy = envoys.layer(site.layer)
+    elif site.kind == "attention_module":
+        envoy = envoys.attention(site.layer)
     elif site.kind == "logits":
         envoy = envoys.head()
     else:

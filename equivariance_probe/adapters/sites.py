@@ -9,6 +9,9 @@ residual stream (:mod:`~equivariance_probe.adapters.components`) are sites of th
 * ``"embedding"``: the hidden states entering block 0, as the model scales them ``[batch, T, d]``;
 * ``"attention.{l}"``, ``"mlp.{l}"``: what block ``l``'s attention and MLP add to the residual stream
   ``[batch, T, d]`` (under a post-norm, the norm's output);
+* ``"attention_module.{l}"``: the output of block ``l``'s attention module itself, before any post-norm (the
+  same tensor as ``"attention.{l}"`` in a pre-norm block; in Gemma 2/3 and OLMo 2 the norm's input), where a
+  weighted average of values shows its variance (docs/methods.md#order);
 * ``"head.{l}.{h}"``: query head ``h``'s columns of block ``l``'s output-projection input ``[batch, T, d_head]``;
   ``"head.{l}.*"`` is every head of layer ``l``;
 * ``"resid.{l}"``: the residual stream after block ``l`` ``[batch, T, d]``;
@@ -33,13 +36,13 @@ from ..errors import SiteError
 __all__ = ["SITE_KINDS", "Site", "parse_site", "parse_sites", "head_site", "every_head", "site_order", "expand"]
 
 #: The kinds of site, in the order a forward pass reaches them within a block.
-SITE_KINDS = ("embedding", "qk", "weights", "head", "attention", "mlp", "resid", "final", "logits")
+SITE_KINDS = ("embedding", "qk", "weights", "head", "attention_module", "attention", "mlp", "resid", "final", "logits")
 #: Kinds that name one block: ``"{kind}.{layer}"``.
-LAYER_KINDS = ("qk", "weights", "attention", "mlp", "resid")
+LAYER_KINDS = ("qk", "weights", "attention_module", "attention", "mlp", "resid")
 _WHOLE = ("embedding", "final", "logits")
-_NAME = re.compile(r"^(?:(embedding|final|logits)|(qk|weights|attention|mlp|resid)\.(\d+)|head\.(\d+)\.(\d+|\*)"
+_NAME = re.compile(r"^(?:(embedding|final|logits)|(qk|weights|attention_module|attention|mlp|resid)\.(\d+)|head\.(\d+)\.(\d+|\*)"
                    r"|L(\d+)H(\d+))$")
-_SPELLINGS = ("'embedding'", "'attention.<layer>'", "'mlp.<layer>'", "'head.<layer>.<head>'", "'head.<layer>.*'",
+_SPELLINGS = ("'embedding'", "'attention.<layer>'", "'attention_module.<layer>'", "'mlp.<layer>'", "'head.<layer>.<head>'", "'head.<layer>.*'",
               "'resid.<layer>'", "'qk.<layer>'", "'weights.<layer>'", "'final'", "'logits'")
 
 

@@ -23,6 +23,7 @@ __all__ = ["SITE_HOOKS", "run_bridge_plan", "bridge_hook"]
 
 #: The bridge's hook point of each site kind that is not a component of the residual stream.
 SITE_HOOKS = {"embedding": "blocks.0.hook_resid_pre", "resid": "blocks.{layer}.hook_resid_post",
+              "attention_module": "blocks.{layer}.attn.hook_out",
               "weights": "blocks.{layer}.attn.hook_pattern", "final": "unembed.hook_in", "logits": "unembed.hook_out"}
 
 

@@ -16,8 +16,8 @@ Self-Attention Variance of Transformer Language Models Without Positional Embedd
   without position encodings the last position's output is a function of the multiset of
   tokens, so all three are 0 up to floating-point rounding.
 * **Variance shrinkage.** Per layer ``l`` and position ``q``, with ``x[doc, q, d]`` the attention
-  output (site ``"attention.{l}"``: what the attention adds to the residual stream, the attention module's
-  output, or under a post-norm the norm's) or the residual stream (the layer's output):
+  output (the attention module's output, before any residual add or post-norm: site ``"attention_module.{l}"``)
+  or the residual stream (the layer's output):
   ``var_docs[l, q] = mean_d Var_doc(x[doc, q, d])`` (variance across documents, averaged over
   hidden dimensions) and ``var_dims[l, q] = mean_doc Var_d(x[doc, q, d])`` (variance across
   hidden dimensions within a document, averaged over documents; the Latent Positional study's).
@@ -250,22 +250,22 @@ def permutation_sensitivity(
 def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4) -> RepresentationSums:
     """Run windows ``[n, T]`` through a causal LM and sum its attention outputs and residual streams.
 
-    The attention output of block ``l`` is site ``"attention.{l}"``, what the block's attention adds to the
-    residual stream (:mod:`~equivariance_probe.adapters.sites`; under a post-norm, the norm's output); the
-    residual stream is ``"resid.{l}"``, the block's output.
+    The attention output of block ``l`` is site ``"attention_module.{l}"``, the output of its attention module
+    (:mod:`~equivariance_probe.adapters.sites`; before any post-norm, which would rescale each token and hide the
+    shrinkage); the residual stream is ``"resid.{l}"``, the block's output.
     """
     adapter = adapter_of(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     n_layers = adapter.layout.n_layers
-    sums = RepresentationSums.empty(n_layers, tokens.shape[-1], residual_width(adapter.model))
 
     def add(stream: int, layer: int):
         return Read(lambda hidden: sums.add(stream, layer, hidden))
 
     plan = adapter.plan([step for layer in range(n_layers)
-                         for step in ((f"attention.{layer}", add(0, layer)), (f"resid.{layer}", add(1, layer)))]
+                         for step in ((f"attention_module.{layer}", add(0, layer)), (f"resid.{layer}", add(1, layer)))]
                         + [(f"resid.{n_layers - 1}", Stop())])
     adapter.check_plan(plan)
+    sums = RepresentationSums.empty(n_layers, tokens.shape[-1], residual_width(adapter.model))
     for start in range(0, len(tokens), batch_size):
         batch = tokens[start : start + batch_size]
         adapter.run_plan(batch, plan)

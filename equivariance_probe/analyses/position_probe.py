@@ -108,7 +108,6 @@ def residual_samples(model: Any, tokens: torch.Tensor, positions: torch.Tensor, 
     n_layers = adapter.layout.n_layers
     dtype = torch.float64 if adapter.dtype == torch.float64 else torch.float32
     per_window = positions.shape[1]
-    out = torch.empty(n_layers + 1, tokens.shape[0] * per_window, residual_width(adapter.model), dtype=dtype)
 
     def plan_for(rows: torch.Tensor, first: int) -> Any:
         """Reads of the residual stream entering block 0 and after every block, at ``rows: [batch, P]``; the
@@ -126,7 +125,8 @@ def residual_samples(model: Any, tokens: torch.Tensor, positions: torch.Tensor, 
         return adapter.plan([("embedding", keep(0)), *((f"resid.{layer}", keep(layer + 1)) for layer in range(n_layers)),
                              (f"resid.{n_layers - 1}", Stop())], ablation=ablation)
 
-    adapter.check_plan(plan_for(positions[:0], 0))
+    adapter.check_plan(plan_for(positions[:0], 0))  # what the framework cannot run is refused before any pass
+    out = torch.empty(n_layers + 1, tokens.shape[0] * per_window, residual_width(adapter.model), dtype=dtype)
     for start in range(0, len(tokens), batch_size):
         adapter.run_plan(tokens[start : start + batch_size], plan_for(positions[start : start + batch_size], start * per_window))
     return out
