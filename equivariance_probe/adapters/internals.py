@@ -13,7 +13,10 @@ with ``(module, query, key, value, attention_mask, scaling=..., softcap=...)``.
 :func:`intercept_attention` puts a function in front of the ``"eager"`` entry for the duration
 of a ``with`` block: it sees the queries and keys after rotary embeddings and q/k norms, can
 drop the mask, and then calls the module's own eager function, so the model computes exactly
-what it computes without it. The scores are recomputed with the same helper the nnsight adapter
+what it computes without it. That function is checked to be the one transformers ships
+(:func:`replaced_by`): another library's replacement is read through only while its weights are eager
+attention of the queries and keys it was given (:func:`check_read_through`), else refused by name. The
+scores are recomputed with the same helper the nnsight adapter
 uses (:func:`~equivariance_probe.statistics.engines.in_trace.attention_scores`).
 
 Ablations (each checked to take effect; see :func:`ablate`):
@@ -44,6 +47,7 @@ __all__ = [
     "AttentionCall",
     "intercept_attention",
     "replaced_by",
+    "check_read_through",
     "ablate",
     "rotary_modules",
     "position_embedding_modules",
@@ -140,7 +144,7 @@ def replaced_by(function: Callable) -> str | None:
 
 def check_read_through(module: torch.nn.Module, function: Callable, query: torch.Tensor, key: torch.Tensor,
                        attention_mask: torch.Tensor | None, kwargs: dict[str, Any], output: Any) -> None:
-    """Prove that a replaced eager attention function computed eager attention from the queries and keys the
+    """Check that a replaced eager attention function computed eager attention from the queries and keys the
     probe read: its weights ``output[1]`` must equal ``softmax(mask + softcap(q·kᵀ·scaling))`` (a float32
     softmax, as transformers' eager attention) within :func:`recompute_tolerance`, else the probe refuses.
 
@@ -150,9 +154,12 @@ def check_read_through(module: torch.nn.Module, function: Callable, query: torch
     library = replaced_by(function) or "?"
     weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
     fix = (f"transformers' eager_attention_forward in {type(module).__module__} was replaced by {library}. "
-           "TransformerLens 3.9 does this whenever it builds a bridge with rotary hooks (Gemma, Llama, Qwen, ...), "
-           "for the whole process: build TransformerLens bridges in another process, upgrade TransformerLens to "
-           "4.3 or later, or run the probe on the TransformerLens model itself")
+           + ("TransformerLens 3.9 does this whenever it builds a bridge with rotary hooks (Gemma, Llama, Qwen, ...), "
+              "for the whole process: build TransformerLens bridges in another process, upgrade TransformerLens to "
+              "4.3 or later, or run the probe on the TransformerLens model itself"
+              if library.startswith("transformer_lens") else
+              "Give the module back the function transformers ships (keep a reference to it before patching), or "
+              "run the probe in a process without the replacement"))
     if weights is None:
         raise ReplacedAttentionFunctionError(f"{fix}; the replacement returns no attention weights, so the "
                                              "attention it computes cannot be checked", replaced_by=library)
@@ -162,7 +169,9 @@ def check_read_through(module: torch.nn.Module, function: Callable, query: torch
         scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
                   else scores + mask.to(scores.dtype))
     expected = torch.softmax(scores, dim=-1, dtype=torch.float32).to(weights.dtype)
-    difference = float((weights.detach() - expected).abs().max()) if weights.numel() else 0.0
+    # A row with every key hidden (padding under a boolean mask) is NaN in both: nothing to compare there.
+    delta = (weights.detach() - expected).abs()[~(weights.detach().isnan() & expected.isnan())]
+    difference = float(delta.max()) if delta.numel() else 0.0
     if not difference <= recompute_tolerance(weights.dtype):
         raise ReplacedAttentionFunctionError(
             f"{fix}; the replacement's attention weights differ from eager attention of the queries and keys it was "
