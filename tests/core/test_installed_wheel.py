@@ -50,8 +50,11 @@ def test_every_tracked_package_file_is_in_the_wheel_and_in_the_source_distributi
     assert tracked and all(not name.startswith("equivariance_probe/tests") for name in tracked)
     with zipfile.ZipFile(built("equivariance_probe-*.whl")) as wheel:
         in_wheel = set(wheel.namelist())
-    missing = sorted(tracked - in_wheel)
-    assert not missing, f"the wheel leaves out {missing}: declare them as package data in pyproject.toml"
+        missing = sorted(tracked - in_wheel)
+        assert not missing, f"the wheel leaves out {missing}: declare them as package data in pyproject.toml"
+        # A wheel built from an older tree would test that tree: the files must be these.
+        stale = sorted(name for name in tracked if wheel.read(name) != (ROOT / name).read_bytes())
+    assert not stale, f"the wheel holds other versions of {stale[:5]}: run scripts/setup_core_env.sh again"
     with tarfile.open(built("equivariance_probe-*.tar.gz")) as sdist:
         in_sdist = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
     missing = sorted(tracked - in_sdist)
