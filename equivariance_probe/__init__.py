@@ -99,6 +99,7 @@ from .errors import (
     MissingExtraError,
     ModelNotFoundError,
     NonFiniteAttentionError,
+    ReplacedAttentionFunctionError,
     EngineCheckError,
     AttributionIdentityError,
     NotRunError,
@@ -137,6 +138,8 @@ from .sources.models import load_model, load_positional_model, load_tokenizer
 from .sources.registry import REGISTRY, ModelSpec
 from .statistics import AttentionStatistics
 
+#: The package's version, its one source: setuptools reads it for the distribution's metadata, ``--version`` prints it,
+#: and CHANGELOG.md's newest entry names it.
 __version__ = "0.1.0"
 
 __all__ = [
@@ -227,6 +230,7 @@ __all__ = [
     "ModelFileError",
     "MissingExtraError",
     "AttentionCaptureError",
+    "ReplacedAttentionFunctionError",
     "NonFiniteAttentionError",
     "EngineCheckError",
     "AttributionIdentityError",

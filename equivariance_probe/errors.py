@@ -107,6 +107,16 @@ class AttentionCaptureError(EquivarianceProbeError, RuntimeError):
     """Attention could not be read (no hook point, no weights, a mask the adapter does not know)."""
 
 
+class ReplacedAttentionFunctionError(AttentionCaptureError):
+    """A model's eager attention function is not the one transformers ships (another library or a monkey-patch
+    replaced it in the modelling module) and does not compute eager attention from the queries and keys it is
+    given; ``replaced_by`` names where the function comes from."""
+
+    def __init__(self, message: str, *, replaced_by: str = "") -> None:
+        super().__init__(message)
+        self.replaced_by = replaced_by
+
+
 class NonFiniteAttentionError(EquivarianceProbeError, FloatingPointError):
     """The model produced NaN or infinite attention weights."""
 

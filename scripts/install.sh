@@ -21,6 +21,9 @@ bash scripts/setup_legacy_env.sh
 # The NDIF server (Ray, Redis, FastAPI) in its own environment, for the remote-run tests against a
 # real server on localhost (tests/test_ndif_server.py); about a minute, redis-server from apt included.
 bash scripts/setup_ndif_env.sh || echo "the NDIF environment could not be built: its tests will be skipped" >&2
+# sae-lens 6 on TransformerLens 3.9 (what sparse-autoencoder researchers have) with the [transformer-lens] extra, in
+# its own environment: TransformerLens 3.9 and 4.3 cannot share one (tests/test_sae_environment.py).
+bash scripts/setup_sae_env.sh || echo "the sae-lens environment could not be built: its tests will be skipped" >&2
 # Headless Chromium for the browser test of the offline HTML report and its CircuitsVis views
 # (tests/test_report_browser.py); only where apt-get exists and Chromium is missing.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then

@@ -194,10 +194,11 @@ def bridged_tiny_model(folder, kind: str, dtype: torch.dtype = torch.float64) ->
 
 
 def run_suite_in_environment(venv: str, folder: str, setup: str, *, required_in_ci: bool = True,
-                             timeout: int = 1200, env: dict | None = None) -> str:
+                             timeout: int = 1200, env: dict | None = None, installed: bool = False) -> str:
     """Run ``tests/{folder}`` with the Python of the side environment ``.{venv}`` (built by ``scripts/{setup}``);
     skip (fail under CI when ``required_in_ci``) where it was not built. Returns pytest's output; fails unless
-    every test passed."""
+    every test passed. ``installed``: the package is the one installed there, never the source tree in the
+    working folder (``python -P`` keeps the working folder off ``sys.path``, and ``PYTHONPATH`` is dropped)."""
     import os
     import subprocess
     from pathlib import Path
@@ -210,8 +211,11 @@ def run_suite_in_environment(venv: str, folder: str, setup: str, *, required_in_
         if required_in_ci and os.environ.get("CI"):
             pytest.fail(f"CI must build .{venv}: run scripts/{setup}")
         pytest.skip(f"no .{venv}: run scripts/{setup} to run tests/{folder} in it")
-    completed = subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(root / "tests" / folder)],
-                               cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
+    if installed:
+        env = {key: value for key, value in (os.environ if env is None else env).items() if key != "PYTHONPATH"}
+    command = [str(python), *(["-P"] if installed else []), "-m", "pytest", "-q", "-p", "no:cacheprovider",
+               str(root / "tests" / folder)]
+    completed = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=timeout, env=env)
     print(completed.stdout[-5000:])
     assert completed.returncode == 0, completed.stdout[-5000:] + completed.stderr[-3000:]
     assert " passed" in completed.stdout

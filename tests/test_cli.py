@@ -170,15 +170,18 @@ def test_every_option_of_every_command_has_help_and_there_is_a_version(capsys):
     assert __version__ in capsys.readouterr().out
 
 
-def test_old_spellings_still_work_and_say_they_are_deprecated(tiny, tmp_path, capsys):
+def test_merge_and_report_write_to_out_and_spellings_never_released_are_refused(tiny, tmp_path, capsys):
     root, model, corpus = tiny
     out = tmp_path / "a"
     assert main(["run", "-o", str(out), "--model", model, "--corpus", corpus, "--n-docs", "2", "--context-length", "16",
                  "--baselines", "none", "--no-progress", "--sample-size", "0", "--no-figures"]) == 0
     capsys.readouterr()
     merged = tmp_path / "merged.safetensors"
-    assert main(["merge", str(out / "results.safetensors"), "--output", str(merged)]) == 0
-    assert "--output is deprecated; use --out" in capsys.readouterr().err and merged.exists()
+    assert main(["merge", str(out / "results.safetensors"), "--out", str(merged)]) == 0 and merged.exists()
+    for command in ("merge", "report"):
+        with pytest.raises(SystemExit, match="2"):
+            main([command, str(out / "results.safetensors"), "--output", str(merged)])
+        assert "unrecognized arguments: --output" in capsys.readouterr().err
     assert main(["merge", str(out / "results.safetensors")]) == 2
     assert "-o/--out" in capsys.readouterr().err
     assert main(["report", str(out / "results.safetensors"), "-o", str(tmp_path / "r.html")]) == 0
@@ -199,7 +202,7 @@ def test_every_shared_option_has_one_spelling_and_one_meaning_and_every_command_
     for name, command in commands.choices.items():
         assert command.description and command.description.strip(), f"{name} has no description line"
         for action in command._actions:
-            if isinstance(action, argparse._HelpAction) or not action.option_strings or "deprecated" in action.help:
+            if isinstance(action, argparse._HelpAction) or not action.option_strings:
                 continue
             spellings.setdefault(action.dest, set()).add(tuple(action.option_strings))
             for flag in action.option_strings:
@@ -271,13 +274,15 @@ def test_help_wraps_a_list_between_its_names(capsys):
         assert any(name in line.replace(",", " ").split() for line in lines), name
 
 
-def test_backend_is_now_framework_and_the_old_spelling_says_so(tiny, tmp_path, capsys):
+def test_the_framework_is_recorded_and_fingerprinted_under_the_file_format_s_key(tiny, tmp_path, capsys):
     root, model, corpus = tiny
     out = tmp_path / "a"
     assert main(["run", "-o", str(out), "--model", model, "--corpus", corpus, "--n-docs", "2", "--context-length", "16",
                  "--baselines", "none", "--no-progress", "--sample-size", "0", "--no-figures",
-                 "--backend", "huggingface"]) == 0
-    assert "--backend is deprecated; use --framework" in capsys.readouterr().err
+                 "--framework", "huggingface"]) == 0
+    with pytest.raises(SystemExit, match="2"):
+        main(["run", "-o", str(out), "--backend", "huggingface"])
+    assert "unrecognized arguments: --backend" in capsys.readouterr().err
     metadata = ProbeResult.load(out / "results.safetensors").metadata
     assert metadata["study"]["framework"] == "huggingface"
     # The fingerprint hashes the framework under its old key, so shards written before still merge.

@@ -66,13 +66,12 @@ def test_the_flag_table_is_read_from_the_parser():
     # Every flag of every subcommand, under its dest, spelt as the user types it (the longest spelling).
     for name, sub in _subparsers(parser).items():
         for action in sub._actions:
-            if action.option_strings and action.dest != "help" and type(action).__name__ != "Deprecated":
+            if action.option_strings and action.dest != "help":
                 assert flags[action.dest] in action.option_strings, (name, action.dest)
     # The API's arguments spelt otherwise name the flag that sets them.
     assert {api: flags[api] for api in API_NAMES} == {
         "source": "--corpus", "checkpoint_dir": "--out", "memory_limit": "--memory-limit-gib", "head": "--view-head",
-        "backend": "--framework", "format": "--figure-format"}
-    # Deprecated spellings are never the one a message names.
+        "format": "--figure-format"}
     assert flags["out"] == "--out" and flags["framework"] == "--framework" and flags["baselines"] == "--baselines"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import warnings
 
 import pytest
 import torch
@@ -96,13 +95,12 @@ def test_a_variant_that_only_inherits_model_types_does_not_compete_with_its_pare
     assert adapter_for(_gpt2()) is HuggingFaceAdapter
 
 
-def test_the_backend_keyword_still_works_and_warns(monkeypatch):
+def test_wrap_model_takes_the_framework_by_name_with_hugging_face_by_default():
     model = _gpt2()
-    with pytest.warns(DeprecationWarning, match="backend= is deprecated; pass framework="):
-        assert wrap_model(model, None, backend="huggingface", source="tiny", dtype=torch.float32, device="cpu") is model
-    with pytest.raises(InputError, match="disagree"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        wrap_model(model, None, framework="nnsight", backend="huggingface", source="t", dtype=torch.float32, device="cpu")
+    assert wrap_model(model, None, source="tiny", dtype=torch.float32, device="cpu") is model
+    assert wrap_model(model, None, framework="huggingface", source="tiny", dtype=torch.float32, device="cpu") is model
+    with pytest.raises(InputError, match="Unknown framework 'keras'"):
+        wrap_model(model, None, framework="keras", source="t", dtype=torch.float32, device="cpu")
 
 
 def test_a_result_written_with_the_backend_key_reads_as_framework(tmp_path):

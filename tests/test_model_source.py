@@ -1,11 +1,8 @@
-"""ModelSource: which model a run measures and how it loads, one value for every entry point, and the loading
-keywords the entry points took one by one before it, still working with a deprecation warning."""
+"""ModelSource: which model a run measures and how it loads, one value for every entry point; loading keywords
+given beside the model are refused with the source that carries them."""
 
 from __future__ import annotations
 
-import warnings
-
-import numpy as np
 import pytest
 
 from equivariance_probe import ModelSource, run_study, scan_context_lengths
@@ -26,35 +23,29 @@ def test_defaults_are_the_study_defaults_and_bad_values_are_named():
     assert ModelSource("m").replace(device="cpu") == ModelSource("m", device="cpu")
 
 
-def test_old_loading_keywords_make_the_same_source_and_warn():
-    with pytest.warns(DeprecationWarning, match=r"run_study\(model, backend=, device=\) is deprecated"):
-        source = model_source("m", {"backend": "nnsight", "device": "cpu"}, where="run_study")
-    assert source == ModelSource("m", framework="nnsight", device="cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a name alone, or a source, warns of nothing
-        assert model_source("m", {}, where="run_study") == ModelSource("m")
-        assert model_source(source, {}, where="run_study") is source
-    with pytest.raises(InputError, match="a ModelSource and the loading keywords \\['device'\\]"):
+def test_loading_keywords_beside_the_model_are_refused_with_the_source_that_carries_them():
+    source = ModelSource("m", framework="nnsight", device="cpu")
+    assert model_source("m", {}, where="run_study") == ModelSource("m")
+    assert model_source(source, {"device": None}, where="run_study") is source
+    with pytest.raises(InputError, match=r"run_study\(\) got the loading keywords \['device', 'framework'\].*"
+                                         r"ModelSource\('m', device=\.\.\., framework=\.\.\.\)"):
+        model_source("m", {"framework": "nnsight", "device": "cpu"}, where="run_study")
+    with pytest.raises(InputError, match=r"source\.replace\(device=\.\.\.\)"):
         model_source(source, {"device": "cpu"}, where="run_study")
-    with pytest.raises(InputError, match="both backend= and framework="):
-        model_source("m", {"backend": "nnsight", "framework": "nnsight"}, where="run_study")
+    with pytest.raises(InputError, match=r"unexpected keyword arguments \['backend'\]"):
+        model_source("m", {"backend": "nnsight"}, where="run_study")
     loaded = (object(), object())
     assert model_source(loaded, {}, where="scan_context_lengths") is loaded
 
 
-def test_a_study_from_a_source_equals_the_study_from_the_old_keywords(tiny_model_folder, text_corpus):
+def test_a_study_takes_its_loading_from_the_source_alone(tiny_model_folder, text_corpus):
     folder, corpus = tiny_model_folder("gemma3", 64), text_corpus(n_docs=3, words=40)
     common = dict(corpus=corpus, n_docs=3, baselines=["zero"], context_length=16, batch_size=2, progress=False,
                   sample_size=0)
-    new = run_study(ModelSource(folder, device="cpu", attn_implementation="eager"), **common)
-    with pytest.warns(DeprecationWarning):
-        old = run_study(folder, device="cpu", attn_implementation="eager", **common)
-    assert new.config == old.config and new.config["attn_implementation"] == "eager"
-    for variant in ("trained", "zero"):
-        a, b = new.results[variant].statistics.arrays, old.results[variant].statistics.arrays
-        assert sorted(a) == sorted(b)
-        for name in a:
-            np.testing.assert_array_equal(a[name].numpy(), b[name].numpy(), err_msg=name)
+    study = run_study(ModelSource(folder, device="cpu", attn_implementation="eager"), **common)
+    assert study.config["attn_implementation"] == "eager" and sorted(study.results) == ["trained", "zero"]
+    with pytest.raises(InputError, match=r"ModelSource\('.*', attn_implementation=\.\.\.\)"):
+        run_study(folder, attn_implementation="eager", **common)
 
 
 def test_scan_takes_a_source(tiny_model_folder, text_corpus):

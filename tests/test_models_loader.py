@@ -234,8 +234,6 @@ def test_load_local_folder_nnsight(tiny_folder: Path) -> None:
 def test_loader_errors(tmp_path: Path, tiny_folder: Path) -> None:
     with pytest.raises(InputError, match=r"Unknown framework 'keras'; choose one of huggingface, transformer_lens"):
         load_model(tiny_folder, framework="keras")
-    with pytest.warns(DeprecationWarning, match="backend= is deprecated"), pytest.raises(InputError, match="'keras'"):
-        load_model(tiny_folder, backend="keras")
     with pytest.raises(InputError, match=r"attn_implementation='no_such_kernel' cannot be used.*'eager'"):
         load_model(tiny_folder, attn_implementation="no_such_kernel")
     with pytest.raises(ModelNotFoundError, match=r"not in the local Hugging Face cache.*never downloads.*hf download"):

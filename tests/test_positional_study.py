@@ -100,7 +100,7 @@ def test_command_line_writes_json_figures_and_the_report_section(tmp_path, capsy
 
     assert main(["positional", "--out", str(tmp_path / "p"), "--model", model, "--corpus", corpus,
                  "--analyses", "tisa,correlation,probe", "--n-docs", "2", "--context-length", "12", "--kernels", "2",
-                 "--probe-positions", "4", "--windows-per-doc", "3", "--folds", "2", "--baseline", "none"]) == 0
+                 "--probe-positions", "4", "--windows-per-doc", "3", "--folds", "2", "--baselines", "none"]) == 0
     study = PositionalStudy.load(tmp_path / "p" / "positional.safetensors")
     assert set(study.parts) == {"tisa", "correlation", "probe"}
     probe = study.parts["probe"]  # 2 documents, 3 windows each (after the BOS): the folds hold documents out

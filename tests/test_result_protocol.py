@@ -3,7 +3,6 @@ result, paired differences as methods, ``by=`` as the split axis, and the older 
 
 import json
 import math
-import warnings
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from synthetic import tiny_bert, tiny_gpt2
 from equivariance_probe import (
     EmptyResultError,
     EquivarianceProbe,
+    InputError,
     MergeableResult,
     NotRunError,
     PositionalStudy,
@@ -23,7 +23,6 @@ from equivariance_probe import (
     UndefinedStatisticError,
     paired_difference,
 )
-from equivariance_probe.analyses import results as language
 from equivariance_probe.analyses.positional import gram_toeplitz
 from equivariance_probe.statistics import AttentionStatistics
 from equivariance_probe.statistics.shift import ShiftStatistics
@@ -63,12 +62,6 @@ def positional():
     embeddings = np.stack([np.cos(i * w) for w in (0.3, 0.7)] + [np.sin(i * w) for w in (0.3, 0.7)], axis=1)
     return PositionalStudy(parts={"gram": gram_toeplitz(embeddings)}, skipped={"tisa": "needs a causal model"},
                            metadata={"model": "made-up", "settings": {"n_docs": 3}})
-
-
-@pytest.fixture(autouse=True)
-def every_warning_fresh():
-    language._WARNED.clear()  # each spelling warns once per process: each test sees its first time
-    yield
 
 
 def test_every_result_satisfies_the_protocol(probe_results, shift_results, positional):
@@ -112,13 +105,12 @@ def test_a_loaded_result_gives_the_stored_summary_with_the_same_convention(probe
     assert loaded.table() == encoder.table()
 
 
-def test_undefined_is_a_property_and_calling_it_still_works_with_one_warning(probe_results, shift_results):
+def test_undefined_is_a_property_holding_a_plain_dict(probe_results, shift_results):
     encoder = probe_results[2]
-    with pytest.warns(DeprecationWarning, match="now a property"):
-        assert encoder.undefined() == encoder.undefined
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert shift_results[0].undefined() == shift_results[0].undefined  # once per process: no second warning
+    assert type(encoder.undefined) is dict and type(shift_results[0].undefined) is dict
+    assert set(encoder.undefined) == {"query_position_r2.prior", "query_position_r2.fitted"}
+    with pytest.raises(TypeError, match="not callable"):
+        encoder.undefined()
 
 
 def test_an_empty_result_raises_one_error_that_old_except_clauses_still_catch(shift_results):
@@ -157,19 +149,15 @@ def test_total_is_the_synonym_of_none_for_every_split(probe_results, shift_resul
     assert shift_results[0].share(by="total") == shift_results[0].share(by=None)
 
 
-def test_by_is_the_split_axis_and_the_old_keywords_warn_once(probe_results):
+def test_by_is_the_split_axis_and_never_names_an_estimator_or_a_ranking_score(probe_results):
     trained = probe_results[0]
     per_head = trained.toeplitz_r2(estimator="per_doc")
-    with pytest.warns(DeprecationWarning, match="estimator='per_doc'"):
-        np.testing.assert_array_equal(trained.toeplitz_r2(by="head_per_doc"), per_head)
+    with pytest.raises(InputError, match="head_per_doc"):
+        trained.toeplitz_r2(by="head_per_doc")
     assert trained.toeplitz_r2(None, estimator="per_doc") == pytest.approx(float(per_head.mean()), rel=1e-12)
-    with pytest.warns(DeprecationWarning, match="score="):
-        old = trained.rank_heads(by="toeplitz", top_k=None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        trained.rank_heads(by="toeplitz", top_k=None)  # the second time: silent
-        new = trained.rank_heads("toeplitz", top_k=None)
-    assert old.to_records() == new.to_records() and new.key == "toeplitz"
+    with pytest.raises(TypeError, match="'by'"):
+        trained.rank_heads(by="toeplitz", top_k=None)
+    assert trained.rank_heads("toeplitz", top_k=None).key == "toeplitz"
     with pytest.raises(ValueError, match="estimator"):
         trained.toeplitz_r2(estimator="per_window")
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, EquivarianceProbeError
+from ..errors import AttentionCaptureError, EquivarianceProbeError, ReplacedAttentionFunctionError
 from ..statistics.engine_check import EngineCheck
 from .base import Adapter
 from .internals import AttentionCall, eager_weights, recompute_tolerance
@@ -102,6 +102,8 @@ def run_first_batch_checks(adapter: Adapter, tokens: torch.Tensor, statistics: A
     decision: dict[str, Any] = {"tokens": int(sample.shape[1]), "tolerance": tolerance}
     try:
         adapter.run_attention_calls(sample, on_call, eager=True, keep_weights=True)
+    except ReplacedAttentionFunctionError:
+        raise  # the weights path would run the same replacement: nothing here measures the model transformers ships
     except AttentionCaptureError as error:
         if required:
             raise

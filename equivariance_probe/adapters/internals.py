@@ -13,7 +13,10 @@ with ``(module, query, key, value, attention_mask, scaling=..., softcap=...)``.
 :func:`intercept_attention` puts a function in front of the ``"eager"`` entry for the duration
 of a ``with`` block: it sees the queries and keys after rotary embeddings and q/k norms, can
 drop the mask, and then calls the module's own eager function, so the model computes exactly
-what it computes without it. The scores are recomputed with the same helper the nnsight adapter
+what it computes without it. That function is checked to be the one transformers ships
+(:func:`replaced_by`): another library's replacement is read through only while its weights are eager
+attention of the queries and keys it was given (:func:`check_read_through`), else refused by name. The
+scores are recomputed with the same helper the nnsight adapter
 uses (:func:`~equivariance_probe.statistics.engines.in_trace.attention_scores`).
 
 Ablations (each checked to take effect; see :func:`ablate`):
@@ -29,19 +32,22 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, InputError
+from ..errors import AttentionCaptureError, InputError, ReplacedAttentionFunctionError
 from ..statistics.engines.in_trace import attention_scores, repeat_kv
 
 __all__ = [
     "ABLATIONS",
     "AttentionCall",
     "intercept_attention",
+    "replaced_by",
+    "check_read_through",
     "ablate",
     "rotary_modules",
     "position_embedding_modules",
@@ -101,7 +107,7 @@ def visible_from_mask(mask: torch.Tensor | None, shape: Sequence[int]) -> torch.
 
 
 def _eager_function(module: torch.nn.Module) -> Callable:
-    """The eager attention function of the module's own modelling file."""
+    """The eager attention function of the module's own modelling file (which the module itself calls)."""
     source = importlib.import_module(type(module).__module__)
     function = getattr(source, "eager_attention_forward", None)
     if function is None:
@@ -111,6 +117,65 @@ def _eager_function(module: torch.nn.Module) -> Callable:
             "Qwen, GPT-2, BERT ...) or report the architecture"
         )
     return function
+
+
+def replaced_by(function: Callable) -> str | None:
+    """Where an eager attention function comes from when it is not one that transformers ships, else ``None``.
+
+    transformers defines ``eager_attention_forward`` as a plain function in its modelling files; another
+    library that assigns its own function to the modelling module's name (TransformerLens 3.9 does so for
+    Gemma 2 and Gemma 3 whenever it builds a bridge with rotary hooks, and never restores it) leaves a function
+    whose code lies elsewhere, whose ``__qualname__`` differs, or which wraps another (``__wrapped__``).
+    """
+    import transformers
+
+    code = getattr(function, "__code__", None)
+    package = os.path.dirname(os.path.abspath(transformers.__file__)) + os.sep
+    shipped = (code is not None and os.path.abspath(code.co_filename).startswith(package)
+               and getattr(function, "__qualname__", "") == "eager_attention_forward"
+               and not hasattr(function, "__wrapped__"))
+    if shipped:
+        return None
+    where = str(getattr(function, "__module__", None) or "")
+    if where.startswith("transformers") and code is not None:
+        where = code.co_filename
+    return f"{where or type(function).__name__}.{getattr(function, '__qualname__', '?')}"
+
+
+def check_read_through(module: torch.nn.Module, function: Callable, query: torch.Tensor, key: torch.Tensor,
+                       attention_mask: torch.Tensor | None, kwargs: dict[str, Any], output: Any) -> None:
+    """Check that a replaced eager attention function computed eager attention from the queries and keys the
+    probe read: its weights ``output[1]`` must equal ``softmax(mask + softcap(q·kᵀ·scaling))`` (a float32
+    softmax, as transformers' eager attention) within :func:`recompute_tolerance`, else the probe refuses.
+
+    Raises:
+        ReplacedAttentionFunctionError: no weights returned, or weights that differ from eager attention's.
+    """
+    library = replaced_by(function) or "?"
+    weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+    fix = (f"transformers' eager_attention_forward in {type(module).__module__} was replaced by {library}. "
+           + ("TransformerLens 3.9 does this whenever it builds a bridge with rotary hooks (Gemma, Llama, Qwen, ...), "
+              "for the whole process: build TransformerLens bridges in another process, upgrade TransformerLens to "
+              "4.3 or later, or run the probe on the TransformerLens model itself"
+              if library.startswith("transformer_lens") else
+              "Give the module back the function transformers ships (keep a reference to it before patching), or "
+              "run the probe in a process without the replacement"))
+    if weights is None:
+        raise ReplacedAttentionFunctionError(f"{fix}; the replacement returns no attention weights, so the "
+                                             "attention it computes cannot be checked", replaced_by=library)
+    scores = attention_scores(query, key, kwargs.get("scaling"), kwargs.get("softcap"))
+    if attention_mask is not None:
+        mask = attention_mask[..., : scores.shape[-2], : scores.shape[-1]]
+        scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                  else scores + mask.to(scores.dtype))
+    expected = torch.softmax(scores, dim=-1, dtype=torch.float32).to(weights.dtype)
+    # A row with every key hidden (padding under a boolean mask) is NaN in both: nothing to compare there.
+    delta = (weights.detach() - expected).abs()[~(weights.detach().isnan() & expected.isnan())]
+    difference = float(delta.max()) if delta.numel() else 0.0
+    if not difference <= recompute_tolerance(weights.dtype):
+        raise ReplacedAttentionFunctionError(
+            f"{fix}; the replacement's attention weights differ from eager attention of the queries and keys it was "
+            f"given by up to {difference:.3g} (allowed {recompute_tolerance(weights.dtype):g})", replaced_by=library)
 
 
 @contextlib.contextmanager
@@ -202,6 +267,8 @@ def _interceptor(own: set[int], layer_of: dict[int, int], numbered: bool, regist
         mask = None if (drop_mask and layer is not None) else attention_mask
         function = _eager_function(module) if registered is None else registered
         output = function(module, query, key, value, mask, *args, **kwargs)
+        if registered is None and layer is not None and replaced_by(function) is not None:
+            check_read_through(module, function, query.detach(), key.detach(), mask, kwargs, output)
         if layer is not None:
             seen.append(layer)
             if on_call is not None:

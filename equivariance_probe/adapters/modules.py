@@ -12,8 +12,7 @@ or its masks asks here:
 * :func:`find_attention_modules` and :func:`parent_layer` — each layer's attention module and
   the decoder layer that holds it.
 * :func:`~equivariance_probe.adapters.registry.wrap_model` (re-exported here) — the inverse: a Hugging Face
-  model wrapped for TransformerLens or nnsight; ``BACKENDS`` is the old name of the registry's
-  :func:`~equivariance_probe.adapters.registry.framework_names`.
+  model wrapped for TransformerLens or nnsight.
 * :func:`text_config` and :func:`layer_windows` — the text config and each layer's sliding window.
 """
 
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, UnsupportedModelError
-from .registry import framework_names, unwrap_model, wrap_model
+from .registry import unwrap_model, wrap_model
 
 __all__ = [
     "LAYER_LISTS",
@@ -41,7 +40,6 @@ __all__ = [
     "CAUSAL_LM_SUFFIXES",
     "is_causal_lm",
     "is_bidirectional",
-    "BACKENDS",
     "wrap_model",
 ]
 
@@ -201,9 +199,3 @@ def is_causal_lm(model: Any) -> bool:
     """A decoder with a language-model head (``...ForCausalLM``, GPT-2's ``...LMHeadModel``)."""
     return type(model).__name__.endswith(CAUSAL_LM_SUFFIXES)
 
-
-def __getattr__(name: str) -> Any:
-    # The frameworks are the registry's: each adapter class declares its own.
-    if name == "BACKENDS":
-        return framework_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

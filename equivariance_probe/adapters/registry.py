@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-import warnings
 from functools import cache
 from typing import Any
 
@@ -38,7 +37,6 @@ __all__ = [
     "supported_models",
     "wrap_model",
     "unwrap_model",
-    "framework_keyword",
     "framework_can",
     "frameworks_that",
 ]
@@ -133,20 +131,6 @@ def frameworks_that(capability: str) -> tuple[str, ...]:
     return tuple(name for name in framework_names() if framework_can(name, capability))
 
 
-def framework_keyword(framework: str | None, backend: str | None, default: str = DEFAULT_FRAMEWORK) -> str:
-    """``framework``, or the deprecated ``backend=`` spelling of it (with a :class:`DeprecationWarning`).
-
-    Raises:
-        InputError: both are given and differ.
-    """
-    if backend is None:
-        return default if framework is None else framework
-    warnings.warn("backend= is deprecated; pass framework= (the same values)", DeprecationWarning, stacklevel=3)
-    if framework is not None and framework != backend:
-        raise InputError(f"framework={framework!r} and backend={backend!r} disagree; pass framework= only")
-    return backend
-
-
 def wrap_model(
     model: Any,
     tokenizer: Any,
@@ -155,18 +139,17 @@ def wrap_model(
     source: str,
     dtype: torch.dtype,
     device: str | torch.device,
-    backend: str | None = None,
 ) -> Any:
     """Wrap a Hugging Face model for ``framework`` (the inverse of :func:`unwrap_model`; it may modify
     ``model`` in place): itself, a TransformerLens ``TransformerBridge`` reusing its weights and config
     (raw weights, no processing), an nnsight ``TransformersModel`` around it, ... (each adapter's
-    :meth:`~.base.Adapter.wrap`). ``backend`` is the deprecated name of ``framework``.
+    :meth:`~.base.Adapter.wrap`).
 
     Raises:
         InputError: an unknown ``framework``.
     """
-    framework = framework_keyword(framework, backend)
-    return framework_adapter(framework).wrap(model, tokenizer, source=source, dtype=dtype, device=device)
+    wrapper = framework_adapter(DEFAULT_FRAMEWORK if framework is None else framework)
+    return wrapper.wrap(model, tokenizer, source=source, dtype=dtype, device=device)
 
 
 def unwrap_model(model: Any) -> tuple[Any, str]:

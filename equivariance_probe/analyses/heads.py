@@ -43,7 +43,6 @@ from ..markup import Markup
 from ..maths.fitting import curve_r2
 from ..maths.metrics import FORMS, SCALES
 from .intervals import top_k_share
-from .results import renamed_keyword
 
 
 __all__ = [
@@ -285,10 +284,8 @@ def _ranked(values: np.ndarray, descending: bool) -> np.ndarray:
     return np.lexsort((heads.ravel(), layers.ravel(), signed, np.isnan(key)))
 
 
-def ranking_stability(result: RankableResult, score: str = "log_eta2", top_k: int = TOP_K, *,
-                      by: str | None = None) -> dict[str, Any]:
-    """In what share of the jackknife's replicates each head is among the ``top_k`` first by ``score``
-    (``by=``, its older name, keeps working with a :class:`DeprecationWarning` once).
+def ranking_stability(result: RankableResult, score: str = "log_eta2", top_k: int = TOP_K) -> dict[str, Any]:
+    """In what share of the jackknife's replicates each head is among the ``top_k`` first by ``score``.
 
     Each replicate recomputes the score on every window but one group's and ranks the heads by the
     same rule as :func:`rank_heads`; a head's share is the fraction of replicates that put it in
@@ -298,8 +295,6 @@ def ranking_stability(result: RankableResult, score: str = "log_eta2", top_k: in
         ``{"key": score, "top_k": k, "share": [layer][head] lists}``, or ``{"key", "top_k", "unavailable":
         why}`` (what :meth:`ProbeResult.summary` stores).
     """
-    if by is not None:
-        score = renamed_keyword("ranking_stability", "by", "score", by)
     check_integer("top_k", top_k, message=f"top_k={top_k!r} must be a positive number of heads, e.g. 10")
     try:
         replicates = result.head_score_replicates(score)
@@ -314,7 +309,6 @@ def rank_heads(
     score: str = "log_eta2",
     scores: Sequence[str] | None = None,
     *,
-    by: str | None = None,
     known_scores: Mapping[str, np.ndarray] | None = None,
     top_k: int | None = TOP_K,
     known_stability: Mapping[str, Any] | None = None,
@@ -326,7 +320,6 @@ def rank_heads(
         score: the ordering key, one of :data:`RANKING_SCORES` (default ``"log_eta2"``). Sorted
             descending unless it is a Toeplitz score (see the module docstring).
         scores: which score columns to keep (default: all); ``score`` is always kept.
-        by: the older name of ``score`` (keeps working, with a :class:`DeprecationWarning` once).
         known_scores: every score as a ``[layer, head]`` array when already known (a loaded
             result's stored summary); default: computed from ``result``.
         top_k: report each head's share of replicates that rank it among the ``top_k`` first
@@ -346,8 +339,6 @@ def rank_heads(
         >>> ranking.top(2), ranking.bottom(2)  # doctest: +SKIP
         ([(4, 3), (2, 0)], [(5, 1), (7, 2)])
     """
-    if by is not None:
-        score = renamed_keyword("rank_heads", "by", "score", by)
     if score not in RANKING_SCORES:
         raise InputError(f"score={score!r} is not a ranking score; choose one of {list(RANKING_SCORES)}")
     keep = list(RANKING_SCORES) if scores is None else list(scores)

@@ -18,21 +18,17 @@ theirs. What one result means by a name, the others mean too:
   (a :class:`~equivariance_probe.errors.NotRunError`);
 * results of sums (:class:`MergeableResult`) also merge (``a + b``, ``merge(other,
   allow_duplicate_windows=...)``), split by ``layer_groups()`` and give ``a.paired_difference(b, ...)``.
-
-Spellings this language replaced keep working and warn once (:func:`renamed_keyword`).
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import check_choice
 
-__all__ = ["Result", "MergeableResult", "SumsReadOnUse", "Undefined", "TOTAL", "split_axis", "missing_as", "renamed_keyword",
-           "warn_deprecated"]
+__all__ = ["Result", "MergeableResult", "SumsReadOnUse", "TOTAL", "split_axis", "missing_as"]
 
 #: The synonym of ``by=None`` (one number over everything) every ``by=`` accepts.
 TOTAL = "total"
@@ -123,15 +119,6 @@ class SumsReadOnUse:
         return self.integrity
 
 
-class Undefined(dict):
-    """``{statistic: why}`` of a result's :attr:`undefined`. Calling it (``result.undefined()``, the
-    spelling of a method) returns itself, with a :class:`DeprecationWarning` once."""
-
-    def __call__(self) -> Undefined:
-        warn_deprecated(("undefined()",), "result.undefined() is now a property: write result.undefined (no call)")
-        return self
-
-
 def split_axis(by: Any, allowed: Iterable[Any]) -> Any:
     """``by`` checked against ``allowed`` (with ``"total"`` wherever ``None`` is allowed), ``"total"`` as ``None``.
 
@@ -151,22 +138,4 @@ def missing_as(value: Any, missing: Any) -> Any:
         return [missing_as(item, missing) for item in value]
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return missing
-    return value
-
-
-_WARNED: set[tuple[str, ...]] = set()
-
-
-def warn_deprecated(key: tuple[str, ...], message: str, stacklevel: int = 3) -> None:
-    """A :class:`DeprecationWarning` with ``message``, the first time only for each ``key`` (a spelling of a name),
-    pointing at the line ``stacklevel - 1`` calls up (3: the caller of the function that calls this)."""
-    if key not in _WARNED:
-        _WARNED.add(key)
-        warnings.warn(message, DeprecationWarning, stacklevel=stacklevel)
-
-
-def renamed_keyword(function: str, old: str, new: str, value: Any) -> Any:
-    """``value``, given under a keyword's older name ``old``: warns once per ``function`` that ``new`` is its name."""
-    warn_deprecated((function, old), f"{function}({old}=...) is now {function}({new}=...): {old}= keeps working, "
-                                f"but {old}= means the split axis everywhere else", stacklevel=4)
     return value

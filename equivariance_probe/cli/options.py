@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 from typing import Any
 
 from ..errors import InputError, command_line_options
 
-__all__ = ["shared_options", "add_shared_options", "HelpFormatter", "Deprecated", "WHY", "api_flags", "API_NAMES",
+__all__ = ["shared_options", "add_shared_options", "HelpFormatter", "WHY", "api_flags", "API_NAMES",
            "MODEL_OPTIONS", "MEASURED", "int_list", "integer_at_least", "positive", "non_negative", "names", "declared_for"]
 
 #: The Python API's arguments whose flag is spelt otherwise (API name -> the flag's ``dest``), so that an
@@ -25,7 +24,6 @@ API_NAMES = {
     "checkpoint_dir": "out",
     "memory_limit": "memory_limit_gib",
     "head": "view_head",
-    "backend": "framework",
     "format": "figure_format",
 }
 
@@ -36,7 +34,7 @@ MEASURED = ("exclude_keys", "seed", "interval_groups", "keep_pattern")
 
 def api_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
     """API argument -> the flag that sets it, read from ``parser`` and its subcommands (a flag's longest
-    spelling; deprecated spellings left out), with :data:`API_NAMES` for the arguments spelt otherwise."""
+    spelling), with :data:`API_NAMES` for the arguments spelt otherwise."""
     flags: dict[str, str] = {}
     parsers = [parser]
     while parsers:
@@ -44,7 +42,7 @@ def api_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
         for action in current._actions:
             if isinstance(action, argparse._SubParsersAction):
                 parsers.extend(action.choices.values())
-            elif action.option_strings and not isinstance(action, Deprecated) and action.dest != "help":
+            elif action.option_strings and action.dest != "help":
                 flags.setdefault(action.dest, max(action.option_strings, key=len))
     flags.update({api: flags[dest] for api, dest in API_NAMES.items() if dest in flags})
     return flags
@@ -104,17 +102,6 @@ def names(text: str) -> list[str]:
 
 
 # -- the parser ----------------------------------------------------------------------------------
-class Deprecated(argparse.Action):
-    """An old spelling of an option: stores the value under the new one and says so on stderr."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        new = "--" + self.dest.replace("_", "-")
-        print(f"equivariance-probe: {option_string} is deprecated; use {new} (the old spelling goes in the next "
-              "release)", file=sys.stderr)
-        setattr(namespace, self.dest, values)
-
-
 class HelpFormatter(argparse.HelpFormatter):
     """argparse's formatter, wrapping a comma-separated list (``gram,attention_toeplitz,...``) after a
     comma instead of inside a name: argparse's own wrapping (textwrap) breaks only at spaces, so a

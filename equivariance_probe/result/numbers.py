@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..analyses import intervals as resampling
-from ..analyses.results import split_axis, warn_deprecated
+from ..analyses.results import split_axis
 from ..errors import InputError, NotRunError, UndefinedStatisticError, check_choice, check_integer
 from ..maths import fitting, metrics, sinks
 from ..maths.intervals import Interval, check_level, jackknife_interval
@@ -22,7 +22,6 @@ from ..statistics.masks import key_bin_edges, lag_values
 __all__ = ["ProbeNumbers", "TOEPLITZ_ESTIMATORS"]
 
 #: What ``toeplitz_r2``'s ``by`` once named, as the split axis of ``estimator="per_doc"``.
-_TOEPLITZ_OLD_BY = {"head_per_doc": "head", "per_doc_mean": None}
 #: The estimators of :meth:`ProbeNumbers.toeplitz_r2`: on the document-averaged pattern, or the mean of
 #: per-window scores.
 TOEPLITZ_ESTIMATORS = ("mean_pattern", "per_doc")
@@ -165,14 +164,7 @@ class ProbeNumbers:
                 asking raises :class:`IntervalUnavailableError` saying so).
             estimator: ``"mean_pattern"``, the R² of the document-averaged pattern (needs
                 ``keep_pattern``), or ``"per_doc"``, the mean of per-window scores.
-
-        ``by="head_per_doc"`` and ``by="per_doc_mean"`` (the estimator given as ``by``) keep working, with a
-        :class:`DeprecationWarning` once: they are ``estimator="per_doc"`` with ``by="head"`` and ``by=None``.
         """
-        if by in _TOEPLITZ_OLD_BY:
-            warn_deprecated(("toeplitz_r2", by), f"toeplitz_r2(by={by!r}) is now toeplitz_r2(estimator='per_doc', "
-                                                  f"by={_TOEPLITZ_OLD_BY[by]!r}): by= is the split axis")
-            estimator, by = "per_doc", _TOEPLITZ_OLD_BY[by]
         check_choice("estimator", estimator, TOEPLITZ_ESTIMATORS)
         by = split_axis(by, ("head",) if estimator == "mean_pattern" else ("head", None))
         if interval is not None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..analyses import intervals as resampling
 from ..analyses.heads import TOP_K, HeadRanking, rank_heads
-from ..analyses.results import SumsReadOnUse, Undefined, missing_as, renamed_keyword
+from ..analyses.results import SumsReadOnUse, missing_as
 from ..analyses.summary import head_label, result_summary
 from ..errors import EmptyResultError, IncompatibleResultsError, InputError
 from ..markup import Markup
@@ -143,11 +143,11 @@ class ProbeResult(SumsReadOnUse, ProbeNumbers, ProbeIntervals):
         return bool(self.config.get("causal", True))
 
     @property
-    def undefined(self) -> Undefined:
+    def undefined(self) -> dict[str, str]:
         """Statistics this result has no value for, each with the reason (``{"query_position_r2.prior": why}``)."""
         if self.causal:
-            return Undefined()
-        return Undefined({f"query_position_r2.{form}": BIDIRECTIONAL_PRIOR for form in ("prior", "fitted")})
+            return {}
+        return {f"query_position_r2.{form}": BIDIRECTIONAL_PRIOR for form in ("prior", "fitted")}
 
     @property
     def complete(self) -> bool:
@@ -358,19 +358,15 @@ class ProbeResult(SumsReadOnUse, ProbeNumbers, ProbeIntervals):
         )
 
     # -- heads ------------------------------------------------------------------------------------------
-    def rank_heads(self, score: str = "log_eta2", scores: Any = None, *, top_k: int | None = TOP_K,
-                   by: str | None = None) -> HeadRanking:
+    def rank_heads(self, score: str = "log_eta2", scores: Any = None, *, top_k: int | None = TOP_K) -> HeadRanking:
         """Heads from the most to the least position-bound: a
         :class:`~equivariance_probe.analyses.heads.HeadRanking` (``to_dataframe()``, ``to_records()``).
 
         ``score`` is the ordering key (default ``"log_eta2"``); query-position R² and the prior
         fit sort descending, Toeplitz R² ascending (see :mod:`equivariance_probe.analyses.heads`).
         ``top_k``: also report, per head, in what share of the jackknife's replicates it is among
-        the ``top_k`` first (``None``: not). ``by=``, the older name of ``score``, keeps working with a
-        :class:`DeprecationWarning` once.
+        the ``top_k`` first (``None``: not).
         """
-        if by is not None:
-            score = renamed_keyword("rank_heads", "by", "score", by)
         known = None
         stability = None
         if self._stored_summary is not None and "head_scores" in self._stored_summary:

@@ -343,8 +343,8 @@ def compare_models(
         progress: show progress bars.
         **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over
             those of ``options`` (``interval_groups`` groups windows by their token ids' fingerprints, which
-            differ between tokenizers, so per model). The loading keywords taken before :class:`ModelSource`
-            apply to every model named, deprecated.
+            differ between tokenizers, so per model). Loading keywords are refused with the
+            :class:`ModelSource` that carries them.
 
     Returns:
         A :class:`Comparison`.

@@ -20,7 +20,7 @@ import numpy as np
 from ..analyses.order import PermutationSensitivity, VarianceShrinkage
 from ..analyses.position_probe import PositionProbe
 from ..analyses.positional import AttentionToeplitz, GramToeplitz, PositionalLogits, ScoreProfile, ScoreProfileFits
-from ..analyses.results import Undefined, missing_as
+from ..analyses.results import missing_as
 from ..errors import ResultFileError, is_integer
 from ..records.container import file_kind, read_container, read_tensors, tensor_checksum, write_container
 from ..records.fileformat import parse_json
@@ -78,9 +78,9 @@ class PositionalStudy:
         return dict(self.metadata.get("settings", {}))
 
     @property
-    def undefined(self) -> Undefined:
+    def undefined(self) -> dict[str, str]:
         """The analyses that have no numbers for this model, and why (:attr:`skipped`)."""
-        return Undefined(self.skipped)
+        return dict(self.skipped)
 
     # -- numbers -------------------------------------------------------------------------
     def summary(self, level: float = 0.95, *, missing: Any = None) -> dict[str, Any]:

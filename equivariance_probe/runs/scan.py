@@ -475,7 +475,8 @@ def scan_context_lengths(
         memory_limit: bytes a length may need; ``None``: the memory available now.
         progress: show progress bars.
         **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over those of
-            ``options``. The loading keywords taken before :class:`ModelSource` still work, deprecated.
+            ``options``. Loading keywords are refused with the :class:`ModelSource` that carries
+            them.
 
     Raises:
         ContextLengthError: a length exceeds the model's maximum context (checked before anything runs).

@@ -120,8 +120,8 @@ def run_shift_study(
         checkpoint_every: segments between checkpoints in ``<out>/checkpoint`` (``None`` or 0: none).
         resume: go on from the checkpoint of an interrupted study with the same model, texts and options.
         progress: progress bars over segments.
-        **loading: the loading keywords ``run_study`` took before :class:`ModelSource` (``framework``, ``cache_dir``,
-            ``device``, ``dtype``, ``attn_implementation``), accepted as there, deprecated.
+        **loading: loading keywords (``framework``, ``cache_dir``, ``device``, ``dtype``, ``attn_implementation``)
+            are refused with the :class:`ModelSource` that carries them.
 
     Raises:
         CheckpointError: ``resume`` without a checkpoint, a checkpoint of another study, or a checkpoint that a

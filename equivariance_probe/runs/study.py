@@ -260,8 +260,8 @@ def run_study(
             RequestLimits`; default: to a quarter of NDIF's execution timeout or nnsight's 600 s read timeout).
         **measurement: any field of :class:`~equivariance_probe.probe.MeasurementOptions` by name, over those of
             ``options`` (``context_length``, ``batch_size``, ``exclude_keys``, ``sample_size``, ``keep_pattern``,
-            ``interval_groups``, ...). The loading keywords the function took before :class:`ModelSource`
-            (``backend``, ``cache_dir``, ``device``, ``dtype``, ``attn_implementation``) still work, deprecated.
+            ``interval_groups``, ...). Loading keywords (``framework``, ``cache_dir``, ``device``, ``dtype``,
+            ``attn_implementation``) are refused with the :class:`ModelSource` that carries them.
     """
     source = model_source(model, loading_keywords(measurement), where="run_study")
     options = MeasurementOptions.of(STUDY_MEASUREMENT if options is None else options, **measurement)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ..analyses.results import SumsReadOnUse, Undefined, missing_as, split_axis
+from ..analyses.results import SumsReadOnUse, missing_as, split_axis
 from ..errors import (
     EmptyResultError,
     IncompatibleResultsError,
@@ -216,9 +216,9 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
         return self._number(value, interval)
 
     @property
-    def undefined(self) -> Undefined:
+    def undefined(self) -> dict[str, str]:
         """Representations whose shares are undefined for the model, and why."""
-        out = Undefined()
+        out: dict[str, str] = {}
         for representation in REPRESENTATIONS if self.n_segments else ():
             try:
                 pair = self.share(representation, "pair")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import Any
 
 from ..errors import InputError
@@ -27,9 +26,9 @@ from .registry import DEFAULT_MODEL
 
 __all__ = ["ModelSource", "LOADING_KEYWORDS", "model_source", "loading_keywords"]
 
-#: The loading keywords that the runs' entry points took one by one before :class:`ModelSource` (``backend`` is
-#: the old spelling of ``framework``).
-LOADING_KEYWORDS = ("framework", "backend", "cache_dir", "device", "dtype", "attn_implementation")
+#: The fields of :class:`ModelSource` besides the name: an entry point given one beside its model refuses it and
+#: names the source that carries it (:func:`model_source`).
+LOADING_KEYWORDS = ("framework", "cache_dir", "device", "dtype", "attn_implementation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,34 +109,26 @@ def loading_keywords(keywords: dict[str, Any]) -> dict[str, Any]:
     return {key: keywords.pop(key) for key in LOADING_KEYWORDS if key in keywords}
 
 
-def model_source(model: Any, legacy: dict[str, Any], *, where: str) -> Any:
+def model_source(model: Any, loading: dict[str, Any], *, where: str) -> Any:
     """``model`` as the entry point ``where`` uses it: a :class:`ModelSource` for a name or a source, anything else
     (an already loaded ``(model, tokenizer)``) as given.
 
-    ``legacy`` holds the loading keywords passed one by one, as the entry points took them before
-    :class:`ModelSource` (:data:`LOADING_KEYWORDS`): they still work on a name, with a ``DeprecationWarning``.
+    ``loading`` holds the loading keywords (:data:`LOADING_KEYWORDS`) an entry point was given beside the model:
+    they belong in the :class:`ModelSource`, so they are refused with the source that carries them.
 
     Raises:
-        InputError: an unknown keyword, or loading keywords beside a :class:`ModelSource` (one place says how).
+        InputError: an unknown keyword, or loading keywords beside the model (one place says how it loads).
     """
-    unknown = sorted(set(legacy) - set(LOADING_KEYWORDS))
+    unknown = sorted(set(loading) - set(LOADING_KEYWORDS))
     if unknown:
         raise InputError(f"{where}() got unexpected keyword arguments {unknown}")
-    given = sorted(legacy)  # as the caller spelt them, for the warning
-    if "backend" in legacy:
-        if "framework" in legacy:
-            raise InputError(f"{where}() got both backend= and framework=; pass framework= alone")
-        legacy = {**{k: v for k, v in legacy.items() if k != "backend"}, "framework": legacy["backend"]}
-    legacy = {key: value for key, value in legacy.items() if value is not None or key in ("cache_dir", "dtype")}
-    if isinstance(model, ModelSource):
-        if legacy:
-            raise InputError(f"{where}() got a ModelSource and the loading keywords {sorted(legacy)}: set them in the "
-                             f"source instead (source.replace({', '.join(f'{k}=...' for k in sorted(legacy))}))")
+    loading = {key: value for key, value in loading.items() if value is not None}
+    if loading:
+        spelt = ", ".join(f"{k}=..." for k in sorted(loading))
+        fix = (f"source.replace({spelt})" if isinstance(model, ModelSource) else f"ModelSource({str(model)!r}, {spelt})"
+               if isinstance(model, (str, os.PathLike)) else "load the model with them before passing it")
+        raise InputError(f"{where}() got the loading keywords {sorted(loading)} beside the model: set them in its "
+                         f"ModelSource instead ({fix})")
+    if isinstance(model, ModelSource) or not isinstance(model, (str, os.PathLike)):
         return model
-    if not isinstance(model, (str, os.PathLike)):
-        return model
-    if legacy:
-        warnings.warn(f"{where}(model, {', '.join(f'{k}=' for k in given)}) is deprecated: pass "
-                      f"ModelSource(name, {', '.join(f'{k}=...' for k in sorted(legacy))}) as the model",
-                      DeprecationWarning, stacklevel=3)
-    return ModelSource(str(model), **legacy)
+    return ModelSource(str(model))

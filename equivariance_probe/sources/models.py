@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..adapters.modules import CAUSAL_LM_SUFFIXES
-from ..adapters.registry import DEFAULT_FRAMEWORK, framework_adapter, framework_keyword, framework_names, wrap_model
+from ..adapters.registry import DEFAULT_FRAMEWORK, framework_adapter, wrap_model
 from ..errors import InputError, ModelNotFoundError
 from .conversion import PACKAGED_MODELS, convert_packaged_model
 from .registry import DEFAULT_MODEL, REGISTRY
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = [
-    "BACKENDS",
     "DEFAULT_MODEL",
     "MODEL_LICENSE",
     "MODEL_PROVENANCE",
@@ -58,12 +57,6 @@ __all__ = [
     "load_tokenizer",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    # ``BACKENDS``: the values ``load_model(framework=...)`` accepts, the registry's frameworks.
-    if name == "BACKENDS":
-        return framework_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: Provenance and licence of the default model (see :data:`~equivariance_probe.sources.registry.REGISTRY`
 #: for every packaged model's).
@@ -163,7 +156,6 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     attn_implementation: str = "eager",
     device: str | torch.device = "cpu",
-    backend: str | None = None,
 ) -> tuple[Any, PreTrainedTokenizerBase]:
     """Load a causal language model and its tokenizer, offline.
 
@@ -192,7 +184,6 @@ def load_model(
             kernel and recomputes the weights. A TransformerBridge computes its own attention and
             is always loaded eager.
         device: Where to put the model.
-        backend: the deprecated name of ``framework`` (warns).
 
     Returns:
         ``(model, tokenizer)``: the model (``eval()`` mode) wrapped for ``framework``, and its
@@ -207,7 +198,7 @@ def load_model(
         >>> ids = tokenizer("Albedo is", return_tensors="pt").input_ids
         >>> fast, _ = load_model(attn_implementation="sdpa")      # the same weights, a fused kernel
     """
-    framework = framework_keyword(framework, backend, DEFAULT_FRAMEWORK)
+    framework = DEFAULT_FRAMEWORK if framework is None else framework
     wrapper = framework_adapter(framework)
     if wrapper.load_attention is not None:  # a TransformerBridge replaces the attention modules with its own
         attn_implementation = wrapper.load_attention

@@ -7,7 +7,7 @@ import sys
 
 from ...errors import InputError
 from ..common import print_result
-from ..options import WHY, Deprecated, add_shared_options
+from ..options import WHY, add_shared_options
 
 NAME = "merge"
 #: Its place in ``equivariance-probe --help``.
@@ -26,7 +26,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", help="result files to merge (any format version)")
     parser.add_argument("-o", "--out", default=None,
                         help=f"the merged result file (required); {WHY}: a file, not a folder, since merge writes one result")
-    parser.add_argument("--output", dest="out", action=Deprecated, help="deprecated spelling of -o/--out")
     parser.add_argument("--allow-duplicate-windows", action="store_true",
                         help="merge results that share windows (the same token ids), counting those windows twice "
                              "(default: refused, naming how many are shared)")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ...errors import InputError
 from ..common import check_writable, positional_into, print_result, read_documents
-from ..options import Deprecated, add_shared_options, integer_at_least, names, positive
+from ..options import add_shared_options, integer_at_least, positive
 
 NAME = "positional"
 #: Its place in ``equivariance-probe --help``.
@@ -51,8 +51,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
                              "out (default %(default)s)")
     parser.add_argument("--folds", type=integer_at_least(2, "an integer of at least 2"), default=5,
                         help="document folds (GroupKFold) of the probes' held-out scores (default %(default)s)")
-    parser.add_argument("--baseline", dest="baselines", type=names, action=Deprecated,
-                        help="deprecated spelling of --baselines (removed in the next release)")
 
 
 def handle(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ...errors import ModelNotFoundError
-from ..options import WHY, Deprecated, add_shared_options, non_negative, positive
+from ..options import WHY, add_shared_options, non_negative, positive
 
 NAME = "report"
 #: Its place in ``equivariance-probe --help``.
@@ -29,7 +29,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--out", default=None,
                         help=f"the HTML file; {WHY}: a file, not a folder, since a report is one page "
                              "(default: report.html next to the results)")
-    parser.add_argument("--output", dest="out", action=Deprecated, help="deprecated spelling of -o/--out")
     add_shared_options(parser, "cache_dir", "corpus", "no_progress", differ={
         "no_progress": ({}, "a report draws no progress bar (it reloads at most one model and one document); the "
                             "flag is taken so that a script can pass the same flags to every command"),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..common import (check_study_fits, check_writable, finished, measurement, model_source_of, positional_into,
                       print_result, read_documents, study_options)
-from ..options import MEASURED, MODEL_OPTIONS, Deprecated, add_shared_options, shared_options
+from ..options import MEASURED, MODEL_OPTIONS, add_shared_options
 
 NAME = "run"
 #: Its place in ``equivariance-probe --help``.
@@ -29,8 +29,6 @@ def arguments(parser: argparse.ArgumentParser) -> None:
                        "json", differ={"memory_limit_gib": ({"help": "refuse a study whose estimated memory exceeds "
                                                                       "this many GiB"},
                                                              "default: no check, the study runs as loaded")})
-    parser.add_argument("--backend", dest="framework", choices=shared_options()["framework"][1]["choices"],
-                        action=Deprecated, help="deprecated spelling of --framework (removed in the next release)")
     add_shared_options(parser, "analyses", differ={"analyses": ({"default": [], "help": (
         "also run positional analyses (at most 8 windows of 256 tokens, one per document; the probes 2 per "
         "document), comma-separated as for 'positional', or 'all'")}, "default none: the study alone, the analyses only when asked for")})
