@@ -83,6 +83,7 @@ from .display.views import HeadViews, head_views
 from .errors import (
     AttentionCaptureError,
     CheckpointError,
+    FigureError,
     StopRequested,
     ContextLengthError,
     EmptyCorpusError,
@@ -246,5 +247,6 @@ __all__ = [
     "ResultFileError",
     "FileWriteError",
     "CheckpointError",
+    "FigureError",
     "StopRequested",
 ]

@@ -38,6 +38,7 @@ from ..adapters.internals import ablate
 from ..adapters.modules import find_attention_modules, hf_model_of, parent_layer, residual_width
 from ..errors import InputError, check_integer
 from ..maths.intervals import Interval
+from ..statistics.options import token_id_tensor
 from ..maths.probing import fold_interval, grouped_folds, grouped_ridge_scores
 
 __all__ = [
@@ -284,7 +285,7 @@ def position_probe(
         >>> fitted = position_probe(model, windows.tokens, groups=windows.spans)   # doctest: +SKIP
         >>> fitted.interval("position").estimate                                     # doctest: +SKIP
     """
-    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    tokens = token_id_tensor(tokens)  # a float id is refused, not truncated to another token
     if tokens.dim() != 2:
         raise InputError(f"tokens must be [n_windows, T], got shape {tuple(tokens.shape)}")
     n_windows, context_length = tokens.shape

@@ -27,6 +27,7 @@ API_NAMES = {
     "head": "view_head",
     "backend": "framework",
     "format": "figure_format",
+    "name": "model",
 }
 
 #: The shared options that say which model runs and how it is loaded, and those that say what is measured.

@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..markup import Markup
 from ..maths import shift as decomposition
-from ..maths.intervals import jackknife_interval
+from ..maths.intervals import check_level, jackknife_interval
 from ..records.shift_file import ShiftFile, open_shift_file, write_shift_file
 from ..sources.registry import display_name
 from ..statistics.masks import layer_groups
@@ -351,6 +351,7 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
         shares by layer group (with intervals where there are at least two groups of segments), the predictions,
         the built-in check, and what the offset means. Undefined values are ``missing`` (``None``, JSON's
         ``null``; ``math.nan`` for NaN)."""
+        level = check_level(level, "level")  # refused alike whether or not the run has intervals to give at it
         if self.n_segments == 0:
             return {"n_segments": 0}
 

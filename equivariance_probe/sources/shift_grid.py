@@ -438,6 +438,10 @@ class ShiftOptions(Options):
         check_integer("patch_reference", self.patch_reference, minimum=0, message=(
             f"patch_reference must be the index of an offset (0: the smallest), not {self.patch_reference!r}; pass "
             f"e.g. {option('patch_reference', 0)}"))
+        if self.patch_reference and not self.patch:  # as attribution_heads without attribution: refused alone
+            raise InputError(f"{option('patch_reference', self.patch_reference)} picks the offset whose outputs are patched in, but "
+                             f"nothing is patched; pass {option('patch', True)} (or components) as well, or leave "
+                             f"{option('patch_reference')} out")
         if self.offsets is not None and self.patch_reference >= len(self.offsets):
             raise InputError(f"patch_reference={self.patch_reference} is not the index of one of the offsets "
                              f"{list(self.offsets)}; pass 0 to {len(self.offsets) - 1}")
@@ -482,7 +486,7 @@ def check_attribution(attribution: Any, heads: Any) -> tuple[int, ...]:
             f"attribution_heads must be layer indices (integers of at least 0); {layer!r} is not one (of {layers!r}): "
             f"pass e.g. {option('attribution_heads', [5, 6, 7])}"))
     if layers and not attribution:
-        raise InputError(f"attribution_heads={layers!r} splits the attribution's attention into heads, but attribution "
+        raise InputError(f"{option('attribution_heads', layers)} splits the attribution's attention into heads, but attribution "
                          f"is off; pass {option('attribution', True)} as well")
     return tuple(sorted({int(layer) for layer in layers}))
 
