@@ -140,7 +140,7 @@ class ShiftMechanisms:
                 cell = number_cell({"estimate": row["share"], "low": row["low"], "high": row["high"]}
                                    if row["low"] is not None else row["share"])
                 lines.append(f"    {row['component']:<16}{cell:>32}")
-        check = self.metadata.get("attribution_check")
+        check = self.recorded_checks()["attribution"]
         if isinstance(check, dict):
             lines.append(f"  check: {check.get('description')}: {number_cell(check.get('value'))} "
                          f"({check_verdict(check)}; tolerance {check.get('tolerance')})")
