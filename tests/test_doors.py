@@ -154,6 +154,8 @@ def test_float_token_ids_for_a_position_probe_are_refused_not_truncated(probe):
     for given in (tokens, tokens.numpy(), tokens.tolist()):
         with pytest.raises(InputError, match="token ids as torch.float.* truncated"):
             position_probe(probe, given, positions_per_window=4, n_folds=2)
+    with pytest.raises(InputError, match="level=7 must be a confidence level"):
+        position_probe(probe, tokens.long(), positions_per_window=4, n_folds=2, level=7)
 
 
 def test_a_head_of_a_layer_the_model_lacks_is_refused_before_any_lookup(probe):
@@ -165,7 +167,7 @@ def test_a_head_of_a_layer_the_model_lacks_is_refused_before_any_lookup(probe):
         head_views(probe, list(range(3, 20)), heads=[(1.5, 0)])
 
 
-@pytest.mark.parametrize("head, words", [((1.0, 0), "not a float"), (("1", 0), "not a str"), ((1, 7), "not a head of"),
+@pytest.mark.parametrize("head, words", [((1.0, 0), "not a float"), (("1", 0), "not a str"), ((1, 7), "head L1H7 does not exist"),
                                          ((1,), "not a \\(layer, head\\) pair")])
 def test_the_shift_view_s_head_is_typed(probe, head, words):
     from equivariance_probe import shift_view

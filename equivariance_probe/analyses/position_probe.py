@@ -37,7 +37,7 @@ import torch
 from ..adapters.internals import ablate
 from ..adapters.modules import find_attention_modules, hf_model_of, parent_layer, residual_width
 from ..errors import InputError, check_integer
-from ..maths.intervals import Interval
+from ..maths.intervals import Interval, check_level
 from ..statistics.options import token_id_tensor
 from ..maths.probing import fold_interval, grouped_folds, grouped_ridge_scores
 
@@ -286,6 +286,7 @@ def position_probe(
         >>> fitted.interval("position").estimate                                     # doctest: +SKIP
     """
     tokens = token_id_tensor(tokens)  # a float id is refused, not truncated to another token
+    level = check_level(level, "level")  # before any pass, not when the first interval is asked for
     if tokens.dim() != 2:
         raise InputError(f"tokens must be [n_windows, T], got shape {tuple(tokens.shape)}")
     n_windows, context_length = tokens.shape

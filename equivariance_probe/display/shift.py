@@ -363,8 +363,11 @@ def shift_view(model: Any, segments: Sequence[Any], contexts: Sequence[Any] | No
         head = most_moved_head(result)
     if isinstance(head, (str, bytes)) or not isinstance(head, Sequence) or len(head) != 2:
         raise InputError(f"head={head!r} is not a (layer, head) pair; pass {option('head', 'L3H1')}")
-    layer = check_index("head", head[0], layout.n_layers, example="L3H1")
-    index = check_index("head", head[1], layout.n_heads, what="head", example="L3H1")
+    layer = check_index("head", head[0], example="L3H1")
+    index = check_index("head", head[1], what="head", example="L3H1")
+    if not (layer < layout.n_layers and index < layout.n_heads):
+        raise InputError(f"head L{layer}H{index} does not exist: this model has layers 0..{layout.n_layers - 1} and heads "
+                         f"0..{layout.n_heads - 1}; pass a head within those ranges")
     if offsets is None:
         if result is None:
             raise InputError("no offsets to view: pass offsets=(s1, s2), or result= to view its smallest and largest")

@@ -229,7 +229,7 @@ def check_shift_options(*, offsets: Sequence[int] | None, segment_length: int, m
     """
     check_choice("mode", mode, SHIFT_MODES)
     if not isinstance(segment_length, int) or isinstance(segment_length, bool) or segment_length < 2:
-        raise InputError(f"segment_length={segment_length!r} must be an integer of at least 2 (a segment's attention "
+        raise InputError(f"{option('segment_length', segment_length)} must be an integer of at least 2 (a segment's attention "
                          f"needs rows with two keys); pass {option('segment_length', 64)}")
     if mode == "text" and n_contexts is not None and n_contexts < 2:
         raise InputError(f"text mode needs at least two contexts to separate what precedes the text from where it "
@@ -238,7 +238,7 @@ def check_shift_options(*, offsets: Sequence[int] | None, segment_length: int, m
         return None
     unique = check_offsets(offsets)
     if len(unique) < 2:
-        raise InputError(f"offsets={list(unique)} must hold at least two distinct non-negative offsets: with one there "
+        raise InputError(f"{option('offsets', list(unique))} must hold at least two distinct non-negative offsets: with one there "
                          f"is nothing to compare; pass more through {option('offsets')}, e.g. 0, 256 and 512")
     return unique
 
@@ -273,7 +273,7 @@ def shift_grid(segments: Iterable[Any], contexts: Iterable[Any] | None, tokenize
     for index, segment in enumerate(segments):
         ids = _ids(segment, tokenizer, "segments")
         if len(ids) < segment_length:
-            raise InputError(f"segment {index} has {len(ids)} tokens, fewer than segment_length={segment_length}; "
+            raise InputError(f"segment {index} has {len(ids)} tokens, fewer than {option('segment_length', segment_length)}; "
                              f"pass longer segments or a smaller {option('segment_length')}")
         segment_ids.append(ids[:segment_length])
     if len(segment_ids) < 1:
