@@ -23,31 +23,14 @@ Prints the median of each and the medians of each round's ratios.
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-
-def gemma3_270m_shaped():
-    """A random model of Gemma 3 270M's shape (small vocabulary and MLP)."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(0)
-    layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(18)]
-    config = Gemma3TextConfig(vocab_size=512, hidden_size=640, intermediate_size=256, num_hidden_layers=18,
-                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
-                              max_position_embeddings=2048, layer_types=layer_types, pad_token_id=0, bos_token_id=2,
-                              eos_token_id=1)
-    return Gemma3ForCausalLM(config).eval()
-
-
-def timed(function) -> float:
-    start = time.perf_counter()
-    function()
-    return time.perf_counter() - start
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from header_validation import gemma3_270m_shaped, in_rounds, print_medians  # noqa: E402 - the same model shape and rounds
 
 
 def main() -> None:
@@ -64,7 +47,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     segments = [torch.randint(3, 512, (32,), generator=generator).tolist() for _ in range(args.segments)]
     contexts = [torch.randint(3, 512, (128,), generator=generator).tolist() for _ in range(2)]
-    result = EquivarianceProbe(gemma3_270m_shaped()).shift(
+    result = EquivarianceProbe(gemma3_270m_shaped(2048)).shift(
         segments, contexts, offsets=[0, 64, 128], segment_length=32, progress=False, interval_groups=args.segments,
         attribution=True, attribution_heads=[5, 11, 17], patch="attention.5,mlp.5")
     with tempfile.TemporaryDirectory() as folder:
@@ -77,25 +60,16 @@ def main() -> None:
             "value relations alone": lambda: check_shift_values(arrays, path),
             "checks recomputed (recorded_checks)": lambda: ShiftResult.load(path).recorded_checks(),
         }
-        for function in cases.values():  # warm the page cache and the imports
-            function()
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for _ in range(args.rounds):
-            for name, function in cases.items():
-                times[name].append(timed(function))
+        times = in_rounds(cases, args.rounds)
         size = path.stat().st_size
     print(f"shift result file: {size / 1e6:.2f} MB, {len(arrays)} arrays, {len(result.config.components)} components; "
           f"{args.rounds} rounds, medians")
-    for name, values in times.items():
-        print(f"  {name:38s} {statistics.median(values) * 1e3:9.3f} ms")
-
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
     plain = "plain array read (load_file)"
-    print(f"value relations / plain array read:      {ratio('value relations alone', plain):.2f}")
-    print(f"checked full load / plain array read:    {ratio('checked full load (load + verify)', plain):.2f}")
-    print(f"checks recomputed / plain array read:    {ratio('checks recomputed (recorded_checks)', plain):.2f}")
+    print_medians(times, {
+        "value relations / plain array read": ("value relations alone", plain),
+        "checked full load / plain array read": ("checked full load (load + verify)", plain),
+        "checks recomputed / plain array read": ("checks recomputed (recorded_checks)", plain),
+    })
 
 
 if __name__ == "__main__":
