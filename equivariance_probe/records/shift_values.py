@@ -16,7 +16,7 @@ is checked with a relative tolerance of :data:`VALUE_TOLERANCE` of the magnitude
   context shares lie in ``[0, 1]``;
 * a Jensen–Shannon divergence lies in ``[0, ln 2]``: each divergence sum is at most ``ln 2`` times its count;
 * the attention the segment's rows put on the window's first key and on the text before the segment is at most
-  one per row and head;
+  one per row and head (to :data:`SINK_TOLERANCE`: the weights are rounded in the model's dtype);
 * each attribution Gram matrix is symmetric with a non-negative diagonal.
 """
 
@@ -31,11 +31,15 @@ import numpy as np
 from ..errors import ResultFileError
 from ..statistics.engines.shift_sums import REPRESENTATIONS, SINK_SUMS
 
-__all__ = ["VALUE_TOLERANCE", "check_shift_values"]
+__all__ = ["VALUE_TOLERANCE", "SINK_TOLERANCE", "check_shift_values"]
 
 #: Relative tolerance of the relations: float64 sums over millions of terms carry rounding of about 1e-13 of
 #: their magnitude; an edit that matters is far above this.
 VALUE_TOLERANCE = 1e-9
+
+#: Relative tolerance of the bound on the attention before the segment: a row's weights are the model's, rounded
+#: in its dtype (bfloat16 keeps 8 bits, a relative 0.4 % per weight) before they are summed in float64.
+SINK_TOLERANCE = 1e-2
 
 #: Count of each bounded sum: a divergence sum is at most ``ln 2`` per pair it sums.
 _DIVERGENCES = {"js_offset_sum": "js_offset_count", "js_context_sum": "js_context_count",
@@ -104,7 +108,7 @@ def _check_sinks(arrays: Mapping[str, np.ndarray], refuse: Callable[..., None]) 
         return
     mass = np.asarray(arrays[first]) + np.asarray(arrays[preceding])  # [G, L, H, O]
     limit = np.asarray(arrays[rows])[:, :, None, :]  # [G, L, 1, O]
-    bad = mass > limit * (1 + VALUE_TOLERANCE) + VALUE_TOLERANCE
+    bad = mass > limit * (1 + SINK_TOLERANCE)
     if bad.any():
         where = tuple(np.argwhere(bad)[0])
         refuse(first, f"with {preceding!r} exceeds one attention weight per row counted in {rows!r}", where,
@@ -112,19 +116,31 @@ def _check_sinks(arrays: Mapping[str, np.ndarray], refuse: Callable[..., None]) 
 
 
 def _check_grams(arrays: Mapping[str, np.ndarray], refuse: Callable[..., None]) -> None:
-    """Each attribution Gram matrix ``[G, C, C]`` is symmetric with a non-negative diagonal, to rounding."""
-    for name in ("attribution/offset_gram", "attribution/context_gram"):
-        gram = np.asarray(arrays.get(name, np.zeros((0, 0, 0))), dtype=np.float64)
-        if not gram.size:
-            continue
+    """Each attribution Gram matrix ``[G, C, C]`` is symmetric with a non-negative diagonal, to rounding of the
+    whole: the context Gram is a difference of two sums over the grid (``Σ_f B_f·B_fᵀ / S − T·Tᵀ/(F·S)``), so where
+    nothing moves with the context its diagonal is rounding of the residual stream's size, of either sign."""
+    names = [name for name in ("attribution/offset_gram", "attribution/context_gram")
+             if name in arrays and np.asarray(arrays[name]).size]
+    if not names:
+        return
+    groups = np.asarray(arrays[names[0]]).shape[0]
+    whole = np.zeros(groups)  # per group: the residual stream's largest sum of squares, and the Grams' diagonals
+    if "residual/within" in arrays:
+        within = np.abs(np.asarray(arrays["residual/within"], dtype=np.float64))
+        whole = np.maximum(whole, within.reshape(groups, -1).max(-1) if within.size else 0.0)
+    for name in names:
+        whole = np.maximum(whole, np.abs(np.diagonal(np.asarray(arrays[name], dtype=np.float64), axis1=-2,
+                                                     axis2=-1)).max(-1))
+    scale = np.maximum(whole, 1e-300)[:, None, None]
+    for name in names:
+        gram = np.asarray(arrays[name], dtype=np.float64)
         diagonal = np.diagonal(gram, axis1=-2, axis2=-1)  # [G, C]
-        scale = np.abs(diagonal).max(-1)[:, None, None]  # per group: the largest component's sum of squares
-        bad = diagonal < -VALUE_TOLERANCE * np.maximum(scale[:, :, 0], 1e-300)
+        bad = diagonal < -VALUE_TOLERANCE * scale[:, :, 0]
         if bad.any():
             where = tuple(np.argwhere(bad)[0])
             refuse(name, "has a negative diagonal entry (a component's sum of squares)", where, float(diagonal[where]))
         asymmetry = np.abs(gram - np.swapaxes(gram, -1, -2))
-        bad = asymmetry > VALUE_TOLERANCE * np.maximum(scale, 1e-300)
+        bad = asymmetry > VALUE_TOLERANCE * scale
         if bad.any():
             where = tuple(np.argwhere(bad)[0])
             refuse(name, "is not symmetric (K[c, c'] ≠ K[c', c], an inner product)", where, float(gram[where]))
