@@ -387,13 +387,19 @@ def check_fraction(name: str, value: Any, *, low: float = 0.0, high: float = 1.0
 
 def check_name_length(name: str, value: str, source: str = "",
                       error: type[EquivarianceProbeError] = InputError) -> str:
-    """``value`` unchanged unless a part of it between slashes is longer than a file name may be (255 bytes on
-    every common file system): the operating system would refuse it with a bare ``OSError`` (``File name too
-    long``) when a folder or a cache lookup is made of it.
+    """``value`` unchanged unless it is longer than a path may be (4095 bytes on Linux) or a part of it between
+    slashes is longer than a file name may be (255 bytes on every common file system): the operating system would
+    refuse it with a bare ``OSError`` (``File name too long``) when a folder or a cache lookup is made of it.
 
     Raises:
         InputError: (or ``error``) naming the part, its length and the fix.
     """
+    size = len(str(value).encode("utf-8", "surrogateescape"))
+    if size >= _PATH_BYTES:
+        where = f" (from {source})" if source else ""
+        raise error(f"{name}{where} is {size} bytes long, longer than the {_PATH_BYTES - 1} bytes a path may have, so it "
+                    f"names no local folder nor any Hugging Face model; pass a model name or a path, e.g. "
+                    f"{option(name, 'gpt2')}")
     for part in str(value).split("/"):
         if len(part.encode("utf-8", "surrogateescape")) > _NAME_BYTES:
             where = f" (from {source})" if source else ""
@@ -406,6 +412,8 @@ def check_name_length(name: str, value: str, source: str = "",
 
 #: The longest file or folder name, in bytes, of ext4, XFS, APFS and NTFS (``NAME_MAX``).
 _NAME_BYTES = 255
+#: The longest path, in bytes, Linux takes (``PATH_MAX``, the terminating zero included).
+_PATH_BYTES = 4096
 
 
 #: While the command-line program runs: API argument name -> its flag (see :func:`option`).

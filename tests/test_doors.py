@@ -142,6 +142,8 @@ def test_a_model_name_longer_than_a_file_name_is_a_named_error_not_an_os_error()
     for load in (lambda: ModelSource("a" * 300), lambda: load_model("org/" + "b" * 256)):
         with pytest.raises(ModelNotFoundError, match="part of (300|256) bytes .* longer than the 255 bytes"):
             load()
+    with pytest.raises(ModelNotFoundError, match="is 4999 bytes long, longer than the 4095 bytes a path may have"):
+        ModelSource("/".join(["c" * 99] * 50))
     with command_line_options({"name": "--model"}):
         with pytest.raises(ModelNotFoundError, match="e.g. --model gpt2"):
             ModelSource("a" * 300)
