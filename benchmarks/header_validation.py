@@ -54,6 +54,27 @@ def timed(function) -> float:
     return time.perf_counter() - start
 
 
+def in_rounds(cases: dict, rounds: int) -> dict[str, list[float]]:
+    """Each case's times, every case once per round in turn (after one warm-up call each: the page cache, the
+    imports), so that a machine's load falls on all of them alike."""
+    for function in cases.values():
+        function()
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, function in cases.items():
+            times[name].append(timed(function))
+    return times
+
+
+def print_medians(times: dict[str, list[float]], ratios: dict[str, tuple[str, str]]) -> None:
+    """Each case's median time, then per ratio ``(a, b)`` the median over rounds of ``a / b`` (a round's two
+    times share its load)."""
+    for name, values in times.items():
+        print(f"  {name:38s} {statistics.median(values) * 1e3:9.3f} ms")
+    for label, (a, b) in ratios.items():
+        print(f"{label + ':':41s} {statistics.median(x / y for x, y in zip(times[a], times[b])):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n-docs", type=int, default=4)
@@ -100,27 +121,18 @@ def main() -> None:
             "checked full load (load + verify)": lambda: ProbeResult.load(path).verify(),
             "finiteness check alone": lambda: check_finite(arrays, path),
         }
-        for function in cases.values():  # warm the page cache and the imports
-            function()
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for _ in range(args.rounds):
-            for name, function in cases.items():
-                times[name].append(timed(function))
+        times = in_rounds(cases, args.rounds)
         size = path.stat().st_size
         with safe_open(str(path), framework="np") as handle:
             header_bytes = len(handle.metadata()[HEADER_KEY])
     print(f"default result file: {size / 1e6:.2f} MB, header {header_bytes / 1e3:.1f} kB, {len(arrays)} arrays; "
           f"{args.rounds} rounds, medians")
-    for name, values in times.items():
-        print(f"  {name:36s} {statistics.median(values) * 1e3:9.3f} ms")
-
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
-    print(f"schema checks / plain header read:       {ratio('schema checks alone', 'plain header read'):.2f}")
-    print(f"checked open / plain header read:        {ratio('checked open (ProbeResult.load)', 'plain header read'):.2f}")
-    print(f"checked full load / plain array read:    {ratio('checked full load (load + verify)', 'plain array read (load_file)'):.2f}")
-    print(f"finiteness check / plain array read:     {ratio('finiteness check alone', 'plain array read (load_file)'):.2f}")
+    print_medians(times, {
+        "schema checks / plain header read": ("schema checks alone", "plain header read"),
+        "checked open / plain header read": ("checked open (ProbeResult.load)", "plain header read"),
+        "checked full load / plain array read": ("checked full load (load + verify)", "plain array read (load_file)"),
+        "finiteness check / plain array read": ("finiteness check alone", "plain array read (load_file)"),
+    })
 
 
 if __name__ == "__main__":

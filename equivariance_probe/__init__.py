@@ -83,6 +83,7 @@ from .display.views import HeadViews, head_views
 from .errors import (
     AttentionCaptureError,
     CheckpointError,
+    FigureError,
     StopRequested,
     ContextLengthError,
     SiteError,
@@ -252,5 +253,6 @@ __all__ = [
     "ResultFileError",
     "FileWriteError",
     "CheckpointError",
+    "FigureError",
     "StopRequested",
 ]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
+import numbers
 from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
@@ -56,6 +58,7 @@ __all__ = [
     "ResultFileError",
     "FileWriteError",
     "CheckpointError",
+    "FigureError",
     # not an error: a stop asked for from outside
     "StopRequested",
     "check_choice",
@@ -63,6 +66,10 @@ __all__ = [
     "require_extra",
     "is_integer",
     "check_integer",
+    "check_index",
+    "check_indices",
+    "check_fraction",
+    "check_name_length",
     "option",
     "command_line_options",
 ]
@@ -235,6 +242,16 @@ class CheckpointError(EquivarianceProbeError, ValueError):
     another run (the message names that run's process)."""
 
 
+class FigureError(EquivarianceProbeError, RuntimeError):
+    """A figure could not be drawn from a result whose numbers are sound (the message names the figure and what
+    failed). Drawing comes after a run's results are saved, so what was measured is kept; ``figure`` is the
+    figure's name."""
+
+    def __init__(self, message: str, *, figure: str = "") -> None:
+        super().__init__(message)
+        self.figure = figure
+
+
 class StopRequested(KeyboardInterrupt):
     """A run stopped at a batch boundary because a stop was asked for from outside (the command line
     asks on SIGTERM, which Slurm and Kubernetes send before SIGKILL). Not an error of the input: like
@@ -311,6 +328,110 @@ def check_integer(
     raise error(message)
 
 
+def _is_index(value: Any) -> bool:
+    """An integer as typed: Python's or numpy's (``numbers.Integral``), never a bool, a float or a text."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_index(name: str, value: Any, count: int | None = None, *, what: str = "layer",
+                example: Any = 0) -> int:
+    """``value`` as an ``int`` if it is an integer in ``0..count-1`` (any integer of at least 0 where ``count`` is
+    ``None``: the model is not known yet), else :class:`InputError` naming it, the range and the fix.
+
+    A text is refused rather than converted: ``int("10")`` would be a guess at what was meant, and iterating it
+    (as a list of layers) gives the layers 1 and 0. A bool is refused: ``True`` is not the layer 1.
+
+    Args:
+        name: the argument, as the caller spells it (:func:`option` writes it as the caller's flag).
+        value: what was given.
+        count: how many there are (the model's layers or heads), or ``None``.
+        what: what an index counts, in words (``"layer"``, ``"head"``).
+        example: the value the fix suggests.
+
+    Example:
+        >>> check_index("layer", 1, 2)
+        1
+    """
+    if _is_index(value) and 0 <= value and (count is None or value < count):
+        return int(value)
+    if _is_index(value):
+        where = f"{count} {what}s (0 to {count - 1})" if count else f"{what}s numbered from 0"
+        raise InputError(f"{name}={value!r} is not a {what} of this model, which has {where}; pass "
+                         f"{option(name, example)} or another {what} in that range")
+    where = f" from 0 to {count - 1}" if count else " of at least 0"
+    raise InputError(f"{name}={value!r} is not a {what} index: a {what} is a whole number{where}, not a "
+                     f"{type(value).__name__}; pass {option(name, example)}")
+
+
+def check_indices(name: str, value: Any, count: int | None = None, *, what: str = "layer",
+                  example: Any = 0) -> tuple[int, ...]:
+    """One index or a list of them (:func:`check_index` each), as a tuple in the order given.
+
+    Raises:
+        InputError: a text (which would be read character by character), something that is not a list, or an
+            item that is not an index in range.
+
+    Example:
+        >>> check_indices("layer", [1, 0], 2)
+        (1, 0)
+    """
+    if _is_index(value):
+        return (check_index(name, value, count, what=what, example=example),)
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or isinstance(value, Mapping):
+        raise InputError(f"{name}={value!r} must be a {what} index or a list of them, not a "
+                         f"{type(value).__name__}; pass {option(name, example)}")
+    return tuple(check_index(name, item, count, what=what, example=example) for item in value)
+
+
+def check_fraction(name: str, value: Any, *, low: float = 0.0, high: float = 1.0, closed_low: bool = True,
+                   closed_high: bool = False, meaning: str = "a fraction", example: Any = 0.5) -> float:
+    """``value`` as a ``float`` if it is a finite real number in the interval from ``low`` to ``high`` (each end
+    included where ``closed_*``), else :class:`InputError` naming it. Any real number type is a number here
+    (``numpy.float32(0.3)`` is one; Python's ``float`` check alone would call it out of range); a bool is not.
+
+    Example:
+        >>> check_fraction("epsilon", 0.3)
+        0.3
+    """
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value)):
+        number = float(value)
+        if (low < number or (closed_low and number == low)) and (number < high or (closed_high and number == high)):
+            return number
+    span = f"{'[' if closed_low else '('}{low:g}, {high:g}{']' if closed_high else ')'}"
+    raise InputError(f"{name}={value!r} must be {meaning} in {span}; pass e.g. {option(name, example)}")
+
+
+def check_name_length(name: str, value: str, source: str = "",
+                      error: type[EquivarianceProbeError] = InputError) -> str:
+    """``value`` unchanged unless it is longer than a path may be (4095 bytes on Linux) or a part of it between
+    slashes is longer than a file name may be (255 bytes on every common file system): the operating system would
+    refuse it with a bare ``OSError`` (``File name too long``) when a folder or a cache lookup is made of it.
+
+    Raises:
+        InputError: (or ``error``) naming the part, its length and the fix.
+    """
+    size = len(str(value).encode("utf-8", "surrogateescape"))
+    if size >= _PATH_BYTES:
+        where = f" (from {source})" if source else ""
+        raise error(f"{name}{where} is {size} bytes long, longer than the {_PATH_BYTES - 1} bytes a path may have, so it "
+                    f"names no local folder nor any Hugging Face model; pass a model name or a path, e.g. "
+                    f"{option(name, 'gpt2')}")
+    for part in str(value).split("/"):
+        if len(part.encode("utf-8", "surrogateescape")) > _NAME_BYTES:
+            where = f" (from {source})" if source else ""
+            raise error(f"{name}{where} has a part of {len(part.encode('utf-8', 'surrogateescape'))} bytes "
+                             f"({part[:40]!r}...), longer than the {_NAME_BYTES} bytes a file or folder name may "
+                             f"have, so it names no local folder nor any Hugging Face model; pass a model name or "
+                             f"a path, e.g. {option(name, 'gpt2')}")
+    return value
+
+
+#: The longest file or folder name, in bytes, of ext4, XFS, APFS and NTFS (``NAME_MAX``).
+_NAME_BYTES = 255
+#: The longest path, in bytes, Linux takes (``PATH_MAX``, the terminating zero included).
+_PATH_BYTES = 4096
+
+
 #: While the command-line program runs: API argument name -> its flag (see :func:`option`).
 _FLAGS: ContextVar[Mapping[str, str] | None] = ContextVar("equivariance_probe_flags", default=None)
 
@@ -320,7 +441,8 @@ def option(name: str, value: Any = ...) -> str:
 
     From Python: ``name=value`` (``repr`` of the value), or ``name`` alone. While the command-line
     program runs, the flag it declared for ``name``: ``--flag value``, ``--flag`` for ``True`` and
-    when no value is given, and ``no --flag`` for ``None`` (the flag's default).
+    when no value is given, ``no --flag`` for ``None`` (the flag's default), and a list as the flag
+    takes it, comma-separated (``--offsets 0,256,512``).
 
     Example:
         >>> option("resume", True)
@@ -331,6 +453,8 @@ def option(name: str, value: Any = ...) -> str:
         flag = flags[name]
         if value is None:
             return f"no {flag}"
+        if isinstance(value, (list, tuple)):
+            value = ",".join(str(item) for item in value)
         return flag if value is ... or value is True else f"{flag} {value}"
     return name if value is ... else f"{name}={value!r}"
 

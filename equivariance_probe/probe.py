@@ -35,6 +35,7 @@ from .errors import (
     UnsupportedModelError,
     check_integer,
     is_integer,
+    option,
 )
 from .progress import STOP_REQUESTED, _bar_class, _stop_if_requested, keeping_partial, progress_bar  # noqa: F401 - _bar_class: imported from here by tests
 from .records.provenance import corpus_fingerprint, run_metadata, window_fingerprint, window_fingerprints
@@ -114,8 +115,8 @@ class EquivarianceProbe:
         check_integer("context_length", context_length)
         if layout.max_context is not None and context_length > layout.max_context:
             raise ContextLengthError(
-                f"context_length={context_length} is longer than this model's maximum context of "
-                f"{layout.max_context} tokens; pass context_length={layout.max_context} or less"
+                f"{option('context_length', context_length)} is longer than this model's maximum context of "
+                f"{layout.max_context} tokens; pass {option('context_length', layout.max_context)} or less"
             )
         return context_length
 
@@ -177,7 +178,7 @@ class EquivarianceProbe:
             raise InputError(f"token ids must have shape [n_docs, n_tokens], got {tuple(tokens.shape)}")
         if tokens.shape[1] > context_length:
             raise ContextLengthError(
-                f"token windows have {tokens.shape[1]} tokens but context_length={context_length}; token tensors "
+                f"token windows have {tokens.shape[1]} tokens but {option('context_length', context_length)}; token tensors "
                 f"are used as given, so slice them (tokens[:, :{context_length}]) or raise context_length"
             )
         self._check_vocabulary(tokens)
@@ -356,26 +357,27 @@ class EquivarianceProbe:
         outside = sorted(k for k in exclude_keys if k >= context_length)
         if outside:
             raise InputError(
-                f"exclude_keys={list(exclude_keys)} names key positions {outside} that a window of "
-                f"context_length={context_length} does not have (positions 0..{context_length - 1}); drop them "
-                "or raise context_length"
+                f"{option('exclude_keys', list(exclude_keys))} names key positions {outside} that a window of "
+                f"{option('context_length', context_length)} does not have (positions 0..{context_length - 1}); drop "
+                f"them or raise {option('context_length')}"
             )
         if len(set(exclude_keys)) >= context_length:
             raise InputError(
-                f"exclude_keys={list(exclude_keys)} leaves out every key position of a window of "
-                f"context_length={context_length}, so no statistic has anything to measure; exclude fewer keys"
+                f"{option('exclude_keys', list(exclude_keys))} leaves out every key position of a window of "
+                f"{option('context_length', context_length)}, so no statistic has anything to measure; exclude fewer keys"
             )
         if context_length < 2:
             # One token attends only to itself (weight 1): no position varies, so every R² is 0/0.
             raise InputError(
-                f"context_length={context_length} gives windows of one token, whose attention (1 on itself) "
-                "has no position to depend on, so every R² is undefined; pass context_length=2 or more"
+                f"{option('context_length', context_length)} gives windows of one token, whose attention (1 on itself) "
+                f"has no position to depend on, so every R² is undefined; pass {option('context_length', 2)} or more"
             )
         check_integer("min_tokens", min_tokens)
         if min_tokens > context_length:
             raise InputError(
-                f"min_tokens={min_tokens} is more than context_length={context_length}, so every window would be "
-                f"skipped as too short; pass min_tokens={context_length} or less, or raise context_length"
+                f"{option('min_tokens', min_tokens)} is more than {option('context_length', context_length)}, so every "
+                f"window would be skipped as too short; pass {option('min_tokens', context_length)} or less, or raise "
+                f"{option('context_length')}"
             )
         check_integer("max_windows", max_windows, allow_none=True,
                       message=f"max_windows must be a positive integer or None (no limit), not {max_windows!r}")
@@ -538,9 +540,10 @@ class EquivarianceProbe:
         from .adapters.components import block_component_names, block_parts, head_component_names
         from .adapters.modules import hf_model_of
 
+        if options.attribution or options.patch:  # refuses, before any window runs, a block it cannot split
+            block_parts(hf_model_of(self.adapter.model))
         if not options.attribution:
             return ()
-        block_parts(hf_model_of(self.adapter.model))  # refuses, before any window runs, a block it cannot split
         if self.adapter.sums_segment_grid and options.attribution_heads:
             raise UnsupportedModelError(
                 f"attribution_heads={list(options.attribution_heads)}: a head's part is formed from its output and the "

@@ -313,10 +313,10 @@ def test_a_study_stopped_by_any_exception_keeps_its_chunks_as_a_partial_result(t
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (["--offsets", "0"], r"offsets=\[0\] must hold at least two distinct non-negative offsets: with one there is nothing "
+    (["--offsets", "0"], r"--offsets 0 must hold at least two distinct non-negative offsets: with one there is nothing "
                          r"to compare; pass more through --offsets"),
-    (["--offsets", "5,5"], r"offsets=\[5\] must hold at least two distinct"),
-    (["--segment-length", "1"], r"segment_length=1 must be an integer of at least 2 .*pass --segment-length 64"),
+    (["--offsets", "5,5"], r"--offsets 5 must hold at least two distinct"),
+    (["--segment-length", "1"], r"--segment-length 1 must be an integer of at least 2 .*pass --segment-length 64"),
     (["--n-contexts", "1"], r"text mode needs at least two contexts .*got 1; pass --n-contexts 4, or --mode position_ids"),
 ])
 def test_the_shift_command_refuses_its_settings_before_it_loads_a_model(tmp_path, capsys, monkeypatch, arguments,

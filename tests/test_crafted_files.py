@@ -43,6 +43,9 @@ def _shift_result(path, config=None):
     for name, array in statistics.arrays.items():
         array[...] = rng.uniform(1.0, 2.0, size=array.shape)
     # SS_all = within + cell_square − total²/count = 100 in every cell, SS_offset = 1.2.
+    # Counts above what they count (a divergence is at most ln 2 per pair, a row's weight at most 1).
+    for name in ("js_offset_count", "js_context_count", "nll_count", "sink/rows"):
+        statistics.arrays[name][...] = 10.0
     for suffix, value in {"count": 1.0, "total": 0.0, "cell_square": 0.0, "within": 100.0, "offset": 1.2, "context": 3.0}.items():
         for name in statistics.arrays:
             if name.endswith("/" + suffix):
@@ -217,3 +220,107 @@ def test_a_crafted_checkpoint_state_is_refused_by_name(tmp_path, content, words)
         CheckpointedRun(tmp_path, every=2, identity={"model": {}, "corpus": {}, "config": {}}, resume=True)
     for word in words:
         assert word in str(caught.value)
+
+
+# -- values that no run writes, re-signed ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def mechanisms_path(tmp_path_factory):
+    """A real run of a tiny Gemma 3 with attribution (heads of layer 1) and patching, saved."""
+    from synthetic import tiny_gemma3
+    from test_shift import M, OFFSETS, design
+
+    segments, contexts = design()
+    result = EquivarianceProbe(tiny_gemma3()).shift(segments, contexts, offsets=OFFSETS, segment_length=M,
+                                                    progress=False, interval_groups=2, attribution=True,
+                                                    attribution_heads=[1], patch="mlp.0,attention.1+mlp.1")
+    assert result.metadata["attribution_check"]["passed"] and result.metadata["check"]["passed"]
+    return result.save(tmp_path_factory.mktemp("mechanisms") / "shift.safetensors")
+
+
+def _edited(path, tmp_path, edit):
+    out = tmp_path / "edited.safetensors"
+    return resign(path, edit_tensors=edit, counts=lambda header: (), out=out)
+
+
+def _negative_diagonal(tensors):
+    tensors["attribution/offset_gram"][0, 2, 2] = -abs(tensors["attribution/offset_gram"][0, 2, 2]) - 1.0
+
+
+def _asymmetric(tensors):
+    tensors["attribution/offset_gram"][1, 0, 3] += 0.01 * abs(tensors["attribution/offset_gram"][1, 0, 0]) + 1e-3
+
+
+def _negative_divergence(tensors):
+    tensors["patch/js_sum"][0, 0, 1] = -0.5
+
+
+def _share_above_one(tensors):
+    tensors["residual/offset"][0, 1, 0] = 2.0 * tensors["residual/within"][0, 1, 0] + 1.0
+
+
+def _weight_above_one(tensors):
+    tensors["sink/first_key"][1, 0, 2, 1] = 2.0 * tensors["sink/rows"][1, 0, 1] + 1.0
+
+
+def _negative_sum_of_squares(tensors):
+    tensors["centred_logits/context"][0, 0, 1] = -1.0
+
+
+@pytest.mark.parametrize("edit, words", [
+    (_negative_diagonal, "'attribution/offset_gram' has a negative diagonal entry"),
+    (_asymmetric, "'attribution/offset_gram' is not symmetric"),
+    (_negative_divergence, "'patch/js_sum' holds a negative sum"),
+    (_share_above_one, "'residual/offset' with its context term exceeds the variation"),
+    (_weight_above_one, "'sink/first_key' with 'sink/preceding' exceeds one attention weight per row"),
+    (_negative_sum_of_squares, "'centred_logits/context' holds a negative sum"),
+])
+def test_sums_that_no_run_writes_are_refused_when_read_not_shown_as_shares(mechanisms_path, tmp_path, capsys, edit,
+                                                                           words):
+    path = _edited(mechanisms_path, tmp_path, edit)
+    with pytest.raises(ResultFileError, match="which no run writes") as caught:
+        ShiftResult.load(path).summary()
+    assert words in str(caught.value)
+    _one_line_exit_2(["show", str(path)], capsys, words)
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("components", "attention.9", "component names of its 3 layers and 4 heads"),
+    ("components", "head.1.7", "component names of its 3 layers and 4 heads"),
+    ("patch_components", "attention.x+mlp.1", "'config.patch_components' must be a list of component names"),
+    ("patch_components", "mlp.5", "'config.patch_components' must be a list of component names"),
+])
+def test_component_names_must_be_valid_for_the_recorded_layers_and_heads(mechanisms_path, tmp_path, capsys, field,
+                                                                         value, words):
+    def rename(header):
+        header["config"][field][-1] = value
+
+    path = resign(mechanisms_path, rename, out=tmp_path / "renamed.safetensors")
+    with pytest.raises(ResultFileError, match="malformed") as caught:
+        ShiftResult.load(path)
+    assert words in str(caught.value)
+    _one_line_exit_2(["show", str(path)], capsys, f"'config.{field}'")
+
+
+def test_a_check_is_recomputed_from_the_arrays_never_copied_from_the_header(mechanisms_path, tmp_path, capsys):
+    def claim(header):  # a header that says what the arrays do not
+        header["metadata"]["check"].update(passed=False, value=0.5)
+        header["metadata"]["attribution_check"].update(passed=True, value=0.0)
+
+    def double_a_component(tensors):  # still a Gram matrix, but the components no longer add up to the stream
+        for term in ("offset", "context"):
+            tensors[f"attribution/{term}_gram"][:, 1, :] *= 3.0
+            tensors[f"attribution/{term}_gram"][:, :, 1] *= 3.0
+
+    path = resign(mechanisms_path, claim, double_a_component, counts=lambda header: (),
+                  out=tmp_path / "claimed.safetensors")
+    loaded = ShiftResult.load(path)
+    checks = loaded.recorded_checks()
+    assert checks["check"]["passed"] is True and checks["check"]["value"] < 1e-6  # the arrays' layer-0 η²
+    assert checks["attribution"]["passed"] is False and checks["attribution"]["value"] > 0.1
+    summary = loaded.summary()
+    assert summary["check"]["passed"] is True and summary["attribution"]["check"]["passed"] is False
+    table = loaded.table()
+    assert "(passed;" in table.split("check: layer-0")[1] and "NOT passed" in loaded.attribution_table()
+    capsys.readouterr()
+    assert main(["show", str(path)]) == 0
+    assert "(passed)" in capsys.readouterr().out  # the header's "not passed" is not what is shown

@@ -83,6 +83,13 @@ def block_parts(model: Any) -> list[BlockParts]:
         layer = parent_layer(model, attention)
         mlp = next((getattr(layer, name) for name in MLP_NAMES if hasattr(layer, name)), None)
         projection = next((getattr(attention, name) for name in PROJECTION_NAMES if hasattr(attention, name)), None)
+        if _norms_after_addition(layer):
+            raise AttentionCaptureError(
+                f"{type(layer).__name__} norms the residual stream after adding what its attention and its MLP write "
+                "(post-LN, as BERT's blocks do: LayerNorm(x + attention(x))), so the stream after a block is not the "
+                "sum of the components' outputs, and a component's output patched in is normed again with the rest; "
+                "no split into components (attribution, patching) is defined for such a model. Run the shift test "
+                "without attribution and patching on it, or use a pre-norm model")
         if mlp is None or projection is None:
             raise AttentionCaptureError(
                 f"cannot find the MLP ({MLP_NAMES}) or the attention's output projection ({PROJECTION_NAMES}) of "
@@ -94,6 +101,13 @@ def block_parts(model: Any) -> list[BlockParts]:
         parts.append(BlockParts(layer, attention, layer.post_attention_layernorm if post else attention,
                                 layer.post_feedforward_layernorm if post else mlp, projection, post))
     return parts
+
+
+def _norms_after_addition(layer: torch.nn.Module) -> bool:
+    """Whether a block norms after its residual addition: the BERT family's (BERT, RoBERTa, MiniLM, ELECTRA)
+    ``BertOutput`` and ``BertSelfOutput`` compute ``LayerNorm(dense(h) + input)`` in a submodule ``output``."""
+    output = getattr(layer, "output", None)
+    return isinstance(getattr(output, "LayerNorm", None), torch.nn.Module)
 
 
 def block_component_names(n_layers: int) -> tuple[str, ...]:

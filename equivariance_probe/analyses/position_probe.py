@@ -37,7 +37,8 @@ from ..adapters import adapter_of
 from ..adapters.modules import residual_width
 from ..adapters.plan import Read, Stop
 from ..errors import InputError, check_integer
-from ..maths.intervals import Interval
+from ..maths.intervals import Interval, check_level
+from ..statistics.options import token_id_tensor
 from ..maths.probing import fold_interval, grouped_folds, grouped_ridge_scores
 
 __all__ = [
@@ -274,7 +275,8 @@ def position_probe(
         >>> fitted = position_probe(model, windows.tokens, groups=windows.spans)   # doctest: +SKIP
         >>> fitted.interval("position").estimate                                     # doctest: +SKIP
     """
-    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    tokens = token_id_tensor(tokens)  # a float id is refused, not truncated to another token
+    level = check_level(level, "level")  # before any pass, not when the first interval is asked for
     if tokens.dim() != 2:
         raise InputError(f"tokens must be [n_windows, T], got shape {tuple(tokens.shape)}")
     n_windows, context_length = tokens.shape

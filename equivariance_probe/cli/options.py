@@ -25,6 +25,7 @@ API_NAMES = {
     "memory_limit": "memory_limit_gib",
     "head": "view_head",
     "format": "figure_format",
+    "name": "model",
 }
 
 #: The shared options that say which model runs and how it is loaded, and those that say what is measured.

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import InputError, option
+from ..errors import EquivarianceProbeError, FigureError, InputError, option
 from ..records.fileformat import make_folder, write_bytes_atomically
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..result import ProbeResult
 
 __all__ = [
+    "drawn",
     "persistence_figure",
     "head_curves_figure",
     "fit_by_key_figure",
@@ -321,6 +322,19 @@ def figure_formats(format: str | Sequence[str] = "png") -> tuple[str, ...]:
             f"{option('format', 'png,svg,pdf')}"
         )
     return formats
+
+
+def drawn(name: str, draw: Callable[..., Any], *args: Any) -> Any:
+    """``draw(*args)``, a figure; a failure that is not already one of the package's named errors becomes a
+    :class:`~equivariance_probe.errors.FigureError` that names the figure ``name`` and what failed, so that a
+    caller that saved the results first can say what is kept and what was not drawn."""
+    try:
+        return draw(*args)
+    except EquivarianceProbeError:
+        raise
+    except Exception as error:  # any failure inside matplotlib or our drawing code: the figure is what is lost
+        raise FigureError(f"the figure {name!r} could not be drawn ({type(error).__name__}: {error})",
+                          figure=name) from error
 
 
 def save_figures(figures: dict[str, Any], folder: str | os.PathLike, prefix: str = "", *,

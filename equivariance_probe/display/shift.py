@@ -34,7 +34,7 @@ import torch
 
 from ..adapters.segments import capture_segment_batch
 from ..errors import (IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError,
-                      SupersededSumsError, UndefinedStatisticError)
+                      SupersededSumsError, UndefinedStatisticError, check_index, option)
 from ..markup import Markup
 from ..maths.intervals import Interval
 from ..probe import EquivarianceProbe
@@ -43,7 +43,7 @@ from ..sources.shift_grid import shift_grid
 from ..statistics.shift import REPRESENTATION_LABELS, REPRESENTATIONS, counted_entries
 from .circuitsvis import (CircuitsVisFigure, attention_pattern_figure, figure_row, save_views_page, views_body_html,
                           views_html)
-from .figures import _axes_title, figure_title, pyplot
+from .figures import _axes_title, drawn, figure_title, pyplot
 from .report import RenderedReport, ReportSection, figures_html, sections_page, table_html
 from .shift_mechanisms import (_has_sink_mass, shift_attribution_figure, shift_patching_figure, shift_sink_figure,
                                sink_layer_groups)
@@ -184,19 +184,24 @@ def shift_figures(result: ShiftResult, baselines: Mapping[str, ShiftResult] | No
     "shift_sink", "shift_attribution"}`` (the loss and divergence only where the run measured predictions; the sink
     mass only for the variants that hold it, none in a file written before it was kept; the attribution only where
     it split the residual stream into components), and ``"shift_patching"`` where it patched
-    (:func:`shift_patching_figure`), with the baselines beside ``result`` (called ``name``)."""
+    (:func:`shift_patching_figure`), with the baselines beside ``result`` (called ``name``).
+
+    Raises:
+        FigureError: a figure could not be drawn (named, with what failed).
+    """
     variants = {name: result, **dict(baselines or {})}
-    figures = {"shift_layers": shift_layers_figure(variants), "shift_heads": shift_heads_figure(result)}
+    figures = {"shift_layers": drawn("shift_layers", shift_layers_figure, variants),
+               "shift_heads": drawn("shift_heads", shift_heads_figure, result)}
     if result.config.predictions:
-        figures["shift_loss"] = shift_loss_figure(variants)
-        figures["shift_divergence"] = shift_divergence_figure(variants)
+        figures["shift_loss"] = drawn("shift_loss", shift_loss_figure, variants)
+        figures["shift_divergence"] = drawn("shift_divergence", shift_divergence_figure, variants)
     with_sink = {key: value for key, value in variants.items() if _has_sink_mass(value)}
     if name in with_sink:
-        figures["shift_sink"] = shift_sink_figure(with_sink)
+        figures["shift_sink"] = drawn("shift_sink", shift_sink_figure, with_sink)
     if result.config.components and all(other.config.components for other in variants.values()):
-        figures["shift_attribution"] = shift_attribution_figure(variants)
+        figures["shift_attribution"] = drawn("shift_attribution", shift_attribution_figure, variants)
     if result.config.patch_components:
-        figures["shift_patching"] = shift_patching_figure(result)
+        figures["shift_patching"] = drawn("shift_patching", shift_patching_figure, result)
     return figures
 
 
@@ -356,8 +361,11 @@ def shift_view(model: Any, segments: Sequence[Any], contexts: Sequence[Any] | No
         if result is None:
             raise InputError("no head to view: pass head=(layer, head), or result= to view the head the offset moves most")
         head = most_moved_head(result)
-    layer, index = int(head[0]), int(head[1])
-    if not (0 <= layer < layout.n_layers and 0 <= index < layout.n_heads):
+    if isinstance(head, (str, bytes)) or not isinstance(head, Sequence) or len(head) != 2:
+        raise InputError(f"head={head!r} is not a (layer, head) pair; pass {option('head', 'L3H1')}")
+    layer = check_index("head", head[0], example="L3H1")
+    index = check_index("head", head[1], what="head", example="L3H1")
+    if not (layer < layout.n_layers and index < layout.n_heads):
         raise InputError(f"head L{layer}H{index} does not exist: this model has layers 0..{layout.n_layers - 1} and heads "
                          f"0..{layout.n_heads - 1}; pass a head within those ranges")
     if offsets is None:

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import UndefinedStatisticError
+from ..errors import UndefinedStatisticError, check_indices
 from ..maths.intervals import Interval
 from ..shift_result import ShiftResult, measured_terms
+from ..shift_result.mechanisms import patched_kind
 from .figures import _axes_title, figure_title, pyplot
 from .shift_parts import _interval_note, _number, _offset_meaning, _titled, _variants, _with_interval
 
@@ -90,7 +91,7 @@ def shift_attribution_figure(results: ShiftResult | Mapping[str, ShiftResult], l
     plt = pyplot()
     variants = _variants(results)
     first = next(iter(variants.values()))
-    layers = tuple(first.attribution_layers() if layers is None else layers)
+    layers = first.attribution_layers() if layers is None else check_indices("layers", layers, first.config.n_layers)
     terms = tuple(terms or measured_terms(first.mode))
     panels = [(term, layer) for term in terms for layer in layers]
     width = max(6.0, 0.22 * len(first.config.components) * len(variants) + 2)
@@ -142,9 +143,10 @@ def shift_patching_figure(result: ShiftResult) -> Figure:
 
     measure = "recovered" if result.config.predictions else "residual_removed"
     numbers = _number(result.patching, measure)
-    blocks = {kind: {int(item.split(".")[1]): value for item, value in numbers.items() if item.startswith(kind + ".")}
+    kinds = {item: patched_kind(item) for item in numbers}  # a combined item ("attention.1+mlp.1") is one of the others
+    blocks = {kind: {kinds[item][1]: value for item, value in numbers.items() if kinds[item][0] == kind}
               for kind in ("attention", "mlp")}
-    others = {item: value for item, value in numbers.items() if not item.startswith(("attention.", "mlp."))}
+    others = {item: value for item, value in numbers.items() if kinds[item][0] not in blocks}
     panels = int(any(blocks.values())) + int(bool(others))
     fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 4.2), squeeze=False)
     axes = list(axes[0])

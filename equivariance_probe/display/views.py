@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from ..analyses.heads import HeadRanking
-from ..errors import InputError, ModelNotFoundError, check_integer, is_integer, option
+from ..errors import InputError, ModelNotFoundError, check_index, check_integer, is_integer, option
 from ..markup import Markup
 from ..probe import EquivarianceProbe
 from ..result import ProbeResult
@@ -353,6 +353,7 @@ def head_views(
     probe = model if isinstance(model, EquivarianceProbe) else EquivarianceProbe(model, tokenizer=tokenizer)
     adapter = probe.adapter
     heads, ranking = _chosen_heads(heads, result, ranking, n_each)
+    check_heads(adapter.layout, heads)  # before any lookup by layer (the sliding windows) or forward pass
     if context_length is None and result is not None:
         context_length = result.metadata.get("context_length")
     ids = _document_ids(probe, document, context_length)
@@ -416,10 +417,18 @@ def _chosen_heads(heads: Sequence[tuple[int, int]] | str | None, result: ProbeRe
         heads = default_view_heads(ranking, n_each)
     if ranking is None and result is not None:
         ranking = result.rank_heads()
-    heads = [(int(layer), int(head)) for layer, head in heads]
+    heads = [_head_pair(pair) for pair in heads]
     if not heads:
         raise InputError("heads is empty; pass at least one (layer, head)")
     return heads, ranking
+
+
+def _head_pair(pair: Any) -> tuple[int, int]:
+    """A ``(layer, head)`` pair as typed: two whole numbers (``(1.7, 0)`` is not the head L1H0, nor ``("1", 0)``)."""
+    if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+        raise InputError(f"heads holds {pair!r}, which is not a (layer, head) pair; pass heads=[(4, 3), ...] or "
+                         "heads='L4H3'")
+    return check_index("heads", pair[0], example=[(4, 3)]), check_index("heads", pair[1], what="head", example=[(4, 3)])
 
 
 def _rank_labels(ranking: HeadRanking | None, heads: list[tuple[int, int]]) -> list[str]:

@@ -25,6 +25,7 @@ With fewer than two non-empty groups there is no spread to measure: the interval
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +45,11 @@ CLIPPED = "jackknife t, clipped at the bound (R² ≤ 1)"
 CLIPPED_RANGE = "jackknife t, clipped to the statistic's range [0, 1]"
 
 
-def check_level(level: Any) -> float:
-    """``level`` as a float in ``(0, 1)``, or :class:`InputError` naming it."""
-    if isinstance(level, bool) or not isinstance(level, (int, float)) or not 0.0 < float(level) < 1.0:
-        raise InputError(f"interval={level!r} must be a confidence level between 0 and 1, e.g. 0.95")
+def check_level(level: Any, name: str = "interval") -> float:
+    """``level`` as a float in ``(0, 1)``, or :class:`InputError` naming it as the argument ``name``."""
+    # Any real number type (numpy's float32 too), never a bool; ``nan`` fails both comparisons.
+    if isinstance(level, bool) or not isinstance(level, numbers.Real) or not 0.0 < float(level) < 1.0:
+        raise InputError(f"{name}={level!r} must be a confidence level between 0 and 1, e.g. {name}=0.95")
     return float(level)
 
 

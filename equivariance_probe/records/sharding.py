@@ -96,7 +96,19 @@ class Shard:
                 f"SLURM_ARRAY_TASK_MIN and SLURM_ARRAY_TASK_COUNT (sbatch --array), which are not set; launch with "
                 f"one of them, or pass {option('shard', 'i/n')}"
             )
-        return cls.parse(f"{rank}/{world}")
+        values = f"RANK={rank!r}, WORLD_SIZE={world!r}"
+        for name, text in (("WORLD_SIZE", world), ("RANK", rank)):
+            if not text.strip().isdigit():
+                raise InputError(
+                    f"{option('shard', 'auto')} reads this process's shard from RANK and WORLD_SIZE ({values}), but "
+                    f"{name} is not a whole number; launch with torchrun or accelerate (which set both), or pass "
+                    f"{option('shard', 'i/n')}")
+        if not 0 <= int(rank) < int(world):
+            raise InputError(
+                f"{option('shard', 'auto')} reads this process's shard from RANK and WORLD_SIZE ({values}), but RANK "
+                f"must lie in 0..WORLD_SIZE-1 (0..{int(world) - 1}) and WORLD_SIZE must be at least 1; check the "
+                f"launcher's --nproc-per-node and --nnodes, or pass {option('shard', 'i/n')}")
+        return cls(int(rank), int(world))
 
     @classmethod
     def _from_slurm_array(cls, environ: Mapping[str, str]) -> Shard:

@@ -47,6 +47,7 @@ from ..statistics.config import shapes_of
 from ..statistics.shift import SHIFT_ARRAYS, ShiftConfig, ShiftStatistics
 from .container import Container, check_finite, read_container, read_tensors, tensor_checksum, write_container
 from .fileformat import jsonable
+from .shift_values import check_shift_values
 
 __all__ = ["SHIFT_KIND", "SHIFT_FORMAT_VERSION", "SHIFT_FORMAT_VERSIONS", "SHIFT_ADDED", "Added", "ShiftFile",
            "write_shift_file", "open_shift_file"]
@@ -138,7 +139,8 @@ class ShiftFile:
 
         Raises:
             ResultFileError: an array does not match its digest (naming it), the arrays do not match the checksum,
-                or a sum is not finite.
+                a sum is not finite, or sums break a relation every run's sums satisfy
+                (:func:`~equivariance_probe.records.shift_values.check_shift_values`).
         """
         if self._statistics is not None:
             return self._statistics
@@ -148,6 +150,7 @@ class ShiftFile:
             raise ResultFileError(f"{self.path}: the checksum does not match the arrays (changed or corrupted after "
                                   "saving); use an intact copy")
         check_finite(tensors, self.path)
+        check_shift_values(tensors, self.path)
         shapes = shapes_of(SHIFT_ARRAYS, self.config.sizes(), self.config)
         arrays = {name: tensors[name] if name in tensors else np.zeros(shapes[name]) for name in SHIFT_ARRAYS}
         statistics = ShiftStatistics(self.config)
@@ -240,15 +243,18 @@ def _check_config(config: dict[str, Any], require: Any) -> None:
     require(isinstance(windows, list) and len(windows) in (0, config["n_layers"])
             and all(w is None or is_integer(w, 1) for w in windows),
             f"'config.sliding_windows' must be a list of null or positive widths, one per layer, not {windows!r}")
+    n_layers, n_heads = config["n_layers"], config["n_heads"]
+    names = (f"component names of its {n_layers} layers and {n_heads} heads ('embedding', 'attention.<layer>', "
+             f"'mlp.<layer>', 'head.<layer>.<head>')")
     components = config.get("components", [])
-    require(isinstance(components, list) and all(_is_component(name) for name in components)
+    require(isinstance(components, list) and all(_is_component(name, n_layers, n_heads) for name in components)
             and len(set(components)) == len(components),
-            f"'config.components' must be a list of distinct component names ('embedding', 'attention.<layer>', "
-            f"'mlp.<layer>', 'head.<layer>.<head>'), not {components!r}")
+            f"'config.components' must be a list of distinct {names}, not {components!r}")
     if "patch_components" in config:
         items = config["patch_components"]
-        require(isinstance(items, list) and all(isinstance(item, str) and item for item in items),
-                f"'config.patch_components' must be a list of component names, not {items!r}")
+        require(isinstance(items, list) and all(isinstance(item, str) and item and all(
+                    _is_component(part, n_layers, n_heads) for part in item.split("+")) for item in items),
+                f"'config.patch_components' must be a list of {names}, or several joined by '+', not {items!r}")
     if "patch_reference" in config:
         require(is_integer(config["patch_reference"], 0) and config["patch_reference"] < len(offsets),
                 f"'config.patch_reference' must index one of the offsets, not {config['patch_reference']!r}")
@@ -257,9 +263,10 @@ def _check_config(config: dict[str, Any], require: Any) -> None:
                 f"'config.hidden_size' must be an integer of at least 0, not {config['hidden_size']!r}")
 
 
-def _is_component(name: Any) -> bool:
+def _is_component(name: Any, n_layers: int, n_heads: int) -> bool:
+    """Whether ``name`` is a component of a model of ``n_layers`` layers of ``n_heads`` heads."""
     try:
-        parse_component(name)
+        _, layer, head = parse_component(name)
     except InputError:
         return False
-    return True
+    return (layer is None or layer < n_layers) and (head is None or head < n_heads)

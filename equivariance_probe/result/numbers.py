@@ -13,7 +13,8 @@ import numpy as np
 
 from ..analyses import intervals as resampling
 from ..analyses.results import split_axis
-from ..errors import InputError, NotRunError, UndefinedStatisticError, check_choice, check_integer
+from ..errors import (InputError, NotRunError, UndefinedStatisticError, check_choice, check_fraction, check_index,
+                      check_integer)
 from ..maths import fitting, metrics, sinks
 from ..maths.intervals import Interval, check_level, jackknife_interval
 from ..maths.persistence import lag_curves, persistence_curves
@@ -203,6 +204,8 @@ class ProbeNumbers:
     def mean_pattern(self, layer: int, head: int) -> np.ndarray:
         """The document-averaged pattern of one head as a ``[query, key]`` matrix (0 where hidden)."""
         arrays = self._require_data()
+        layer = check_index("layer", layer, self.n_layers)
+        head = check_index("head", head, self.n_heads, what="head")
         if "pattern_sum" not in arrays:
             raise NotRunError("this run did not keep the summed pattern; run with keep_pattern=True")
         if not self.causal:  # every real key is visible: the upper triangle too
@@ -293,12 +296,11 @@ class ProbeNumbers:
                 ``keep_first_key=False``): run it again.
             InputError: ``epsilon`` outside ``[0, 1)``.
         """
-        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0.0 <= float(epsilon) < 1.0:
-            raise InputError(f"epsilon={epsilon!r} must be a weight threshold in [0, 1), e.g. 0.3 (Gu et al.)")
+        epsilon = check_fraction("epsilon", epsilon, meaning="a weight threshold (Gu et al.: 0.3)", example=0.3)
         by = split_axis(by, ("layer", None))
         if interval is not None:
-            return self._sink_interval(lambda alpha: sinks.sink_rate(alpha, float(epsilon), by), interval)
-        return sinks.sink_rate(self.first_token_weight("head"), float(epsilon), by)
+            return self._sink_interval(lambda alpha: sinks.sink_rate(alpha, epsilon, by), interval)
+        return sinks.sink_rate(self.first_token_weight("head"), epsilon, by)
 
     def _sink_interval(self, statistic: Any, level: float) -> Interval:
         """The jackknife interval of ``statistic(α₁ [..., L, H])`` from the groups' first-token sums."""

@@ -249,7 +249,7 @@ class ProbeResult(SumsReadOnUse, ProbeNumbers, ProbeIntervals):
 
         A loaded result returns the numbers stored in its file without reading any array.
         """
-        level = check_level(level)
+        level = check_level(level, "level")
         stored = self._stored_summary
         if stored is not None and (stored.get("intervals") or {}).get("level", SUMMARY_LEVEL) == level:
             return missing_as(stored, missing)  # rebuilds every dict and list: a copy already

@@ -22,6 +22,7 @@ from ..analyses.position_probe import PositionProbe
 from ..analyses.positional import AttentionToeplitz, GramToeplitz, PositionalLogits, ScoreProfile, ScoreProfileFits
 from ..analyses.results import missing_as
 from ..errors import ResultFileError, is_integer
+from ..maths.intervals import check_level
 from ..records.container import file_kind, read_container, read_tensors, tensor_checksum, write_container
 from ..records.fileformat import parse_json
 from ..sources.registry import name_of_converted_copy
@@ -86,7 +87,9 @@ class PositionalStudy:
     def summary(self, level: float = 0.95, *, missing: Any = None) -> dict[str, Any]:
         """Headline numbers of every analysis that ran (plain numbers and lists), ``missing`` (``None``, JSON's
         ``null``; ``math.nan`` for NaN) where a number is undefined. ``level`` is accepted as every result's
-        :meth:`summary` accepts it: the probe's intervals over folds are at the level it was run with."""
+        :meth:`summary` accepts it (and refused as they refuse it, when it is no level): the probe's intervals over
+        folds are at the level it was run with."""
+        check_level(level, "level")
         return missing_as(self._summary(), missing)
 
     def _summary(self) -> dict[str, Any]:
@@ -128,6 +131,7 @@ class PositionalStudy:
         Built from :meth:`summary`; needs no pandas. ``equivariance-probe show --csv`` prints these rows."""
         from ..analyses.tidy import positional_rows
 
+        check_level(level, "level")
         identity = {"kind": "positional", "model": self.model_name, "run_id": self.metadata.get("run_id")}
         return positional_rows(self._summary(), identity)
 
@@ -144,6 +148,7 @@ class PositionalStudy:
     def table(self, level: float = 0.95) -> str:
         """Markdown: one row per analysis that ran (its headline numbers) and one per analysis skipped (``level`` as
         in :meth:`summary`)."""
+        check_level(level, "level")
         summary = self._summary()
 
         def spread(values: Any) -> str:

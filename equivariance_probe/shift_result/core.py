@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..markup import Markup
 from ..maths import shift as decomposition
-from ..maths.intervals import jackknife_interval
+from ..maths.intervals import check_level, jackknife_interval
 from ..records.shift_file import ShiftFile, open_shift_file, write_shift_file
 from ..sources.registry import display_name
 from ..statistics.masks import layer_groups
@@ -67,6 +67,7 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
         self._statistics = statistics
         self._file = file
         self.metadata = dict(metadata or {})
+        self._checks: dict[str, Any] | None = None
 
     # -- the design ---------------------------------------------------------------------------------
     @property
@@ -342,6 +343,27 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
                                                    dtype=str(self.metadata.get("model", {}).get("dtype", "")))
         return merged
 
+    def recorded_checks(self) -> dict[str, dict[str, Any] | None]:
+        """The built-in checks the run recorded (``"check"``: :func:`~equivariance_probe.shift_result.shift_check`,
+        ``"attribution"``: :func:`~equivariance_probe.shift_result.attribution_check`; ``None`` where it recorded
+        none), as shown by :meth:`summary` and :meth:`table`. A loaded result's are recomputed from its arrays, never
+        copied from its file's header (anyone who edits a file can write "passed" there); what no array holds is
+        taken from the header: whether the model has rotary positions, its dtype (which sets the tolerance) and the
+        largest difference between the heads' pieces and their attention's output, measured during the run."""
+        if self._file is None:
+            return {"check": self.metadata.get("check"), "attribution": self.metadata.get("attribution_check")}
+        if self._checks is None:
+            dtype = str((self.metadata.get("model") or {}).get("dtype", ""))
+            stored, stored_attribution = self.metadata.get("check"), self.metadata.get("attribution_check")
+            heads = stored_attribution.get("heads_max_difference") if isinstance(stored_attribution, dict) else None
+            self._checks = {
+                "check": (shift_check(self, has_rotary=stored.get("rotary") is True, dtype=dtype)
+                          if isinstance(stored, dict) else None),
+                "attribution": (attribution_check(self, dtype=dtype, heads_difference=heads if isinstance(
+                    heads, (int, float)) and not isinstance(heads, bool) else None) if self.config.components else None),
+            }
+        return self._checks
+
     def __add__(self, other: ShiftResult) -> ShiftResult:
         return self.merge(other)
 
@@ -351,6 +373,7 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
         shares by layer group (with intervals where there are at least two groups of segments), the predictions,
         the built-in check, and what the offset means. Undefined values are ``missing`` (``None``, JSON's
         ``null``; ``math.nan`` for NaN)."""
+        level = check_level(level, "level")  # refused alike whether or not the run has intervals to give at it
         if self.n_segments == 0:
             return {"n_segments": 0}
 
@@ -384,12 +407,12 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
             "model": self.model_name, "mode": self.mode, "offset_means": OFFSET_MEANING[self.mode],
             "n_segments": self.n_segments, "n_contexts": self.config.n_contexts, "offsets": list(self.offsets),
             "segment_length": self.config.segment_length, "representations": representations,
-            "undefined": dict(self.undefined), "check": self.metadata.get("check"), "complete": self.complete,
+            "undefined": dict(self.undefined), "check": self.recorded_checks()["check"], "complete": self.complete,
         }
         out["sink_mass"] = self._sink_summary(number, with_interval)
         if self.config.components:  # {term: {layer: {component: share with its interval}}}, and the identity check
             out["attribution"] = {
-                "layers": list(self.attribution_layers()), "check": self.metadata.get("attribution_check"),
+                "layers": list(self.attribution_layers()), "check": self.recorded_checks()["attribution"],
                 **{term: {str(layer): shares for layer, shares in
                           (with_interval(lambda interval=None, t=term: self.attribution(None, t, interval=interval))
                            or {}).items()} for term in measured_terms(self.mode)}}

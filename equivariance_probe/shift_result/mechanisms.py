@@ -16,12 +16,12 @@ import numpy as np
 
 from ..analyses.results import split_axis
 from ..adapters.components import component_layer, components_up_to, parse_component
-from ..errors import InputError, IntervalUnavailableError, UndefinedStatisticError, check_choice
+from ..errors import IntervalUnavailableError, UndefinedStatisticError, check_choice, check_indices
 from ..maths import shift as decomposition
 from ..maths.intervals import Interval
 from .checks import ATTRIBUTION_TERMS, SHARE_BY, _plain, check_verdict, measured_terms, number_cell
 
-__all__ = ["ShiftMechanisms"]
+__all__ = ["ShiftMechanisms", "patched_kind"]
 
 
 class ShiftMechanisms:
@@ -68,17 +68,14 @@ class ShiftMechanisms:
 
         Raises:
             UndefinedStatisticError: the run measured no attribution, or ``term="context"`` in ``position_ids`` mode.
+            InputError: ``layer`` is not a layer of the model, or a list of them (a text, a bool, a float).
         """
         check_choice("term", term, ATTRIBUTION_TERMS)
         self._check_term(term)
         self._require_attribution()
-        layers = self.attribution_layers() if layer is None else (
-            (layer,) if isinstance(layer, (int, np.integer)) else tuple(layer))
+        layers = self.attribution_layers() if layer is None else check_indices("layer", layer, self.config.n_layers)
         out = {}
         for target in layers:
-            if not 0 <= int(target) < self.config.n_layers:
-                raise InputError(f"layer={target!r}: the model has {self.config.n_layers} layers (0 to "
-                                 f"{self.config.n_layers - 1})")
             rows, columns = self._attribution_indices(int(target))
 
             def value(arrays: dict[str, np.ndarray], rows: list[int] = rows, columns: list[int] = columns) -> Any:
@@ -143,7 +140,7 @@ class ShiftMechanisms:
                 cell = number_cell({"estimate": row["share"], "low": row["low"], "high": row["high"]}
                                    if row["low"] is not None else row["share"])
                 lines.append(f"    {row['component']:<16}{cell:>32}")
-        check = self.metadata.get("attribution_check")
+        check = self.recorded_checks()["attribution"]
         if isinstance(check, dict):
             lines.append(f"  check: {check.get('description')}: {number_cell(check.get('value'))} "
                          f"({check_verdict(check)}; tolerance {check.get('tolerance')})")
@@ -261,7 +258,7 @@ class ShiftMechanisms:
                 numbers[measure] = self.patching(measure)
         rows = []
         for item in self.config.patch_components:
-            kind, layer, head = _patched_kind(item)
+            kind, layer, head = patched_kind(item)
             rows.append({"component": item, "kind": kind, "layer": layer, "head": head,
                          **{measure: _plain(numbers[measure][item]) for measure in measures}})
         return rows
@@ -293,10 +290,8 @@ def _interval_item(interval: Interval, index: int) -> Interval:
                     interval.n_groups, item(interval.standard_error), interval.method)
 
 
-def _patched_kind(item: str) -> tuple[str, int | None, int | None]:
+def patched_kind(item: str) -> tuple[str, int | None, int | None]:
     """``(kind, layer, head)`` of a patched item: its component's, or ``("combined", None, None)`` for several."""
     if "+" in item:
         return "combined", None, None
-    kind, _, rest = item.partition(".")
-    numbers = [int(part) for part in rest.split(".")] if rest else []
-    return kind, (numbers[0] if numbers else None), (numbers[1] if len(numbers) > 1 else None)
+    return parse_component(item)

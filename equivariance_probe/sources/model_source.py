@@ -18,7 +18,7 @@ import dataclasses
 import os
 from typing import Any
 
-from ..errors import InputError
+from ..errors import InputError, ModelNotFoundError, check_name_length
 from .devices import DTYPES, parse_dtype, resolve_device
 from ..adapters.registry import framework_names
 from .models import PACKAGED_ENCODERS, load_config, load_model, load_positional_model, load_tokenizer
@@ -61,7 +61,7 @@ class ModelSource:
     def __post_init__(self) -> None:
         if not isinstance(self.name, (str, os.PathLike)) or not str(self.name):
             raise InputError(f"ModelSource.name must be a model name or folder, not {self.name!r}")
-        object.__setattr__(self, "name", str(self.name))
+        object.__setattr__(self, "name", check_name_length("name", str(self.name), error=ModelNotFoundError))
         if self.framework not in framework_names():
             raise InputError(f"ModelSource.framework {self.framework!r} is not one of {', '.join(framework_names())}")
         if self.dtype is not None and self.dtype not in DTYPES:

@@ -38,7 +38,7 @@ import torch
 
 from ..adapters.modules import CAUSAL_LM_SUFFIXES
 from ..adapters.registry import DEFAULT_FRAMEWORK, framework_adapter, wrap_model
-from ..errors import InputError, ModelNotFoundError
+from ..errors import InputError, ModelNotFoundError, check_name_length
 from .conversion import PACKAGED_MODELS, convert_packaged_model
 from .registry import DEFAULT_MODEL, REGISTRY
 
@@ -198,6 +198,7 @@ def load_model(
         >>> ids = tokenizer("Albedo is", return_tensors="pt").input_ids
         >>> fast, _ = load_model(attn_implementation="sdpa")      # the same weights, a fused kernel
     """
+    check_name_length("name", str(name), error=ModelNotFoundError)  # the file system would refuse it with a bare OSError
     framework = DEFAULT_FRAMEWORK if framework is None else framework
     wrapper = framework_adapter(framework)
     if wrapper.load_attention is not None:  # a TransformerBridge replaces the attention modules with its own

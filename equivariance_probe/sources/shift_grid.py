@@ -229,7 +229,7 @@ def check_shift_options(*, offsets: Sequence[int] | None, segment_length: int, m
     """
     check_choice("mode", mode, SHIFT_MODES)
     if not isinstance(segment_length, int) or isinstance(segment_length, bool) or segment_length < 2:
-        raise InputError(f"segment_length={segment_length!r} must be an integer of at least 2 (a segment's attention "
+        raise InputError(f"{option('segment_length', segment_length)} must be an integer of at least 2 (a segment's attention "
                          f"needs rows with two keys); pass {option('segment_length', 64)}")
     if mode == "text" and n_contexts is not None and n_contexts < 2:
         raise InputError(f"text mode needs at least two contexts to separate what precedes the text from where it "
@@ -238,7 +238,7 @@ def check_shift_options(*, offsets: Sequence[int] | None, segment_length: int, m
         return None
     unique = check_offsets(offsets)
     if len(unique) < 2:
-        raise InputError(f"offsets={list(unique)} must hold at least two distinct non-negative offsets: with one there "
+        raise InputError(f"{option('offsets', list(unique))} must hold at least two distinct non-negative offsets: with one there "
                          f"is nothing to compare; pass more through {option('offsets')}, e.g. 0, 256 and 512")
     return unique
 
@@ -273,7 +273,7 @@ def shift_grid(segments: Iterable[Any], contexts: Iterable[Any] | None, tokenize
     for index, segment in enumerate(segments):
         ids = _ids(segment, tokenizer, "segments")
         if len(ids) < segment_length:
-            raise InputError(f"segment {index} has {len(ids)} tokens, fewer than segment_length={segment_length}; "
+            raise InputError(f"segment {index} has {len(ids)} tokens, fewer than {option('segment_length', segment_length)}; "
                              f"pass longer segments or a smaller {option('segment_length')}")
         segment_ids.append(ids[:segment_length])
     if len(segment_ids) < 1:
@@ -438,6 +438,10 @@ class ShiftOptions(Options):
         check_integer("patch_reference", self.patch_reference, minimum=0, message=(
             f"patch_reference must be the index of an offset (0: the smallest), not {self.patch_reference!r}; pass "
             f"e.g. {option('patch_reference', 0)}"))
+        if self.patch_reference and not self.patch:  # as attribution_heads without attribution: refused alone
+            raise InputError(f"{option('patch_reference', self.patch_reference)} picks the offset whose outputs are patched in, but "
+                             f"nothing is patched; pass {option('patch', True)} (or components) as well, or leave "
+                             f"{option('patch_reference')} out")
         if self.offsets is not None and self.patch_reference >= len(self.offsets):
             raise InputError(f"patch_reference={self.patch_reference} is not the index of one of the offsets "
                              f"{list(self.offsets)}; pass 0 to {len(self.offsets) - 1}")
@@ -482,7 +486,7 @@ def check_attribution(attribution: Any, heads: Any) -> tuple[int, ...]:
             f"attribution_heads must be layer indices (integers of at least 0); {layer!r} is not one (of {layers!r}): "
             f"pass e.g. {option('attribution_heads', [5, 6, 7])}"))
     if layers and not attribution:
-        raise InputError(f"attribution_heads={layers!r} splits the attribution's attention into heads, but attribution "
+        raise InputError(f"{option('attribution_heads', layers)} splits the attribution's attention into heads, but attribution "
                          f"is off; pass {option('attribution', True)} as well")
     return tuple(sorted({int(layer) for layer in layers}))
 

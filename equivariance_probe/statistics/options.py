@@ -22,7 +22,7 @@ from ..errors import InputError, check_integer, option
 from .groups import DEFAULT_INTERVAL_GROUPS
 from .masks import KEY_BINS
 
-__all__ = ["Options", "MeasurementOptions", "MEASUREMENT_FIELDS", "check_measurement_values"]
+__all__ = ["Options", "MeasurementOptions", "MEASUREMENT_FIELDS", "check_measurement_values", "token_id_tensor"]
 
 
 class Options:
@@ -157,3 +157,24 @@ def check_measurement_values(options: MeasurementOptions) -> None:
                               or floor <= 0):
         raise InputError(f"log_floor must be a positive finite number or None (the dtype's smallest normal number), "
                          f"not {floor!r}; pass e.g. {option('log_floor', 1e-6)}")
+
+
+def token_id_tensor(tokens: Any, name: str = "tokens") -> torch.Tensor:
+    """``tokens`` as a ``long`` tensor, refused rather than converted where a value is not a whole token id: a
+    float tensor or array (``torch.as_tensor(..., dtype=torch.long)`` would truncate 3.7 to the token 3), a bool,
+    complex values, or text.
+
+    Raises:
+        InputError: naming the dtype (or the first value that is no integer) and the fix.
+    """
+    if isinstance(tokens, (str, bytes)):
+        raise InputError(f"{name} is a string; pass token ids (the tokenizer's input_ids), not text")
+    try:
+        as_tensor = tokens if isinstance(tokens, torch.Tensor) else torch.as_tensor(tokens)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise InputError(f"{name} cannot be read as a tensor of token ids ({error}); pass integer token ids "
+                         f"[n_windows, T]") from None
+    if as_tensor.is_floating_point() or as_tensor.is_complex() or as_tensor.dtype == torch.bool:
+        raise InputError(f"{name} holds token ids as {as_tensor.dtype}; token ids are integers (a float id would be "
+                         f"truncated to another token): convert with .long() where the values are whole numbers")
+    return as_tensor.to(torch.long)

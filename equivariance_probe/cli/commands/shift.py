@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from ...errors import FigureError
 from ..common import check_writable, model_source_of, print_result, read_documents
 from ..options import MODEL_OPTIONS, add_shared_options, int_list, positive
 
@@ -108,12 +109,20 @@ def handle(args: argparse.Namespace) -> int:
         print(f"the shift study in {out} had finished: its results are in {', '.join(map(str, study.wrote))}")
         return 0
     wrote = list(study.wrote)
+    not_drawn = None
     if not args.no_figures:
-        wrote += _shift_display(out, study.probe, study.results, study.segments, study.contexts, args.view_head,
-                                args.figure_format)
+        try:
+            wrote += _shift_display(out, study.probe, study.results, study.segments, study.contexts, args.view_head,
+                                    args.figure_format)
+        except FigureError as error:  # the results are saved: print their table, then say what was not drawn
+            not_drawn = error
     table = "\n\n".join(f"[{name}]\n{result.table()}" for name, result in study.results.items())
     print_result(args, f"{table}\n\n{shift_result_readings()}",
                  {name: result.summary() for name, result in study.results.items()}, wrote)
+    if not_drawn is not None:
+        raise FigureError(f"{not_drawn}; the measured results are saved ({', '.join(map(str, study.wrote))}) and "
+                          f"their table is printed above, but the figures and shift_report.html were not written: "
+                          f"run again with --no-figures, or draw from the saved files", figure=not_drawn.figure)
     return 0
 
 
