@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .figures import figure_title, fitted_title, pyplot
+from ..errors import IntervalUnavailableError
 from ..markup import Markup
 from .report import ReportSection, figures_html, html_page
 
@@ -181,8 +182,10 @@ def correlation_figure(correlation: np.ndarray, max_layers: int = 6, title: str 
 def position_probe_figure(probe: Any, baseline: Any | None = None) -> Figure:
     """Held-out R² (position, ``log(1 + position)``) and MAE by layer, trained (solid) against untrained (dashed).
 
-    Each point is the mean over document folds, its bar the interval over folds
-    (:meth:`~equivariance_probe.analyses.position_probe.PositionProbe.interval`).
+    Each point is the pooled score of every row's held-out prediction, its bar the delete-a-group
+    jackknife interval over groups of documents
+    (:meth:`~equivariance_probe.analyses.position_probe.PositionProbe.interval`; none for a result
+    written before the probe kept its sums).
     """
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
@@ -192,11 +195,15 @@ def position_probe_figure(probe: Any, baseline: Any | None = None) -> Figure:
         for name, result, style, color in (("trained", probe, "-", "tab:blue"), ("untrained", baseline, "--", "tab:orange")):
             if result is None:
                 continue
-            interval = result.interval(target, score)
-            layers = np.arange(len(interval.estimate))
-            estimate = np.asarray(interval.estimate)
-            ax.errorbar(layers, estimate, yerr=[estimate - interval.low, interval.high - estimate], ls=style,
-                        color=color, marker="o", ms=3, capsize=2, lw=1, label=name)
+            estimate = np.asarray(result.score(target, score))
+            layers = np.arange(len(estimate))
+            try:
+                interval = result.interval(target, score)
+                bars = [estimate - interval.low, interval.high - estimate]
+            except IntervalUnavailableError:
+                bars = None
+            ax.errorbar(layers, estimate, yerr=bars, ls=style, color=color, marker="o", ms=3, capsize=2, lw=1,
+                        label=name)
         if score == "r2":
             ax.axhline(0.0, color="black", lw=0.8, ls=":")
         ax.set_xlabel("layer (0: embeddings)")
@@ -204,7 +211,8 @@ def position_probe_figure(probe: Any, baseline: Any | None = None) -> Figure:
         ax.legend(fontsize=8)
     figure_title(fig, f"Linear position probes: ridge on the residual stream, {probe.n_windows} windows of "
                       f"{probe.context_length} tokens from {probe.n_documents} documents, {probe.positions.shape[1]} "
-                      f"positions each, {probe.n_folds} document folds ({probe.level:.0%} t intervals over folds)",
+                      f"positions each, {probe.n_folds} document folds ({probe.level:.0%} jackknife intervals over "
+                      f"{min(probe.interval_groups, probe.n_documents)} groups of documents)",
                  fontsize=9)
     fig.tight_layout()
     return fig
@@ -295,7 +303,8 @@ def render_positional_body(study: PositionalStudy) -> Markup:
 
 
 def _probe_table(summary: dict) -> Markup:
-    """Per layer, the probes' held-out R² and MAE with their intervals over folds, trained beside untrained."""
+    """Per layer, the probes' pooled held-out R² and mean |error| with their jackknife intervals, trained beside
+    untrained."""
     probe, baseline = summary["probe"], summary.get("probe_baseline")
 
     def cell(part: dict | None, target: str, score: str, layer: int) -> str:
@@ -306,7 +315,7 @@ def _probe_table(summary: dict) -> Markup:
                 f"{_number(values[score + '_high'][layer])}]")
 
     header = ["layer", "R² position (trained)", "R² position (untrained)", "R² log(1+position) (trained)",
-              "R² log(1+position) (untrained)", "MAE tokens (trained)", "MAE tokens (untrained)"]
+              "R² log(1+position) (untrained)", "mean |error| tokens (trained)", "mean |error| tokens (untrained)"]
     rows = [[str(layer), cell(probe, "position", "r2", layer), cell(baseline, "position", "r2", layer),
              cell(probe, "log1p_position", "r2", layer), cell(baseline, "log1p_position", "r2", layer),
              cell(probe, "position", "mae", layer), cell(baseline, "position", "mae", layer)]
@@ -314,9 +323,10 @@ def _probe_table(summary: dict) -> Markup:
     intro = Markup(
         "<h3>Linear position probes</h3><p>Ridge regression (standardised features, penalty chosen by "
         "leave-one-out on the training rows) from each layer's residual stream to the token's position, "
-        "held-out R² and mean absolute error over {folds} folds of {documents} documents ({windows} windows of "
-        "{length} tokens, {positions} positions each from {first} on); brackets: {interval}, {level}. Layer 0 is "
-        "the embeddings, layer l the output of block l − 1.</p>"
+        "held-out R² and mean absolute error (Haviv et al.'s distance in tokens) of every row's prediction by "
+        "the probe of the fold that held it out, {folds} folds of {documents} documents ({windows} windows of "
+        "{length} tokens, {positions} positions each from {first} on); brackets: {interval} over groups of "
+        "documents, {level}. Layer 0 is the embeddings, layer l the output of block l − 1.</p>"
     ).format(folds=probe["n_folds"], documents=probe["n_documents"], windows=probe["n_windows"],
              length=probe["context_length"], positions=probe["positions_per_window"], first=probe["min_position"],
              interval=probe["position"]["interval"], level=f"{probe['level']:.0%}")

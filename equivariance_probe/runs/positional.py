@@ -256,8 +256,8 @@ def _probe_parts(study: PositionalStudy, subjects: dict[str, Any], docs: Any, to
                               n_folds=n_folds, batch_size=batch_size, seed=seed)
         study.parts["probe" + suffix] = part
         best = part.best_layer()
-        say(f"probe{suffix}: held-out R² of the position by layer {np.round(part.r2['position'].mean(1), 3)} "
-            f"(best layer {best}, MAE {part.mae['position'][best].mean():.1f} tokens)")
+        say(f"probe{suffix}: held-out R² of the position by layer {np.round(part.score('position'), 3)} "
+            f"(best layer {best}, mean |error| {part.score('position', 'mae')[best]:.1f} tokens)")
 
 
 def _probe_windows(docs: Any, tokenizer: Any, context_length: int, n_docs: int,
