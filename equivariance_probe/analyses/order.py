@@ -42,6 +42,7 @@ from ..adapters.internals import ablate
 from ..adapters.modules import find_attention_modules, hf_model_of, parent_layer
 from ..errors import AttentionCaptureError, InputError
 from ..maths.fitting import fit_shrinkage_exponent
+from ..statistics.massive import MassiveActivationSums
 from ..statistics.representation import RepresentationSums, variance_or_zero
 
 __all__ = [
@@ -236,12 +237,15 @@ def permutation_sensitivity(
     return PermutationSensitivity(kl, tv, hidden, effect, upper, keep_first, int(tokens.shape[-1]))
 
 
-def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4) -> RepresentationSums:
+def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4,
+                        massive: MassiveActivationSums | None = None) -> RepresentationSums:
     """Run windows ``[n, T]`` through a causal LM and sum its attention outputs and residual streams.
 
     The attention output is the output of each layer's attention module (found as every adapter
     finds it: :func:`~equivariance_probe.adapters.modules.find_attention_modules`), the residual
-    stream each decoder layer's output.
+    stream each decoder layer's output. With ``massive``
+    (:meth:`MassiveActivationSums.empty(L, T, d) <equivariance_probe.statistics.massive.MassiveActivationSums.empty>`),
+    the same residual streams also feed its largest and median magnitudes, in the same passes.
     """
     hf = hf_model_of(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
@@ -252,7 +256,10 @@ def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4
 
     def hook(stream: int, layer: int):
         def record(module, args, output):
-            sums.add(stream, layer, output[0] if isinstance(output, tuple) else output)
+            hidden = output[0] if isinstance(output, tuple) else output
+            sums.add(stream, layer, hidden)
+            if massive is not None and stream == 1:
+                massive.add(layer, hidden)
 
         return record
 
@@ -265,6 +272,8 @@ def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4
                 batch = tokens[start : start + batch_size]
                 hf.base_model(input_ids=batch.to(device), use_cache=False)
                 sums.add_documents(len(batch))
+                if massive is not None:
+                    massive.add_windows(len(batch))
     finally:
         for handle in handles:
             handle.remove()

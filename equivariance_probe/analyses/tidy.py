@@ -230,7 +230,9 @@ def positional_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> 
     ``tisa_r2_{mean,median,min,max}`` over heads; ``permutation_{measure}`` per ablation (``mode``);
     ``shrinkage_{stream}`` and ``correlation_mean_off_diagonal`` per layer, the random-init
     baseline's as variant ``random_init``, without intervals (those analyses compute none);
-    ``probe_r2_{target}`` and ``probe_mae_{target}`` (tokens) per layer with their jackknife intervals.
+    ``probe_r2_{target}`` and ``probe_mae_{target}`` (tokens) per layer with their jackknife intervals;
+    ``massive_top{i}``, ``massive_median``, ``massive_ratio``, ``massive_position`` and
+    ``massive_dimension`` per layer (Sun et al.'s massive activations).
     """
     rows = []
     trained = {**identity, "variant": "trained"}
@@ -267,4 +269,11 @@ def positional_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> 
                     rows.append(_row(who, f"probe_{score}_{target}", value, split="layer", layer=layer,
                                      low=part[f"{score}_low"][layer], high=part[f"{score}_high"][layer],
                                      level=probe.get("level"), unit="tokens" if score == "mae" else None))
+    for key, who in (("massive", trained), ("massive_baseline", baseline)):
+        massive = summary.get(key) or {}
+        for layer, top in enumerate(massive.get("top") or []):
+            values = {f"massive_top{i + 1}": value for i, value in enumerate(top)}
+            values |= {f"massive_{name}": massive[name][layer] for name in ("median", "ratio", "position", "dimension")}
+            for statistic, value in values.items():
+                rows.append(_row(who, statistic, value, split="layer", layer=layer))
     return rows

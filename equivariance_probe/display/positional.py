@@ -15,7 +15,9 @@ Figures:
 * ``correlation``       — position correlation matrices of the residual stream, selected layers.
 * ``probe``             — held-out R² of the linear position probes by layer (position and
   ``log(1 + position)``) and their mean absolute error, trained against the random initialisation,
-  with the intervals over document folds.
+  with their jackknife intervals over groups of documents.
+* ``massive``           — per layer, the three largest residual magnitudes and the median (log scale),
+  trained against the random initialisation (Sun et al. 2024's massive activations).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ __all__ = [
     "shrinkage_figure",
     "correlation_figure",
     "position_probe_figure",
+    "massive_activations_figure",
     "positional_figures",
     "positional_report_section",
     "render_positional_body",
@@ -218,6 +221,29 @@ def position_probe_figure(probe: Any, baseline: Any | None = None) -> Figure:
     return fig
 
 
+def massive_activations_figure(massive: Any, baseline: Any | None = None) -> Figure:
+    """Per layer, the mean over windows of the three largest residual magnitudes and of the median (log
+    scale), trained (solid) against untrained (dashed): Sun et al. 2024's Fig. of massive activations."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for result, style, name in ((massive, "-", "trained"), (baseline, "--", "untrained")):
+        if result is None:
+            continue
+        summary = result.summary()
+        top, layers = np.asarray(summary["top"]), np.arange(len(summary["median"]))
+        for i, color in zip(range(top.shape[1]), ("tab:red", "tab:orange", "tab:olive")):
+            ax.plot(layers, top[:, i], ls=style, color=color, marker="o", ms=3, lw=1, label=f"top {i + 1} ({name})")
+        ax.plot(layers, summary["median"], ls=style, color="tab:blue", marker="o", ms=3, lw=1, label=f"median ({name})")
+    ax.set_yscale("log")
+    ax.set_xlabel("block (its output)")
+    ax.set_ylabel("|h|, mean over windows")
+    ax.legend(fontsize=7, ncol=2)
+    figure_title(fig, f"Massive activations: largest and median residual magnitudes, {massive.count} windows",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
 def positional_figures(study: PositionalStudy) -> dict[str, Figure]:
     """Every figure of a study, by name (the analyses that ran)."""
     parts = study.parts
@@ -238,6 +264,8 @@ def positional_figures(study: PositionalStudy) -> dict[str, Figure]:
         figures["correlation_baseline"] = correlation_figure(parts["correlation_baseline"], title="Untrained: ")
     if "probe" in parts:
         figures["probe"] = position_probe_figure(parts["probe"], parts.get("probe_baseline"))
+    if "massive" in parts:
+        figures["massive"] = massive_activations_figure(parts["massive"], parts.get("massive_baseline"))
     return figures
 
 
@@ -296,10 +324,31 @@ def render_positional_body(study: PositionalStudy) -> Markup:
         blocks.append(Markup("<h3>Position correlations: mean over i ≠ j per layer</h3>") + _table(["model", "by layer"], rows))
     if "probe" in summary:
         blocks.append(_probe_table(summary))
+    if "massive" in summary:
+        blocks.append(_massive_table(summary))
     if study.skipped:
         blocks.append(Markup("<p>Skipped: {}</p>").format(
             Markup("; ").join(Markup("{} ({})").format(k, v) for k, v in study.skipped.items())))
     return Markup("").join(blocks) + figures_html(positional_figures(study))
+
+
+def _massive_table(summary: dict) -> Markup:
+    """Per layer, the largest residual magnitudes, the median, their ratio and where the largest sits."""
+    rows = []
+    for key, label in (("massive", "trained"), ("massive_baseline", "untrained")):
+        part = summary.get(key)
+        for layer, top in enumerate((part or {}).get("top") or []):
+            rows.append([label, str(layer), ", ".join(_number(v) for v in top), _number(part["median"][layer]),
+                         _number(part["ratio"][layer]),
+                         f"{part['position'][layer]} ({part['position_share'][layer]:.0%})",
+                         f"{part['dimension'][layer]} ({part['dimension_share'][layer]:.0%})"])
+    intro = Markup(
+        "<h3>Massive activations</h3><p>Sun et al. 2024: per block (its output, the residual stream after it), the "
+        "three largest magnitudes |h| of a window's residual stream and the median magnitude, each averaged over "
+        "{windows} windows, the ratio of the largest to the median, and the position in the window and hidden "
+        "dimension where the largest sits (in what share of windows).</p>").format(windows=summary["massive"]["n_windows"])
+    return intro + _table(["model", "block", "top 3 |h|", "median |h|", "largest / median", "position", "dimension"],
+                          rows)
 
 
 def _probe_table(summary: dict) -> Markup:

@@ -21,8 +21,10 @@ For each of ``k`` folds of :class:`sklearn.model_selection.GroupKFold` (no group
 
 Every row is held out by exactly one fold, so the folds give each row one held-out prediction.
 The headline scores pool them (:func:`pooled_scores`): ``R² = 1 - Σ_i(y_i - ŷ_i)² / Σ_i(y_i - ȳ)²``
-over all rows and ``MAE = mean_i |p_i - p̂_i|``, from per-group sums (:data:`SCORE_SUMS`), so that
-:func:`jackknife_scores` recomputes them with one group of documents deleted at a time.
+over all rows and ``MAE = mean_i |p_i - p̂_i|``, from their sums (:data:`SCORE_SUMS`). The
+jackknife replicates (:func:`jackknife_scores`) delete one group of documents at a time
+(:func:`document_groups`): its rows are neither scored nor, through the exact leave-a-group-out
+update of :func:`ridge_fold`, used to fit the probes that score the others.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ RIDGE_ALPHAS = tuple(float(a) for a in np.logspace(-6, 5, 23))
 #: (``eps`` of the dtype it was computed in, times a typical feature's magnitude) is constant. Rounding
 #: noise measured on a float32 rotary model fed one token everywhere: at most 1.2 such units.
 ROUNDING_SPREAD = 16.0
-#: The per-group sums behind :func:`pooled_scores`, in this order on their last axis:
+#: The sums behind :func:`pooled_scores`, in this order on their last axis:
 #: rows, ``Σy``, ``Σy²``, ``Σ(y - ŷ)²``, ``Σ|p - p̂|`` (the absolute error in the first target's units).
 SCORE_SUMS = ("rows", "sum_y", "sum_y2", "sum_squared_error", "sum_absolute_error")
 
