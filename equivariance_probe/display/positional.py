@@ -193,7 +193,7 @@ def position_probe_figure(probe: Any, baseline: Any | None = None) -> Figure:
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     panels = (("position", "r2", "held-out R², position"), ("log1p_position", "r2", "held-out R², log(1 + position)"),
-              ("position", "mae", "held-out mean |error| (tokens)"))
+              ("position", "mae", "held-out mean distance (tokens)"))
     for ax, (target, score, label) in zip(axes, panels):
         for name, result, style, color in (("trained", probe, "-", "tab:blue"), ("untrained", baseline, "--", "tab:orange")):
             if result is None:

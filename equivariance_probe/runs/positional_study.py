@@ -182,7 +182,7 @@ class PositionalStudy:
                 best = summary[key]["position"]
                 layer = best["best_layer"]
                 rows.append((key, f"held-out R² of the position ({label}), best layer {layer}: {best['best_r2']:.3f} "
-                                  f"[{best['r2_low'][layer]:.3f}, {best['r2_high'][layer]:.3f}], mean |error| "
+                                  f"[{best['r2_low'][layer]:.3f}, {best['r2_high'][layer]:.3f}], mean distance "
                                   f"{best['best_mae']:.1f} [{best['mae_low'][layer]:.1f}, {best['mae_high'][layer]:.1f}] "
                                   f"tokens; by layer {spread(best['r2'])}"))
         for key, label in (("massive", "trained"), ("massive_baseline", "untrained")):
