@@ -244,10 +244,11 @@ class PositionProbe:
                 estimate = self.score(target, score)
                 try:
                     found = self.interval(target, score)
-                    low, high, part["interval"] = np.asarray(found.low), np.asarray(found.high), found.method
+                    low, high, method = np.asarray(found.low), np.asarray(found.high), found.method
                 except IntervalUnavailableError as error:
                     low = high = np.full_like(estimate, np.nan)
-                    part["interval"] = f"unavailable: {error}"
+                    method = f"unavailable: {error}"
+                part["interval" if score == "r2" else "mae_interval"] = method
                 part |= {score: estimate.tolist(), f"{score}_low": low.tolist(), f"{score}_high": high.tolist(),
                          f"best_{score}": float(estimate[best])}
             out[target] = part
