@@ -53,7 +53,8 @@ as PNG, SVG or PDF files).
 Further analyses: :func:`toeplitz_r2`, :func:`gram_toeplitz`, :func:`positional_logits`,
 :func:`score_profile`, :func:`fit_tisa_kernel`, :func:`permutation_sensitivity`,
 :func:`representation_sums`, :class:`VarianceShrinkage`, :func:`position_correlation`,
-:func:`position_probe` / :class:`PositionProbe` (linear position probes on the residual stream).
+:func:`position_probe` / :class:`PositionProbe` (linear position probes on the residual stream),
+:class:`MassiveActivationSums` (massive activations, Sun et al. 2024).
 
 Errors: :class:`EquivarianceProbeError` and its subclasses (:mod:`equivariance_probe.errors`).
 """
@@ -65,6 +66,7 @@ from .adapters.request_sizes import RequestLimits, RequestPlan
 from .analyses.heads import HeadRanking, rank_heads
 from .analyses.order import VarianceShrinkage, permutation_sensitivity, position_correlation, representation_sums
 from .analyses.position_probe import PositionProbe, position_probe
+from .statistics.massive import MassiveActivationSums
 from .analyses.positional import gram_toeplitz, positional_logits, score_profile
 from .analyses.results import MergeableResult, Result
 from .display.figures import save_figures, study_figures
@@ -101,6 +103,7 @@ from .errors import (
     ModelNotFoundError,
     NonFiniteAttentionError,
     ReplacedAttentionFunctionError,
+    NonFiniteActivationError,
     EngineCheckError,
     AttributionIdentityError,
     NotRunError,
@@ -220,6 +223,7 @@ __all__ = [
     "position_correlation",
     "position_probe",
     "PositionProbe",
+    "MassiveActivationSums",
     # errors
     "EquivarianceProbeError",
     "InputError",
@@ -233,6 +237,7 @@ __all__ = [
     "AttentionCaptureError",
     "ReplacedAttentionFunctionError",
     "NonFiniteAttentionError",
+    "NonFiniteActivationError",
     "EngineCheckError",
     "AttributionIdentityError",
     "InsufficientMemoryError",

@@ -128,6 +128,10 @@ class NonFiniteAttentionError(EquivarianceProbeError, FloatingPointError):
     """The model produced NaN or infinite attention weights."""
 
 
+class NonFiniteActivationError(EquivarianceProbeError, FloatingPointError):
+    """The model produced NaN or infinite activations (a residual stream a probe would read)."""
+
+
 class EngineCheckError(EquivarianceProbeError, ArithmeticError):
     """The engine's sums on the first batch's checked slice differ from a float64 reduction of the
     model's own attention weights by more than the model's dtype allows; ``comparison`` holds every

@@ -29,7 +29,8 @@ def gpt2_study() -> PositionalStudy:
 
 
 def test_every_analysis_runs_on_a_gpt2_and_round_trips(gpt2_study, tmp_path):
-    assert set(gpt2_study.parts) == set(ANALYSES) | {"shrinkage_baseline", "correlation_baseline", "probe_baseline"}
+    assert set(gpt2_study.parts) == set(ANALYSES) | {"shrinkage_baseline", "correlation_baseline", "probe_baseline",
+                                                     "massive_baseline"}
     assert not gpt2_study.skipped
     summary = gpt2_study.summary()
     assert summary["gram"]["n_positions"] == 64 and len(summary["positional_logits"]["per_head"]) == 4
@@ -49,15 +50,15 @@ def test_every_analysis_runs_on_a_gpt2_and_round_trips(gpt2_study, tmp_path):
 def test_figures_and_html_section(gpt2_study):
     figures = positional_figures(gpt2_study)
     assert set(figures) == {"gram", "positional_logits", "tisa", "permutation", "shrinkage", "correlation",
-                            "correlation_baseline", "probe"}
+                            "correlation_baseline", "probe", "massive"}
     import matplotlib.pyplot as plt
 
     for figure in figures.values():
         plt.close(figure)
     section = render_positional_section(gpt2_study)
-    assert section.startswith('<section class="positional">') and section.count("data:image/png;base64,") == 8
+    assert section.startswith('<section class="positional">') and section.count("data:image/png;base64,") == 9
     assert "Toeplitz R² (diagonal excluded)" in section and "no_mask+no_positions" in section
-    assert "Linear position probes" in section and "held-out R²" in section
+    assert "Linear position probes" in section and "held-out R²" in section and "Massive activations" in section
 
 
 def test_rotary_models_skip_the_gram_analyses_and_encoders_the_causal_ones():

@@ -111,8 +111,15 @@ def test_positional_rows_hold_each_head_and_layer_and_the_baseline_as_its_own_va
         assert _pick(rows, statistic="attention_toeplitz_mean_pattern", layer=layer, head=head)["value"] == \
             pytest.approx(value)
     baseline = [row for row in rows if row["variant"] == "random_init"]
+    probe_rows = {f"probe_{score}_{target}" for score in ("r2", "mae") for target in ("position", "log1p_position")}
     assert baseline and {row["statistic"] for row in baseline} == {"shrinkage_attention", "shrinkage_residual",
-                                                                  "correlation_mean_off_diagonal"}
+                                                                  "correlation_mean_off_diagonal"} | probe_rows | {
+        f"massive_{name}" for name in ("top1", "top2", "top3", "median", "ratio", "position", "dimension")}
+    probe = study.summary()["probe"]["position"]
+    row = _pick(rows, statistic="probe_mae_position", variant="trained", layer=1)
+    assert (row["value"], row["low"], row["high"]) == pytest.approx((probe["mae"][1], probe["mae_low"][1],
+                                                                     probe["mae_high"][1]))
+    assert row["unit"] == "tokens" and row["level"] == 0.95
     assert _pick(rows, statistic="permutation_kl_mean", mode="no_positions")["kind"] == "positional"
 
 

@@ -43,6 +43,7 @@ from ..adapters.modules import residual_width
 from ..adapters.plan import Read, Stop
 from ..errors import AttentionCaptureError, InputError
 from ..maths.fitting import fit_shrinkage_exponent
+from ..statistics.massive import MassiveActivationSums
 from ..statistics.representation import RepresentationSums, variance_or_zero
 
 __all__ = [
@@ -247,19 +248,27 @@ def permutation_sensitivity(
     return PermutationSensitivity(kl, tv, hidden, effect, upper, keep_first, int(tokens.shape[-1]))
 
 
-def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4) -> RepresentationSums:
+def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4,
+                        massive: MassiveActivationSums | None = None) -> RepresentationSums:
     """Run windows ``[n, T]`` through a causal LM and sum its attention outputs and residual streams.
 
     The attention output of block ``l`` is site ``"attention_module.{l}"``, the output of its attention module
     (:mod:`~equivariance_probe.adapters.sites`; before any post-norm, which would rescale each token and hide the
-    shrinkage); the residual stream is ``"resid.{l}"``, the block's output.
+    shrinkage); the residual stream is ``"resid.{l}"``, the block's output. With ``massive``
+    (:meth:`MassiveActivationSums.empty(L, T, d) <equivariance_probe.statistics.massive.MassiveActivationSums.empty>`),
+    the same residual streams also feed its largest and median magnitudes, in the same passes.
     """
     adapter = adapter_of(model)
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     n_layers = adapter.layout.n_layers
 
     def add(stream: int, layer: int):
-        return Read(lambda hidden: sums.add(stream, layer, hidden))
+        def record(hidden: torch.Tensor) -> None:
+            sums.add(stream, layer, hidden)
+            if massive is not None and stream == 1:
+                massive.add(layer, hidden)
+
+        return Read(record)
 
     plan = adapter.plan([step for layer in range(n_layers)
                          for step in ((f"attention_module.{layer}", add(0, layer)), (f"resid.{layer}", add(1, layer)))]
@@ -270,6 +279,8 @@ def representation_sums(model: Any, tokens: torch.Tensor, *, batch_size: int = 4
         batch = tokens[start : start + batch_size]
         adapter.run_plan(batch, plan)
         sums.add_documents(len(batch))
+        if massive is not None:
+            massive.add_windows(len(batch))
     return sums
 
 

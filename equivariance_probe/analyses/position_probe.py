@@ -36,10 +36,11 @@ import torch
 from ..adapters import adapter_of
 from ..adapters.modules import residual_width
 from ..adapters.plan import Read, Stop
-from ..errors import InputError, check_integer
-from ..maths.intervals import Interval, check_level
+from ..errors import InputError, IntervalUnavailableError, NonFiniteActivationError, check_integer
+from ..maths.intervals import Interval, check_level, format_interval, jackknife_interval
+from ..maths.probing import check_fold_targets, grouped_folds, grouped_ridge_scores, jackknife_scores, pooled_scores
+from ..statistics.groups import DEFAULT_INTERVAL_GROUPS
 from ..statistics.options import token_id_tensor
-from ..maths.probing import fold_interval, grouped_folds, grouped_ridge_scores
 
 __all__ = [
     "PROBE_TARGETS",
@@ -135,11 +136,11 @@ def residual_samples(model: Any, tokens: torch.Tensor, positions: torch.Tensor, 
 
 @dataclass
 class PositionProbe:
-    """Held-out scores of linear position probes, per target, layer and document fold.
+    """Held-out scores of linear position probes, per target and layer, with their intervals.
 
     Attributes:
-        r2: ``{target: [layer, fold]}`` held-out R² (:data:`PROBE_TARGETS`; layer 0 the embeddings).
-        mae: ``{target: [layer, fold]}`` held-out mean absolute error in tokens.
+        r2: ``{target: [layer, fold]}`` held-out R² of each fold (:data:`PROBE_TARGETS`; layer 0 the embeddings).
+        mae: ``{target: [layer, fold]}`` held-out mean absolute error in tokens of each fold.
         alpha: ``{target: [layer, fold]}`` the ridge penalty chosen on the fold's training rows.
         positions: ``[n_windows, P]`` the positions probed.
         groups: ``[n_windows]`` each window's document.
@@ -148,6 +149,14 @@ class PositionProbe:
         min_position: the first position the sample could draw.
         ablation: the ablation in force (``"none"``), as :func:`~equivariance_probe.adapters.internals.ablate`.
         level: the intervals' confidence level.
+        sums: ``{target: [layer, 5]}`` the :data:`~equivariance_probe.maths.probing.SCORE_SUMS` of every
+            row's held-out prediction (the pooled scores follow); ``None`` in results written before
+            they were kept (no intervals).
+        replicate_sums: ``{target: [layer, G, 5]}`` the same for each jackknife replicate (the rows of
+            every group of documents but ``g``, predicted by probes refitted without them).
+        constant: ``[layer, fold]`` features treated as constant (spread at rounding level,
+            :func:`~equivariance_probe.maths.probing.constant_features`); ``None`` in older results.
+        interval_groups: ``G``, the groups of documents the jackknife deletes one at a time.
     """
 
     r2: dict[str, np.ndarray]
@@ -161,6 +170,10 @@ class PositionProbe:
     ablation: str = "none"
     level: float = 0.95
     metadata: dict[str, Any] = field(default_factory=dict)
+    sums: dict[str, np.ndarray] | None = None
+    replicate_sums: dict[str, np.ndarray] | None = None
+    constant: np.ndarray | None = None
+    interval_groups: int = DEFAULT_INTERVAL_GROUPS
 
     @property
     def n_layers(self) -> int:
@@ -179,57 +192,109 @@ class PositionProbe:
     def n_documents(self) -> int:
         return int(len(np.unique(self.groups)))
 
+    def score(self, target: str = "position", score: str = "r2") -> np.ndarray:
+        """``[layer]`` the pooled held-out ``score`` (``"r2"`` or ``"mae"``) of every row's held-out prediction
+        (docs/methods.md#probe); the mean over folds in results written before the sums were kept."""
+        _check_score(target, score)
+        if self.sums is None:
+            return getattr(self, score)[target].mean(1)
+        return pooled_scores(self.sums[target])[0 if score == "r2" else 1]
+
     def interval(self, target: str = "position", score: str = "r2") -> Interval:
-        """``[layer]`` mean over folds ``± t_{k-1}·sd/√k`` of ``score`` (``"r2"``, clipped at 1, or ``"mae"``)."""
-        if target not in PROBE_TARGETS or score not in ("r2", "mae"):
-            raise InputError(f"target must be one of {list(PROBE_TARGETS)} and score 'r2' or 'mae'; got "
-                             f"{target!r}, {score!r}")
-        table = getattr(self, score)[target]
-        return fold_interval(table, level=self.level, upper=1.0 if score == "r2" else None)
+        """``[layer]`` the pooled held-out ``score`` (``"r2"``, clipped at 1, or ``"mae"`` in tokens) with its
+        delete-a-group jackknife interval over groups of documents (:func:`~equivariance_probe.maths.probing.jackknife_scores`).
+
+        Raises:
+            IntervalUnavailableError: a result written before the per-document sums were kept (run it
+                again), or fewer than two documents.
+        """
+        _check_score(target, score)
+        if self.sums is None or self.replicate_sums is None:
+            raise IntervalUnavailableError(
+                "this position probe was written before its per-document sums were kept, and the interval over "
+                "folds it had is not valid (the folds share their training rows); run the probe again")
+        estimate, replicates = jackknife_scores(self.sums[target], self.replicate_sums[target])[score]
+        return jackknife_interval(estimate, replicates, level=self.level, upper=1.0 if score == "r2" else None)
 
     def best_layer(self, target: str = "position") -> int:
-        """The layer with the highest mean held-out R²."""
-        return int(np.nanargmax(self.r2[target].mean(1)))
+        """The layer with the highest pooled held-out R²."""
+        return int(np.nanargmax(self.score(target, "r2")))
 
     def summary(self) -> dict[str, Any]:
-        """Per target: the mean held-out R² and MAE by layer with their intervals, and the best layer."""
+        """Per target: the pooled held-out R² and MAE by layer with their intervals, and the best layer."""
         out: dict[str, Any] = {"n_windows": self.n_windows, "n_documents": self.n_documents, "n_folds": self.n_folds,
                                "positions_per_window": int(self.positions.shape[1]),
                                "context_length": self.context_length, "min_position": self.min_position,
-                               "ablation": self.ablation, "level": self.level}
+                               "ablation": self.ablation, "level": self.level, "interval_groups": self.interval_groups}
+        if self.constant is not None:
+            out["constant_features"] = self.constant.max(1).astype(int).tolist()
         for target in PROBE_TARGETS:
-            r2, mae = self.interval(target, "r2"), self.interval(target, "mae")
             best = self.best_layer(target)
-            out[target] = {"r2": np.asarray(r2.estimate).tolist(), "r2_low": np.asarray(r2.low).tolist(),
-                           "r2_high": np.asarray(r2.high).tolist(), "mae": np.asarray(mae.estimate).tolist(),
-                           "mae_low": np.asarray(mae.low).tolist(), "mae_high": np.asarray(mae.high).tolist(),
-                           "interval": r2.method, "best_layer": best,
-                           "best_r2": float(np.asarray(r2.estimate)[best]), "best_mae": float(np.asarray(mae.estimate)[best])}
+            part: dict[str, Any] = {"best_layer": best}
+            for score in ("r2", "mae"):
+                estimate = self.score(target, score)
+                try:
+                    found = self.interval(target, score)
+                    low, high, method = np.asarray(found.low), np.asarray(found.high), found.method
+                except IntervalUnavailableError as error:
+                    low = high = np.full_like(estimate, np.nan)
+                    method = f"unavailable: {error}"
+                part["interval" if score == "r2" else "mae_interval"] = method
+                part |= {score: estimate.tolist(), f"{score}_low": low.tolist(), f"{score}_high": high.tolist(),
+                         f"best_{score}": float(estimate[best])}
+            out[target] = part
         return out
 
     def __repr__(self) -> str:
         best = self.best_layer()
-        r2 = self.interval("position")
+        r2 = self.summary()["position"]
         return (f"PositionProbe({self.n_windows} windows of {self.context_length} tokens from {self.n_documents} documents, "
                 f"{self.positions.shape[1]} positions each, {self.n_folds} folds; best layer {best}: held-out R² "
-                f"{np.asarray(r2.estimate)[best]:.3f} [{np.asarray(r2.low)[best]:.3f}, {np.asarray(r2.high)[best]:.3f}], "
-                f"MAE {self.mae['position'][best].mean():.1f} tokens)")
+                f"{format_interval(r2['r2'][best], r2['r2_low'][best], r2['r2_high'][best], 3)}, mean |error| "
+                f"{format_interval(r2['mae'][best], r2['mae_low'][best], r2['mae_high'][best], 1)} tokens)")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"r2": {k: v.tolist() for k, v in self.r2.items()}, "mae": {k: v.tolist() for k, v in self.mae.items()},
-                "alpha": {k: v.tolist() for k, v in self.alpha.items()}, "positions": self.positions.tolist(),
-                "groups": self.groups.tolist(), "window_fold": self.window_fold.tolist(),
-                "context_length": self.context_length, "min_position": self.min_position, "ablation": self.ablation,
-                "level": self.level, "metadata": self.metadata}
+        out = {"r2": {k: v.tolist() for k, v in self.r2.items()}, "mae": {k: v.tolist() for k, v in self.mae.items()},
+               "alpha": {k: v.tolist() for k, v in self.alpha.items()}, "positions": self.positions.tolist(),
+               "groups": self.groups.tolist(), "window_fold": self.window_fold.tolist(),
+               "context_length": self.context_length, "min_position": self.min_position, "ablation": self.ablation,
+               "level": self.level, "metadata": self.metadata, "interval_groups": self.interval_groups}
+        for name in ("sums", "replicate_sums"):
+            if getattr(self, name) is not None:
+                out[name] = {k: v.tolist() for k, v in getattr(self, name).items()}
+        if self.constant is not None:
+            out["constant"] = self.constant.tolist()
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PositionProbe:
         tables = {key: {k: np.asarray(v, dtype=np.float64) for k, v in data[key].items()} for key in ("r2", "mae", "alpha")}
+        sums = {name: None if data.get(name) is None else {k: np.asarray(v, dtype=np.float64) for k, v in data[name].items()}
+                for name in ("sums", "replicate_sums")}
         return cls(**tables, positions=np.asarray(data["positions"], dtype=np.int64),
                    groups=np.asarray(data["groups"], dtype=np.int64),
                    window_fold=np.asarray(data["window_fold"], dtype=np.int64),
                    context_length=int(data["context_length"]), min_position=int(data["min_position"]),
-                   ablation=str(data["ablation"]), level=float(data["level"]), metadata=dict(data.get("metadata", {})))
+                   ablation=str(data["ablation"]), level=float(data["level"]), metadata=dict(data.get("metadata", {})),
+                   **sums,
+                   constant=None if data.get("constant") is None else np.asarray(data["constant"], dtype=np.int64),
+                   interval_groups=int(data.get("interval_groups", DEFAULT_INTERVAL_GROUPS)))
+
+
+def _check_score(target: str, score: str) -> None:
+    if target not in PROBE_TARGETS or score not in ("r2", "mae"):
+        raise InputError(f"target must be one of {list(PROBE_TARGETS)} and score 'r2' or 'mae'; got {target!r}, {score!r}")
+
+
+def _check_finite(features: torch.Tensor) -> None:
+    """Name the layers whose kept residual stream holds NaN or infinity, before any fit."""
+    bad = [layer for layer in range(features.shape[0]) if not bool(torch.isfinite(features[layer]).all())]
+    if bad:
+        rows = int((~torch.isfinite(features[bad[0]])).any(-1).sum())
+        raise NonFiniteActivationError(
+            f"the residual stream holds NaN or infinity at layer(s) {bad} (layer 0: the embeddings; {rows} of "
+            f"{features.shape[1]} kept rows at layer {bad[0]}); the model's weights or its dtype overflow: check the "
+            "weights for NaN, or load it in float32")
 
 
 def position_probe(
@@ -244,6 +309,7 @@ def position_probe(
     ablation: str | None = None,
     level: float = 0.95,
     seed: int = 0,
+    interval_groups: int = DEFAULT_INTERVAL_GROUPS,
 ) -> PositionProbe:
     """Fit linear position probes to every layer's residual stream, scored on held-out documents.
 
@@ -267,9 +333,17 @@ def position_probe(
             position tables removed; ``"no_mask"``; both), or ``None``.
         level: the intervals' confidence level.
         seed: seed of the position sample.
+        interval_groups: ``G``, the groups of documents the intervals' jackknife deletes one at a time
+            (document ``i`` in sorted order in group ``i mod G``; every document its own group when
+            there are at most ``G``).
 
     Returns:
         :class:`PositionProbe`.
+
+    Raises:
+        InputError: bad tokens or groups, fewer than two documents, or a held-out fold with fewer than
+            two distinct positions (all before any forward pass).
+        NonFiniteActivationError: a layer's residual stream holds NaN or infinity (named, before any fit).
 
     Example:
         >>> fitted = position_probe(model, windows.tokens, groups=windows.spans)   # doctest: +SKIP
@@ -284,27 +358,38 @@ def position_probe(
                      else np.asarray(torch.as_tensor(groups).cpu() if isinstance(groups, torch.Tensor) else groups))
     if window_groups.shape != (n_windows,):
         raise InputError(f"groups must give one document per window ({n_windows}), got shape {window_groups.shape}")
+    check_integer("interval_groups", interval_groups, minimum=2,
+                  message=f"interval_groups={interval_groups!r} must be an integer of at least 2, e.g. 20")
     positions = probe_positions(n_windows, context_length, positions_per_window, min_position=min_position, seed=seed)
     per_window = positions.shape[1]
     row_groups = np.repeat(window_groups, per_window)
-    folds = grouped_folds(row_groups, n_folds)  # raises before any forward pass on too few documents
-    features = residual_samples(model, tokens, positions, batch_size=batch_size, ablation=ablation)
     position = positions.reshape(-1).numpy().astype(np.float64)
+    folds = grouped_folds(row_groups, n_folds)  # raises before any forward pass on too few documents
+    check_fold_targets(position, folds)  # and on a fold with one position
+    features = residual_samples(model, tokens, positions, batch_size=batch_size, ablation=ablation)
+    _check_finite(features)
+    computed = adapter_of(model).dtype  # the dtype the model computes in, read without local weights too
+    eps = float(torch.finfo(computed).eps) if computed.is_floating_point else float(torch.finfo(features.dtype).eps)
     targets = np.stack([position, np.log1p(position)], axis=1)
-    tables: dict[str, dict[str, list[np.ndarray]]] = {key: {t: [] for t in PROBE_TARGETS} for key in ("r2", "mae", "alpha")}
+    keys = ("r2", "mae", "alpha", "sums", "replicate_sums")
+    tables: dict[str, dict[str, list[np.ndarray]]] = {key: {t: [] for t in PROBE_TARGETS} for key in keys}
+    constant = []
     for layer in range(features.shape[0]):
         scores = grouped_ridge_scores(features[layer].numpy(), targets, row_groups, n_folds=n_folds,
-                                      inverse=(None, np.expm1))
-        for key in tables:
+                                      inverse=(None, np.expm1), eps=eps, n_groups=interval_groups)
+        for key in keys:
             for column, target in enumerate(PROBE_TARGETS):
                 tables[key][target].append(scores[key][column])
+        constant.append(scores["constant"])
     window_fold = np.empty(n_windows, dtype=np.int64)
     for fold, (_, held_out) in enumerate(folds):
         window_fold[np.unique(held_out // per_window)] = fold
     arrays = {key: {t: np.stack(rows) for t, rows in table.items()} for key, table in tables.items()}
     return PositionProbe(**arrays, positions=positions.numpy(), groups=window_groups.astype(np.int64),
                          window_fold=window_fold, context_length=int(context_length), min_position=int(min_position),
-                         ablation=str(ablation or "none"), level=float(level),
+                         ablation=str(ablation or "none"), level=float(check_level(level)), constant=np.stack(constant),
+                         interval_groups=int(interval_groups),
                          metadata={"feature_dtype": str(features.dtype).replace("torch.", ""),
+                                   "compute_dtype": str(computed).replace("torch.", ""),
                                    "hidden_size": int(features.shape[-1]),
                                    "feature_bytes": int(features.numel() * features.element_size())})

@@ -229,7 +229,10 @@ def positional_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> 
     ``attention_toeplitz_per_window`` per head; ``positional_logits_toeplitz_r2`` per head of layer 0;
     ``tisa_r2_{mean,median,min,max}`` over heads; ``permutation_{measure}`` per ablation (``mode``);
     ``shrinkage_{stream}`` and ``correlation_mean_off_diagonal`` per layer, the random-init
-    baseline's as variant ``random_init``. No intervals: the analyses compute none.
+    baseline's as variant ``random_init``, without intervals (those analyses compute none);
+    ``probe_r2_{target}`` and ``probe_mae_{target}`` (tokens) per layer with their jackknife intervals;
+    ``massive_top{i}``, ``massive_median``, ``massive_ratio``, ``massive_position`` and
+    ``massive_dimension`` per layer (Sun et al.'s massive activations).
     """
     rows = []
     trained = {**identity, "variant": "trained"}
@@ -257,4 +260,20 @@ def positional_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> 
     for key, who in (("correlation", trained), ("correlation_baseline", baseline)):
         for layer, value in enumerate((summary.get(key) or {}).get("mean_off_diagonal_by_layer") or []):
             rows.append(_row(who, "correlation_mean_off_diagonal", value, split="layer", layer=layer))
+    for key, who in (("probe", trained), ("probe_baseline", baseline)):
+        probe = summary.get(key) or {}
+        for target in ("position", "log1p_position"):
+            for score in ("r2", "mae"):
+                part = probe.get(target) or {}
+                for layer, value in enumerate(part.get(score) or []):
+                    rows.append(_row(who, f"probe_{score}_{target}", value, split="layer", layer=layer,
+                                     low=part[f"{score}_low"][layer], high=part[f"{score}_high"][layer],
+                                     level=probe.get("level"), unit="tokens" if score == "mae" else None))
+    for key, who in (("massive", trained), ("massive_baseline", baseline)):
+        massive = summary.get(key) or {}
+        for layer, top in enumerate(massive.get("top") or []):
+            values = {f"massive_top{i + 1}": value for i, value in enumerate(top)}
+            values |= {f"massive_{name}": massive[name][layer] for name in ("median", "ratio", "position", "dimension")}
+            for statistic, value in values.items():
+                rows.append(_row(who, statistic, value, split="layer", layer=layer))
     return rows

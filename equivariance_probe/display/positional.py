@@ -15,7 +15,9 @@ Figures:
 * ``correlation``       — position correlation matrices of the residual stream, selected layers.
 * ``probe``             — held-out R² of the linear position probes by layer (position and
   ``log(1 + position)``) and their mean absolute error, trained against the random initialisation,
-  with the intervals over document folds.
+  with their jackknife intervals over groups of documents.
+* ``massive``           — per layer, the three largest residual magnitudes and the median (log scale),
+  trained against the random initialisation (Sun et al. 2024's massive activations).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .figures import figure_title, fitted_title, pyplot
+from ..errors import IntervalUnavailableError
 from ..markup import Markup
 from .report import ReportSection, figures_html, html_page
 
@@ -41,6 +44,7 @@ __all__ = [
     "shrinkage_figure",
     "correlation_figure",
     "position_probe_figure",
+    "massive_activations_figure",
     "positional_figures",
     "positional_report_section",
     "render_positional_body",
@@ -181,22 +185,28 @@ def correlation_figure(correlation: np.ndarray, max_layers: int = 6, title: str 
 def position_probe_figure(probe: Any, baseline: Any | None = None) -> Figure:
     """Held-out R² (position, ``log(1 + position)``) and MAE by layer, trained (solid) against untrained (dashed).
 
-    Each point is the mean over document folds, its bar the interval over folds
-    (:meth:`~equivariance_probe.analyses.position_probe.PositionProbe.interval`).
+    Each point is the pooled score of every row's held-out prediction, its bar the delete-a-group
+    jackknife interval over groups of documents
+    (:meth:`~equivariance_probe.analyses.position_probe.PositionProbe.interval`; none for a result
+    written before the probe kept its sums).
     """
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     panels = (("position", "r2", "held-out R², position"), ("log1p_position", "r2", "held-out R², log(1 + position)"),
-              ("position", "mae", "held-out mean |error| (tokens)"))
+              ("position", "mae", "held-out mean distance (tokens)"))
     for ax, (target, score, label) in zip(axes, panels):
         for name, result, style, color in (("trained", probe, "-", "tab:blue"), ("untrained", baseline, "--", "tab:orange")):
             if result is None:
                 continue
-            interval = result.interval(target, score)
-            layers = np.arange(len(interval.estimate))
-            estimate = np.asarray(interval.estimate)
-            ax.errorbar(layers, estimate, yerr=[estimate - interval.low, interval.high - estimate], ls=style,
-                        color=color, marker="o", ms=3, capsize=2, lw=1, label=name)
+            estimate = np.asarray(result.score(target, score))
+            layers = np.arange(len(estimate))
+            try:
+                interval = result.interval(target, score)
+                bars = [estimate - interval.low, interval.high - estimate]
+            except IntervalUnavailableError:
+                bars = None
+            ax.errorbar(layers, estimate, yerr=bars, ls=style, color=color, marker="o", ms=3, capsize=2, lw=1,
+                        label=name)
         if score == "r2":
             ax.axhline(0.0, color="black", lw=0.8, ls=":")
         ax.set_xlabel("layer (0: embeddings)")
@@ -204,7 +214,31 @@ def position_probe_figure(probe: Any, baseline: Any | None = None) -> Figure:
         ax.legend(fontsize=8)
     figure_title(fig, f"Linear position probes: ridge on the residual stream, {probe.n_windows} windows of "
                       f"{probe.context_length} tokens from {probe.n_documents} documents, {probe.positions.shape[1]} "
-                      f"positions each, {probe.n_folds} document folds ({probe.level:.0%} t intervals over folds)",
+                      f"positions each, {probe.n_folds} document folds ({probe.level:.0%} jackknife intervals over "
+                      f"{min(probe.interval_groups, probe.n_documents)} groups of documents)",
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def massive_activations_figure(massive: Any, baseline: Any | None = None) -> Figure:
+    """Per layer, the mean over windows of the three largest residual magnitudes and of the median (log
+    scale), trained (solid) against untrained (dashed): Sun et al. 2024's Fig. of massive activations."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for result, style, name in ((massive, "-", "trained"), (baseline, "--", "untrained")):
+        if result is None:
+            continue
+        summary = result.summary()
+        top, layers = np.asarray(summary["top"]), np.arange(len(summary["median"]))
+        for i, color in zip(range(top.shape[1]), ("tab:red", "tab:orange", "tab:olive")):
+            ax.plot(layers, top[:, i], ls=style, color=color, marker="o", ms=3, lw=1, label=f"top {i + 1} ({name})")
+        ax.plot(layers, summary["median"], ls=style, color="tab:blue", marker="o", ms=3, lw=1, label=f"median ({name})")
+    ax.set_yscale("log")
+    ax.set_xlabel("block (its output)")
+    ax.set_ylabel("|h|, mean over windows")
+    ax.legend(fontsize=7, ncol=2)
+    figure_title(fig, f"Massive activations: largest and median residual magnitudes, {massive.count} windows",
                  fontsize=9)
     fig.tight_layout()
     return fig
@@ -230,6 +264,8 @@ def positional_figures(study: PositionalStudy) -> dict[str, Figure]:
         figures["correlation_baseline"] = correlation_figure(parts["correlation_baseline"], title="Untrained: ")
     if "probe" in parts:
         figures["probe"] = position_probe_figure(parts["probe"], parts.get("probe_baseline"))
+    if "massive" in parts:
+        figures["massive"] = massive_activations_figure(parts["massive"], parts.get("massive_baseline"))
     return figures
 
 
@@ -288,14 +324,36 @@ def render_positional_body(study: PositionalStudy) -> Markup:
         blocks.append(Markup("<h3>Position correlations: mean over i ≠ j per layer</h3>") + _table(["model", "by layer"], rows))
     if "probe" in summary:
         blocks.append(_probe_table(summary))
+    if "massive" in summary:
+        blocks.append(_massive_table(summary))
     if study.skipped:
         blocks.append(Markup("<p>Skipped: {}</p>").format(
             Markup("; ").join(Markup("{} ({})").format(k, v) for k, v in study.skipped.items())))
     return Markup("").join(blocks) + figures_html(positional_figures(study))
 
 
+def _massive_table(summary: dict) -> Markup:
+    """Per layer, the largest residual magnitudes, the median, their ratio and where the largest sits."""
+    rows = []
+    for key, label in (("massive", "trained"), ("massive_baseline", "untrained")):
+        part = summary.get(key)
+        for layer, top in enumerate((part or {}).get("top") or []):
+            rows.append([label, str(layer), ", ".join(_number(v) for v in top), _number(part["median"][layer]),
+                         _number(part["ratio"][layer]),
+                         f"{part['position'][layer]} ({part['position_share'][layer]:.0%})",
+                         f"{part['dimension'][layer]} ({part['dimension_share'][layer]:.0%})"])
+    intro = Markup(
+        "<h3>Massive activations</h3><p>Sun et al. 2024: per block (its output, the residual stream after it), the "
+        "three largest magnitudes |h| of a window's residual stream and the median magnitude, each averaged over "
+        "{windows} windows, the ratio of the largest to the median, and the position in the window and hidden "
+        "dimension where the largest sits (in what share of windows).</p>").format(windows=summary["massive"]["n_windows"])
+    return intro + _table(["model", "block", "top 3 |h|", "median |h|", "largest / median", "position", "dimension"],
+                          rows)
+
+
 def _probe_table(summary: dict) -> Markup:
-    """Per layer, the probes' held-out R² and MAE with their intervals over folds, trained beside untrained."""
+    """Per layer, the probes' pooled held-out R² and mean |error| with their jackknife intervals, trained beside
+    untrained."""
     probe, baseline = summary["probe"], summary.get("probe_baseline")
 
     def cell(part: dict | None, target: str, score: str, layer: int) -> str:
@@ -306,7 +364,7 @@ def _probe_table(summary: dict) -> Markup:
                 f"{_number(values[score + '_high'][layer])}]")
 
     header = ["layer", "R² position (trained)", "R² position (untrained)", "R² log(1+position) (trained)",
-              "R² log(1+position) (untrained)", "MAE tokens (trained)", "MAE tokens (untrained)"]
+              "R² log(1+position) (untrained)", "mean |error| tokens (trained)", "mean |error| tokens (untrained)"]
     rows = [[str(layer), cell(probe, "position", "r2", layer), cell(baseline, "position", "r2", layer),
              cell(probe, "log1p_position", "r2", layer), cell(baseline, "log1p_position", "r2", layer),
              cell(probe, "position", "mae", layer), cell(baseline, "position", "mae", layer)]
@@ -314,9 +372,10 @@ def _probe_table(summary: dict) -> Markup:
     intro = Markup(
         "<h3>Linear position probes</h3><p>Ridge regression (standardised features, penalty chosen by "
         "leave-one-out on the training rows) from each layer's residual stream to the token's position, "
-        "held-out R² and mean absolute error over {folds} folds of {documents} documents ({windows} windows of "
-        "{length} tokens, {positions} positions each from {first} on); brackets: {interval}, {level}. Layer 0 is "
-        "the embeddings, layer l the output of block l − 1.</p>"
+        "held-out R² and mean absolute error (Haviv et al.'s distance in tokens) of every row's prediction by "
+        "the probe of the fold that held it out, {folds} folds of {documents} documents ({windows} windows of "
+        "{length} tokens, {positions} positions each from {first} on); brackets: {interval} over groups of "
+        "documents, {level}. Layer 0 is the embeddings, layer l the output of block l − 1.</p>"
     ).format(folds=probe["n_folds"], documents=probe["n_documents"], windows=probe["n_windows"],
              length=probe["context_length"], positions=probe["positions_per_window"], first=probe["min_position"],
              interval=probe["position"]["interval"], level=f"{probe['level']:.0%}")

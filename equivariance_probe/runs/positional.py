@@ -30,6 +30,11 @@ Analyses (``ANALYSES``):
   initialisation. Its windows are ``windows_per_doc`` consecutive windows of each document
   (``pack_documents(..., protocol="document_prefixes")``), so that folds hold documents out, not
   windows; token tensors are used as given, each row its own document.
+* ``massive`` — massive activations (Sun et al. 2024; docs/methods.md#massive-activations): per
+  layer, the three largest residual-stream magnitudes and the median magnitude, averaged over the
+  windows, their ratio, and the position and hidden dimension where the largest sits, from the
+  same passes as ``shrinkage`` and ``correlation``, for the model and its random initialisation
+  (causal LMs only).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import numpy as np
 import torch
 
 from ..adapters.internals import position_embedding_modules
-from ..adapters.modules import hf_model_of, is_causal_lm
+from ..adapters.modules import find_attention_modules, hf_model_of, is_causal_lm, residual_width
 from ..analyses.order import (
     VarianceShrinkage,
     permutation_sensitivity,
@@ -61,6 +66,7 @@ from ..analyses.positional import (
 )
 from ..errors import InputError
 from ..sources.baselines import random_init_like
+from ..statistics.massive import MassiveActivationSums
 from ..sources.corpus import load_corpus
 from ..sources.packing import pack_documents, special_prefix
 from ..probe import EquivarianceProbe, MeasurementOptions
@@ -69,12 +75,21 @@ from .positional_study import POSITIONAL_FORMAT_VERSION, POSITIONAL_KIND, Positi
 
 __all__ = ["ANALYSES", "PositionalStudy", "run_positional", "POSITIONAL_KIND", "POSITIONAL_FORMAT_VERSION"]
 
-ANALYSES = ("gram", "attention_toeplitz", "positional_logits", "tisa", "permutation", "shrinkage", "correlation", "probe")
+ANALYSES = ("gram", "attention_toeplitz", "positional_logits", "tisa", "permutation", "shrinkage", "correlation", "probe",
+            "massive")
 #: Analyses that need a causal language model with a decoder-layer stack.
-_CAUSAL_ONLY = ("permutation", "shrinkage", "correlation")
+_CAUSAL_ONLY = ("permutation", "shrinkage", "correlation", "massive")
+#: Analyses read from :func:`~equivariance_probe.analyses.order.representation_sums`' passes.
+_REPRESENTATION = ("shrinkage", "correlation", "massive")
+
+
 def _representation_parts(model: Any, tokens: torch.Tensor, analyses: tuple[str, ...], batch_size: int, suffix: str) -> dict[str, Any]:
-    sums = representation_sums(model, tokens, batch_size=batch_size)
-    parts: dict[str, Any] = {}
+    massive = None
+    if "massive" in analyses:
+        hf = hf_model_of(model)
+        massive = MassiveActivationSums.empty(len(find_attention_modules(hf)), tokens.shape[-1], residual_width(hf))
+    sums = representation_sums(model, tokens, batch_size=batch_size, massive=massive)
+    parts: dict[str, Any] = {} if massive is None else {"massive" + suffix: massive}
     if "shrinkage" in analyses:
         parts["shrinkage" + suffix] = VarianceShrinkage.from_sums(sums)
     if "correlation" in analyses:
@@ -145,7 +160,7 @@ def run_positional(
     study.skipped.update({name: f"needs a causal language model; {type(hf).__name__} is not one"
                           for name in analyses if name in _CAUSAL_ONLY and not is_causal_lm(hf)})
     _embedding_parts(study, hf, analyses, context_length, say)
-    needs_windows = [a for a in ("attention_toeplitz", "tisa", "shrinkage", "correlation")
+    needs_windows = [a for a in ("attention_toeplitz", "tisa", *_REPRESENTATION)
                      if a in analyses and a not in study.skipped]
     windows = token_windows(docs, tokenizer, context_length, n_docs) if needs_windows else None
     study.metadata.update({} if windows is None else {"windows": [int(windows.shape[0]), int(windows.shape[1])]})
@@ -155,13 +170,18 @@ def run_positional(
                                                              n_permutations=n_permutations, seed=seed)
         say("permutation: " + ", ".join(f"{k} KL {v['kl_mean']:.3g}" for k, v in study.parts["permutation"].summary().items()))
     untrained = random_init_like(hf, seed=seed) if baseline == "random_init" and (
-        {"shrinkage", "correlation"} & set(needs_windows) or "probe" in analyses) else None
+        set(_REPRESENTATION) & set(needs_windows) or "probe" in analyses) else None
     subjects = {"": hf, "_baseline": untrained}
-    if ("shrinkage" in needs_windows) or ("correlation" in needs_windows):
+    if set(_REPRESENTATION) & set(needs_windows):
         for suffix, subject in subjects.items():
             study.parts.update(_representation_parts(subject, windows, analyses, batch_size, suffix) if subject else {})
         if "shrinkage" in study.parts:
             say(f"shrinkage: attention-output exponent per layer {np.round(study.parts['shrinkage'].exponent['attention'], 2)}")
+        if "massive" in study.parts:
+            massive = study.parts["massive"].summary()
+            layer = int(np.nanargmax(massive["ratio"]))
+            say(f"massive: largest |h| / median by layer {np.round(massive['ratio'], 1)} (highest at layer {layer}: "
+                f"position {massive['position'][layer]}, dimension {massive['dimension'][layer]})")
     if "probe" in analyses:
         _probe_parts(study, subjects, docs, tokenizer, context_length, n_docs, windows_per_doc, probe_positions, n_folds,
                      batch_size, seed, say)
@@ -256,8 +276,8 @@ def _probe_parts(study: PositionalStudy, subjects: dict[str, Any], docs: Any, to
                               n_folds=n_folds, batch_size=batch_size, seed=seed)
         study.parts["probe" + suffix] = part
         best = part.best_layer()
-        say(f"probe{suffix}: held-out R² of the position by layer {np.round(part.r2['position'].mean(1), 3)} "
-            f"(best layer {best}, MAE {part.mae['position'][best].mean():.1f} tokens)")
+        say(f"probe{suffix}: held-out R² of the position by layer {np.round(part.score('position'), 3)} "
+            f"(best layer {best}, mean |error| {part.score('position', 'mae')[best]:.1f} tokens)")
 
 
 def _probe_windows(docs: Any, tokenizer: Any, context_length: int, n_docs: int,

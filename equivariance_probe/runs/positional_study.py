@@ -21,6 +21,7 @@ from ..analyses.order import PermutationSensitivity, VarianceShrinkage
 from ..analyses.position_probe import PositionProbe
 from ..analyses.positional import AttentionToeplitz, GramToeplitz, PositionalLogits, ScoreProfile, ScoreProfileFits
 from ..analyses.results import missing_as
+from ..statistics.massive import MassiveActivationSums
 from ..errors import ResultFileError, is_integer
 from ..maths.intervals import check_level
 from ..records.container import file_kind, read_container, read_tensors, tensor_checksum, write_container
@@ -37,7 +38,7 @@ POSITIONAL_FORMAT_VERSION = 2
 _JSON_FORMAT, _JSON_VERSION = "equivariance_probe.positional", 1
 #: Every part a study may hold (an analysis, or its baseline's).
 _PART_NAMES = ("gram", "attention_toeplitz", "positional_logits", "tisa", "permutation", "shrinkage",
-               "shrinkage_baseline", "correlation", "correlation_baseline", "probe", "probe_baseline")
+               "shrinkage_baseline", "correlation", "correlation_baseline", "probe", "probe_baseline", "massive", "massive_baseline")
 #: A JSON value that stands for a tensor of the file (``{"tensor": name}``).
 _TENSOR = "tensor"
 
@@ -87,8 +88,8 @@ class PositionalStudy:
     def summary(self, level: float = 0.95, *, missing: Any = None) -> dict[str, Any]:
         """Headline numbers of every analysis that ran (plain numbers and lists), ``missing`` (``None``, JSON's
         ``null``; ``math.nan`` for NaN) where a number is undefined. ``level`` is accepted as every result's
-        :meth:`summary` accepts it (and refused as they refuse it, when it is no level): the probe's intervals over
-        folds are at the level it was run with."""
+        :meth:`summary` accepts it (and refused as they refuse it, when it is no level): the probe's jackknife
+        intervals are at the level it was run with."""
         check_level(level, "level")
         return missing_as(self._summary(), missing)
 
@@ -120,7 +121,7 @@ class PositionalStudy:
         for key in ("correlation", "correlation_baseline"):
             if key in self.parts:
                 out[key] = {"mean_off_diagonal_by_layer": _mean_off_diagonal(self.parts[key]).tolist()}
-        for key in ("probe", "probe_baseline"):
+        for key in ("probe", "probe_baseline", "massive", "massive_baseline"):
             if key in self.parts:
                 out[key] = self.parts[key].summary()
         return out
@@ -186,8 +187,18 @@ class PositionalStudy:
                 best = summary[key]["position"]
                 layer = best["best_layer"]
                 rows.append((key, f"held-out R² of the position ({label}), best layer {layer}: {best['best_r2']:.3f} "
-                                  f"[{best['r2_low'][layer]:.3f}, {best['r2_high'][layer]:.3f}], MAE "
-                                  f"{best['best_mae']:.1f} tokens; by layer {spread(best['r2'])}"))
+                                  f"[{best['r2_low'][layer]:.3f}, {best['r2_high'][layer]:.3f}], mean distance "
+                                  f"{best['best_mae']:.1f} [{best['mae_low'][layer]:.1f}, {best['mae_high'][layer]:.1f}] "
+                                  f"tokens; by layer {spread(best['r2'])}"))
+        for key, label in (("massive", "trained"), ("massive_baseline", "untrained")):
+            if key in summary:
+                part = summary[key]
+                layer = int(np.nanargmax(part["ratio"]))
+                rows.append((key, f"massive activations ({label}): largest |h| / median at most "
+                                  f"{part['ratio'][layer]:.4g} (layer {layer}, largest {part['top'][layer][0]:.4g}, median "
+                                  f"{part['median'][layer]:.4g}; position {part['position'][layer]} in "
+                                  f"{part['position_share'][layer]:.0%} of windows, dimension {part['dimension'][layer]}); "
+                                  f"by layer {spread(part['ratio'])}"))
         rows += [(name, f"skipped: {reason}") for name, reason in self.skipped.items()]
         return "\n".join(["| analysis | result |", "|---|---|"] + [f"| {name} | {text} |" for name, text in rows])
 
@@ -210,7 +221,8 @@ class PositionalStudy:
                    "attention_toeplitz": AttentionToeplitz.from_dict,
                    "permutation": PermutationSensitivity.from_dict, "shrinkage": VarianceShrinkage.from_dict,
                    "shrinkage_baseline": VarianceShrinkage.from_dict, "probe": PositionProbe.from_dict,
-                   "probe_baseline": PositionProbe.from_dict}
+                   "probe_baseline": PositionProbe.from_dict, "massive": MassiveActivationSums.from_dict,
+                   "massive_baseline": MassiveActivationSums.from_dict}
         parts: dict[str, Any] = {}
         for name, value in parts_data.items():
             if name == "tisa":
