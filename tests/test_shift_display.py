@@ -215,3 +215,30 @@ def test_an_encoder_s_view_shows_the_whole_block_and_its_figures_omit_prediction
     assert not view.causal and view.entries.all()  # every segment key is visible to every segment query
     np.testing.assert_allclose(view.conditional.sum(-1), 1.0, rtol=1e-6)
     assert '"maskUpperTri": false' in view.to_html()
+
+
+def _drawn_lines(fig):
+    """Every plotted line's y values, panel by panel (what two calls that draw the same thing share)."""
+    return [[np.asarray(line.get_ydata(), dtype=float) for line in ax.lines] for ax in fig.axes]
+
+
+@pytest.mark.parametrize("draw", [shift_layers_figure, shift_loss_figure, shift_divergence_figure])
+def test_every_figure_of_variants_takes_a_result_and_its_baselines_or_one_mapping(shift_run, draw):
+    _, _, _, variants = shift_run
+    baselines = {"random_init": variants["random_init"]}
+    together, apart = draw(variants), draw(variants["trained"], baselines)
+    assert len(together.axes) == len(apart.axes)
+    for mine, theirs in zip(_drawn_lines(together), _drawn_lines(apart)):
+        assert len(mine) == len(theirs)
+        for a, b in zip(mine, theirs):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(InputError, match=rf"{draw.__name__} takes a ShiftResult and its baselines.*not both"):
+        draw(variants, baselines)
+    with pytest.raises(InputError, match=r"got \{'random_init': 'str'\}"):
+        draw(variants["trained"], {"random_init": "shift_random_init.safetensors"})
+
+
+def test_a_figure_of_one_result_refuses_a_mapping_of_variants_by_name(shift_run):
+    _, _, _, variants = shift_run
+    with pytest.raises(InputError, match=r"shift_heads_figure draws one ShiftResult, not dict.*variants\['trained'\]"):
+        shift_heads_figure(variants)

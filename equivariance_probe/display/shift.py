@@ -43,7 +43,7 @@ from ..sources.shift_grid import shift_grid
 from ..statistics.shift import REPRESENTATION_LABELS, REPRESENTATIONS, counted_entries
 from .circuitsvis import (CircuitsVisFigure, attention_pattern_figure, figure_row, save_views_page, views_body_html,
                           views_html)
-from .figures import _axes_title, figure_title, pyplot
+from .figures import _axes_title, figure_title, one_result, pyplot
 from .report import RenderedReport, ReportSection, figures_html, sections_page, table_html
 from .shift_mechanisms import (_has_sink_mass, shift_attribution_figure, shift_patching_figure, shift_sink_figure,
                                sink_layer_groups)
@@ -76,13 +76,14 @@ _REPRESENTATION_NAMES = REPRESENTATION_LABELS
 
 # -- figures ------------------------------------------------------------------------------------------------
 def shift_layers_figure(results: ShiftResult | Mapping[str, ShiftResult],
+                        baselines: Mapping[str, ShiftResult] | None = None, *,
                         representations: Sequence[str] = ("centred_logits", "residual"), term: str = "offset") -> Figure:
     """``η²`` of ``term`` by layer, one panel per representation and one line per variant (a trained model and its
     random initialisation), with 95 % intervals over segments."""
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
-    variants = _variants(results)
+    variants = _variants(results, baselines, where="shift_layers_figure")
     fig, axes = plt.subplots(1, len(representations), figsize=(5.5 * len(representations), 4.2), squeeze=False)
     for ax, representation in zip(axes[0], representations):
         for number, (name, result) in enumerate(variants.items()):
@@ -110,8 +111,9 @@ def shift_layers_figure(results: ShiftResult | Mapping[str, ShiftResult],
                    variants, f"; {_offset_meaning(first)}")
 
 
-def shift_heads_figure(result: ShiftResult, representation: str = "centred_logits") -> Figure:
+def shift_heads_figure(result: ShiftResult, *, representation: str = "centred_logits") -> Figure:
     """Per-head ``[layer, head]`` heat maps of the offset η² and the pair η² (the equivariant part)."""
+    result = one_result(result, ShiftResult, where="shift_heads_figure")
     plt = pyplot()
     panels = {term: result.share(representation, term, by="head") for term in ("offset", "pair")}
     n_layers, n_heads = panels["offset"].shape
@@ -130,11 +132,12 @@ def shift_heads_figure(result: ShiftResult, representation: str = "centred_logit
     return fig
 
 
-def shift_loss_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figure:
+def shift_loss_figure(results: ShiftResult | Mapping[str, ShiftResult],
+                      baselines: Mapping[str, ShiftResult] | None = None) -> Figure:
     """The mean next-token loss (nats) of the segment's own tokens at each offset, one line per variant, with
     95 % intervals over segments."""
     plt = pyplot()
-    variants = _variants(results)
+    variants = _variants(results, baselines, where="shift_loss_figure")
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for name, result in variants.items():
         estimate, error = _with_interval(_number(result.loss_by_offset))
@@ -145,11 +148,12 @@ def shift_loss_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figur
     return _titled(fig, ax, f"Loss on the segment by offset, {next(iter(variants.values())).model_name}", variants)
 
 
-def shift_divergence_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figure:
+def shift_divergence_figure(results: ShiftResult | Mapping[str, ShiftResult],
+                            baselines: Mapping[str, ShiftResult] | None = None) -> Figure:
     """Per variant, the mean Jensen–Shannon divergence of the segment's predictions between two offsets (same
     context) beside that between two contexts (same offset), with 95 % intervals; their ratio under each variant's name."""
     plt = pyplot()
-    variants = _variants(results)
+    variants = _variants(results, baselines, where="shift_divergence_figure")
     fig, ax = plt.subplots(figsize=(2.5 + 2.2 * len(variants), 4.2))
     width, labels = 0.38, []
     for index, (name, result) in enumerate(variants.items()):
