@@ -242,3 +242,23 @@ def test_a_figure_of_one_result_refuses_a_mapping_of_variants_by_name(shift_run)
     _, _, _, variants = shift_run
     with pytest.raises(InputError, match=r"shift_heads_figure draws one ShiftResult, not dict.*variants\['trained'\]"):
         shift_heads_figure(variants)
+
+
+@pytest.mark.parametrize("head, message", [
+    ("L9H0", r"--view-head L9H0: .* has layers 0\.\.\d+ and heads 0\.\.\d+"),
+    ("L1H0,L0H1", r"names 2 heads; the view shows one"),
+    ("head one", r"cannot read the head 'head one'"),
+])
+def test_a_bad_view_head_is_refused_before_the_model_loads(tiny_model_folder, text_corpus, tmp_path, capsys,
+                                                           monkeypatch, head, message):
+    from equivariance_probe.cli import main
+    from equivariance_probe.runs import shift as shift_runs
+
+    loaded = []
+    monkeypatch.setattr(shift_runs, "load_shift_model", lambda source: loaded.append(source))
+    args = ["shift", "-o", str(tmp_path / "out"), "--model", tiny_model_folder("gemma3", n_positions=128),
+            "--corpus", text_corpus(n_docs=6, words=60), "--view-head", head, "--no-progress"]
+    assert main(args) == 2
+    assert re.search(message, capsys.readouterr().err) and loaded == []
+    assert main([*args[:-3], "--view-head", "L1H0", "--no-figures"]) == 2
+    assert "--no-figures writes no report" in capsys.readouterr().err and loaded == []
