@@ -28,7 +28,10 @@ Measure:
   the window (:class:`ShiftOptions`, how it measures; :class:`ShiftGrid`, :class:`ShiftStatistics`;
   :func:`split_documents` cuts segments and
   contexts from a corpus): offset, context and pair shares of its
-  attention and residual stream, and how its predictions change; on screen: :func:`shift_figures`,
+  attention and residual stream, and how its predictions change; on screen: :func:`shift_figures` (each figure
+  also alone: :func:`shift_layers_figure`, :func:`shift_heads_figure`, :func:`shift_loss_figure`,
+  :func:`shift_divergence_figure`, :func:`shift_sink_figure` with :func:`sink_layer_groups`,
+  :func:`shift_attribution_figure`, :func:`shift_patching_figure`),
   :func:`shift_view` / :class:`ShiftView` (one head at two offsets, offline CircuitsVis),
   :func:`shift_report_section`, :func:`render_shift_report`.
 * :func:`get_adapter`, :class:`Adapter`, :class:`AttentionLayout`, :data:`SUPPORTED_MODELS` —
@@ -48,7 +51,8 @@ lengths), :func:`run_positional` / :class:`PositionalStudy` (where order comes f
 Heads and reports: :func:`rank_heads` / :class:`HeadRanking`, :func:`head_views` /
 :class:`HeadViews` (offline CircuitsVis; ``overview=True`` adds a :class:`BlockOverview` of a long window), :func:`render_report` (a :class:`RenderedReport`: drawn in a notebook, ``save(path)`` in a script) /
 :class:`ReportSection`; :func:`study_figures` (a study's figures) and :func:`save_figures` (any figures
-as PNG, SVG or PDF files).
+as PNG, SVG or PDF files); :func:`save_comparison` (a comparison's table, figure and pages), :func:`save_scan` (a scan's),
+:func:`positional_figures` and :func:`positional_report_section` (a positional study's figures and report section).
 
 Further analyses: :func:`toeplitz_r2`, :func:`gram_toeplitz`, :func:`positional_logits`,
 :func:`score_profile`, :func:`fit_tisa_kernel`, :func:`permutation_sensitivity`,
@@ -69,16 +73,25 @@ from .analyses.position_probe import PositionProbe, position_probe
 from .statistics.massive import MassiveActivationSums
 from .analyses.positional import gram_toeplitz, positional_logits, score_profile
 from .analyses.results import MergeableResult, Result
+from .display.comparison import save_comparison
 from .display.figures import save_figures, study_figures
+from .display.positional import positional_figures, positional_report_section
+from .display.scan import save_scan
 from .display.report import RenderedReport, ReportSection, render_report
 from .display.shift import (
     ShiftView,
     render_shift_report,
     shift_attribution_figure,
+    shift_divergence_figure,
     shift_figures,
+    shift_heads_figure,
+    shift_layers_figure,
+    shift_loss_figure,
     shift_patching_figure,
     shift_report_section,
+    shift_sink_figure,
     shift_view,
+    sink_layer_groups,
 )
 from .display.overview import BlockOverview
 from .display.views import HeadViews, head_views
@@ -204,9 +217,19 @@ __all__ = [
     "ReportSection",
     "study_figures",
     "save_figures",
+    "save_comparison",
+    "save_scan",
+    "positional_figures",
+    "positional_report_section",
     "shift_view",
     "ShiftView",
     "shift_figures",
+    "shift_layers_figure",
+    "shift_heads_figure",
+    "shift_loss_figure",
+    "shift_divergence_figure",
+    "shift_sink_figure",
+    "sink_layer_groups",
     "shift_attribution_figure",
     "shift_patching_figure",
     "shift_report_section",

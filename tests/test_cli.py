@@ -307,3 +307,51 @@ def test_run_with_the_sink_protocol_measures_64_token_windows_without_exclusions
     assert "BOS token '<bos>'" in result.first_token  # Gemma's tokenizer puts BOS first
     zero = ProbeResult.load(out / "baseline_zero.safetensors")
     assert zero.sink_rate() == 0.0  # uniform heads: α₁ = mean 1/(q + 1) < 0.3 over a long enough window
+
+
+def test_report_renders_a_shift_result_and_a_positional_study_into_their_pages(tiny, tmp_path, capsys,
+                                                                                tiny_model_folder, text_corpus):
+    from equivariance_probe.records.container import header_kind
+    from equivariance_probe.runs.positional import PositionalStudy
+    from equivariance_probe.shift_result import ShiftResult
+
+    root, model, corpus = tiny
+    shift = tmp_path / "shift"
+    assert main(["shift", "-o", str(shift), "--model", tiny_model_folder("gemma3", n_positions=128),
+                 "--corpus", text_corpus(n_docs=6, words=60), "--n-segments", "2", "--n-contexts", "2",
+                 "--segment-length", "8", "--offsets", "0,20", "--interval-groups", "2", "--baselines", "random_init",
+                 "--no-progress", "--no-figures"]) == 0
+    capsys.readouterr()
+    assert main(["report", str(shift / "shift_trained.safetensors")]) == 0
+    page = (shift / "shift_trained_report.html").read_text(encoding="utf-8")
+    assert "wrote " + str(shift / "shift_trained_report.html") in capsys.readouterr().out
+    trained = ShiftResult.load(shift / "shift_trained.safetensors")
+    assert f"shift test: {trained.model_name}" in page and "random_init" in page and "trained − random_init" in page
+    assert page.count("data:image/png;base64,") >= 4 and "http://" not in page and "https://" not in page
+    assert not (shift / "shift_report.html").exists()  # 'shift' alone writes that one, with its view
+    assert main(["report", str(shift / "shift_random_init.safetensors"), "-o", str(tmp_path / "r.html")]) == 0
+    assert "trained − " not in (tmp_path / "r.html").read_text(encoding="utf-8")
+
+    positional = tmp_path / "positional"
+    assert main(["positional", "--out", str(positional), "--model", tiny_model_folder("gpt2", 64), "--corpus",
+                 text_corpus(n_docs=4, words=40), "--analyses", "tisa,correlation,probe", "--n-docs", "2",
+                 "--context-length", "12", "--kernels", "2", "--probe-positions", "4", "--windows-per-doc", "3",
+                 "--folds", "2", "--baseline", "none"]) == 0
+    assert header_kind(positional / "positional.safetensors") is not None
+    assert main(["report", str(positional / "positional.safetensors")]) == 0
+    page = (positional / "positional_report.html").read_text(encoding="utf-8")
+    study = PositionalStudy.load(positional / "positional.safetensors")
+    assert f"positional analyses: {study.model_name}" in page and "held-out R²" in page
+    assert "data:image/png;base64," in page
+
+    capsys.readouterr()
+    assert main(["report", str(shift / "shift_trained.safetensors"), "--views"]) == 2
+    assert "--views draws heads of a probe result's model" in capsys.readouterr().err
+
+
+def test_report_help_says_what_it_reads_and_names_the_page_shift_writes(capsys):
+    with pytest.raises(SystemExit):
+        main(["report", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("shift_<variant>.safetensors", "shift_report.html", "positional.safetensors", "results.safetensors"):
+        assert words in text, words

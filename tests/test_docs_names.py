@@ -127,3 +127,42 @@ def test_a_name_that_does_not_exist_is_caught():
     assert not resolves("equivariance_probe.no_such_module")
     assert resolves("equivariance_probe.runs.tables.shift_table") and resolves("equivariance_probe.ProbeResult.summary")
     assert not hasattr(package.ProbeResult, "to_html")  # what head_views' docstring once pointed to
+
+
+#: Where the figure and page functions live: every one a guide names is part of the package's public API.
+DISPLAY = ROOT / "equivariance_probe" / "display"
+
+
+def display_functions() -> set[str]:
+    """The public functions and classes defined at the top level of the display modules."""
+    names = set()
+    for path in DISPLAY.glob("*.py"):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
+                names.add(node.name)
+    return names
+
+
+def named_in_code(text: str, names: set[str]) -> set[str]:
+    """Which of ``names`` a page writes as code (between backticks or in a code block), bare or called, and not as
+    an attribute of something else (``result.x`` is a method)."""
+    code = "\n".join(re.findall(r"```.*?```", text, re.S) + re.findall(r"`([^`\n]+)`", text))
+    return {name for name in re.findall(r"(?<![\w.])([A-Za-z_]\w*)", code) if name in names}
+
+
+def test_every_figure_function_a_guide_names_is_exported_and_listed():
+    functions = display_functions()
+    listing = (ROOT / "docs" / "reference" / "api.md").read_text(encoding="utf-8")
+    named = {(path.relative_to(ROOT), name) for path in PAGES
+             for name in named_in_code(path.read_text(encoding="utf-8"), functions)}
+    assert {name for _, name in named} >= {"shift_layers_figure", "shift_attribution_figure", "render_report"}
+    missing = sorted(f"{where}: {name}" for where, name in named
+                     if name not in package.__all__ or f"::: equivariance_probe.{name}\n" not in listing)
+    assert not missing, f"named in the guides but not exported from equivariance_probe and in the API reference: {missing}"
+
+
+def test_a_guide_naming_a_function_the_package_does_not_export_is_caught():
+    text = "Draw it with `shift_layers_figure(variants)` or with `views_body_html(...)`; `result.table()` is a method."
+    named = named_in_code(text, display_functions())
+    assert named == {"shift_layers_figure", "views_body_html"}
+    assert "views_body_html" not in package.__all__

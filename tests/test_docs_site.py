@@ -100,6 +100,46 @@ def test_every_pointer_into_the_methods_names_an_anchor_that_exists():
     assert not re.search(r"METHODS\.md", "".join(p.read_text(encoding="utf-8") for p in sources if p != Path(__file__)))
 
 
+def section_numbers(markdown: str) -> dict[str, int]:
+    """The number of the section each ``{#id}`` of the methods lies in: a numbered ``## N. Title {#id}`` heading's own,
+    and that of the numbered heading above it for a subsection's."""
+    numbers, current = {}, None
+    for line in markdown.splitlines():
+        numbered = re.match(r"## (\d+)\. ", line)
+        if line.startswith("## "):
+            current = int(numbered.group(1)) if numbered else None
+        for anchor in re.findall(r"\{#([\w-]+)\}", line):
+            if current is not None:
+                numbers[anchor] = current
+    return numbers
+
+
+#: A link whose text quotes a section of the methods, e.g. ``[Methods, section 9](../methods.md#probe)``.
+_QUOTED_SECTION = re.compile(r"\[([^\]]*?(?:section|§)\s*(\d+)[^\]]*)\]\([^)]*methods\.md#([\w-]+)\)", re.IGNORECASE)
+
+
+def quoted_sections(text: str) -> list[tuple[str, int, str]]:
+    """``(link text, quoted number, anchor)`` of every link into the methods whose text quotes a section number."""
+    return [(words, int(number), anchor) for words, number, anchor in _QUOTED_SECTION.findall(text)]
+
+
+def test_a_section_number_quoted_in_a_link_is_that_of_its_anchor():
+    numbers = section_numbers(METHODS.read_text())
+    assert numbers["probe"] == 9 and numbers["shift-sink-mass"] == 7 and numbers["intervals"] == 6
+    sources = [ROOT / "README.md", *ROOT.joinpath("docs").rglob("*.md"), *ROOT.joinpath("equivariance_probe").rglob("*.py")]
+    quoted = [(path.name, *link) for path in sources for link in quoted_sections(path.read_text(encoding="utf-8"))]
+    assert quoted, "no link quotes a section of the methods: the check has nothing to read"
+    wrong = [f"{where}: [{words}] points at #{anchor}, in section {numbers.get(anchor)}"
+             for where, words, number, anchor in quoted if numbers.get(anchor) != number]
+    assert not wrong, wrong
+
+
+def test_a_quoted_section_that_differs_from_its_anchor_is_caught():
+    numbers = section_numbers(METHODS.read_text())
+    (words, number, anchor), = quoted_sections("as in [Methods, section 8](../methods.md#probe), where")
+    assert (number, anchor) == (8, "probe") and numbers[anchor] != number
+
+
 def test_the_readme_is_a_first_page_whose_links_resolve():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 250

@@ -25,6 +25,7 @@ from equivariance_probe import (
     IntervalUnavailableError,
     ProbeResult,
     paired_difference,
+    random_init_like,
     zero_like,
 )
 from equivariance_probe.runs.tables import summary_table
@@ -337,3 +338,50 @@ def test_no_r2_interval_of_a_result_exceeds_one():
     assert CLIPPED in methods  # some interval did reach past 1 and was clipped, not just never near it
     bounds = result.summary()["intervals"]["persistence_fit_r2"]["prior"]
     assert bounds[1] <= 1.0 and "clipped at 1" in result.summary()["intervals"]["method"]
+
+
+def test_an_array_valued_interval_prints_its_numbers_one_entry_a_line():
+    estimate = np.array([[0.1, 0.2], [0.3, 0.4]])
+    interval = Interval(estimate, estimate - 0.05, estimate + 0.05, 0.95, 6, np.full((2, 2), 0.02))
+    text = repr(interval)
+    assert text.startswith("Interval(of shape (2, 2), 95% over 6 groups of windows:")
+    for index in np.ndindex(2, 2):
+        value = estimate[index]
+        assert f"[{index[0]}, {index[1]}] {value:.4f} [{value - 0.05:.4f}, {value + 0.05:.4f}]" in text
+    long = np.arange(30, dtype=float)
+    many = Interval(long, long - 1, long + 1, 0.95, 4, np.ones(30))
+    lines = str(many).splitlines()
+    assert "[0] 0.0000 [-1.0000, 1.0000]" in lines[1] and "[29] 29.0000 [28.0000, 30.0000]" in lines[-1]
+    assert "... 18 more ..." in str(many) and len(lines) == 1 + 12 + 1
+
+
+def test_an_estimate_without_an_interval_prints_as_the_estimate_alone():
+    from equivariance_probe.maths.intervals import UNAVAILABLE, estimate_alone
+
+    alone = estimate_alone(0.0123, level=0.95, n_groups=1)
+    assert str(alone) == "0.0123 (no interval)" and alone.method == UNAVAILABLE and np.isnan(alone.low)
+    assert "1 group: an interval needs at least 2" in repr(alone)
+    array = estimate_alone(np.array([0.5, 0.25]), level=0.95, n_groups=1)
+    assert "[1] 0.2500 [n/a, n/a]" in str(array)
+
+
+def test_a_shift_result_s_dictionaries_hold_floats_and_one_segment_gives_differences_without_intervals():
+    from test_shift import design
+    from test_shift import run as shift_run
+
+    segments, contexts = design(n_segments=1)
+    model = tiny_gemma3()
+    trained, baseline = (shift_run(network, segments, contexts) for network in (model, random_init_like(model, seed=1)))
+    for numbers in (trained.share(by="layer_group"), trained.offset_rms(by="layer_group"), trained.decomposition(),
+                    trained.decomposition(by="layer_group")["all"]):
+        assert all(type(value) is float for value in numbers.values()), numbers
+    assert type(trained.divergence()) is float and "array(" not in repr(trained.share(by="layer_group"))
+    difference = trained.paired_difference(baseline, "centred_logits", "offset")
+    expected = trained.share("centred_logits", "offset") - baseline.share("centred_logits", "offset")
+    assert difference.estimate == pytest.approx(expected, abs=1e-15) and np.isnan(difference.low)
+    assert str(difference).endswith("(no interval)") and difference.n_groups == 1
+    by_layer = trained.paired_difference(baseline, "residual", "offset", by="layer")
+    np.testing.assert_allclose(by_layer.estimate, trained.share("residual", by="layer")
+                               - baseline.share("residual", by="layer"), atol=1e-15)
+    groups = trained.paired_difference(baseline, by="layer_group")
+    assert set(groups) == set(trained.layer_groups()) and all(np.isnan(value.high) for value in groups.values())

@@ -54,3 +54,54 @@ def test_scan_takes_a_source(tiny_model_folder, text_corpus):
                                 corpus=corpus, n_tokens=32, baselines=[], progress=False)
     assert scan.config["model"] == folder and scan.config["arguments"]["attn_implementation"] == "eager"
     assert sorted(scan.results) == [8, 16]
+
+
+@pytest.fixture
+def torch_threads():
+    """torch's thread count, put back after the test (it is the whole process's)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield torch
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, "2"])
+def test_a_bad_thread_count_is_named_before_anything_loads(threads):
+    with pytest.raises(InputError, match=r"ModelSource\.threads=.* must be a positive number of CPU threads"):
+        ModelSource("gemma-3-270m", threads=threads)
+
+
+def test_a_source_sets_torch_s_threads_as_its_model_loads(tiny_model_folder, torch_threads):
+    torch_threads.set_num_threads(2)
+    source = ModelSource(tiny_model_folder("gpt2", 64), threads=1)
+    assert torch_threads.get_num_threads() == 2  # a source is a value: building it changes nothing
+    source.load()
+    assert torch_threads.get_num_threads() == 1
+    torch_threads.set_num_threads(2)
+    ModelSource(tiny_model_folder("gpt2", 64)).load()
+    assert torch_threads.get_num_threads() == 2  # None leaves torch's choice alone
+
+
+def test_the_threads_option_sets_torch_s_threads_before_the_command_runs(tiny_model_folder, text_corpus, tmp_path,
+                                                                          torch_threads, monkeypatch, capsys):
+    from equivariance_probe.cli import main
+    from equivariance_probe.runs import shift as shift_runs
+
+    torch_threads.set_num_threads(2)
+    seen = []
+
+    def load(source):  # what the thread count is when the model would load, then stop there
+        seen.append((source.threads, torch_threads.get_num_threads()))
+        raise InputError("stopped before loading")
+
+    monkeypatch.setattr(shift_runs, "load_shift_model", load)
+    assert main(["shift", "-o", str(tmp_path / "out"), "--model", tiny_model_folder("gpt2", 64), "--corpus",
+                 text_corpus(), "--threads", "1", "--no-progress"]) == 2
+    assert seen == [(1, 1)] and "stopped before loading" in capsys.readouterr().err
+    for command in ("run", "compare", "scan", "positional"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--threads" in capsys.readouterr().out, command
+    with pytest.raises(SystemExit):
+        main(["shift", "-o", str(tmp_path / "x"), "--threads", "0"])

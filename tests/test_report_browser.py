@@ -68,3 +68,38 @@ def test_report_draws_every_view_offline(report, tmp_path):
     screenshot = folder / "report.png"
     chromium(path, tmp_path / "profile2", "--window-size=1200,3000", f"--screenshot={screenshot}")
     assert screenshot.stat().st_size > 10_000
+
+
+def test_the_shift_report_reads_on_a_page_of_its_own_width(tmp_path):
+    """Opened at 1200 pixels, nothing widens the page past it: tables fit, long ones fold, and a figure wider than
+    the page scrolls inside its own box at its own size (the attribution of many components), so its labels keep
+    the size they were drawn at."""
+    from test_shift import design, run
+
+    from equivariance_probe import random_init_like
+    from equivariance_probe.display.shift import render_shift_report
+    from synthetic import tiny_gemma3
+
+    model = tiny_gemma3().to(torch.float64)
+    segments, contexts = design()
+    options = {"attribution": True, "attribution_heads": [0, 1, 2], "patch": True}
+    trained = run(model, segments, contexts, **options)
+    baseline = run(random_init_like(model, seed=1), segments, contexts, **options)
+    # Three variants side by side: the attribution figure is about 1,450 pixels wide, wider than the page.
+    page = str(render_shift_report(trained, {"random_init": baseline, "random_init again": baseline}))  # Markup
+    measured = str.replace(page, "</body>", "<script>document.body.insertAdjacentHTML('beforeend', '<p id=\"width\">' + "
+                                       "document.documentElement.scrollWidth + ' ' + Math.max(...Array.from("
+                                       "document.images, image => image.naturalWidth - image.width)) + "
+                                       "'</p>')</script></body>")
+    path = tmp_path / "shift_report.html"
+    path.write_text(measured, encoding="utf-8")
+    dom = chromium(path, tmp_path / "profile", "--window-size=1200,3000", "--dump-dom").stdout
+    found = re.search(r'<p id="width">(\d+) (-?\d+)</p>', dom)
+    assert found, dom[-2000:]
+    width, shrunk = map(int, found.groups())
+    assert width <= 1200 and shrunk == 0, (width, shrunk)  # no image drawn smaller than its pixels
+    assert "figure img{max-width:none}" in page and "overflow-x:auto" in page
+    assert dom.count("<details>") >= 2 and "<pre>" not in dom
+    screenshot = tmp_path / "shift_report.png"
+    chromium(path, tmp_path / "profile2", "--window-size=1200,4000", f"--screenshot={screenshot}")
+    assert screenshot.stat().st_size > 10_000

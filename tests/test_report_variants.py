@@ -86,3 +86,23 @@ def test_no_figure_title_runs_past_the_figure(study):
         box = text.get_window_extent()
         assert box.x0 >= 0 and box.x1 <= figure.bbox.width, text.get_text()
     pyplot().close(figure)
+
+
+def test_a_probe_figure_takes_a_result_and_its_baselines_as_a_shift_figure_does(study):
+    from equivariance_probe.display.figures import heatmaps_figure, persistence_figure, pyplot, sink_rate_figure
+    from equivariance_probe.errors import InputError
+
+    out, _ = study
+    result = ProbeResult.load(out / "results.safetensors")
+    baseline = ProbeResult.load(out / "baseline_random_init.safetensors")
+    for draw in (persistence_figure, sink_rate_figure):
+        together = draw({"trained": result, "random_init": baseline})
+        apart = draw(result, {"random_init": baseline})
+        assert [ax.get_title() for ax in together.axes] == [ax.get_title() for ax in apart.axes]
+        assert len(apart.axes[0].lines) == len(together.axes[0].lines)
+        pyplot().close(together)
+        pyplot().close(apart)
+        with pytest.raises(InputError, match=rf"{draw.__name__} takes a ProbeResult and its baselines"):
+            draw({"trained": result}, {"random_init": baseline})
+    with pytest.raises(InputError, match=r"heatmaps_figure draws one ProbeResult, not dict"):
+        heatmaps_figure({"trained": result})

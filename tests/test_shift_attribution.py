@@ -306,3 +306,15 @@ def test_the_command_runs_the_attribution_and_draws_it(tiny_model_folder, text_c
     assert "--attribution" in capsys.readouterr().err
     assert main(["shift", "-o", str(tmp_path / "c"), *common, "--attribution", "--attribution-heads", "9"]) == 2
     assert "layers (0 to" in capsys.readouterr().err
+
+
+def test_the_attribution_figure_takes_a_result_and_its_baselines_as_every_figure_does(attributed):
+    pytest.importorskip("matplotlib")
+    from equivariance_probe.display.shift import shift_attribution_figure
+
+    figure = shift_attribution_figure(attributed, {"random_init": attributed})
+    legends = [[text.get_text() for text in ax.get_legend().get_texts()] for ax in figure.axes]
+    assert len(legends) == 2 * len(attributed.attribution_layers())
+    assert all(labels[-1] == "random_init" and len(labels) == 2 for labels in legends)
+    one = shift_attribution_figure(attributed, layers=attributed.attribution_layers()[:1], terms=["offset"])
+    assert len(one.axes) == 1

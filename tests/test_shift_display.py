@@ -164,7 +164,7 @@ def test_report_section_holds_every_figure_and_the_view_in_a_rendered_report(shi
         assert page.index(bundle) < page.index('class="shift-view"')  # drawn from the bundle in <head>
         assert not EXTERNAL_URL.search(page.replace(bundle, ""))
         assert "Offset η² by layer" in page and "Per-head offset η²" in page and "Next-token loss" in page
-        assert "Jensen–Shannon divergence between offsets" in page and "<h3>random_init</h3>" in page
+        assert "Jensen–Shannon divergence between offsets" in page and "<th>random_init</th>" in page
         assert "first key and on the rest of the text before the segment, by offset and layer group" in page
         assert page.count('src="data:image/png;base64,') >= 5
         difference = variants["trained"].paired_difference(variants["random_init"], "centred_logits", "offset")
@@ -186,7 +186,7 @@ def test_command_line_writes_the_figures_and_the_report_with_its_view(tiny_model
     page = (tmp_path / "a" / "shift_report.html").read_text(encoding="utf-8")
     bundle = circuitsvis_bundle()
     assert page.count(bundle) == 1 and not EXTERNAL_URL.search(page.replace(bundle, ""))
-    assert "<h3>random_init</h3>" in page and "L1H0 at offset 0" in page and "L1H0 at offset 20" in page
+    assert "<th>random_init</th>" in page and "L1H0 at offset 0" in page and "L1H0 at offset 20" in page
     assert main(["shift", "-o", str(tmp_path / "b"), *common, "--no-figures"]) == 0
     assert sorted(path.name for path in (tmp_path / "b").iterdir()) == ["shift_trained.safetensors"]
 
@@ -215,3 +215,90 @@ def test_an_encoder_s_view_shows_the_whole_block_and_its_figures_omit_prediction
     assert not view.causal and view.entries.all()  # every segment key is visible to every segment query
     np.testing.assert_allclose(view.conditional.sum(-1), 1.0, rtol=1e-6)
     assert '"maskUpperTri": false' in view.to_html()
+
+
+def _drawn_lines(fig):
+    """Every plotted line's y values, panel by panel (what two calls that draw the same thing share)."""
+    return [[np.asarray(line.get_ydata(), dtype=float) for line in ax.lines] for ax in fig.axes]
+
+
+@pytest.mark.parametrize("draw", [shift_layers_figure, shift_loss_figure, shift_divergence_figure])
+def test_every_figure_of_variants_takes_a_result_and_its_baselines_or_one_mapping(shift_run, draw):
+    _, _, _, variants = shift_run
+    baselines = {"random_init": variants["random_init"]}
+    together, apart = draw(variants), draw(variants["trained"], baselines)
+    assert len(together.axes) == len(apart.axes)
+    for mine, theirs in zip(_drawn_lines(together), _drawn_lines(apart)):
+        assert len(mine) == len(theirs)
+        for a, b in zip(mine, theirs):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(InputError, match=rf"{draw.__name__} takes a ShiftResult and its baselines.*not both"):
+        draw(variants, baselines)
+    with pytest.raises(InputError, match=r"got \{'random_init': 'str'\}"):
+        draw(variants["trained"], {"random_init": "shift_random_init.safetensors"})
+
+
+def test_a_figure_of_one_result_refuses_a_mapping_of_variants_by_name(shift_run):
+    _, _, _, variants = shift_run
+    with pytest.raises(InputError, match=r"shift_heads_figure draws one ShiftResult, not dict.*variants\['trained'\]"):
+        shift_heads_figure(variants)
+
+
+@pytest.mark.parametrize("head, message", [
+    ("L9H0", r"--view-head L9H0: .* has layers 0\.\.\d+ and heads 0\.\.\d+"),
+    ("L1H0,L0H1", r"names 2 heads; the view shows one"),
+    ("head one", r"cannot read the head 'head one'"),
+])
+def test_a_bad_view_head_is_refused_before_the_model_loads(tiny_model_folder, text_corpus, tmp_path, capsys,
+                                                           monkeypatch, head, message):
+    from equivariance_probe.cli import main
+    from equivariance_probe.runs import shift as shift_runs
+
+    loaded = []
+    monkeypatch.setattr(shift_runs, "load_shift_model", lambda source: loaded.append(source))
+    args = ["shift", "-o", str(tmp_path / "out"), "--model", tiny_model_folder("gemma3", n_positions=128),
+            "--corpus", text_corpus(n_docs=6, words=60), "--view-head", head, "--no-progress"]
+    assert main(args) == 2
+    assert re.search(message, capsys.readouterr().err) and loaded == []
+    assert main([*args[:-3], "--view-head", "L1H0", "--no-figures"]) == 2
+    assert "--no-figures writes no report" in capsys.readouterr().err and loaded == []
+
+
+def test_the_report_s_tables_are_html_with_the_largest_rows_first_and_the_rest_folded(shift_run):
+    from equivariance_probe.display.shift_tables import shift_tables_html
+
+    _, _, _, variants = shift_run
+    page = str(render_shift_report(variants["trained"], {"random_init": variants["random_init"]}))
+    assert "<pre>" not in page and page.count('<table class="shift">') >= 4
+    html = str(shift_tables_html(variants, shown=4))
+    by_layer = html[html.index("<h3>Offset η² by layer</h3>"):]
+    by_layer = by_layer[:by_layer.index("<h3>", 4)]
+    shown, folded = by_layer.split("<details>")
+    assert "<summary>8 more rows</summary>" in folded  # 4 representations × 3 layers, 4 shown
+    trained = variants["trained"]
+    expected = sorted(((representation, layer, value) for representation in ("centred_logits", "conditional_weights",
+                                                                             "raw_weights", "residual")
+                       for layer, value in enumerate(trained.share(representation, "offset", by="layer"))),
+                      key=lambda item: -abs(item[2]))
+    cells = [float(cell) for cell in re.findall(r"<td>layer \d</td><td>([-0-9.]+)</td>", by_layer)]
+    np.testing.assert_allclose(cells, [round(value, 4) for _, _, value in expected], atol=1e-4)
+    assert len(re.findall(r"<td>layer \d</td>", shown)) == 4
+
+
+def test_captions_say_intervals_only_where_the_figure_draws_them(shift_run):
+    model, segments, contexts, variants = shift_run
+    with_intervals = str(render_shift_report(variants["trained"]))
+    captions = re.findall(r"<figcaption>(.*?)</figcaption>", with_intervals)
+    assert sum("bars: 95% intervals over segments" in caption for caption in captions) >= 3
+    assert any("estimates: a heat map draws no intervals" in caption for caption in captions)
+    one_group = run(model, segments[:1], contexts)
+    captions = re.findall(r"<figcaption>(.*?)</figcaption>", str(render_shift_report(one_group)))
+    assert captions and not any("95%" in caption or "95 %" in caption for caption in captions)
+    assert sum("no intervals: fewer than 2 groups of segments" in caption for caption in captions) >= 3
+
+
+def test_a_figure_wider_than_the_page_scrolls_at_its_own_size_instead_of_shrinking():
+    from equivariance_probe.display.report import html_page
+
+    style = str(html_page("t", ""))
+    assert "figure img{max-width:none}" in style and "overflow-x:auto" in style

@@ -111,10 +111,12 @@ def test_positional_rows_hold_each_head_and_layer_and_the_baseline_as_its_own_va
         assert _pick(rows, statistic="attention_toeplitz_mean_pattern", layer=layer, head=head)["value"] == \
             pytest.approx(value)
     baseline = [row for row in rows if row["variant"] == "random_init"]
-    probe_rows = {f"probe_{score}_{target}" for score in ("r2", "mae") for target in ("position", "log1p_position")}
-    assert baseline and {row["statistic"] for row in baseline} == {"shrinkage_attention", "shrinkage_residual",
-                                                                  "correlation_mean_off_diagonal"} | probe_rows | {
-        f"massive_{name}" for name in ("top1", "top2", "top3", "median", "ratio", "position", "dimension")}
+    statistics = {row["statistic"] for row in baseline}
+    assert baseline and {name for name in statistics if not name.startswith(("probe_", "massive_"))} == {
+        "shrinkage_attention", "shrinkage_residual", "correlation_mean_off_diagonal"}
+    assert ("probe_baseline" in study.parts) == ("probe_r2_position" in statistics)  # the probe's rows, its own test
+    assert ("massive_baseline" in study.parts) == {
+        f"massive_{name}" for name in ("top1", "top2", "top3", "median", "ratio", "position", "dimension")} <= statistics
     probe = study.summary()["probe"]["position"]
     row = _pick(rows, statistic="probe_mae_position", variant="trained", layer=1)
     assert (row["value"], row["low"], row["high"]) == pytest.approx((probe["mae"][1], probe["mae_low"][1],
@@ -188,3 +190,80 @@ def test_show_explains_each_column_of_the_shift_table(files, capsys):
     assert "| pair η² |" in table
     assert "- pair η²: the share that depends only on which two tokens of the text" in readings
     assert "'residual-stream units'" in readings and len(readings.strip().splitlines()) == len(SHIFT_COLUMNS) + 1
+
+
+def test_a_probe_result_s_rows_and_table_hold_its_sink_rate_and_first_token_weights(files):
+    for result in (files["trained"], files["random_init"]):
+        rows = result.to_rows()
+        rate = _pick(rows, statistic="sink_rate", split="model")
+        interval = result.sink_rate(interval=0.95)
+        assert (rate["value"], rate["low"], rate["high"]) == pytest.approx(
+            (interval.estimate, interval.low, interval.high), abs=1e-12)
+        assert rate["unit"] == "share of heads" and rate["variant"] == result.metadata["label"]
+        by_layer = [_pick(rows, statistic="sink_rate", split="layer", layer=layer)["value"]
+                    for layer in range(result.n_layers)]
+        np.testing.assert_allclose(by_layer, result.sink_rate(by="layer"), atol=1e-12)
+        alpha = result.first_token_weight("head")
+        for (layer, head), value in np.ndenumerate(alpha):
+            assert _pick(rows, statistic="first_token_weight", split="head", layer=layer, head=head)["value"] == \
+                pytest.approx(value, abs=1e-12)
+        # The share of heads is the share of α₁ above the threshold: the known answer from the weights themselves.
+        assert rate["value"] == pytest.approx(float(np.mean(alpha > 0.3)), abs=1e-12)
+        assert f"mean first-token weight α₁ {float(np.mean(alpha)):.4f}" in result.table()
+        frame = result.to_dataframe() if "pandas" in sys.modules or _has_pandas() else None
+        if frame is not None:
+            assert set(frame["statistic"]) >= {"sink_rate", "first_token_weight"}
+
+
+def _has_pandas() -> bool:
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _made_probe():
+    """A PositionProbe of 3 layers and 4 folds with known fold scores (no model: the numbers are given)."""
+    from equivariance_probe import PositionProbe
+
+    r2 = {"position": np.array([[0.1, 0.2, 0.3, 0.2], [0.5, 0.6, 0.7, 0.6], [0.9, 0.8, 0.85, 0.95]]),
+          "log1p_position": np.array([[0.0, 0.1, 0.0, 0.1], [0.4, 0.4, 0.5, 0.3], [0.7, 0.8, 0.9, 0.8]])}
+    mae = {target: 10 * (1 - values) for target, values in r2.items()}
+    return PositionProbe(r2=r2, mae=mae, alpha={target: np.ones((3, 4)) for target in r2},
+                         positions=np.arange(24).reshape(6, 4), groups=np.repeat(np.arange(3), 2),
+                         window_fold=np.arange(6) % 4, context_length=32, metadata={"model": "made-up"})
+
+
+def test_a_position_probe_speaks_the_result_protocol_with_its_rows_table_and_data_frame():
+    from equivariance_probe import Result
+    from equivariance_probe.analyses.position_probe import PROBE_TARGETS
+
+    probe = _made_probe()
+    assert isinstance(probe, Result) and probe.model_name == "made-up" and probe.complete and probe.undefined == {}
+    rows = probe.to_rows()
+    assert len(rows) == len(PROBE_TARGETS) * 2 * probe.n_layers and set(rows[0]) == set(COLUMNS)
+    for target in PROBE_TARGETS:
+        for score, table in (("r2", probe.r2[target]), ("mae", probe.mae[target])):
+            interval = probe.interval(target, score)
+            for layer in range(probe.n_layers):
+                row = _pick(rows, statistic=f"probe_{score}_{target}", layer=layer)
+                assert row["value"] == pytest.approx(table[layer].mean(), abs=1e-12)  # the mean over folds
+                assert (row["low"], row["high"]) == pytest.approx(
+                    (np.asarray(interval.low)[layer], np.asarray(interval.high)[layer]), abs=1e-12)
+    text = probe.table()
+    assert "made-up" in text and f"{probe.r2['position'][2].mean():.3f}" in text and len(text.splitlines()) == 2 + 3
+    if _has_pandas():
+        frame = probe.to_dataframe()
+        assert list(frame.columns) == list(COLUMNS) and len(frame) == len(rows)
+
+
+def test_a_positional_study_s_rows_hold_its_position_probe(files):
+    from equivariance_probe.runs.positional import PositionalStudy
+
+    probe = _made_probe()
+    study = PositionalStudy(parts={"probe": probe}, skipped={}, metadata={"model": "made-up"})
+    rows = study.to_rows()
+    row = _pick(rows, statistic="probe_r2_position", layer=1)
+    assert row["variant"] == "trained" and row["kind"] == "positional"
+    assert row["value"] == pytest.approx(probe.r2["position"][1].mean(), abs=1e-12)

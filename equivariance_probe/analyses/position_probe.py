@@ -296,6 +296,63 @@ def _check_finite(features: torch.Tensor) -> None:
             f"{features.shape[1]} kept rows at layer {bad[0]}); the model's weights or its dtype overflow: check the "
             "weights for NaN, or load it in float32")
 
+    # -- the Result protocol: every number as rows, a table and a data frame ----------------------
+    @property
+    def model_name(self) -> str:
+        """The model probed, as its study names it (``metadata["model"]``), else ``"?"``."""
+        return str(self.metadata.get("model", "?"))
+
+    @property
+    def complete(self) -> bool:
+        """A probe is computed whole: always ``True``."""
+        return True
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """How the probe was run: context length, first position, ablation, folds and interval level."""
+        return {"context_length": self.context_length, "min_position": self.min_position, "ablation": self.ablation,
+                "n_folds": self.n_folds, "level": self.level}
+
+    @property
+    def undefined(self) -> dict[str, str]:
+        """No number of a probe is undefined by construction: ``{}``."""
+        return {}
+
+    def to_rows(self, level: float = 0.95) -> list[dict[str, Any]]:
+        """Held-out R² and MAE per target and layer with their intervals over folds, in long form
+        (:func:`~equivariance_probe.analyses.tidy.position_probe_rows`; ``level`` is accepted as every result
+        accepts it: the intervals are at the level the probe was run with, :attr:`level`)."""
+        from .tidy import position_probe_rows
+
+        return position_probe_rows(self, {"kind": "position_probe", "model": self.model_name,
+                                          "mode": self.ablation})
+
+    def to_dataframe(self) -> Any:
+        """:meth:`to_rows` as a pandas ``DataFrame``.
+
+        Raises:
+            MissingDependencyError: pandas is not installed (the message gives ``pip install pandas``).
+        """
+        from .tidy import rows_dataframe
+
+        return rows_dataframe(self.to_rows(), "PositionProbe.to_dataframe()")
+
+    def table(self, level: float = 0.95) -> str:
+        """A plain-text table: one line per layer, held-out R² and MAE of each target with their intervals over
+        folds (``level`` as in :meth:`to_rows`)."""
+        from ..maths.intervals import format_interval
+
+        rows = {(row["statistic"], row["layer"]): row for row in self.to_rows(level)}
+        columns = [f"probe_{score}_{target}" for target in PROBE_TARGETS for score in ("r2", "mae")]
+        lines = [f"Position probe on {self.model_name}: {self.n_windows} windows of {self.context_length} tokens from "
+                 f"{self.n_documents} documents, {self.n_folds} folds, {self.level:.0%} intervals over folds",
+                 f"  {'layer':<6}" + "".join(f"{name.removeprefix('probe_'):>30}" for name in columns)]
+        for layer in range(self.n_layers):
+            cells = (format_interval(rows[(name, layer)]["value"], rows[(name, layer)]["low"],
+                                     rows[(name, layer)]["high"], 3) for name in columns)
+            lines.append(f"  {layer:<6}" + "".join(f"{cell:>30}" for cell in cells))
+        return "\n".join(lines)
+
 
 def position_probe(
     model: Any,

@@ -10,7 +10,7 @@ concatenate (``pandas.concat``) because each carries its model, variant and run 
 
 Columns (:data:`COLUMNS`), ``None`` where a column does not apply:
 
-* ``kind`` (``probe``, ``shift``, ``positional``), ``model``, ``variant`` (``trained``, a baseline's
+* ``kind`` (``probe``, ``shift``, ``positional``, ``position_probe``), ``model``, ``variant`` (``trained``, a baseline's
   name, or ``None``), ``run_id``, ``mode`` (how the windows were made, or the shift test's mode),
   ``dtype`` — the run;
 * ``statistic`` — the number's name (``log_eta2``, ``persistence_power_r2``, ``offset_eta2``...);
@@ -27,9 +27,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import MissingDependencyError
+import numpy as np
 
-__all__ = ["COLUMNS", "probe_rows", "shift_rows", "positional_rows", "rows_dataframe", "require_pandas"]
+from ..errors import IntervalUnavailableError, MissingDependencyError
+
+__all__ = ["COLUMNS", "probe_rows", "sink_rows", "position_probe_rows", "shift_rows", "positional_rows", "rows_dataframe", "require_pandas"]
 
 COLUMNS = ("kind", "model", "variant", "run_id", "mode", "dtype", "statistic", "representation", "split",
            "layer_group", "layer", "head", "offset", "component", "value", "low", "high", "level", "unit")
@@ -124,6 +126,52 @@ def probe_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[
         for layer, heads in enumerate(by_layer):
             for head, value in enumerate(heads):
                 rows.append(_row(identity, score, value, split="head", layer=layer, head=head))
+    return rows
+
+
+def sink_rows(result: Any, identity: Mapping[str, Any], level: float) -> list[dict[str, Any]]:
+    """A probe result's attention-sink rows (Gu et al., ICLR 2025), from its own methods: ``sink_rate`` (the share
+    of heads whose first-token weight is above the threshold, a fraction in ``[0, 1]``) for the model, with its
+    interval at ``level`` where the result has one, and per layer; ``first_token_weight`` (``α₁``) for the model
+    and per head. None for a result that keeps no first-token sums (:attr:`keeps_first_token`)."""
+    if not getattr(result, "keeps_first_token", False) or not result.n_windows:
+        return []
+    try:
+        rate = result.sink_rate(interval=level)
+        model = {"value": rate.estimate, "low": rate.low, "high": rate.high, "level": rate.level}
+    except IntervalUnavailableError:
+        model = {"value": result.sink_rate()}
+    rows = [_row(identity, "sink_rate", **model, unit="share of heads")]
+    rows += [_row(identity, "sink_rate", value, split="layer", layer=layer, unit="share of heads")
+             for layer, value in enumerate(result.sink_rate(by="layer"))]
+    rows.append(_row(identity, "first_token_weight", result.first_token_weight(None), unit="attention weight"))
+    rows += [_row(identity, "first_token_weight", value, split="head", layer=layer, head=head, unit="attention weight")
+             for (layer, head), value in np.ndenumerate(result.first_token_weight("head"))]
+    return rows
+
+
+def position_probe_rows(probe: Any, identity: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A :class:`~equivariance_probe.PositionProbe`'s rows, from its own intervals
+    (:meth:`~equivariance_probe.PositionProbe.interval`): ``probe_r2_{target}`` (held-out R²) and
+    ``probe_mae_{target}`` (held-out mean absolute distance, in tokens) per layer (layer 0 the embeddings), each
+    pooled over the held-out rows with its jackknife interval over groups of documents; a probe written before
+    those intervals existed gives its scores without bounds."""
+    from .position_probe import PROBE_TARGETS
+
+    rows = []
+    for target in PROBE_TARGETS:
+        for score, unit in (("r2", "R²"), ("mae", "tokens")):
+            try:
+                interval = probe.interval(target, score)
+            except IntervalUnavailableError:
+                estimate = np.asarray(probe.score(target, score), dtype=np.float64)
+                rows += [_row(identity, f"probe_{score}_{target}", value, split="layer", layer=layer, unit=unit)
+                         for layer, value in enumerate(estimate)]
+                continue
+            bounds = [np.asarray(getattr(interval, key), dtype=np.float64) for key in ("estimate", "low", "high")]
+            for layer, (value, low, high) in enumerate(zip(*bounds)):
+                rows.append(_row(identity, f"probe_{score}_{target}", value, split="layer", layer=layer, low=low,
+                                 high=high, level=interval.level, unit=unit))
     return rows
 
 
@@ -230,7 +278,7 @@ def positional_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> 
     ``tisa_r2_{mean,median,min,max}`` over heads; ``permutation_{measure}`` per ablation (``mode``);
     ``shrinkage_{stream}`` and ``correlation_mean_off_diagonal`` per layer, the random-init
     baseline's as variant ``random_init``, without intervals (those analyses compute none);
-    ``probe_r2_{target}`` and ``probe_mae_{target}`` (tokens) per layer with their jackknife intervals;
+    the position probes' rows come from :func:`position_probe_rows` (the study's :meth:`to_rows` adds them);
     ``massive_top{i}``, ``massive_median``, ``massive_ratio``, ``massive_position`` and
     ``massive_dimension`` per layer (Sun et al.'s massive activations).
     """
@@ -260,15 +308,6 @@ def positional_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> 
     for key, who in (("correlation", trained), ("correlation_baseline", baseline)):
         for layer, value in enumerate((summary.get(key) or {}).get("mean_off_diagonal_by_layer") or []):
             rows.append(_row(who, "correlation_mean_off_diagonal", value, split="layer", layer=layer))
-    for key, who in (("probe", trained), ("probe_baseline", baseline)):
-        probe = summary.get(key) or {}
-        for target in ("position", "log1p_position"):
-            for score in ("r2", "mae"):
-                part = probe.get(target) or {}
-                for layer, value in enumerate(part.get(score) or []):
-                    rows.append(_row(who, f"probe_{score}_{target}", value, split="layer", layer=layer,
-                                     low=part[f"{score}_low"][layer], high=part[f"{score}_high"][layer],
-                                     level=probe.get("level"), unit="tokens" if score == "mae" else None))
     for key, who in (("massive", trained), ("massive_baseline", baseline)):
         massive = summary.get(key) or {}
         for layer, top in enumerate(massive.get("top") or []):

@@ -105,8 +105,8 @@ def model_source_of(args: argparse.Namespace, name: str | None = None) -> Any:
     spec's default."""
     from ..sources.model_source import ModelSource
 
-    given = {key: getattr(args, key) for key in ("framework", "cache_dir", "device", "dtype", "attn_implementation")
-             if getattr(args, key, None) is not None}
+    given = {key: getattr(args, key) for key in ("framework", "cache_dir", "device", "dtype", "attn_implementation",
+                                                 "threads") if getattr(args, key, None) is not None}
     return ModelSource(args.model if name is None else name, **given)
 
 

@@ -195,6 +195,10 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
             "save a checkpoint in OUT/checkpoint every N documents (0: never; default %(default)s)")}),
         "resume": (("--resume",), {"action": "store_true", "help": (
             "continue the interrupted run whose checkpoint is in OUT/checkpoint (same model, corpus, options)")}),
+        "threads": (("--threads",), {"type": positive, "default": None, "commands": (
+            "run", "shift", "compare", "scan", "positional"), "help": (
+            "torch's CPU threads (torch.set_num_threads), set before the model loads (default: torch's, one per core); "
+            "on cores another process also uses, fewer threads avoid oversubscription (docs/guide/cost.md)")}),
         "no_progress": (("--no-progress",), {"action": "store_true", "help": "no progress bars"}),
         "json": (("--json",), {"action": "store_true", "help": "print the numbers as JSON instead of a table"}),
         "no_figures": (("--no-figures",), {"action": "store_true", "help": (

@@ -56,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with command_line_options(api_flags(parser)), _stop_on_sigterm(), contextlib.ExitStack() as held:
             token = HELD.set(held)
+            if getattr(args, "threads", None) is not None:  # before any model loads or any tensor is computed
+                from ..sources.devices import set_threads
+
+                set_threads(args.threads)
             try:
                 status = args.handler(args)
             finally:

@@ -107,14 +107,71 @@ def _label(result: ProbeResult) -> str:
     return f"{result.model_name} ({variant})" if variant else result.model_name
 
 
-def _results(results: ProbeResult | dict[str, ProbeResult]) -> dict[str, ProbeResult]:
-    return results if isinstance(results, dict) else {_label(results): results}
+def _probe_result() -> type:
+    from ..result import ProbeResult
+
+    return ProbeResult
 
 
-def persistence_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
+def _results(results: ProbeResult | Mapping[str, ProbeResult], baselines: Mapping[str, ProbeResult] | None = None,
+             *, where: str) -> dict[str, ProbeResult]:
+    """``{name: result}`` as every figure of several variants takes them (:func:`variants_of`); a single result
+    alone is named by :func:`_label`."""
+    from ..result import ProbeResult
+
+    if isinstance(results, ProbeResult) and not baselines:
+        return {_label(results): results}
+    return variants_of(results, baselines, ProbeResult, where=where)
+
+
+def variants_of(results: Any, baselines: Mapping[str, Any] | None, kind: type, *, where: str) -> dict[str, Any]:
+    """``{name: result}`` of results of ``kind``: ``results`` one result (named by its study variant, else its
+    model) followed by ``baselines``, or a mapping of variants (``baselines`` then ``None``).
+
+    Raises:
+        InputError: a value that is not a ``kind``, or a mapping of variants beside ``baselines``.
+    """
+    usage = (f"{where} takes a {kind.__name__} and its baselines ({where}(result, {{'random_init': baseline}})) "
+             f"or one mapping of variants ({where}({{'trained': result, 'random_init': baseline}}))")
+    if isinstance(results, Mapping):
+        if baselines:
+            raise InputError(f"{usage}, not both: got a mapping of variants and baselines={sorted(baselines)}")
+        variants = dict(results)
+    elif isinstance(results, kind):
+        study = results.metadata.get("study") if isinstance(results.metadata.get("study"), Mapping) else {}
+        variants = {str(study.get("variant") or study.get("label") or results.metadata.get("label")
+                        or results.model_name): results}
+        if baselines is not None and not isinstance(baselines, Mapping):
+            raise InputError(f"{usage}; got baselines of type {type(baselines).__name__}")
+        variants.update(baselines or {})
+    else:
+        raise InputError(f"{usage}; got {type(results).__name__}")
+    wrong = {name: type(value).__name__ for name, value in variants.items() if not isinstance(value, kind)}
+    if wrong or not variants:
+        raise InputError(f"{usage}; got {wrong or 'an empty mapping'}")
+    return variants
+
+
+def one_result(result: Any, kind: type, *, where: str) -> Any:
+    """``result`` for a figure of one result; a mapping of variants is refused with what to pass instead.
+
+    Raises:
+        InputError: ``result`` is not a ``kind``.
+    """
+    if not isinstance(result, kind):
+        example = f" (e.g. {where}(variants['trained']), once per variant)" if isinstance(result, Mapping) else ""
+        raise InputError(f"{where} draws one {kind.__name__}, not {type(result).__name__}: pass the result "
+                         f"itself{example}")
+    return result
+
+
+
+
+def persistence_figure(results: ProbeResult | Mapping[str, ProbeResult],
+                       baselines: Mapping[str, ProbeResult] | None = None) -> Figure:
     """Fig. 1a: mean attention by distance with its three fits, one panel per result."""
     plt = pyplot()
-    results = _results(results)
+    results = _results(results, baselines, where="persistence_figure")
     fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4.2), squeeze=False)
     for ax, (label, result) in zip(axes[0], results.items()):
         curves = result.persistence()
@@ -142,6 +199,7 @@ def persistence_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
 
 def head_curves_figure(result: ProbeResult) -> Figure:
     """Fig. 1b: ``P(dt)`` of every head, coloured by layer, with the uniform prior."""
+    result = one_result(result, _probe_result(), where="head_curves_figure")
     plt = pyplot()
     curves = result.persistence(by="head")
     overall = result.persistence()
@@ -159,11 +217,13 @@ def head_curves_figure(result: ProbeResult) -> Figure:
     return fig
 
 
-def fit_by_key_figure(results: ProbeResult | dict[str, ProbeResult], bins: int = 16) -> Figure:
+def fit_by_key_figure(results: ProbeResult | Mapping[str, ProbeResult],
+                      baselines: Mapping[str, ProbeResult] | None = None, *,
+                      bins: int = 16) -> Figure:
     """Fig. 1c: R² of the power, exponential and prior fits to ``P_t(dt)`` by key position bin,
     one panel per result (a study's trained model and its baselines side by side)."""
     plt = pyplot()
-    results = _results(results)
+    results = _results(results, baselines, where="fit_by_key_figure")
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4), squeeze=False)
     for ax, (label, result) in zip(axes[0], results.items()):
         curves = result.persistence(by="key_position", bins=min(bins, result.context_length))
@@ -181,6 +241,7 @@ def fit_by_key_figure(results: ProbeResult | dict[str, ProbeResult], bins: int =
 
 def scatter_figure(result: ProbeResult) -> Figure:
     """Fig. 1d: sampled attention entries against the uniform prior (log-log)."""
+    result = one_result(result, _probe_result(), where="scatter_figure")
     plt = pyplot()
     sample = result.entry_sample()
     floor = result.log_floor or np.finfo(np.float32).tiny
@@ -207,6 +268,7 @@ def scatter_figure(result: ProbeResult) -> Figure:
 
 def heatmaps_figure(result: ProbeResult) -> Figure:
     """Per-head query-position R² (log scale, fitted and η²) and Toeplitz R²."""
+    result = one_result(result, _probe_result(), where="heatmaps_figure")
     plt = pyplot()
     panels = {
         "query-position R² (log, fitted)": result.query_position_r2("log", "fitted", by="head"),
@@ -234,11 +296,12 @@ def _head_panel(fig: Any, ax: Any, values: np.ndarray, title: str, cmap: str) ->
     fig.colorbar(image, ax=ax)
 
 
-def first_token_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
+def first_token_figure(results: ProbeResult | Mapping[str, ProbeResult],
+                       baselines: Mapping[str, ProbeResult] | None = None) -> Figure:
     """The first token's mean weight ``α₁`` (:meth:`~equivariance_probe.result.ProbeResult.first_token_weight`)
     of every head, one heat map per result on one scale ``[0, 1]``, with each result's sink rate at ε = 0.3."""
     plt = pyplot()
-    results = _results(results)
+    results = _results(results, baselines, where="first_token_figure")
     first = next(iter(results.values()))
     n_layers, n_heads = first.n_layers, first.n_heads
     width = 2.2 + 2.4 * max(n_heads, 4) / 4
@@ -251,11 +314,13 @@ def first_token_figure(results: ProbeResult | dict[str, ProbeResult]) -> Figure:
     return fig
 
 
-def sink_rate_figure(results: ProbeResult | dict[str, ProbeResult], epsilon: float = 0.3) -> Figure:
+def sink_rate_figure(results: ProbeResult | Mapping[str, ProbeResult],
+                     baselines: Mapping[str, ProbeResult] | None = None, *,
+                     epsilon: float = 0.3) -> Figure:
     """The share of each layer's heads whose first-token weight ``α₁`` is above ``epsilon``, one line per result
     (the trained model and its baselines on one axes)."""
     plt = pyplot()
-    results = _results(results)
+    results = _results(results, baselines, where="sink_rate_figure")
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for label, result in results.items():
         rate = result.sink_rate(epsilon, by="layer")

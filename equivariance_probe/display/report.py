@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .views import HeadViews
 
 __all__ = ["render_report", "report_sections", "ReportSection", "RenderedReport", "figures_html", "html_page",
-           "sections_page", "table_html", "sinks_section"]
+           "sections_page", "table_html", "folded_table_html", "sinks_section"]
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,9 @@ def _png(figure) -> str:
 
 
 def figures_html(figures: dict[str, Any]) -> Markup:
-    """matplotlib figures (caption -> figure) as captioned ``<figure>`` elements with embedded PNG (closes them)."""
+    """matplotlib figures (caption -> figure) as captioned ``<figure>`` elements with embedded PNG (closes them),
+    each shown at its own size (100 pixels per inch), so that its labels stay as large as drawn: a figure wider than
+    the page scrolls sideways instead of shrinking."""
     return Markup("").join(
         Markup('<figure><img alt="{name}" src="data:image/png;base64,{png}"><figcaption>{name}</figcaption></figure>')
         .format(name=name, png=_png(figure))
@@ -75,7 +77,8 @@ def figures_html(figures: dict[str, Any]) -> Markup:
 #: ``<div>`` inside a notebook, so that it leaves the notebook's own style alone).
 _STYLE = ("{root}{{font-family:sans-serif;max-width:1100px;margin:auto}}{root} table{{border-collapse:collapse}}"
           "{root} td,{root} th{{border:1px solid #ccc;padding:3px 8px}}{root} img{{max-width:100%}}"
-          "{root} caption{{text-align:left;padding:4px 0}}{root} figure{{margin:1em 0}}"
+          "{root} figure img{{max-width:none}}{root} details{{margin:0.3em 0 1em}}{root} summary{{cursor:pointer}}"
+          "{root} caption{{text-align:left;padding:4px 0}}{root} figure{{margin:1em 0;overflow-x:auto}}"
           "{root} figcaption{{font-size:90%;color:#444}}")
 
 
@@ -178,6 +181,18 @@ def table_html(columns: Sequence[str], rows: Sequence[tuple[str, str, Sequence[s
         for group, what, cells in rows
     )
     return Markup('<table class="{}">{}{}</table>').format(css_class, header, body)
+
+
+def folded_table_html(columns: Sequence[str], rows: Sequence[tuple[str, str, Sequence[str]]], css_class: str, *,
+                      shown: int = 10) -> Markup:
+    """:func:`table_html` of the first ``shown`` rows, the rest folded under a ``<details>`` that says how many
+    rows it holds (give the rows largest first: the page then opens on what matters)."""
+    if len(rows) <= shown:
+        return table_html(columns, rows, css_class)
+    rest = len(rows) - shown
+    return Markup("{}<details><summary>{} more row{}</summary>{}</details>").format(
+        table_html(columns, rows[:shown], css_class), rest, "s" if rest != 1 else "",
+        table_html(columns, rows[shown:], css_class))
 
 
 def figures_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None = None) -> ReportSection:

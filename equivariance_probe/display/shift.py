@@ -43,11 +43,12 @@ from ..sources.shift_grid import shift_grid
 from ..statistics.shift import REPRESENTATION_LABELS, REPRESENTATIONS, counted_entries
 from .circuitsvis import (CircuitsVisFigure, attention_pattern_figure, figure_row, save_views_page, views_body_html,
                           views_html)
-from .figures import _axes_title, drawn, figure_title, pyplot
+from .figures import _axes_title, drawn, figure_title, one_result, pyplot
 from .report import RenderedReport, ReportSection, figures_html, sections_page, table_html
 from .shift_mechanisms import (_has_sink_mass, shift_attribution_figure, shift_patching_figure, shift_sink_figure,
                                sink_layer_groups)
-from .shift_parts import INTERVAL_LEVEL, _number, _offset_meaning, _titled, _variants, _with_interval
+from .shift_parts import INTERVAL_LEVEL, _interval_note, _number, _offset_meaning, _titled, _variants, _with_interval
+from .shift_tables import shift_tables_html
 from .views import _token_strings, parse_heads
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,13 +77,14 @@ _REPRESENTATION_NAMES = REPRESENTATION_LABELS
 
 # -- figures ------------------------------------------------------------------------------------------------
 def shift_layers_figure(results: ShiftResult | Mapping[str, ShiftResult],
+                        baselines: Mapping[str, ShiftResult] | None = None, *,
                         representations: Sequence[str] = ("centred_logits", "residual"), term: str = "offset") -> Figure:
     """``η²`` of ``term`` by layer, one panel per representation and one line per variant (a trained model and its
     random initialisation), with 95 % intervals over segments."""
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 
-    variants = _variants(results)
+    variants = _variants(results, baselines, where="shift_layers_figure")
     fig, axes = plt.subplots(1, len(representations), figsize=(5.5 * len(representations), 4.2), squeeze=False)
     for ax, representation in zip(axes[0], representations):
         for number, (name, result) in enumerate(variants.items()):
@@ -110,8 +112,9 @@ def shift_layers_figure(results: ShiftResult | Mapping[str, ShiftResult],
                    variants, f"; {_offset_meaning(first)}")
 
 
-def shift_heads_figure(result: ShiftResult, representation: str = "centred_logits") -> Figure:
+def shift_heads_figure(result: ShiftResult, *, representation: str = "centred_logits") -> Figure:
     """Per-head ``[layer, head]`` heat maps of the offset η² and the pair η² (the equivariant part)."""
+    result = one_result(result, ShiftResult, where="shift_heads_figure")
     plt = pyplot()
     panels = {term: result.share(representation, term, by="head") for term in ("offset", "pair")}
     n_layers, n_heads = panels["offset"].shape
@@ -130,11 +133,12 @@ def shift_heads_figure(result: ShiftResult, representation: str = "centred_logit
     return fig
 
 
-def shift_loss_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figure:
+def shift_loss_figure(results: ShiftResult | Mapping[str, ShiftResult],
+                      baselines: Mapping[str, ShiftResult] | None = None) -> Figure:
     """The mean next-token loss (nats) of the segment's own tokens at each offset, one line per variant, with
     95 % intervals over segments."""
     plt = pyplot()
-    variants = _variants(results)
+    variants = _variants(results, baselines, where="shift_loss_figure")
     fig, ax = plt.subplots(figsize=(6, 4.2))
     for name, result in variants.items():
         estimate, error = _with_interval(_number(result.loss_by_offset))
@@ -145,11 +149,12 @@ def shift_loss_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figur
     return _titled(fig, ax, f"Loss on the segment by offset, {next(iter(variants.values())).model_name}", variants)
 
 
-def shift_divergence_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figure:
+def shift_divergence_figure(results: ShiftResult | Mapping[str, ShiftResult],
+                            baselines: Mapping[str, ShiftResult] | None = None) -> Figure:
     """Per variant, the mean Jensen–Shannon divergence of the segment's predictions between two offsets (same
     context) beside that between two contexts (same offset), with 95 % intervals; their ratio under each variant's name."""
     plt = pyplot()
-    variants = _variants(results)
+    variants = _variants(results, baselines, where="shift_divergence_figure")
     fig, ax = plt.subplots(figsize=(2.5 + 2.2 * len(variants), 4.2))
     width, labels = 0.38, []
     for index, (name, result) in enumerate(variants.items()):
@@ -405,32 +410,43 @@ def shift_view(model: Any, segments: Sequence[Any], contexts: Sequence[Any] | No
 # -- the report ---------------------------------------------------------------------------------------------
 def shift_report_section(result: ShiftResult, baselines: Mapping[str, ShiftResult] | None = None, *,
                          view: ShiftView | None = None, name: str = "trained") -> ReportSection:
-    """The shift test in the HTML report: each variant's table, the figures (:func:`shift_figures`) and, when
-    given, the CircuitsVis view (drawn from the bundle the report carries once)."""
+    """The shift test in the HTML report: its numbers as tables, a column per variant, long ones largest first with
+    the rest folded (:func:`~equivariance_probe.display.shift_tables.shift_tables_html`), the differences from the
+    baselines, the figures (:func:`shift_figures`, each captioned with whether it draws intervals) and, when given,
+    the CircuitsVis view (drawn from the bundle the report carries once)."""
     variants = {name: result, **dict(baselines or {})}
-    tables = Markup("").join(Markup("<h3>{}</h3><pre>{}</pre>").format(variant, value.table())
-                             for variant, value in variants.items())
-    captions = {
-        "shift_layers": "Offset η² by layer, centred logits and residual stream, each variant (95 % intervals over segments)",
-        "shift_heads": f"Per-head offset η² and pair η² (the equivariant part) of the centred logits, {name}",
-        "shift_loss": "Next-token loss on the segment by offset (95 % intervals over segments)",
-        "shift_divergence": "Jensen–Shannon divergence between offsets against between contexts, and their ratio",
-        "shift_sink": "Mean attention weight of the segment's rows on the window's first key and on the rest of the "
-                      "text before the segment, by offset and layer group (95 % interval bands over segments)",
-        "shift_attribution": "Each component's share of the residual stream's offset and context sums of squares after "
-                             "the target blocks (95 % intervals over segments)",
-        "shift_patching": f"Activation patching, {name}: the share of the prediction change that goes away when a "
-                          "component's output at the segment is the reference offset's (95 % intervals over segments)",
-    }
+    captions = _captions(result, variants, name)
     figures = {captions[key]: figure for key, figure in shift_figures(result, baselines, name).items()}
     body = Markup("<p>The same texts placed after other contexts at offsets {}; {}. Each representation's variation "
                   "is split exactly into what depends on the pair of tokens (equivariant), the offset, the context and "
-                  "the rest.</p>{}{}{}").format(list(result.offsets), _offset_meaning(result), tables,
+                  "the rest.</p>{}{}{}").format(list(result.offsets), _offset_meaning(result), shift_tables_html(variants),
                                                 _differences_html(result, baselines or {}, name), figures_html(figures))
     if view is not None:
         body += Markup("<h3>One head's segment block at two offsets (CircuitsVis)</h3>") + view.body_html()
     return ReportSection("The shift test: the same text moved through the window", body,
                          uses_circuitsvis=view is not None)
+
+
+def _captions(result: ShiftResult, variants: Mapping[str, ShiftResult], name: str) -> dict[str, str]:
+    """Each figure's caption, saying what it draws and whether its bars are intervals, from the same variants and
+    the same test (:func:`~equivariance_probe.display.shift_parts._interval_note`) as the figure's own title."""
+    sinks = {key: value for key, value in variants.items() if _has_sink_mass(value)} or variants
+    drawn = {"variants": _interval_note(variants), "sinks": _interval_note(sinks).replace("bars", "bands"),
+             "alone": _interval_note({name: result})}
+    return {
+        "shift_layers": f"Offset η² by layer, centred logits and residual stream, each variant ({drawn['variants']})",
+        "shift_heads": f"Per-head offset η² and pair η² (the equivariant part) of the centred logits, {name} "
+                       "(estimates: a heat map draws no intervals)",
+        "shift_loss": f"Next-token loss on the segment by offset ({drawn['variants']})",
+        "shift_divergence": "Jensen–Shannon divergence between offsets against between contexts, and their ratio "
+                            f"({drawn['variants']})",
+        "shift_sink": "Mean attention weight of the segment's rows on the window's first key and on the rest of the "
+                      f"text before the segment, by offset and layer group ({drawn['sinks']})",
+        "shift_attribution": "Each component's share of the residual stream's offset and context sums of squares after "
+                             f"the target blocks ({drawn['variants']})",
+        "shift_patching": f"Activation patching, {name}: the share of the prediction change that goes away when a "
+                          f"component's output at the segment is the reference offset's ({drawn['alone']})",
+    }
 
 
 def _differences_html(result: ShiftResult, baselines: Mapping[str, ShiftResult], name: str) -> Markup:

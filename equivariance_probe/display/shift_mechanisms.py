@@ -25,7 +25,7 @@ from ..errors import UndefinedStatisticError, check_indices
 from ..maths.intervals import Interval
 from ..shift_result import ShiftResult, measured_terms
 from ..shift_result.mechanisms import patched_kind
-from .figures import _axes_title, figure_title, pyplot
+from .figures import _axes_title, figure_title, one_result, pyplot
 from .shift_parts import _interval_note, _number, _offset_meaning, _titled, _variants, _with_interval
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,13 +47,14 @@ def sink_layer_groups(result: ShiftResult) -> dict[str, tuple[int, ...]]:
     return {f"layers {int(part[0])}–{int(part[-1])}": tuple(int(layer) for layer in part) for part in thirds}
 
 
-def shift_sink_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figure:
+def shift_sink_figure(results: ShiftResult | Mapping[str, ShiftResult],
+                      baselines: Mapping[str, ShiftResult] | None = None) -> Figure:
     """Two panels by offset: the mean attention weight of the segment's rows on the window's first key (the BOS
     sink where the tokenizer puts one first) and on the rest of the text before the segment, one line per layer
     group (:func:`sink_layer_groups`) and variant (solid for the first, then dashed and dotted), with 95 %
     interval bands over segments."""
     plt = pyplot()
-    variants = _variants(results)
+    variants = _variants(results, baselines, where="shift_sink_figure")
     first = next(iter(variants.values()))
     groups = sink_layer_groups(first)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -82,14 +83,15 @@ def shift_sink_figure(results: ShiftResult | Mapping[str, ShiftResult]) -> Figur
     return fig
 
 
-def shift_attribution_figure(results: ShiftResult | Mapping[str, ShiftResult], layers: Sequence[int] | None = None,
-                             terms: Sequence[str] | None = None) -> Figure:
+def shift_attribution_figure(results: ShiftResult | Mapping[str, ShiftResult],
+                             baselines: Mapping[str, ShiftResult] | None = None, *,
+                             layers: Sequence[int] | None = None, terms: Sequence[str] | None = None) -> Figure:
     """Each component's share of the residual stream's sum of squares after each target block
     (:meth:`~equivariance_probe.ShiftResult.attribution`): one panel per term and block, one bar per component and
     variant, with 95 % intervals over segments. Heads (where the run split layers into heads) follow the blocks,
     hatched: a head's share is a part of its attention's."""
     plt = pyplot()
-    variants = _variants(results)
+    variants = _variants(results, baselines, where="shift_attribution_figure")
     first = next(iter(variants.values()))
     layers = first.attribution_layers() if layers is None else check_indices("layers", layers, first.config.n_layers)
     terms = tuple(terms or measured_terms(first.mode))
@@ -138,6 +140,7 @@ def shift_patching_figure(result: ShiftResult) -> Figure:
     """Activation patching: per layer, the share of the prediction change recovered by patching the block's
     attention and its MLP (the reference offset's outputs at the segment), side by side, with 95 % intervals;
     heads and other items patched in the run in a second panel."""
+    result = one_result(result, ShiftResult, where="shift_patching_figure")
     plt = pyplot()
     from matplotlib.ticker import MaxNLocator
 

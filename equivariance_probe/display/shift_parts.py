@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import IntervalUnavailableError
 from ..maths.intervals import Interval
 from ..shift_result import ShiftResult
-from .figures import _axes_title, figure_title
+from .figures import _axes_title, figure_title, variants_of
 
 __all__ = ["INTERVAL_LEVEL"]
 
@@ -23,9 +23,16 @@ __all__ = ["INTERVAL_LEVEL"]
 INTERVAL_LEVEL = 0.95
 
 
-def _variants(results: ShiftResult | Mapping[str, ShiftResult]) -> dict[str, ShiftResult]:
-    """``{name: result}``: a single result is named by its model."""
-    return dict(results) if isinstance(results, Mapping) else {results.model_name: results}
+def _variants(results: ShiftResult | Mapping[str, ShiftResult], baselines: Mapping[str, ShiftResult] | None = None,
+              *, where: str) -> dict[str, ShiftResult]:
+    """``{name: result}`` as every shift figure takes its variants: one result (named by its study variant, else
+    its model) and its baselines, or one mapping of variants.
+
+    Raises:
+        InputError: anything but shift results, or a mapping of variants beside ``baselines``; ``where`` names the
+            figure function in the message.
+    """
+    return variants_of(results, baselines, ShiftResult, where=where)
 
 
 def _with_interval(number: Any) -> tuple[np.ndarray, np.ndarray | None]:

@@ -34,12 +34,16 @@ import numpy as np
 from ..errors import InputError, IntervalUnavailableError
 
 __all__ = ["Interval", "jackknife_interval", "check_level", "windows_for_half_width", "format_interval",
-           "PLAIN", "CLIPPED", "CLIPPED_RANGE"]
+           "PLAIN", "CLIPPED", "CLIPPED_RANGE", "UNAVAILABLE", "estimate_alone"]
 
 #: ``Interval.method`` of the plain interval ``θ ± t·se``.
 PLAIN = "jackknife t"
 #: ``Interval.method`` of an interval of a bounded statistic (an R² ≤ 1) with an end clipped at the bound.
 CLIPPED = "jackknife t, clipped at the bound (R² ≤ 1)"
+#: ``Interval.method`` of an estimate whose interval cannot be formed (its values fall into fewer than 2 groups):
+#: ``low``, ``high`` and ``standard_error`` are NaN, and it prints as the estimate alone.
+UNAVAILABLE = "no interval: fewer than 2 groups"
+
 #: ``Interval.method`` of an interval of a statistic with both bounds (a weight or a share of heads, in
 #: ``[0, 1]``) with an end clipped at one of them.
 CLIPPED_RANGE = "jackknife t, clipped to the statistic's range [0, 1]"
@@ -96,14 +100,36 @@ class Interval:
 
     def __str__(self) -> str:
         if np.ndim(self.estimate):
-            return f"Interval(shape {np.shape(self.estimate)}, {self.level:.0%}, {self.n_groups} groups)"
+            return f"{self._heading()}:\n{self._table()}"
+        if self.method == UNAVAILABLE:
+            return f"{_number(self.estimate, 4)} (no interval)"
         return format_interval(self.estimate, self.low, self.high)
 
     def __repr__(self) -> str:
         if np.ndim(self.estimate):
-            return str(self)
+            return f"Interval({self._heading()}:\n{self._table()})"
+        return f"Interval({self}, {self._about()})"
+
+    def _about(self) -> str:
+        """The level, the groups and the method, as the repr says them."""
+        if self.method == UNAVAILABLE:
+            return f"{self.n_groups} group{'s' if self.n_groups != 1 else ''}: an interval needs at least 2"
         clipped = {PLAIN: "", CLIPPED: ", clipped at R² = 1"}.get(self.method, ", clipped to [0, 1]")
-        return f"Interval({self}, {self.level:.0%} over {self.n_groups} groups of windows{clipped})"
+        return f"{self.level:.0%} over {self.n_groups} groups of windows{clipped}"
+
+    def _heading(self) -> str:
+        return f"of shape {np.shape(self.estimate)}, {self._about()}"
+
+    def _table(self, limit: int = 12) -> str:
+        """One line per entry, ``[index] estimate [low, high]``; past ``limit`` entries, the first and last
+        ``limit / 2`` with the count of those left out between them."""
+        estimate, low, high = (np.asarray(value, dtype=np.float64) for value in (self.estimate, self.low, self.high))
+        indices = list(np.ndindex(estimate.shape))
+        lines = [f"  [{', '.join(map(str, index))}] {format_interval(estimate[index], low[index], high[index])}"
+                 for index in indices]
+        if len(lines) > limit:
+            lines = [*lines[:limit // 2], f"  ... {len(lines) - limit} more ...", *lines[-(limit // 2):]]
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         """``estimate, low, high, level, n_groups, standard_error, method`` (arrays as lists)."""
@@ -118,12 +144,20 @@ def is_undefined(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def estimate_alone(estimate: Any, *, level: float, n_groups: int) -> Interval:
+    """``estimate`` as an :class:`Interval` without ends (:data:`UNAVAILABLE`): what a paired difference gives where
+    the values fall into fewer than 2 groups, so that it prints and tabulates as the estimate alone."""
+    missing = np.full(np.shape(estimate), np.nan) if np.ndim(estimate) else math.nan
+    return Interval(estimate, missing, missing, level, n_groups, missing, UNAVAILABLE)
+
+
+def _number(value: Any, digits: int) -> str:
+    return "n/a" if value is None or not math.isfinite(float(value)) else f"{float(value):.{digits}f}"
+
+
 def format_interval(estimate: Any, low: Any, high: Any, digits: int = 4) -> str:
     """``"0.0170 [0.0150, 0.0190]"``; ``n/a`` for an undefined estimate."""
-    def number(value: Any) -> str:
-        return "n/a" if value is None or not math.isfinite(float(value)) else f"{float(value):.{digits}f}"
-
-    return f"{number(estimate)} [{number(low)}, {number(high)}]"
+    return f"{_number(estimate, digits)} [{_number(low, digits)}, {_number(high, digits)}]"
 
 
 def jackknife_interval(estimate: Any, replicates: Any, *, level: float = 0.95, upper: float | None = None,

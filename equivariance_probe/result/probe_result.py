@@ -281,24 +281,41 @@ class ProbeResult(SumsReadOnUse, ProbeNumbers, ProbeIntervals):
             for fit, value in summary["persistence_fit_r2"].items()))
         lines.append(f"  most position-bound head {summary['most_position_bound_head']}, least "
                      f"{summary['least_position_bound_head']} (log η²)")
+        lines += self._sink_lines(level)
         if summary.get("undefined"):
             lines.append("  undefined: " + "; ".join(f"{name} ({why})" for name, why in summary["undefined"].items()))
         return "\n".join(lines)
 
+    def _sink_lines(self, level: float) -> list[str]:
+        """The table's attention-sink line: the sink rate with its interval where the result has one, and the mean
+        first-token weight (none for a result without first-token sums)."""
+        from ..analyses.tidy import sink_rows
+        from ..maths.sinks import SINK_EPSILON
+
+        rows = {row["statistic"]: row for row in sink_rows(self, {}, level) if row["split"] == "model"}
+        if not rows:
+            return []
+        rate, weight = rows["sink_rate"], rows["first_token_weight"]
+        return [f"  attention sinks: sink rate (share of heads with α₁ > {SINK_EPSILON:g}, Gu et al.) "
+                f"{_cell(rate['value'], [rate['low'], rate['high']] if rate['low'] is not None else None)}, "
+                f"mean first-token weight α₁ {weight['value']:.4f}"]
+
     def to_rows(self, level: float = SUMMARY_LEVEL) -> list[dict[str, Any]]:
-        """The numbers in long form, one dict per statistic and split (model, layer group, head), with
+        """The numbers in long form, one dict per statistic and split (model, layer group, layer, head), with
         their intervals and the run's model, variant, run id and window protocol
-        (:mod:`~equivariance_probe.analyses.tidy` lists the columns). Built from :meth:`summary`, so a
-        loaded result reads no array; needs no pandas. ``equivariance-probe show --csv`` prints these rows.
+        (:mod:`~equivariance_probe.analyses.tidy` lists the columns). Built from :meth:`summary` (a loaded
+        result reads no array for it) and the attention-sink numbers (:meth:`sink_rate`, :meth:`first_token_weight`,
+        from the first token's small sums); needs no pandas. ``equivariance-probe show --csv`` prints these rows.
 
         Example:
             >>> rows = result.to_rows()
             >>> next(r for r in rows if r["statistic"] == "log_eta2" and r["split"] == "model")["value"]
             0.0283...
         """
-        from ..analyses.tidy import probe_identity, probe_rows
+        from ..analyses.tidy import probe_identity, probe_rows, sink_rows
 
-        return probe_rows(self.summary(level), probe_identity(self.metadata, self.model_name))
+        identity = probe_identity(self.metadata, self.model_name)
+        return probe_rows(self.summary(level), identity) + sink_rows(self, identity, level)
 
     def to_dataframe(self) -> Any:
         """:meth:`to_rows` as a pandas ``DataFrame`` (one row per statistic and split): runs concatenate

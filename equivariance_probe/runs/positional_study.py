@@ -129,12 +129,14 @@ class PositionalStudy:
     def to_rows(self, level: float = 0.95) -> list[dict[str, Any]]:
         """The numbers in long form, one dict per statistic and split (model, layer, head), the random-init
         baseline's as variant ``random_init`` (:mod:`~equivariance_probe.analyses.tidy` lists the columns).
-        Built from :meth:`summary`; needs no pandas. ``equivariance-probe show --csv`` prints these rows."""
-        from ..analyses.tidy import positional_rows
+        Built from :meth:`summary`, and the position probes' from their intervals over folds; needs no pandas. ``equivariance-probe show --csv`` prints these rows."""
+        from ..analyses.tidy import position_probe_rows, positional_rows
 
         check_level(level, "level")
         identity = {"kind": "positional", "model": self.model_name, "run_id": self.metadata.get("run_id")}
-        return positional_rows(self._summary(), identity)
+        probes = [position_probe_rows(self.parts[key], {**identity, "variant": variant})
+                  for key, variant in (("probe", "trained"), ("probe_baseline", "random_init")) if key in self.parts]
+        return positional_rows(self._summary(), identity) + [row for rows in probes for row in rows]
 
     def to_dataframe(self) -> Any:
         """:meth:`to_rows` as a pandas ``DataFrame``.

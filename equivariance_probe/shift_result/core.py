@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ..markup import Markup
 from ..maths import shift as decomposition
-from ..maths.intervals import check_level, jackknife_interval
+from ..maths.intervals import check_level, estimate_alone, jackknife_interval
 from ..records.shift_file import ShiftFile, open_shift_file, write_shift_file
 from ..sources.registry import display_name
 from ..statistics.masks import layer_groups
@@ -47,6 +47,16 @@ OFFSET_MEANING = {
     "position_ids": "the offset moves only the position ids of the prefix and segment; the tokens are the same",
 }
 
+
+
+def plain_numbers(value: Any) -> Any:
+    """``value`` with every single number a Python ``float`` (a 0-d array or a numpy scalar becomes one), inside
+    dictionaries too, so that a printed result shows ``0.0778`` and not ``array(0.0778)``; arrays stay arrays."""
+    if isinstance(value, dict):
+        return {key: plain_numbers(item) for key, item in value.items()}
+    if isinstance(value, (np.ndarray, np.generic)) and np.ndim(value) == 0:
+        return value.item()  # float64 -> float, int64 -> int, bool_ -> bool
+    return value
 
 class ShiftResult(ShiftMechanisms, SumsReadOnUse):
     """The shift test's sums and the numbers they give; merges over disjoint segments.
@@ -134,7 +144,7 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
         self._require_data()
         estimate = function(self.statistics.totals())
         if interval is None:
-            return estimate
+            return plain_numbers(estimate)
         if self.config.interval_groups == 0:
             raise IntervalUnavailableError(
                 "this shift run kept no interval groups (interval_groups=0), so it has no intervals; run it again with "
@@ -160,8 +170,8 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
         sums = decomposition.aggregate(self._sums(self.statistics.totals(), representation), by or None,
                                        self.layer_groups())
         if by == "layer_group":
-            return {group: decomposition.decomposition(value) for group, value in sums.items()}
-        return decomposition.decomposition(sums)
+            return plain_numbers({group: decomposition.decomposition(value) for group, value in sums.items()})
+        return plain_numbers(decomposition.decomposition(sums))
 
     def share(self, representation: str = "centred_logits", term: str = "offset", by: str | None = None,
               interval: float | None = None) -> Any:
@@ -274,7 +284,9 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
         same segments (the same fingerprints, so the same groups), e.g. a model and its random initialisation or
         its bfloat16 copy on one grid.
 
-        ``by`` as in :meth:`share`.
+        ``by`` as in :meth:`share`. Where the segments fall into fewer than 2 groups (one segment), the
+        difference comes without an interval: an :class:`~equivariance_probe.Interval` whose ends are NaN, which
+        prints as ``0.0123 (no interval)``.
 
         Raises:
             IncompatibleResultsError: other segments, or another design.
@@ -291,8 +303,12 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
         pairs = (self.share(representation, term, by), baseline.share(representation, term, by))
         ids, a = self.statistics.replicates()
         _, b = baseline.statistics.replicates()
-        if len(ids) < 2:
-            raise IntervalUnavailableError("the segments fall into fewer than 2 interval groups: run more segments")
+        if len(ids) < 2:  # no spread to measure: the differences alone, each printed as such
+            difference = plain_numbers({group: pairs[0][group] - pairs[1][group] for group in pairs[0]}
+                                       if by == "layer_group" else np.subtract(*pairs))
+            if isinstance(difference, dict):
+                return {group: estimate_alone(value, level=level, n_groups=len(ids)) for group, value in difference.items()}
+            return estimate_alone(difference, level=level, n_groups=len(ids))
         replicates_a, replicates_b = (self._share_of(arrays, representation, term, by) for arrays in (a, b))
         if by == "layer_group":
             return {group: jackknife_interval(pairs[0][group] - pairs[1][group],

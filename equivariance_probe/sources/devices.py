@@ -17,7 +17,7 @@ import torch
 
 from ..errors import InputError, option
 
-__all__ = ["resolve_device", "parse_dtype", "DTYPES"]
+__all__ = ["resolve_device", "parse_dtype", "DTYPES", "set_threads", "check_threads"]
 
 #: Names accepted for the model's parameter dtype.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,3 +57,31 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
     if dtype not in DTYPES:
         raise InputError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
     return DTYPES[dtype]
+
+
+def check_threads(threads: object, where: str = "threads") -> int | None:
+    """``threads`` as a positive ``int``, or ``None`` (torch's own choice: one thread per core).
+
+    Raises:
+        InputError: anything but a positive integer or ``None``, named with ``where``.
+    """
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise InputError(f"{where}={threads!r} must be a positive number of CPU threads (e.g. 1 on a machine "
+                         "another job also uses), or None for torch's default of one per core")
+    return threads
+
+
+def set_threads(threads: int | None) -> None:
+    """Run torch's CPU operations on ``threads`` threads (``torch.set_num_threads``: the intra-op pool, for the whole
+    process); ``None`` leaves torch's default, one per core. On cores another process also keeps busy, torch's
+    default oversubscribes them: each operation's threads wait for one another at every barrier, and a run slows
+    far more than the shared cores alone explain (measured in docs/guide/cost.md).
+
+    Raises:
+        InputError: not a positive integer or ``None``.
+    """
+    threads = check_threads(threads)
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)

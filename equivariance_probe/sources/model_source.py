@@ -19,7 +19,7 @@ import os
 from typing import Any
 
 from ..errors import InputError, ModelNotFoundError, check_name_length
-from .devices import DTYPES, parse_dtype, resolve_device
+from .devices import DTYPES, check_threads, parse_dtype, resolve_device, set_threads
 from ..adapters.registry import framework_names
 from .models import PACKAGED_ENCODERS, load_config, load_model, load_positional_model, load_tokenizer
 from .registry import DEFAULT_MODEL
@@ -46,6 +46,9 @@ class ModelSource:
         dtype: the parameters' dtype, ``"float32"``, ``"bfloat16"`` or ``"float16"``; ``None``: as loaded (float32).
         attn_implementation: the kernel the model runs, ``"sdpa"`` (default), ``"eager"`` or ``"flash_attention_2"``;
             the probe reads queries and keys whatever the kernel, so the numbers agree to float32 rounding.
+        threads: torch's CPU threads for the run (``torch.set_num_threads``, set for the process when the model
+            loads); ``None``: torch's default, one per core. On a machine shared with other CPU-bound work, fewer
+            threads than cores avoid oversubscription (docs/guide/cost.md); the numbers do not depend on it.
 
     Raises:
         InputError: a value of the wrong kind, an unknown framework or dtype (checked here, before any loading).
@@ -57,8 +60,10 @@ class ModelSource:
     device: str = "auto"
     dtype: str | None = None
     attn_implementation: str = "sdpa"
+    threads: int | None = None
 
     def __post_init__(self) -> None:
+        check_threads(self.threads, "ModelSource.threads")
         if not isinstance(self.name, (str, os.PathLike)) or not str(self.name):
             raise InputError(f"ModelSource.name must be a model name or folder, not {self.name!r}")
         object.__setattr__(self, "name", check_name_length("name", str(self.name), error=ModelNotFoundError))
@@ -82,14 +87,17 @@ class ModelSource:
         return dataclasses.replace(self, **changes)
 
     def load(self) -> tuple[Any, Any]:
-        """``(model, tokenizer)``: :func:`~equivariance_probe.sources.models.load_model` with these choices."""
+        """``(model, tokenizer)``: :func:`~equivariance_probe.sources.models.load_model` with these choices (and
+        torch's CPU threads set to :attr:`threads` first, where given)."""
+        set_threads(self.threads)
         return load_model(self.name, self.framework, cache_dir=self.cache_dir, dtype=parse_dtype(self.dtype),
                           attn_implementation=self.attn_implementation, device=resolve_device(self.device))
 
     def load_positional(self) -> tuple[Any, Any]:
         """``(model, tokenizer)`` for the positional analyses and the encoder's shift test
         (:func:`~equivariance_probe.sources.models.load_positional_model`: the packaged encoder too), on ``device`` in
-        ``dtype``."""
+        ``dtype`` (torch's CPU threads set to :attr:`threads` first, where given)."""
+        set_threads(self.threads)
         model, tokenizer = load_positional_model(self.name, cache_dir=self.cache_dir,
                                                  attn_implementation=self.attn_implementation)
         return model.to(device=resolve_device(self.device), dtype=parse_dtype(self.dtype)), tokenizer

@@ -96,6 +96,7 @@ def handle(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     check_writable(out)
+    view_head = _view_head(args)  # a bad head is refused now, not after the grid has run
     args.checkpoint_folder = out / CHECKPOINT_FOLDER  # for the note of a study that stops (see main)
     options = ShiftOptions(offsets=args.offsets, segment_length=args.segment_length, mode=args.mode,
                            batch_size=args.batch_size, interval_groups=args.interval_groups,
@@ -112,7 +113,7 @@ def handle(args: argparse.Namespace) -> int:
     not_drawn = None
     if not args.no_figures:
         try:
-            wrote += _shift_display(out, study.probe, study.results, study.segments, study.contexts, args.view_head,
+            wrote += _shift_display(out, study.probe, study.results, study.segments, study.contexts, view_head,
                                     args.figure_format)
         except FigureError as error:  # the results are saved: print their table, then say what was not drawn
             not_drawn = error
@@ -126,8 +127,38 @@ def handle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _view_head(args: argparse.Namespace) -> tuple[int, int] | None:
+    """``--view-head`` read and checked before the model loads: one head, inside the model's layers and heads as its
+    config gives them (read without the weights; a model whose config cannot be read alone is checked by the view).
+
+    Raises:
+        InputError: not one head, a head the model lacks, or a head beside ``--no-figures`` (no report to view it in).
+    """
+    from ...display.views import parse_heads
+    from ...errors import InputError, ModelNotFoundError
+    from ...sources.resources import model_size
+
+    if args.view_head is None:
+        return None
+    if args.no_figures:
+        raise InputError(f"--view-head {args.view_head} names the head of the report's view, and --no-figures writes "
+                         "no report: drop one of them")
+    heads = parse_heads(args.view_head)
+    if len(heads) != 1:
+        raise InputError(f"--view-head {args.view_head!r} names {len(heads)} heads; the view shows one, e.g. 'L4H3'")
+    try:
+        size = model_size(model_source_of(args).load_config())
+    except ModelNotFoundError:  # the packaged encoder has no config of its own here: the view checks the head
+        return heads[0]
+    layer, head = heads[0]
+    if not (layer < size.n_layers and head < size.n_heads):
+        raise InputError(f"--view-head {args.view_head}: {args.model} has layers 0..{size.n_layers - 1} and heads "
+                         f"0..{size.n_heads - 1}; pass a head within those ranges")
+    return heads[0]
+
+
 def _shift_display(out: Path, probe: Any, results: dict[str, Any], segments: list[Any], contexts: list[Any] | None,
-                   head: str | None, figure_format: str) -> list[Path]:
+                   head: tuple[int, int] | None, figure_format: str) -> list[Path]:
     """The shift run's figures (``shift_*.png``, or the ``figure_format`` files; the trained model beside its baselines) and
     ``shift_report.html`` with the CircuitsVis view of one head at the smallest and largest offsets."""
     from ...display.figures import save_figures
