@@ -404,3 +404,22 @@ def test_a_merge_names_the_first_token_of_both_parts():
     other[:, 0] = 8
     mixed = a + EquivarianceProbe(model).run(other, progress=False)
     assert mixed.metadata["first_token"]["ids"] == {"7": 2, "8": 2} and "at least 2 distinct ids" in mixed.first_token
+
+
+@pytest.mark.parametrize("damage", ["a window short", "missing", "keys as float"])
+def test_a_file_whose_per_window_weights_do_not_fit_its_windows_is_refused_by_name(tmp_path, damage):
+    from equivariance_probe.errors import ResultFileError
+
+    good = ProbeResult(_windows_with_alpha(STRADDLING, 10)).save(tmp_path / "good.safetensors")
+
+    def edit(tensors):
+        if damage == "a window short":
+            tensors["window_sinks/alpha"] = tensors["window_sinks/alpha"][:-1]
+        elif damage == "missing":
+            tensors.pop("window_sinks/alpha")
+        else:
+            tensors["window_sinks/keys"] = tensors["window_sinks/keys"].astype(np.float64)
+
+    bad = edited_result_file(good, tmp_path / "bad.safetensors", lambda header: None, tensors_edit=edit)
+    with pytest.raises(ResultFileError, match="per-window first-token weights 'window_sinks/"):
+        ProbeResult.load(bad)
