@@ -115,7 +115,7 @@ def _rates(result: Any, level: float, epsilon: float, rate: Any, name: str) -> d
 
 def stored_sink_summary(sinks: dict[str, Any]) -> dict[str, Any]:
     """A stored summary's sink block in today's keys: a file written before the per-window weights stored the
-    pooled rate as ``rate``, which is now ``pooled_rate`` (``rate`` is ``None``, ``rate_unavailable`` says why)."""
+    pooled rate as ``rate``, which reads as ``pooled_rate`` (``rate`` is ``None``, ``rate_unavailable`` says why)."""
     if not sinks or "unavailable" in sinks or "pooled_rate" in sinks:
         return sinks
     pooled = {f"pooled_{name}": sinks.get(name) for name in ("rate", "rate_interval", "rate_by_layer")}
