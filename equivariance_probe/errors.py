@@ -217,7 +217,8 @@ class EmptyResultError(NotRunError, UndefinedStatisticError):
 class SupersededSumsError(UndefinedStatisticError):
     """A result file holds the sums of an earlier definition of a statistic, from which the current
     definition cannot be recovered (the residual stream's shift-test shares, once taken around one grand
-    mean over tokens and hidden dimensions, are now taken around the mean vector): the run must be
+    mean over tokens and hidden dimensions, are now taken around the mean vector; the attention-sink rate,
+    which needs each window's first-token weight where such a file pooled them over windows): the run must be
     repeated with this version. Every other number of the file stays available."""
 
 

@@ -292,15 +292,57 @@ def test_the_framework_is_recorded_and_fingerprinted_under_the_file_format_s_key
     assert metadata["provenance"]["config_sha256"] == config_fingerprint(measured)
 
 
+@pytest.mark.parametrize("typed, refused", [
+    (["--n-docs", "100", "--context-length", "64", "--exclude-keys", ""], None),
+    (["--n-docs", "5"], "--n-docs 5 contradicts --sink-protocol"),
+    (["--context-length", "128"], "--context-length 128 contradicts --sink-protocol"),
+    (["--exclude-keys", "0,1"], "--exclude-keys 0,1 contradicts --sink-protocol"),
+    (["--pack"], "--pack contradicts --sink-protocol"),
+])
+def test_the_sink_protocol_fills_only_what_was_not_typed_and_refuses_a_contradiction(typed, refused):
+    from equivariance_probe.cli.commands.run import PROTOCOL_OPTIONS, apply_sink_protocol
+    from equivariance_probe.cli.program import build_parser
+    from equivariance_probe.errors import InputError
+    from equivariance_probe.runs.study import SINK_PROTOCOL
+
+    assert PROTOCOL_OPTIONS == tuple(SINK_PROTOCOL)
+    args = build_parser().parse_args(["run", "-o", "out", "--sink-protocol", *typed])
+    if refused is None:
+        apply_sink_protocol(args)
+        assert (args.n_docs, args.context_length, args.exclude_keys) == (100, 64, [])
+    else:
+        with pytest.raises(InputError, match=refused):
+            apply_sink_protocol(args)
+
+
+@pytest.mark.parametrize("command", ["run", "show", "report"])
+def test_sink_epsilon_is_a_weight_below_one_on_every_command_that_reports_a_sink_rate(command, capsys):
+    from equivariance_probe.cli.program import build_parser
+    from equivariance_probe.maths.sinks import SINK_EPSILON
+
+    given = ["-o", "out"] if command == "run" else ["results.safetensors"]
+    assert build_parser().parse_args([command, *given]).sink_epsilon == SINK_EPSILON
+    assert build_parser().parse_args([command, *given, "--sink-epsilon", "0.2"]).sink_epsilon == 0.2
+    for bad in ("1", "-0.1", "x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, *given, "--sink-epsilon", bad])
+        assert "expected an attention weight in [0, 1)" in capsys.readouterr().err
+
+
 def test_run_with_the_sink_protocol_measures_64_token_windows_without_exclusions(tiny, capsys):
     from equivariance_probe import ProbeResult
 
     root, model, corpus = tiny
     out = root / "sinks"
-    assert main(["run", "-o", str(out), "--model", model, "--corpus", corpus, "--sink-protocol", "--exclude-keys", "0",
-                 "--baselines", "zero", "--no-progress", "--sample-size", "0"]) == 0
+    common = ["--model", model, "--corpus", corpus, "--baselines", "zero", "--no-progress", "--sample-size", "0"]
+    # A typed value that differs from the protocol's is refused, naming the flag, before anything runs.
+    assert main(["run", "-o", str(out), "--sink-protocol", "--exclude-keys", "0", *common]) == 2
+    assert "--exclude-keys 0 contradicts --sink-protocol" in capsys.readouterr().err
+    assert main(["run", "-o", str(out), "--sink-protocol", "--context-length", "64", "--sink-epsilon", "0.25",
+                 *common]) == 0
     printed = capsys.readouterr().out
-    assert "| attention sinks | sink rate: share of heads with α₁ > 0.3 (Gu et al.) |" in printed
+    assert "| attention sinks | sink rate: share of (window, head) with α₁ > 0.25 (Gu et al.) |" in printed
+    assert "| attention sinks | pooled sink rate: share of heads with window-averaged α₁ > 0.25 |" in printed
     assert "attention sinks (Gu et al.'s sink rate):" in printed and (out / "sink_rate.png").exists() and (out / "first_token.png").exists()
     result = ProbeResult.load(out / "results.safetensors")
     assert result.context_length == 64 and result.excluded_keys == () and result.metadata["study"]["n_docs"] == 5

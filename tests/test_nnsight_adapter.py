@@ -328,14 +328,16 @@ def test_reply_size_is_independent_of_documents_and_far_below_the_patterns(monke
     adapter = NNsightAdapter(transformers_model(hf_model), remote="local")
     width, layers, heads = 24, 2, 4
     for batch_size in (1, 4):
+        replies.clear()
         run(adapter, token_windows(4, width), batch_size=batch_size, keep_pattern=False)
-    assert set(replies) == {reply_nbytes(layers, heads, width)}
+        # The same sums whatever the batch, but each window's first-token weight (L·H of them a window).
+        assert set(replies) == {reply_nbytes(layers, heads, width, windows=batch_size)}
     patterns_per_batch_of_4 = 4 * layers * heads * width**2 * 4  # float32 patterns
     assert replies[-1] < patterns_per_batch_of_4
     # At scale (Llama-3.1-70B: 80 layers, 64 query heads, context 1024) the reply is
-    # ~240 MiB per trace whatever its batch (key-lag sums in 64 key bins, the first token's weights),
-    # vs 10 GiB of bf16 patterns per document.
-    assert reply_nbytes(80, 64, 1024) == 210_363_008 + 8 * 80 * 64 * 1024
+    # ~240 MiB per trace whatever its batch (key-lag sums in 64 key bins, the first token's weights; 40 KiB a
+    # window of them per window), vs 10 GiB of bf16 patterns per document.
+    assert reply_nbytes(80, 64, 1024) == 210_363_008 + 8 * 80 * 64 * 1024 + 8 * 80 * 64
     assert reply_nbytes(80, 64, 1024, keep_first_key=False) == 210_363_008
     assert 2 * 80 * 64 * 1024**2 / reply_nbytes(80, 64, 1024) > 42
 
@@ -350,6 +352,11 @@ def test_remote_batches_keep_interval_groups_only_when_each_reply_is_one_group()
     assert np.array_equal(single.statistics.groups.ids, local.statistics.groups.ids)
     found, expected = single.interval("log_fitted"), local.interval("log_fitted")
     assert (found.low, found.high) == pytest.approx((expected.low, expected.high), rel=1e-5)
+    # Each window's first-token weight comes home from the trace, whatever the batch: the per-window sink rate.
+    for remote in (single, run(NNsightAdapter(transformers_model(hf_model), remote="local"), tokens, batch_size=3)):
+        np.testing.assert_array_equal(remote.statistics.window_sinks.keys, local.statistics.window_sinks.keys)
+        np.testing.assert_allclose(remote.statistics.window_sinks.alpha, local.statistics.window_sinks.alpha,
+                                   rtol=1e-5, atol=1e-7)
     with pytest.warns(UserWarning, match="interval groups dropped"):
         mixed = EquivarianceProbe(NNsightAdapter(transformers_model(hf_model), remote="local")).run(
             tokens, batch_size=3, progress=False)

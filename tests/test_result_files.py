@@ -112,15 +112,21 @@ def test_empty_result_says_which_method_to_call():
 
 
 def test_memory_does_not_grow_with_documents():
-    """The sums have a fixed size; the interval groups' rows grow with the occupied groups, at most G."""
+    """The sums have a fixed size; the interval groups' rows grow with the occupied groups, at most G; each window
+    adds its first-token weight per layer and head and its key, ``8·(L·H + 1)`` bytes (Gu et al.'s sink rate)."""
     model = tiny_gpt2()
     probe = EquivarianceProbe(model)
     few = probe.run(torch.randint(0, 97, (2, 16)), progress=False, interval_groups=4)
     many = probe.run(torch.randint(0, 97, (40, 16)), progress=False, interval_groups=4)
     more = probe.run(torch.randint(0, 97, (80, 16)), progress=False, interval_groups=4)
     assert len(few.statistics.groups.ids) <= 2 and len(many.statistics.groups.ids) == 4
-    assert few.statistics.nbytes() - few.statistics.groups.nbytes() == many.statistics.nbytes() - many.statistics.groups.nbytes()
-    assert many.statistics.nbytes() == more.statistics.nbytes()
+    def fixed(statistics):
+        return statistics.nbytes() - statistics.groups.nbytes() - statistics.window_sinks.nbytes()
+
+    assert fixed(few.statistics) == fixed(many.statistics) == fixed(more.statistics)
+    assert more.statistics.groups.nbytes() == many.statistics.groups.nbytes()
+    for result in (few, many, more):
+        assert result.statistics.window_sinks.nbytes() == 8 * (2 * 4 + 1) * result.n_windows  # tiny GPT-2: 2 layers, 4 heads
 
 
 def test_repr_and_html_show_headline_numbers(result):

@@ -60,4 +60,8 @@ def test_statistics_equal_hugging_face_and_unembed_is_skipped(models):
     assert from_bridge.n_tokens == from_hf.n_tokens
     for name, value in from_hf.statistics.arrays.items():
         assert torch.allclose(from_bridge.statistics.arrays[name], value, rtol=1e-5, atol=1e-6), name
+    # Each window's first-token weight (Gu et al.'s per-window sink rate) too.
+    mine, theirs = from_bridge.statistics.window_sinks, from_hf.statistics.window_sinks
+    assert (mine.keys == theirs.keys).all() and torch.allclose(
+        torch.from_numpy(mine.alpha), torch.from_numpy(theirs.alpha), rtol=1e-5, atol=1e-6)
     assert from_bridge.metadata["model"]["framework"] == "transformer_lens"

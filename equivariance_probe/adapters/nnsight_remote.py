@@ -150,7 +150,8 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
         ``floored, doc_toeplitz_sum, doc_toeplitz_count: [L, head]``;
         ``key_lag_sum: [K, W]`` (summed over layers); ``outside_mass: [L]``; if
         ``keep_pattern``, ``pattern_sum: [L, head, W, W]``; and, if ``keep_first_key``,
-        ``first_key_sum: [L, head, W]``.
+        ``first_key_sum: [L, head, W]`` and ``first_key_window: [L, batch, head]`` (each window's weight on its
+        first token summed over its queries: the per-window sink rate's).
     """
     # No typing names in here: annotations would make the payload import `typing`.
     per_layer: dict[str, list[torch.Tensor]] = {}
@@ -427,13 +428,14 @@ REMOTE_MODULES = (
 
 # -- outside the trace: sizes, the API key, and failures ---------------------------------------
 def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bool = False, key_bins: int = KEY_BINS,
-                 keep_first_key: bool = True) -> int:
-    """Bytes of float64 sums one trace sends back, from the shapes alone.
+                 keep_first_key: bool = True, windows: int = 1) -> int:
+    """Bytes of float64 sums one trace of ``windows`` windows sends back, from the shapes alone.
 
-    ``8·(L·((5 + f)·H·T + 3·H + 1) + K·T)`` with ``K = min(T, key_bins)`` key bins and ``f = 1`` with
-    ``keep_first_key`` (the first token's weights), plus ``8·L·H·T²`` with ``keep_pattern``; it does
-    not depend on the number of windows in the batch. For comparison, the bf16 patterns of one
-    window are ``2·L·H·T²`` bytes.
+    ``8·(L·((5 + f)·H·T + 3·H + 1) + K·T + f·L·B·H)`` with ``K = min(T, key_bins)`` key bins, ``B`` the
+    batch's windows and ``f = 1`` with ``keep_first_key`` (the first token's weights, summed over the batch
+    and, ``L·B·H`` of them, per window for the per-window sink rate), plus ``8·L·H·T²`` with
+    ``keep_pattern``; only the per-window weights grow with the batch. For comparison, the bf16 patterns
+    of one window are ``2·L·H·T²`` bytes.
     """
     # Per layer, from the table of sums: H·W per row or lag sum, H·W² for the pattern, H per head sum, and the
     # outside mass; the key-lag sums once, summed over layers.
@@ -442,7 +444,8 @@ def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bo
     per_layer = sum(cells.get(entry.window, 0) for entry in STATISTICS.values()
                     if entry.kept_if is None or kept[entry.kept_if])
     per_layer += len(head_sums()) * n_heads + 1
-    return 8 * (n_layers * per_layer + min(n_positions, key_bins) * n_positions)
+    per_window = n_layers * n_heads * windows if keep_first_key else 0
+    return 8 * (n_layers * per_layer + min(n_positions, key_bins) * n_positions + per_window)
 
 
 def segment_reply_nbytes(n_layers: int, n_heads: int, n_offsets: int, predictions: bool = True,

@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import IntervalUnavailableError, NotRunError, UndefinedStatisticError
+from ..errors import IntervalUnavailableError, NotRunError, SupersededSumsError, UndefinedStatisticError
 from ..maths import fitting, metrics
-from ..maths.sinks import SINK_EPSILON, sink_rate
+from ..maths.sinks import SINK_EPSILON
 from .heads import TOP_K, head_scores, ranking_stability
 
-__all__ = ["result_summary", "head_label", "sink_summary"]
+__all__ = ["result_summary", "head_label", "sink_summary", "stored_sink_summary"]
 
 
 def head_label(values: np.ndarray, pick: Any) -> str:
@@ -31,13 +31,14 @@ def head_label(values: np.ndarray, pick: Any) -> str:
     return f"L{layer}H{head} ({values[layer, head]:.3f})"
 
 
-def result_summary(result: Any, *, key_bins: int, level: float) -> dict[str, Any]:
+def result_summary(result: Any, *, key_bins: int, level: float, epsilon: float = SINK_EPSILON) -> dict[str, Any]:
     """The headline numbers of a result, as :meth:`ProbeResult.summary` returns them and its file stores them.
 
     Args:
         result: a :class:`~equivariance_probe.result.ProbeResult` holding windows.
         key_bins: key-position bins of the Figure 1c numbers (fewer if the window is shorter).
         level: confidence level of the stored intervals.
+        epsilon: the sink rates' threshold ``ε``.
 
     Returns:
         The keys :meth:`ProbeResult.summary` lists.
@@ -72,33 +73,56 @@ def result_summary(result: Any, *, key_bins: int, level: float) -> dict[str, Any
         "undefined": dict(result.undefined),
         "intervals": _interval_summary(result, level),
         "head_stability": ranking_stability(result, "log_eta2", TOP_K),
-        "sinks": sink_summary(result, level),
+        "sinks": sink_summary(result, level, epsilon),
     }
 
 
 def sink_summary(result: Any, level: float, epsilon: float = SINK_EPSILON) -> dict[str, Any]:
-    """The attention-sink numbers (Gu et al., ICLR 2025): ``epsilon``, the sink ``rate`` (share of heads with
-    ``α₁ > ε``) with its ``rate_interval`` (``[low, high]``, or ``None`` without intervals), ``rate_by_layer``,
-    the ``mean_weight`` of the first token over every head, ``weight_by_head`` (``α₁`` as ``[layer][head]``)
-    and the ``first_token`` in words; or ``{"unavailable": why}`` for a result that keeps no first-token sums."""
+    """The attention-sink numbers (Gu et al., ICLR 2025) at ``epsilon``.
+
+    Keys: ``epsilon``; ``rate`` (Gu et al.'s per-window sink rate, :meth:`ProbeResult.sink_rate`) with its
+    ``rate_interval`` (``[low, high]``, or ``None`` without intervals) and ``rate_by_layer``; ``pooled_rate``,
+    ``pooled_rate_interval`` and ``pooled_rate_by_layer`` (the window-averaged weight thresholded once per
+    head, :meth:`ProbeResult.pooled_sink_rate`); the ``mean_weight`` of the first token over every head,
+    ``weight_by_head`` (pooled ``α₁`` as ``[layer][head]``) and the ``first_token`` in words. A result whose
+    file predates the per-window weights has ``rate`` ``None`` and ``rate_unavailable`` (why); one that keeps
+    no first-token sums is ``{"unavailable": why}``.
+    """
     try:
         alpha = result.first_token_weight("head")
     except NotRunError as error:
         return {"unavailable": str(error)}
+    out: dict[str, Any] = {"epsilon": epsilon}
     try:
-        found = result.sink_rate(epsilon, interval=level)
+        out.update(_rates(result, level, epsilon, result.sink_rate, "rate"))
+    except SupersededSumsError as error:
+        out.update(rate=None, rate_interval=None, rate_by_layer=None, rate_unavailable=str(error))
+    out.update(_rates(result, level, epsilon, result.pooled_sink_rate, "pooled_rate"))
+    out.update(mean_weight=float(np.mean(alpha)), weight_by_head=alpha.tolist(), first_token=result.first_token)
+    return out
+
+
+def _rates(result: Any, level: float, epsilon: float, rate: Any, name: str) -> dict[str, Any]:
+    """``{name, name_interval, name_by_layer}`` of one sink rate (``rate(epsilon, by, interval)``)."""
+    try:
+        found = rate(epsilon, interval=level)
         bounds: list[float] | None = [found.low, found.high]
     except IntervalUnavailableError:
         bounds = None
-    return {
-        "epsilon": epsilon,
-        "rate": float(sink_rate(alpha, epsilon)),
-        "rate_interval": bounds,
-        "rate_by_layer": sink_rate(alpha, epsilon, by="layer").tolist(),
-        "mean_weight": float(np.mean(alpha)),
-        "weight_by_head": alpha.tolist(),
-        "first_token": result.first_token,
-    }
+    return {name: float(rate(epsilon)), f"{name}_interval": bounds,
+            f"{name}_by_layer": np.asarray(rate(epsilon, by="layer")).tolist()}
+
+
+def stored_sink_summary(sinks: dict[str, Any]) -> dict[str, Any]:
+    """A stored summary's sink block in today's keys: a file written before the per-window weights stored the
+    pooled rate as ``rate``, which reads as ``pooled_rate`` (``rate`` is ``None``, ``rate_unavailable`` says why)."""
+    if not sinks or "unavailable" in sinks or "pooled_rate" in sinks:
+        return sinks
+    pooled = {f"pooled_{name}": sinks.get(name) for name in ("rate", "rate_interval", "rate_by_layer")}
+    return {**sinks, **pooled, "rate": None, "rate_interval": None, "rate_by_layer": None,
+            "rate_unavailable": "this file was written before the probe kept each window's first-token weight, so "
+                                "it has no sink rate as Gu et al. compute it (a per-window threshold), only the "
+                                "pooled one; run it again with this version of equivariance_probe"}
 
 
 def _interval_summary(result: Any, level: float) -> dict[str, Any]:

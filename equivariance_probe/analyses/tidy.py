@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import IntervalUnavailableError, MissingDependencyError
+from ..errors import IntervalUnavailableError, MissingDependencyError, SupersededSumsError
 
 __all__ = ["COLUMNS", "probe_rows", "sink_rows", "position_probe_rows", "shift_rows", "positional_rows", "rows_dataframe", "require_pandas"]
 
@@ -129,21 +129,32 @@ def probe_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[
     return rows
 
 
-def sink_rows(result: Any, identity: Mapping[str, Any], level: float) -> list[dict[str, Any]]:
-    """A probe result's attention-sink rows (Gu et al., ICLR 2025), from its own methods: ``sink_rate`` (the share
-    of heads whose first-token weight is above the threshold, a fraction in ``[0, 1]``) for the model, with its
-    interval at ``level`` where the result has one, and per layer; ``first_token_weight`` (``α₁``) for the model
-    and per head. None for a result that keeps no first-token sums (:attr:`keeps_first_token`)."""
+def sink_rows(result: Any, identity: Mapping[str, Any], level: float, epsilon: float | None = None) -> list[dict[str, Any]]:
+    """A probe result's attention-sink rows (Gu et al., ICLR 2025), from its own methods: ``sink_rate`` (Gu et al.'s
+    per-window rate: the share of (window, layer, head) triples whose first-token weight is above ``epsilon``, a
+    fraction in ``[0, 1]``) for the model, with its interval at ``level`` where the result has one, and per layer;
+    ``pooled_sink_rate`` (the share of heads whose window-averaged weight is above it) in the same splits, the only
+    rate of a file written before each window's weight was kept; ``first_token_weight`` (``α₁``) for the model and
+    per head. None for a result that keeps no first-token sums (:attr:`keeps_first_token`)."""
+    from ..maths.sinks import SINK_EPSILON
+
     if not getattr(result, "keeps_first_token", False) or not result.n_windows:
         return []
-    try:
-        rate = result.sink_rate(interval=level)
-        model = {"value": rate.estimate, "low": rate.low, "high": rate.high, "level": rate.level}
-    except IntervalUnavailableError:
-        model = {"value": result.sink_rate()}
-    rows = [_row(identity, "sink_rate", **model, unit="share of heads")]
-    rows += [_row(identity, "sink_rate", value, split="layer", layer=layer, unit="share of heads")
-             for layer, value in enumerate(result.sink_rate(by="layer"))]
+    epsilon = SINK_EPSILON if epsilon is None else epsilon
+    rows = []
+    for name, rate in (("sink_rate", result.sink_rate), ("pooled_sink_rate", result.pooled_sink_rate)):
+        try:
+            value = rate(epsilon)
+        except SupersededSumsError:  # a file written before each window's first-token weight was kept
+            continue
+        try:
+            model = rate(epsilon, interval=level)
+            model = {"value": model.estimate, "low": model.low, "high": model.high, "level": model.level}
+        except IntervalUnavailableError:
+            model = {"value": value}
+        rows.append(_row(identity, name, **model, unit="share of heads"))
+        rows += [_row(identity, name, value, split="layer", layer=layer, unit="share of heads")
+                 for layer, value in enumerate(rate(epsilon, by="layer"))]
     rows.append(_row(identity, "first_token_weight", result.first_token_weight(None), unit="attention weight"))
     rows += [_row(identity, "first_token_weight", value, split="head", layer=layer, head=head, unit="attention weight")
              for (layer, head), value in np.ndenumerate(result.first_token_weight("head"))]

@@ -9,13 +9,15 @@ differs, its help says why (after :data:`WHY`).
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from typing import Any
 
 from ..errors import InputError, command_line_options
 
 __all__ = ["shared_options", "add_shared_options", "HelpFormatter", "WHY", "api_flags", "API_NAMES",
-           "MODEL_OPTIONS", "MEASURED", "int_list", "integer_at_least", "positive", "non_negative", "names", "declared_for"]
+           "MODEL_OPTIONS", "MEASURED", "int_list", "integer_at_least", "positive", "non_negative", "names", "declared_for",
+           "Given", "given_options", "weight_threshold"]
 
 #: The Python API's arguments whose flag is spelt otherwise (API name -> the flag's ``dest``), so that an
 #: error raised under a command names the flag the user typed (:func:`~equivariance_probe.errors.option`).
@@ -102,7 +104,33 @@ def names(text: str) -> list[str]:
     return [] if text.strip().lower() == "none" else [part.strip() for part in text.split(",") if part.strip()]
 
 
+def weight_threshold(text: str) -> float:
+    """An attention-weight threshold in ``[0, 1)`` (the sink rate's ``ε``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected an attention weight in [0, 1) such as 0.3, got {text!r}")
+    return value
+
+
 # -- the parser ----------------------------------------------------------------------------------
+class Given(argparse._StoreAction):
+    """A stored option that also records that it was typed (:func:`given_options`), so that a preset such as
+    ``--sink-protocol`` can tell a value the user gave from a default and refuse to overwrite it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, "given_options", given_options(namespace) | {self.dest})
+        super().__call__(parser, namespace, values, option_string)
+
+
+def given_options(args: argparse.Namespace) -> set[str]:
+    """The ``dest`` of every :class:`Given` option typed on the command line."""
+    return set(getattr(args, "given_options", ()))
+
+
 class HelpFormatter(argparse.HelpFormatter):
     """argparse's formatter, wrapping a comma-separated list (``gram,attention_toeplitz,...``) after a
     comma instead of inside a name: argparse's own wrapping (textwrap) breaks only at spaces, so a
@@ -141,6 +169,7 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
     from ..adapters.registry import DEFAULT_FRAMEWORK, framework_names
     from ..runs.checkpoint import DEFAULT_CHECKPOINT_EVERY
     from ..runs.positional import ANALYSES
+    from ..maths.sinks import SINK_EPSILON
     from ..runs.study import BASELINES, DEFAULT_STUDY
     from ..statistics.groups import DEFAULT_INTERVAL_GROUPS
 
@@ -200,6 +229,10 @@ def shared_options() -> dict[str, tuple[tuple[str, ...], dict[str, Any]]]:
             "torch's CPU threads (torch.set_num_threads), set before the model loads (default: torch's, one per core); "
             "on cores another process also uses, fewer threads avoid oversubscription (docs/guide/cost.md)")}),
         "no_progress": (("--no-progress",), {"action": "store_true", "help": "no progress bars"}),
+        "sink_epsilon": (("--sink-epsilon",), {"type": weight_threshold, "default": SINK_EPSILON, "metavar": "EPS", "help": (
+            "the attention-sink threshold: a head is a sink in a window when its mean weight on the window's first "
+            "token is above it; the sink rate is the share of (window, head) pairs that are (default %(default)s, "
+            "Gu et al.'s)")}),
         "json": (("--json",), {"action": "store_true", "help": "print the numbers as JSON instead of a table"}),
         "no_figures": (("--no-figures",), {"action": "store_true", "help": (
             "write the results and their summary or table only: no figures, no report (e.g. for shards)")}),
@@ -220,7 +253,8 @@ def declared_for(command: str) -> list[str]:
 
 
 def add_shared_options(parser: argparse.ArgumentParser, *names: str,
-                       differ: dict[str, tuple[dict[str, Any], str]] | None = None) -> argparse.ArgumentParser:
+                       differ: dict[str, tuple[dict[str, Any], str]] | None = None,
+                       given: tuple[str, ...] = ()) -> argparse.ArgumentParser:
     """Give ``parser`` the shared options ``names`` (:func:`shared_options`), spelt and explained as everywhere.
 
     Args:
@@ -228,6 +262,8 @@ def add_shared_options(parser: argparse.ArgumentParser, *names: str,
         names: the options that make sense for it.
         differ: ``{name: (changes, why)}`` for an option whose default (or meaning) differs on this
             subcommand: the argparse keywords that change, and why, which the help then says.
+        given: options whose use is recorded (:class:`Given`, :func:`given_options`): stored values that a preset
+            of the subcommand must not overwrite.
     """
     declared = shared_options()
     differ = differ or {}
@@ -246,5 +282,7 @@ def add_shared_options(parser: argparse.ArgumentParser, *names: str,
                 if "default" not in why:
                     help_text += " (default %(default)s)"
             keywords["help"] = f"{help_text}; {WHY}: {why}"
+        if name in given:
+            keywords["action"] = Given
         parser.add_argument(*flags, **keywords)
     return parser

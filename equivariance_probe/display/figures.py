@@ -12,7 +12,8 @@ matplotlib is imported when a figure is drawn, never at package import.
 * ``heatmaps``     — per-head query-position R² (log, fitted) and Toeplitz R².
 * ``first_token``  — the first token's mean weight ``α₁`` of every head (attention sinks, Gu et
   al. ICLR 2025), one panel per result.
-* ``sink_rate``    — the share of each layer's heads with ``α₁ > ε``, one line per result.
+* ``sink_rate``    — Gu et al.'s sink rate by layer: the share of (window, head) pairs with ``α₁ > ε``, one
+  line per result.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import EquivarianceProbeError, FigureError, InputError, option
+from ..errors import EquivarianceProbeError, FigureError, InputError, SupersededSumsError, option
+from ..maths.sinks import SINK_EPSILON
 from ..records.fileformat import make_folder, write_bytes_atomically
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,6 +45,7 @@ __all__ = [
     "heatmaps_figure",
     "first_token_figure",
     "sink_rate_figure",
+    "sink_rate_of",
     "study_figures",
     "save_figures",
     "figure_formats",
@@ -296,10 +299,20 @@ def _head_panel(fig: Any, ax: Any, values: np.ndarray, title: str, cmap: str) ->
     fig.colorbar(image, ax=ax)
 
 
+def sink_rate_of(result: ProbeResult, epsilon: float = SINK_EPSILON, by: str | None = None) -> tuple[Any, str]:
+    """``(rate, name)``: Gu et al.'s per-window sink rate, ``"sink rate"``; or, for a file written before each
+    window's first-token weight was kept, its pooled sink rate, ``"pooled sink rate"``."""
+    try:
+        return result.sink_rate(epsilon, by=by), "sink rate"
+    except SupersededSumsError:
+        return result.pooled_sink_rate(epsilon, by=by), "pooled sink rate"
+
+
 def first_token_figure(results: ProbeResult | Mapping[str, ProbeResult],
-                       baselines: Mapping[str, ProbeResult] | None = None) -> Figure:
+                       baselines: Mapping[str, ProbeResult] | None = None, *,
+                       epsilon: float = SINK_EPSILON) -> Figure:
     """The first token's mean weight ``α₁`` (:meth:`~equivariance_probe.result.ProbeResult.first_token_weight`)
-    of every head, one heat map per result on one scale ``[0, 1]``, with each result's sink rate at ε = 0.3."""
+    of every head, one heat map per result on one scale ``[0, 1]``, with each result's sink rate at ``epsilon``."""
     plt = pyplot()
     results = _results(results, baselines, where="first_token_figure")
     first = next(iter(results.values()))
@@ -307,8 +320,8 @@ def first_token_figure(results: ProbeResult | Mapping[str, ProbeResult],
     width = 2.2 + 2.4 * max(n_heads, 4) / 4
     fig, axes = plt.subplots(1, len(results), figsize=(width * len(results), 1.8 + 0.25 * n_layers), squeeze=False)
     for ax, (label, result) in zip(axes[0], results.items()):
-        _head_panel(fig, ax, result.first_token_weight("head"), f"{label}: sink rate {result.sink_rate():.1%} (α₁ > 0.3)",
-                    "viridis")
+        rate, name = sink_rate_of(result, epsilon)
+        _head_panel(fig, ax, result.first_token_weight("head"), f"{label}: {name} {rate:.1%} (α₁ > {epsilon:g})", "viridis")
     figure_title(fig, f"Mean attention weight α₁ on the first token ({first.first_token}), per head")
     fig.tight_layout()
     return fig
@@ -316,27 +329,30 @@ def first_token_figure(results: ProbeResult | Mapping[str, ProbeResult],
 
 def sink_rate_figure(results: ProbeResult | Mapping[str, ProbeResult],
                      baselines: Mapping[str, ProbeResult] | None = None, *,
-                     epsilon: float = 0.3) -> Figure:
-    """The share of each layer's heads whose first-token weight ``α₁`` is above ``epsilon``, one line per result
-    (the trained model and its baselines on one axes)."""
+                     epsilon: float = SINK_EPSILON) -> Figure:
+    """Gu et al.'s sink rate by layer: the share of each layer's (window, head) pairs whose first-token weight
+    ``α₁`` is above ``epsilon``, one line per result (the trained model and its baselines on one axes; a file
+    written before the per-window weights shows its pooled rate, labelled so)."""
     plt = pyplot()
     results = _results(results, baselines, where="sink_rate_figure")
     fig, ax = plt.subplots(figsize=(6, 3.8))
     for label, result in results.items():
-        rate = result.sink_rate(epsilon, by="layer")
-        ax.plot(np.arange(len(rate)), 100 * rate, marker="o", ms=3, label=f"{label} ({result.sink_rate(epsilon):.1%} overall)")
+        rate, name = sink_rate_of(result, epsilon, by="layer")
+        overall, _ = sink_rate_of(result, epsilon)
+        ax.plot(np.arange(len(rate)), 100 * rate, marker="o", ms=3, label=f"{label} ({name} {overall:.1%} overall)")
     ax.set_ylim(-3, 103)
     ax.set_xlabel("layer")
-    ax.set_ylabel(f"heads with α₁ > {epsilon:g} (%)")
+    ax.set_ylabel(f"(window, head) pairs with α₁ > {epsilon:g} (%)")
     _axes_title(ax, f"Sink rate by layer (Gu et al., ICLR 2025: ε = {epsilon:g})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
-def study_figures(result: ProbeResult, baselines: dict[str, ProbeResult] | None = None) -> dict[str, Figure]:
+def study_figures(result: ProbeResult, baselines: dict[str, ProbeResult] | None = None, *,
+                  sink_epsilon: float = SINK_EPSILON) -> dict[str, Figure]:
     """Every figure of the study for one result, with its baselines side by side in Fig. 1a and 1c
-    (each baseline's heatmaps: :func:`heatmaps_figure`)."""
+    (each baseline's heatmaps: :func:`heatmaps_figure`); the sink rates at ``sink_epsilon``."""
     variants = variant_columns(result, baselines)
     figures = {
         "persistence": persistence_figure(variants),
@@ -347,8 +363,8 @@ def study_figures(result: ProbeResult, baselines: dict[str, ProbeResult] | None 
     if result.statistics.sample is not None and len(result.statistics.sample):
         figures["scatter"] = scatter_figure(result)
     if all(variant.keeps_first_token for variant in variants.values()):
-        figures["first_token"] = first_token_figure(variants)
-        figures["sink_rate"] = sink_rate_figure(variants)
+        figures["first_token"] = first_token_figure(variants, epsilon=sink_epsilon)
+        figures["sink_rate"] = sink_rate_figure(variants, epsilon=sink_epsilon)
     return figures
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import NotRunError
+from ..errors import NotRunError, SupersededSumsError
+from ..maths.sinks import SINK_EPSILON
 from ..markup import Markup
 from ..records.fileformat import write_text_atomically
 from ..runs.tables import paired_rows, summary_rows
@@ -135,11 +136,13 @@ class RenderedReport:
         return f"RenderedReport({self.title!r}, {len(str(self)) / 1e6:.2f} MB; .save(path) writes it)"
 
 
-def summary_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None = None) -> ReportSection:
+def summary_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None = None,
+                    sink_epsilon: float = SINK_EPSILON) -> ReportSection:
     """Run facts, then one table with a column per variant: query-position R² in every scale and
-    form, the persistence fits and their parameters, Figure 1c, Toeplitz scores and heads."""
+    form, the persistence fits and their parameters, Figure 1c, Toeplitz scores, heads and sink rates
+    (at ``sink_epsilon``)."""
     variants = variant_columns(result, baselines)
-    summaries = {name: variant.summary() for name, variant in variants.items()}
+    summaries = {name: variant.summary(epsilon=sink_epsilon) for name, variant in variants.items()}
     first = summaries[next(iter(summaries))]
     table = table_html(list(summaries), summary_rows(summaries, extended=True), "summary")
     compared, differences = "", Markup("")
@@ -213,30 +216,42 @@ def figures_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | 
     return ReportSection("Figures", figures_html(figures))
 
 
-def sinks_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None = None) -> ReportSection | None:
-    """Attention sinks (Gu et al., ICLR 2025): per variant the sink rate at ε = 0.3 with its interval, the mean
-    first-token weight and the first token, then the heat map of ``α₁`` per head and the sink rate by layer;
-    ``None`` where a variant keeps no first-token sums (a file written before them)."""
+def sinks_section(result: ProbeResult, baselines: Mapping[str, ProbeResult] | None = None,
+                  epsilon: float = SINK_EPSILON) -> ReportSection | None:
+    """Attention sinks (Gu et al., ICLR 2025): per variant the sink rate at ``epsilon`` (per window, as their
+    released code computes it) and the pooled one, each with its interval, the mean first-token weight and the
+    first token, then the heat map of ``α₁`` per head and the sink rate by layer; ``None`` where a variant keeps
+    no first-token sums (a file written before them)."""
     variants = variant_columns(result, baselines)
     if not all(variant.keeps_first_token for variant in variants.values()):
         return None
     rows = []
     for name, variant in variants.items():
-        try:
-            rate = str(variant.sink_rate(interval=0.95))
-        except NotRunError:  # no interval groups: the number alone
-            rate = f"{variant.sink_rate():.4f}"
-        rows.append(("", name, [rate, f"{variant.first_token_weight(None):.4f}", variant.first_token]))
-    table = table_html(["sink rate (α₁ > 0.3) [95 %]", "mean α₁", "first token"], rows, "sinks")
-    figures = {"Mean weight α₁ on the first token, per head": first_token_figure(variants),
-               "Sink rate by layer": sink_rate_figure(variants)}
-    body = (Markup("<p>α₁(l, h): the mean over every real query of every window of head (l, h)'s attention weight on "
-                   "the window's first token (kept in the softmax whatever the excluded keys); the sink rate is the share "
-                   "of heads with α₁ &gt; 0.3 (Gu et al., \"When Attention Sink Emerges in Language Models\", ICLR 2025, "
-                   "who report 77.00 % for GPT2-XL on natural text in 64-token windows; "
-                   "docs/methods.md#attention-sinks).</p>")
+        rates = [_rate_cell(variant.sink_rate, epsilon), _rate_cell(variant.pooled_sink_rate, epsilon)]
+        rows.append(("", name, [*rates, f"{variant.first_token_weight(None):.4f}", variant.first_token]))
+    table = table_html([f"sink rate (α₁(w) > {epsilon:g}) [95 %]", f"pooled sink rate (mean α₁ > {epsilon:g}) [95 %]",
+                        "mean α₁", "first token"], rows, "sinks")
+    figures = {"Mean weight α₁ on the first token, per head": first_token_figure(variants, epsilon=epsilon),
+               "Sink rate by layer": sink_rate_figure(variants, epsilon=epsilon)}
+    body = (Markup("<p>α₁(w, l, h): the mean over every real query of window w of head (l, h)'s attention weight on "
+                   "the window's first token (kept in the softmax whatever the excluded keys). The sink rate is the "
+                   "share of (window, layer, head) triples with α₁(w, l, h) &gt; {} (Gu et al., \"When Attention Sink "
+                   "Emerges in Language Models\", ICLR 2025, and their released code, who report 77.00 % for GPT2-XL "
+                   "on natural text in 64-token windows); the pooled sink rate thresholds each head's window-averaged "
+                   "α₁ once (docs/methods.md#attention-sinks).</p>").format(f"{epsilon:g}")
             + table + figures_html(figures))
     return ReportSection("Attention sinks", body)
+
+
+def _rate_cell(rate: Any, epsilon: float) -> str:
+    """A sink rate with its 95 % interval, the number alone without interval groups, or ``not kept (run again)``
+    for the per-window rate of a file written before it."""
+    try:
+        return str(rate(epsilon, interval=0.95))
+    except SupersededSumsError:
+        return "not kept (run again)"
+    except NotRunError:  # no interval groups: the number alone
+        return f"{rate(epsilon):.4f}"
 
 
 def ranking_section(result: ProbeResult) -> ReportSection:
@@ -264,11 +279,13 @@ def report_sections(
     *,
     baselines: Mapping[str, ProbeResult] | None = None,
     views: HeadViews | Sequence[HeadViews] | None = None,
+    sink_epsilon: float = SINK_EPSILON,
 ) -> list[ReportSection]:
     """The standard sections: summary and figures (with the baselines side by side), the head
-    ranking of ``result``, and views if any are given."""
-    sections = [summary_section(result, baselines), figures_section(result, baselines), ranking_section(result)]
-    sinks = sinks_section(result, baselines)
+    ranking of ``result``, the attention sinks at ``sink_epsilon``, and views if any are given."""
+    sections = [summary_section(result, baselines, sink_epsilon), figures_section(result, baselines),
+                ranking_section(result)]
+    sinks = sinks_section(result, baselines, sink_epsilon)
     if sinks is not None:
         sections.append(sinks)
     if views is not None:
@@ -284,6 +301,7 @@ def render_report(
     baselines: Mapping[str, ProbeResult] | None = None,
     views: HeadViews | Sequence[HeadViews] | None = None,
     extra_sections: Sequence[ReportSection] = (),
+    sink_epsilon: float = SINK_EPSILON,
 ) -> RenderedReport:
     """The report: no external scripts, stylesheets or images.
 
@@ -296,6 +314,7 @@ def render_report(
             ``baseline_<name>`` files beside a study's results), shown side by side with ``result``.
         views: :class:`~equivariance_probe.display.views.HeadViews` to include (one or several).
         extra_sections: more :class:`ReportSection` objects, appended after the standard ones.
+        sink_epsilon: the sink rates' threshold ``ε`` (Gu et al.'s 0.3 by default).
 
     Raises:
         NotRunError: the result (or a baseline) holds no windows.
@@ -303,7 +322,7 @@ def render_report(
     for variant in [result, *dict(baselines or {}).values()]:
         if variant.n_windows == 0:
             raise NotRunError("this result holds no windows yet: run EquivarianceProbe(model).run(docs) before reporting it")
-    sections = report_sections(result, baselines=baselines, views=views) + list(extra_sections)
+    sections = report_sections(result, baselines=baselines, views=views, sink_epsilon=sink_epsilon) + list(extra_sections)
     model = result.model_name
     return sections_page(f"equivariance_probe report: {model}", f"Equivariance probe: {model}", sections)
 

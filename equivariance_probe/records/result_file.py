@@ -13,7 +13,9 @@ One file per result (:mod:`~equivariance_probe.records.container`):
   :func:`~equivariance_probe.records.provenance.window_fingerprint`); with interval groups
   (config ``interval_groups > 0``), the occupied groups' sums as ``groups/<name>`` (float64, one
   row per occupied group, :data:`~equivariance_probe.statistics.groups.GROUP_SUMS`) and their ids as
-  ``groups/index`` (int64, sorted);
+  ``groups/index`` (int64, sorted); with per-window first-token weights (config ``keep_window_sinks``),
+  ``window_sinks/alpha`` (float64 ``[n_windows, L, H]``) and ``window_sinks/keys`` (uint64, each window's
+  interval-group key, :mod:`~equivariance_probe.statistics.window_sinks`);
 * header (``__metadata__["equivariance_probe"]``, JSON) — ``kind``, ``format_version`` (3),
   ``complete``, ``checksum`` (:func:`~equivariance_probe.records.container.tensor_checksum` of
   every tensor with the counts ``n_windows``, ``n_tokens`` first), ``statistics`` (``config``,
@@ -72,6 +74,7 @@ RESULT_SUFFIX = ".safetensors"
 FINGERPRINTS = "window_fingerprints"
 SAMPLE_PREFIX = "sample/"
 GROUPS_PREFIX = "groups/"
+WINDOW_SINKS_PREFIX = "window_sinks/"
 
 
 def result_tensors(statistics: AttentionStatistics) -> dict[str, np.ndarray]:
@@ -83,6 +86,8 @@ def result_tensors(statistics: AttentionStatistics) -> dict[str, np.ndarray]:
     tensors[FINGERPRINTS] = np.asarray(statistics.window_fingerprints, dtype=np.uint64)
     if statistics.groups is not None:
         tensors.update({GROUPS_PREFIX + name: value for name, value in statistics.groups.tensors().items()})
+    if statistics.window_sinks is not None:
+        tensors.update({WINDOW_SINKS_PREFIX + name: value for name, value in statistics.window_sinks.tensors().items()})
     return tensors
 
 
@@ -185,11 +190,14 @@ class ResultFile:
             sample = EntrySample.from_arrays(sample_size, {c: tensors[SAMPLE_PREFIX + c] for c in SAMPLE_COLUMNS})
         arrays = {name: torch.from_numpy(tensors[name]) for name in AttentionStatistics.array_shapes(self.config)}
         groups = {name[len(GROUPS_PREFIX):]: value for name, value in tensors.items() if name.startswith(GROUPS_PREFIX)}
+        window_sinks = {name[len(WINDOW_SINKS_PREFIX):]: value for name, value in tensors.items()
+                        if name.startswith(WINDOW_SINKS_PREFIX)}
         config, arrays = current_layout(self.config, arrays)
         return AttentionStatistics.from_arrays(
             config, arrays, n_windows=self.n_windows, n_tokens=self.n_tokens,
             window_fingerprints=tensors[FINGERPRINTS], sample=sample,
             groups=groups or None, groups_described=self._container.header["statistics"].get("groups"),
+            window_sinks=window_sinks or None,
         )
 
 
@@ -305,6 +313,7 @@ def _check_tensors(container: Container, statistics: dict[str, Any], source: str
     require(tensors[FINGERPRINTS][1][0] <= statistics["n_windows"], source,
              f"{FINGERPRINTS!r} holds more fingerprints than 'statistics.n_windows'")
     names = set(expected) | {FINGERPRINTS} | _check_group_tensors(container, statistics, source)
+    names |= _check_window_sink_tensors(container, statistics, source)
     if statistics.get("sample_size") is not None:
         lengths = set()
         for column in SAMPLE_COLUMNS:
@@ -334,6 +343,22 @@ def _check_group_tensors(container: Container, statistics: dict[str, Any], sourc
         tensor = GROUPS_PREFIX + name
         require(container.tensors.get(tensor) == (dtype, shape), source,
                  f"the interval groups' array {tensor!r} must be {dtype} {list(shape)}, not {container.tensors.get(tensor)}")
+        names.add(tensor)
+    return names
+
+
+def _check_window_sink_tensors(container: Container, statistics: dict[str, Any], source: str) -> set[str]:
+    """The per-window first-token weights the header promises (none for a config without ``keep_window_sinks``):
+    one row per window; their names."""
+    window_sinks = AttentionStatistics.from_config(statistics["config"], device="meta").window_sinks
+    if window_sinks is None:
+        return set()
+    names = set()
+    for name, (shape, dtype) in window_sinks.array_shapes(statistics["n_windows"]).items():
+        tensor = WINDOW_SINKS_PREFIX + name
+        require(container.tensors.get(tensor) == (dtype, shape), source,
+                f"the per-window first-token weights {tensor!r} must be {dtype} {list(shape)}, not "
+                f"{container.tensors.get(tensor)}")
         names.add(tensor)
     return names
 

@@ -13,11 +13,12 @@ import numpy as np
 
 from ..analyses import intervals as resampling
 from ..analyses.results import split_axis
-from ..errors import (InputError, NotRunError, UndefinedStatisticError, check_choice, check_fraction, check_index,
+from ..errors import (NotRunError, SupersededSumsError, UndefinedStatisticError, check_choice, check_index,
                       check_integer)
 from ..maths import fitting, metrics, sinks
 from ..maths.intervals import Interval, check_level, jackknife_interval
 from ..maths.persistence import lag_curves, persistence_curves
+from ..statistics.groups import group_of
 from ..statistics.masks import key_bin_edges, lag_values
 
 __all__ = ["ProbeNumbers", "TOEPLITZ_ESTIMATORS"]
@@ -253,7 +254,8 @@ class ProbeNumbers:
         return arrays["first_key_sum"].sum(-1), float(arrays["windows_covering"].sum())
 
     def first_token_weight(self, by: str | None = "head", interval: float | None = None) -> Any:
-        """``α₁``: each head's mean attention weight on the window's first token (Gu et al., ICLR 2025).
+        """``α₁``: each head's mean attention weight on the window's first token, pooled over windows (Gu et al.,
+        ICLR 2025, average it over sequences).
 
         ``α₁(l, h) = Σ_windows Σ_q a[l, h, q, 0] / Σ_windows (real queries)``, over every real query
         of every window, whatever ``excluded_keys`` says (an excluded key stays in the softmax), a query
@@ -281,8 +283,68 @@ class ProbeNumbers:
         return sinks.split_heads(sinks.first_token_weight(total, count), by)
 
     def sink_rate(self, epsilon: float = sinks.SINK_EPSILON, by: str | None = None, interval: float | None = None) -> Any:
-        """``Sink^ε₁``: the share of heads whose first-token weight ``α₁`` (:meth:`first_token_weight`) is above
-        ``epsilon`` (Gu et al., ICLR 2025: ``ε = 0.3``; their Table 1 prints it in percent).
+        """Gu et al.'s ``Sink^ε₁`` (ICLR 2025, as their released code computes it): the share of *(window, layer,
+        head)* triples whose window's first-token weight ``α₁(w) = (1/T_w)·Σ_q a[q, 0]`` is above ``epsilon``.
+
+        ``rate = mean over w, l, h of 1[α₁(w, l, h) > ε]`` (:func:`~equivariance_probe.maths.sinks.window_sink_rate`),
+        from each window's weights, which the run keeps (``[windows, layer, head]``), so any ``ε`` can be asked
+        after the run. Thresholding the window-averaged weight once per head instead is
+        :meth:`pooled_sink_rate`, another statistic.
+
+        Args:
+            epsilon: the threshold ``ε`` in ``[0, 1)`` (Gu et al.: 0.3, :data:`~equivariance_probe.maths.sinks.SINK_EPSILON`).
+            by: ``None`` (one share over every window and head), ``"layer"`` (``[layer]``) or ``"head"``
+                (``[layer, head]``: the share of windows in which each head is a sink).
+            interval: a confidence level (``0.95``) for an :class:`Interval` over windows (the delete-a-group
+                jackknife over the interval groups, as every other number), clipped to ``[0, 1]``.
+
+        Raises:
+            SupersededSumsError: a result written before each window's weight was kept (its sums give
+                :meth:`pooled_sink_rate` alone): run it again.
+            NotRunError: a result without the first token's sums at all.
+            InputError: ``epsilon`` outside ``[0, 1)``.
+
+        Example:
+            >>> result.sink_rate(0.3)  # doctest: +SKIP
+            0.81
+        """
+        epsilon = sinks.check_epsilon(epsilon)
+        by = split_axis(by, sinks.SINK_BY)
+        kept = self._window_sinks()
+        estimate = sinks.window_sink_rate(kept.alpha, epsilon, by)
+        if interval is None:
+            return estimate
+        level = check_level(interval)
+        groups = self.replicates().groups
+        window_groups = group_of(kept.keys, groups.n_groups)
+        replicates = sinks.window_sink_replicates(kept.alpha, window_groups, groups.ids, epsilon, by)
+        return jackknife_interval(estimate, replicates, level=level, upper=1.0, lower=0.0)
+
+    def _window_sinks(self) -> Any:
+        """The per-window first-token weights (:class:`~equivariance_probe.statistics.window_sinks.WindowSinks`).
+
+        Raises:
+            NotRunError: no first-token sums at all (:meth:`_first_token_sums`).
+            SupersededSumsError: first-token sums pooled over windows only (a file written before each
+                window's weight was kept).
+        """
+        self._first_token_sums()
+        kept = self.statistics.window_sinks
+        if kept is None:
+            raise SupersededSumsError(
+                "this result keeps the first token's weight pooled over windows only, not each window's, so it has "
+                "no sink rate as Gu et al. compute it (a per-window threshold): it was written before the probe kept "
+                "each window's weight; run it again with this version of equivariance_probe. Its pooled_sink_rate() "
+                "(the window-averaged weight thresholded once per head) is still available"
+            )
+        return kept
+
+    def pooled_sink_rate(self, epsilon: float = sinks.SINK_EPSILON, by: str | None = None,
+                         interval: float | None = None) -> Any:
+        """The pooled sink rate: the share of heads whose window-averaged first-token weight ``α₁``
+        (:meth:`first_token_weight`) is above ``epsilon``, thresholded once per head. Not Gu et al.'s statistic
+        (:meth:`sink_rate` thresholds each window): the two differ wherever a head's per-window ``α₁``
+        straddles ``ε``. Files written before each window's weight was kept have this one alone.
 
         Args:
             epsilon: the threshold ``ε`` in ``[0, 1)``.
@@ -296,7 +358,7 @@ class ProbeNumbers:
                 ``keep_first_key=False``): run it again.
             InputError: ``epsilon`` outside ``[0, 1)``.
         """
-        epsilon = check_fraction("epsilon", epsilon, meaning="a weight threshold (Gu et al.: 0.3)", example=0.3)
+        epsilon = sinks.check_epsilon(epsilon)
         by = split_axis(by, ("layer", None))
         if interval is not None:
             return self._sink_interval(lambda alpha: sinks.sink_rate(alpha, epsilon, by), interval)

@@ -27,11 +27,12 @@ import numpy as np
 from ..analyses import intervals as resampling
 from ..analyses.heads import TOP_K, HeadRanking, rank_heads
 from ..analyses.results import SumsReadOnUse, missing_as
-from ..analyses.summary import head_label, result_summary
+from ..analyses.summary import head_label, result_summary, stored_sink_summary
 from ..errors import EmptyResultError, IncompatibleResultsError, InputError
 from ..markup import Markup
 from ..maths import metrics
 from ..maths.intervals import check_level, is_undefined
+from ..maths.sinks import SINK_EPSILON, check_epsilon
 from ..records.result_file import ResultFile, open_result_file, write_result_file
 from ..records.sharding import merged_provenance
 from ..sources.packing import merged_first_token, merged_windows_record
@@ -224,7 +225,8 @@ class ProbeResult(SumsReadOnUse, ProbeNumbers, ProbeIntervals):
         return self.merge(other)
 
     # -- summary and display -------------------------------------------------------------------------
-    def summary(self, level: float = SUMMARY_LEVEL, *, missing: Any = None) -> dict[str, Any]:
+    def summary(self, level: float = SUMMARY_LEVEL, *, missing: Any = None,
+                epsilon: float = SINK_EPSILON) -> dict[str, Any]:
         """Headline numbers, as stored in the result file's header.
 
         Keys: ``n_windows``, ``n_tokens``, ``n_entries``, ``floored_entries``, ``log_floor``,
@@ -237,27 +239,34 @@ class ProbeResult(SumsReadOnUse, ProbeNumbers, ProbeIntervals):
         :data:`~equivariance_probe.analyses.heads.RANKING_SCORES` as ``[layer][head]`` lists);
         ``layer_groups`` (for models with sliding-window and global layers: per group its
         ``layers``, ``query_position_r2`` and ``persistence_fit_r2``; empty otherwise); ``sinks`` (the
-        attention-sink rate at ``ε = 0.3`` with its interval, per layer, and the first token's weight
-        per head: :func:`~equivariance_probe.analyses.summary.sink_summary`); ``intervals`` (each
-        number's ``[low, high]`` at ``level``).
+        attention-sink rates at ``epsilon``, Gu et al.'s per-window one and the pooled one, with their
+        intervals, per layer, and the first token's weight per head:
+        :func:`~equivariance_probe.analyses.summary.sink_summary`); ``intervals`` (each number's
+        ``[low, high]`` at ``level``).
 
         Args:
             level: the confidence level of the intervals (a file stores them at 0.95; another level
                 reads the arrays and computes them).
             missing: what stands where a number is undefined: ``None`` (JSON's ``null``, as every
                 result's summary and the tidy rows hold it), or ``math.nan`` for NaN.
+            epsilon: the sink rates' threshold ``ε`` (a file stores them at
+                :data:`~equivariance_probe.maths.sinks.SINK_EPSILON`; another threshold reads the arrays).
 
         A loaded result returns the numbers stored in its file without reading any array.
         """
-        level = check_level(level, "level")
+        level, epsilon = check_level(level, "level"), check_epsilon(epsilon)
         stored = self._stored_summary
-        if stored is not None and (stored.get("intervals") or {}).get("level", SUMMARY_LEVEL) == level:
+        if (stored is not None and (stored.get("intervals") or {}).get("level", SUMMARY_LEVEL) == level
+                and (stored.get("sinks") or {}).get("epsilon", SINK_EPSILON) == epsilon):
+            if "sinks" in stored:  # the pooled rate of a file written before the per-window one, by its own name
+                stored = {**stored, "sinks": stored_sink_summary(stored["sinks"])}
             return missing_as(stored, missing)  # rebuilds every dict and list: a copy already
         if self.n_windows == 0:
             return {"n_windows": 0}
-        state = (id(self.statistics), self.statistics.n_windows, self.statistics.n_tokens, level)
+        state = (id(self.statistics), self.statistics.n_windows, self.statistics.n_tokens, level, epsilon)
         if self._computed_summary is None or self._computed_summary[0] != state:
-            self._computed_summary = (state, result_summary(self, key_bins=SUMMARY_KEY_BINS, level=level))
+            self._computed_summary = (state, result_summary(self, key_bins=SUMMARY_KEY_BINS, level=level,
+                                                            epsilon=epsilon))
         return missing_as(self._computed_summary[1], missing)
 
     def table(self, level: float = SUMMARY_LEVEL) -> str:
@@ -287,18 +296,20 @@ class ProbeResult(SumsReadOnUse, ProbeNumbers, ProbeIntervals):
         return "\n".join(lines)
 
     def _sink_lines(self, level: float) -> list[str]:
-        """The table's attention-sink line: the sink rate with its interval where the result has one, and the mean
-        first-token weight (none for a result without first-token sums)."""
+        """The table's attention-sink line: Gu et al.'s per-window sink rate and the pooled one, each with its
+        interval where the result has one (a file written before each window's weight was kept has the pooled one
+        alone), and the mean first-token weight (none for a result without first-token sums)."""
         from ..analyses.tidy import sink_rows
         from ..maths.sinks import SINK_EPSILON
 
         rows = {row["statistic"]: row for row in sink_rows(self, {}, level) if row["split"] == "model"}
         if not rows:
             return []
-        rate, weight = rows["sink_rate"], rows["first_token_weight"]
-        return [f"  attention sinks: sink rate (share of heads with α₁ > {SINK_EPSILON:g}, Gu et al.) "
-                f"{_cell(rate['value'], [rate['low'], rate['high']] if rate['low'] is not None else None)}, "
-                f"mean first-token weight α₁ {weight['value']:.4f}"]
+        rates = [f"{label} {_cell(row['value'], [row['low'], row['high']] if row['low'] is not None else None)}"
+                 for label, row in (("sink rate (per window, Gu et al.)", rows.get("sink_rate")),
+                                    ("pooled", rows.get("pooled_sink_rate"))) if row is not None]
+        return [f"  attention sinks at α₁ > {SINK_EPSILON:g}: {', '.join(rates)}, "
+                f"mean first-token weight α₁ {rows['first_token_weight']['value']:.4f}"]
 
     def to_rows(self, level: float = SUMMARY_LEVEL) -> list[dict[str, Any]]:
         """The numbers in long form, one dict per statistic and split (model, layer group, layer, head), with

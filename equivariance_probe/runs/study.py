@@ -24,6 +24,7 @@ from ..adapters.base import RUNS_REMOTELY
 from ..adapters.registry import framework_can, frameworks_that
 from ..adapters.request_sizes import RequestLimits
 from ..errors import InputError
+from ..maths.sinks import SINK_EPSILON
 from ..probe import EquivarianceProbe, MeasurementOptions
 from ..records.fileformat import make_folder, write_text_atomically
 from ..records.provenance import config_fingerprint, corpus_fingerprint, model_identity
@@ -52,7 +53,8 @@ DEFAULT_STUDY = {"n_docs": 24, "context_length": 1024, "batch_size": 4}
 
 #: Gu et al.'s protocol for the attention-sink rate ("When Attention Sink Emerges in Language Models: An
 #: Empirical View", ICLR 2025, Table 1): 100 sequences of 64 tokens, every key kept, so that
-#: :meth:`~equivariance_probe.result.ProbeResult.sink_rate` of GPT2-XL compares with their 77.00 % on natural text.
+#: :meth:`~equivariance_probe.result.ProbeResult.sink_rate` of GPT2-XL compares with their 77.00 % on natural text
+#: (at :data:`~equivariance_probe.maths.sinks.SINK_EPSILON`).
 SINK_PROTOCOL = {"n_docs": 100, "context_length": 64, "exclude_keys": []}
 
 #: How a study measures unless told otherwise: :class:`~equivariance_probe.probe.MeasurementOptions`'
@@ -71,6 +73,8 @@ class Study:
     #: The run's :class:`~equivariance_probe.runs.checkpoint.CheckpointedRun`, whose finished-variant
     #: files :meth:`save` links instead of writing the same bytes again.
     checkpoint: CheckpointedRun | None = field(default=None, repr=False, compare=False)
+    #: The threshold ``ε`` of the sink rates its table and text report (Gu et al.'s by default).
+    sink_epsilon: float = SINK_EPSILON
 
     @property
     def trained(self) -> ProbeResult:
@@ -84,7 +88,8 @@ class Study:
         fits to ``P(dt)``, the mean per-window Toeplitz R², each with its 95 % interval over windows
         (:func:`~equivariance_probe.runs.tables.summary_table`; ``extended`` adds fit parameters, Figure 1c
         and the heads)."""
-        return summary_table({name: result.summary() for name, result in self.results.items()}, extended=extended)
+        return summary_table({name: result.summary(epsilon=self.sink_epsilon) for name, result in self.results.items()},
+                             extended=extended)
 
     def differences(self) -> str:
         """Markdown table of ``trained − baseline`` for every baseline, each difference with its 95 %
@@ -108,15 +113,16 @@ class Study:
 
     def heads(self) -> str:
         """The most and least position-bound heads of the trained model (log η²), and its attention sinks."""
-        summary = self.trained.summary()
+        summary = self.trained.summary(epsilon=self.sink_epsilon)
         text = (
             f"most position-bound head: {summary['most_position_bound_head']}; "
             f"least: {summary['least_position_bound_head']} (query-position η², log scale)"
         )
         sinks = summary.get("sinks") or {}
-        if "rate" in sinks:
-            text += (f"\nattention sinks (Gu et al.'s sink rate): {sinks['rate']:.2%} of heads put more than "
-                     f"{sinks['epsilon']:g} of their attention on the first token ({sinks['first_token']})")
+        if sinks.get("rate") is not None:
+            text += (f"\nattention sinks (Gu et al.'s sink rate): in {sinks['rate']:.2%} of (window, head) pairs the head "
+                     f"puts more than {sinks['epsilon']:g} of its attention on the window's first token "
+                     f"({sinks['first_token']}); pooled over windows, {sinks['pooled_rate']:.2%} of heads do")
         return text
 
     def save(self, folder: str | os.PathLike) -> dict[str, Path]:

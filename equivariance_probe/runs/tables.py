@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import IncompatibleResultsError, IntervalUnavailableError
 from ..maths import fitting, metrics
 from ..maths.intervals import format_interval, is_undefined, windows_for_half_width
+from ..maths.sinks import SINK_EPSILON
 from ..result import DIFFERENCE_STATISTICS, SUMMARY_LEVEL, TARGET_HALF_WIDTH, ProbeResult, paired_differences
 from ..shift_result import check_verdict, number_cell
 
@@ -94,7 +95,11 @@ def summary_rows(summaries: dict[str, dict[str, Any]], *, extended: bool = False
             lambda s: "not kept" if is_undefined(s.get("toeplitz_r2_mean_pattern_mean")) else _number(s["toeplitz_r2_mean_pattern_mean"]))
         row("heads", "most position-bound (log η²)", lambda s: str(s["most_position_bound_head"]))
         row("heads", "least position-bound (log η²)", lambda s: str(s["least_position_bound_head"]))
-    row("attention sinks", "sink rate: share of heads with α₁ > 0.3 (Gu et al.)", _sink_rate_cell)
+    epsilon = _sink_epsilon(summaries)
+    row("attention sinks", f"sink rate: share of (window, head) with α₁ > {epsilon:g} (Gu et al.)",
+        lambda s: _sink_rate_cell(s, "rate"))
+    row("attention sinks", f"pooled sink rate: share of heads with window-averaged α₁ > {epsilon:g}",
+        lambda s: _sink_rate_cell(s, "pooled_rate"))
     if extended:
         row("attention sinks", "mean first-token weight α₁ over heads",
             lambda s: _sink_value(s, lambda sinks: _number(sinks["mean_weight"])))
@@ -113,11 +118,20 @@ def _sink_value(summary: dict[str, Any], cell: Any) -> str:
     return cell(sinks)
 
 
-def _sink_rate_cell(summary: dict[str, Any]) -> str:
-    """``0.4375 [0.4062, 0.4688]``: the sink rate with its interval where the summary stores one."""
+def _sink_epsilon(summaries: dict[str, dict[str, Any]]) -> float:
+    """The sink rates' threshold ``ε`` of the summaries (the first that says one; Gu et al.'s otherwise)."""
+    found = [(s.get("sinks") or {}).get("epsilon") for s in summaries.values()]
+    return next((float(e) for e in found if isinstance(e, (int, float))), SINK_EPSILON)
+
+
+def _sink_rate_cell(summary: dict[str, Any], name: str) -> str:
+    """``0.4375 [0.4062, 0.4688]``: a sink rate (``"rate"``, ``"pooled_rate"``) with its interval where the
+    summary stores one; ``not kept (run again)`` for the per-window rate of a file written before it."""
     def cell(sinks: dict[str, Any]) -> str:
-        bounds = sinks.get("rate_interval")  # a list, or None (NaN once loaded: how JSON holds it) without intervals
-        return format_interval(sinks["rate"], *bounds) if isinstance(bounds, list) else _number(sinks["rate"])
+        if is_undefined(sinks.get(name)):
+            return "not kept (run again)"
+        bounds = sinks.get(f"{name}_interval")  # a list, or None (NaN once loaded: how JSON holds it) without intervals
+        return format_interval(sinks[name], *bounds) if isinstance(bounds, list) else _number(sinks[name])
 
     return _sink_value(summary, cell)
 

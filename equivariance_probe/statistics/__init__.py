@@ -16,7 +16,9 @@ How the attention statistics are put together, one job per module: :mod:`.config
 for a merge, and every array with its shape and merge rule), :mod:`.options` (how a run measures), :mod:`.batch` (one batch on its way
 in, added whole or not at all), :mod:`.engines` (the reductions), :mod:`.mask_check` (the first
 batch's check of the adapter's mask), :mod:`.elsewhere` (batches reduced in a remote trace),
-:mod:`.attention` (the streaming object that ties them together and merges).
+:mod:`.window_sinks` (each window's first-token weight, kept per window because Gu et al.'s sink rate
+thresholds each one: merged by putting windows together, not by adding), :mod:`.attention` (the streaming
+object that ties them together and merges).
 
 Adding a family of sums (a new measurement that streams and merges):
 

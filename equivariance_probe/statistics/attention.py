@@ -45,6 +45,7 @@ from .groups import DEFAULT_INTERVAL_GROUPS, WindowGroups
 from .mask_check import MASK_LEAK_TOLERANCE, outside_mass, refuse_mask, refuse_nonfinite
 from .masks import KEY_BINS, default_log_floor
 from .sample import EntrySample
+from .window_sinks import WindowSinks
 
 __all__ = ["AttentionStatistics", "STATISTICS", "MASK_LEAK_TOLERANCE", "ENGINES"]
 
@@ -128,6 +129,9 @@ class AttentionStatistics:
             settings.interval_groups, n_layers=settings.n_layers, n_heads=settings.n_heads,
             n_positions=settings.n_positions, n_lags=settings.n_lags, device=self.device,
             first_key=settings.keep_first_key)
+        #: Each window's first-token weight per layer and head (Gu et al.'s per-window sink rate), or ``None``
+        #: (statistics that keep no first-token weights).
+        self.window_sinks = WindowSinks(settings.n_layers, settings.n_heads) if settings.keep_window_sinks else None
 
     # -- the configuration, field by field -----------------------------------------------
     n_layers = property(lambda self: self.settings.n_layers, doc="The model's attention layers.")
@@ -190,6 +194,8 @@ class AttentionStatistics:
         self._batch = BatchTransaction(self.settings, lengths, self.device, fingerprints, sample_before)
         if self.groups is not None:
             self.groups.begin(keys, kind, self._batch.host_lengths)
+        if self.window_sinks is not None:
+            self.window_sinks.begin(keys, self._batch.host_lengths)
 
     def update_from_scores(
         self,
@@ -269,6 +275,8 @@ class AttentionStatistics:
         per_window, r2, has_variance = self._batch.stage(layer, sums, masks, width)
         if self.groups is not None:
             self.groups.stage(layer, per_window, r2, has_variance.to(torch.float64))
+        if self.window_sinks is not None:
+            self.window_sinks.stage(layer, per_window["first_key_sum"].sum(-1))
 
     def _require_batch(self, method: str) -> BatchTransaction:
         if self._batch is None:
@@ -301,6 +309,8 @@ class AttentionStatistics:
                     kept[name] = kept[name] + value if name in kept else value.clone()
         if self.groups is not None:
             self.groups.commit()
+        if self.window_sinks is not None:
+            self.window_sinks.commit()
         for layer, sums in batch.mask_sums(self.device).items():
             self._add(layer, sums, self._arrays)
         self.n_windows += int(batch.host_lengths.numel())
@@ -316,6 +326,8 @@ class AttentionStatistics:
             self.sample.columns = batch.sample_before
         if self.groups is not None:
             self.groups.abort()
+        if self.window_sinks is not None:
+            self.window_sinks.abort()
 
     @property
     def batch_lengths(self) -> torch.Tensor | None:
@@ -376,13 +388,16 @@ class AttentionStatistics:
         sample: EntrySample | None = None,
         groups: dict[str, Any] | None = None,
         groups_described: dict[str, Any] | None = None,
+        window_sinks: dict[str, Any] | None = None,
     ) -> AttentionStatistics:
         """Statistics holding saved sums (on the CPU), without allocating arrays of their own first.
 
         ``config`` and ``arrays`` are in today's layout (files of older layouts are brought to it
         by :mod:`~equivariance_probe.records.layouts`). ``groups`` holds the interval groups' rows
         (:meth:`~.groups.WindowGroups.tensors`) and ``groups_described`` the header's
-        :meth:`~.groups.WindowGroups.describe`, for a config with ``interval_groups``.
+        :meth:`~.groups.WindowGroups.describe`, for a config with ``interval_groups``; ``window_sinks`` the
+        per-window first-token weights (:meth:`~.window_sinks.WindowSinks.tensors`), for a config with
+        ``keep_window_sinks``.
 
         Raises:
             IncompatibleResultsError: ``arrays`` are not the arrays of ``config`` (names or shapes).
@@ -404,6 +419,10 @@ class AttentionStatistics:
             if groups is None:
                 raise IncompatibleResultsError(f"statistics measured as {config} need their interval groups' sums")
             statistics.groups.load(groups, groups_described or {})
+        if statistics.window_sinks is not None:
+            if window_sinks is None:
+                raise IncompatibleResultsError(f"statistics measured as {config} need their per-window first-token weights")
+            statistics.window_sinks.load(window_sinks)
         return statistics
 
     def check_compatible(self, other: AttentionStatistics) -> None:
@@ -440,6 +459,8 @@ class AttentionStatistics:
         merged.log_floor = self.log_floor if self.log_floor is not None else other.log_floor
         if merged.groups is not None:
             merged.groups = merged.groups.merge(other.groups)
+        if merged.window_sinks is not None:
+            merged.window_sinks = merged.window_sinks.merge(other.window_sinks)
         merged.n_windows += other.n_windows
         merged.n_tokens += other.n_tokens
         merged.window_fingerprints = _joined_fingerprints(self.window_fingerprints, other.window_fingerprints)
@@ -464,6 +485,7 @@ class AttentionStatistics:
         new.device = device
         new.arrays = arrays
         new.groups = None if self.groups is None else self.groups.copy(device)
+        new.window_sinks = None if self.window_sinks is None else self.window_sinks.copy()
         new.paths = dict(self.paths)
         new.n_windows, new.n_tokens = self.n_windows, self.n_tokens
         new.window_fingerprints = self.window_fingerprints.copy()
@@ -482,6 +504,7 @@ class AttentionStatistics:
 
     def nbytes(self) -> int:
         groups = 0 if self.groups is None else self.groups.nbytes()
+        groups += 0 if self.window_sinks is None else self.window_sinks.nbytes()
         return groups + sum(value.numel() * value.element_size() for value in self.arrays.values())
 
     def __repr__(self) -> str:

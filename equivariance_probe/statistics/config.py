@@ -48,6 +48,7 @@ _FILE_DEFAULTS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "causal": lambda config: True,
     "interval_groups": lambda config: 0,
     "keep_first_key": lambda config: False,
+    "keep_window_sinks": lambda config: False,
 }
 
 
@@ -69,6 +70,9 @@ class StatisticsConfig:
         interval_groups: ``G``, groups of windows for intervals; 0 for none.
         keep_first_key: whether the first token's weights ``first_key_sum: [L, H, T]`` are kept (the
             attention-sink rate); files written before them read as ``False``.
+        keep_window_sinks: whether each window's first-token weight ``α₁ [windows, L, H]`` is kept (Gu et al.'s
+            per-window sink rate, :mod:`~equivariance_probe.statistics.window_sinks`); only with
+            ``keep_first_key``; files written before it read as ``False``.
     """
 
     n_layers: int
@@ -82,6 +86,7 @@ class StatisticsConfig:
     causal: bool = True
     interval_groups: int = field(default=0)
     keep_first_key: bool = True
+    keep_window_sinks: bool = True
 
     def __post_init__(self) -> None:
         n_positions = int(self.n_positions)
@@ -98,6 +103,7 @@ class StatisticsConfig:
             "causal": bool(self.causal),
             "interval_groups": int(self.interval_groups),
             "keep_first_key": bool(self.keep_first_key),
+            "keep_window_sinks": bool(self.keep_window_sinks) and bool(self.keep_first_key),
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)

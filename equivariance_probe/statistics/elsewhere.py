@@ -21,6 +21,7 @@ from .mask_check import MASK_LEAK_TOLERANCE, refuse_mask, refuse_nonfinite
 if TYPE_CHECKING:
     from .batch import BatchTransaction
     from .groups import WindowGroups
+    from .window_sinks import WindowSinks
 
 
 class StreamingStatistics(Protocol):
@@ -35,6 +36,7 @@ class StreamingStatistics(Protocol):
     n_layers: int
     device: torch.device
     groups: WindowGroups | None
+    window_sinks: WindowSinks | None
     paths: dict[str, int]
 
 __all__ = ["add_batch_sums", "reduction_plan"]
@@ -84,8 +86,9 @@ statistics: StreamingStatistics, batch: BatchTransaction, sums: dict[str, torch.
             log_sum, log_sq, lag_sum: [L, head, W]``; ``floored, doc_toeplitz_sum,
             doc_toeplitz_count: [L, head]``; ``key_lag_sum: [K, W]`` (summed over layers);
             ``outside_mass: [L]`` (largest attention mass a real query put outside the
-            mask; 0 when not checked); and, with ``keep_pattern``, ``pattern_sum:
-            [L, head, W, W]`` (query-key layout).
+            mask; 0 when not checked); with ``keep_pattern``, ``pattern_sum:
+            [L, head, W, W]`` (query-key layout); and, with ``keep_first_key``, ``first_key_sum: [L, head, W]``
+            and ``first_key_window: [L, B, head]`` (each window's ``Σ_q a[q, 0]``, for the per-window sink rate).
         width: ``W``.
 
     The mask part is computed here, so the batch merges exactly like one given to
@@ -107,6 +110,8 @@ statistics: StreamingStatistics, batch: BatchTransaction, sums: dict[str, torch.
         if statistics.groups is not None:
             statistics.groups.stage(layer, {name: value.unsqueeze(0) for name, value in reduced.items()},
                               reduced["doc_toeplitz_sum"].unsqueeze(0), reduced["doc_toeplitz_count"].unsqueeze(0))
+        if statistics.window_sinks is not None:
+            statistics.window_sinks.stage(layer, sums["first_key_window"][layer])
     statistics.paths["remote"] = statistics.paths.get("remote", 0) + statistics.n_layers
 
 def _drop_groups_of_mixed_batches(statistics: StreamingStatistics) -> None:

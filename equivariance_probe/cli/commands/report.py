@@ -56,6 +56,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
                         help="views (as --views) with the heads over the study's whole window in blocks of positions "
                              "(a page of a few MB that draws in seconds at 8,192 positions); --start/--stop choose the "
                              "range shown in full")
+    add_shared_options(parser, "sink_epsilon")
     parser.add_argument("--block-size", type=positive, default=None,
                         help="positions per block of --overview (default: the window / 256, rounded up)")
 
@@ -160,6 +161,6 @@ def _probe_report(args: argparse.Namespace) -> int:
     candidates = [Path(args.results).with_name(name) for name in ("positional.safetensors", "positional.json")]
     positional = next((path for path in candidates if path.is_file()), None)
     extra = [positional_report_section(PositionalStudy.load(positional))] if positional is not None else []
-    render_report(result, baselines=baselines, views=views, extra_sections=extra).save(output)
+    render_report(result, baselines=baselines, views=views, extra_sections=extra, sink_epsilon=args.sink_epsilon).save(output)
     print(f"wrote {output} ({output.stat().st_size / 1e6:.2f} MB)")
     return 0

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from ..common import (check_study_fits, check_writable, finished, measurement, model_source_of, positional_into,
                       print_result, read_documents, study_options)
-from ..options import MEASURED, MODEL_OPTIONS, add_shared_options
+from ...errors import InputError
+from ..options import MEASURED, MODEL_OPTIONS, add_shared_options, given_options
 
 NAME = "run"
 #: Its place in ``equivariance-probe --help``.
@@ -19,7 +20,10 @@ DETAILS = (
     'does) and splits the corpus into shards (--shard).'
 )
 
-__all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]
+__all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle", "apply_sink_protocol", "PROTOCOL_OPTIONS"]
+
+#: The options Gu et al.'s protocol sets (``--sink-protocol``): recorded when typed, so that it fills only the others.
+PROTOCOL_OPTIONS = ("n_docs", "context_length", "exclude_keys")
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +32,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
                        "batch_size", "pack", "baselines", *MEASURED, "sample_size", "memory_limit_gib", "no_progress",
                        "json", differ={"memory_limit_gib": ({"help": "refuse a study whose estimated memory exceeds "
                                                                       "this many GiB"},
-                                                             "default: no check, the study runs as loaded")})
+                                                             "default: no check, the study runs as loaded")},
+                       given=PROTOCOL_OPTIONS)
     add_shared_options(parser, "analyses", differ={"analyses": ({"default": [], "help": (
         "also run positional analyses (at most 8 windows of 256 tokens, one per document; the probes 2 per "
         "document), comma-separated as for 'positional', or 'all'")}, "default none: the study alone, the analyses only when asked for")})
@@ -39,10 +44,11 @@ def arguments(parser: argparse.ArgumentParser) -> None:
                              "(SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN of SLURM_ARRAY_TASK_COUNT, sbatch --array). "
                              "Merge the shards' results.safetensors")
     parser.add_argument("--sink-protocol", action="store_true",
-                        help="Gu et al.'s attention-sink protocol (ICLR 2025, Table 1): 100 documents, 64-token windows, no "
-                             "excluded keys, in place of --n-docs, --context-length and --exclude-keys, so that the sink "
-                             "rate (share of heads with α₁ > 0.3) compares with their table")
-    add_shared_options(parser, "no_figures", "figure_format")
+                        help="Gu et al.'s attention-sink protocol (ICLR 2025, Table 1): 100 documents, 64-token windows "
+                             "(one per document, not --pack), no excluded keys, filling --n-docs, --context-length and "
+                             "--exclude-keys where they are not given (a given value that differs is refused), so that "
+                             "the sink rate compares with their table")
+    add_shared_options(parser, "sink_epsilon", "no_figures", "figure_format")
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -64,10 +70,7 @@ def handle(args: argparse.Namespace) -> int:
         print(f"the run in {out} had finished: its results are in {out / 'results.safetensors'}")
         return 0
     if args.sink_protocol:
-        from ...runs.study import SINK_PROTOCOL
-
-        for name, value in SINK_PROTOCOL.items():
-            setattr(args, name, value)
+        apply_sink_protocol(args)
     if args.memory_limit_gib is not None:
         check_study_fits(args)
     documents = read_documents(args)
@@ -83,13 +86,15 @@ def handle(args: argparse.Namespace) -> int:
     )
     # results.safetensors is written only here, after every variant finished (complete: true); a run that
     # stops leaves only its checkpoint.
+    study.sink_epsilon = args.sink_epsilon
     wrote = list(study.save(out).values()) + [out / "summary.md"]
     if not args.no_figures:
-        wrote += save_figures(study_figures(study.trained, study.baselines()), out, format=args.figure_format)
+        wrote += save_figures(study_figures(study.trained, study.baselines(), sink_epsilon=args.sink_epsilon), out,
+                              format=args.figure_format)
         for name, result in study.baselines().items():
             wrote += save_figures({"heatmaps": heatmaps_figure(result)}, out, prefix=f"baseline_{name}_",
                                   format=args.figure_format)
-    numbers = {name: result.summary() for name, result in study.results.items()}
+    numbers = {name: result.summary(epsilon=args.sink_epsilon) for name, result in study.results.items()}
     if args.analyses:
         positional = positional_into(
             out, args, model_name=args.model, analyses=args.analyses, documents=documents,
@@ -101,3 +106,29 @@ def handle(args: argparse.Namespace) -> int:
     print_result(args, study.report_text(), numbers, wrote)
     clear_checkpoint(out / CHECKPOINT_FOLDER)  # only once the results are on disk
     return 0
+
+
+def apply_sink_protocol(args: argparse.Namespace) -> None:
+    """Fill the options of Gu et al.'s protocol (:data:`~equivariance_probe.runs.study.SINK_PROTOCOL`) that were not
+    typed; refuse one typed with another value, and ``--pack`` (their windows are each text's first tokens).
+
+    Raises:
+        InputError: naming the flag that contradicts the protocol.
+    """
+    from ...runs.study import SINK_PROTOCOL
+
+    typed = given_options(args)
+    for name, value in SINK_PROTOCOL.items():
+        if name in typed and getattr(args, name) != value:
+            flag = "--" + name.replace("_", "-")
+            raise InputError(f"{flag} {_shown(getattr(args, name))} contradicts --sink-protocol, which runs Gu et al.'s "
+                             f"protocol with {flag} {_shown(value) or '(none)'}; drop {flag}, or drop --sink-protocol")
+        setattr(args, name, value)
+    if args.pack:
+        raise InputError("--pack contradicts --sink-protocol, whose windows are the first 64 tokens of each text as "
+                         "the tokenizer gives them; drop --pack, or drop --sink-protocol")
+
+
+def _shown(value: object) -> str:
+    """An option's value as it is typed (a list comma-separated)."""
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)

@@ -41,6 +41,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--explain", action="store_true",
                         help="under the shift results' table, a plain reading of each of its columns (what pair η² "
                              "is, the residual stream's unit, ...)")
+    add_shared_options(parser, "sink_epsilon", differ={"sink_epsilon": ({}, (
+        "probe results' sink rates in the table and --json; another threshold than the stored one reads the arrays"))})
     parser.add_argument("--verify", action="store_true",
                         help="also read every array and check it against the digest stored when the file was written "
                              "(a few MB hashed per default result file; see 'verify')")
@@ -79,7 +81,7 @@ def handle(args: argparse.Namespace) -> int:
     for index, (path, result) in sorted(enumerate(loaded), key=lambda item: shown.order(*item[1], item[0])):
         label = shown.label(path, result)
         results[label if label not in results else shown.again(label, path)] = (path, result)
-    summaries = {label: result.summary() for label, (path, result) in results.items()}
+    summaries = {label: _summary(result, args.sink_epsilon) for label, (path, result) in results.items()}
     if args.json:
         print(json.dumps(jsonable({shown.key(label, path): {
             **(summaries[label] if shown.flat else {}), "model": result.model_name, "complete": result.complete,
@@ -125,6 +127,13 @@ class _Shown(NamedTuple):
     table: Callable[[dict[str, dict[str, Any]], argparse.Namespace], str] | None = None
     #: What was read of the files (results by path, whether --verify was given), or None.
     note: Callable[[dict[str, Any], bool], str] | None = None
+
+
+def _summary(result: Any, epsilon: float) -> dict[str, Any]:
+    """A result's summary; a probe result's with its sink rates at ``epsilon``."""
+    from ...result import ProbeResult
+
+    return result.summary(epsilon=epsilon) if isinstance(result, ProbeResult) else result.summary()
 
 
 def _loaded(shown: _Shown, path: str, verify: bool) -> Any:

@@ -176,7 +176,8 @@ def reduce_pattern(pattern: torch.Tensor, lengths: torch.Tensor, spec: dict, vis
     in plain form (:meth:`~equivariance_probe.statistics.engines.spec.ReductionSpec.plain`: ``window``,
     ``excluded_keys``, ``log_floor``, ``key_bin``, ``n_key_bins``, ``keep_pattern``, ``keep_first_key``), as
     :func:`reduce_layer` returns them, with ``first_key_sum: [head, T]`` (``Σ_b a[b, h, q, 0]`` over the
-    real queries whose mask shows key 0, excluded or not: the attention-sink sums) when
+    real queries whose mask shows key 0, excluded or not: the attention-sink sums) and ``first_key_window:
+    [batch, head]`` (``Σ_q a[b, h, q, 0]``, each window's, for the per-window sink rate) when
     ``keep_first_key``; ``visible`` (:func:`visible_mask`) when the caller already has it for this window."""
     # No typing names in here: annotations would make the payload import `typing`.
     n_positions = pattern.shape[-1]
@@ -191,7 +192,9 @@ def reduce_pattern(pattern: torch.Tensor, lengths: torch.Tensor, spec: dict, vis
         if spec["window"] is not None:
             seen = seen & (query < spec["window"])
         first = pattern[..., 0].to(torch.float64)
-        out["first_key_sum"] = torch.where(seen.unsqueeze(1), first, torch.zeros_like(first)).sum(0)
+        first = torch.where(seen.unsqueeze(1), first, torch.zeros_like(first))
+        out["first_key_sum"] = first.sum(0)
+        out["first_key_window"] = first.sum(-1)
     return out
 
 
