@@ -281,21 +281,6 @@ class PositionProbe:
                    interval_groups=int(data.get("interval_groups", DEFAULT_INTERVAL_GROUPS)))
 
 
-def _check_score(target: str, score: str) -> None:
-    if target not in PROBE_TARGETS or score not in ("r2", "mae"):
-        raise InputError(f"target must be one of {list(PROBE_TARGETS)} and score 'r2' or 'mae'; got {target!r}, {score!r}")
-
-
-def _check_finite(features: torch.Tensor) -> None:
-    """Name the layers whose kept residual stream holds NaN or infinity, before any fit."""
-    bad = [layer for layer in range(features.shape[0]) if not bool(torch.isfinite(features[layer]).all())]
-    if bad:
-        rows = int((~torch.isfinite(features[bad[0]])).any(-1).sum())
-        raise NonFiniteActivationError(
-            f"the residual stream holds NaN or infinity at layer(s) {bad} (layer 0: the embeddings; {rows} of "
-            f"{features.shape[1]} kept rows at layer {bad[0]}); the model's weights or its dtype overflow: check the "
-            "weights for NaN, or load it in float32")
-
     # -- the Result protocol: every number as rows, a table and a data frame ----------------------
     @property
     def model_name(self) -> str:
@@ -319,7 +304,8 @@ def _check_finite(features: torch.Tensor) -> None:
         return {}
 
     def to_rows(self, level: float = 0.95) -> list[dict[str, Any]]:
-        """Held-out R² and MAE per target and layer with their intervals over folds, in long form
+        """Pooled held-out R² and mean absolute distance per target and layer with their jackknife intervals over
+        groups of documents, in long form
         (:func:`~equivariance_probe.analyses.tidy.position_probe_rows`; ``level`` is accepted as every result
         accepts it: the intervals are at the level the probe was run with, :attr:`level`)."""
         from .tidy import position_probe_rows
@@ -338,20 +324,37 @@ def _check_finite(features: torch.Tensor) -> None:
         return rows_dataframe(self.to_rows(), "PositionProbe.to_dataframe()")
 
     def table(self, level: float = 0.95) -> str:
-        """A plain-text table: one line per layer, held-out R² and MAE of each target with their intervals over
-        folds (``level`` as in :meth:`to_rows`)."""
+        """A plain-text table: one line per layer, held-out R² and mean absolute distance of each target with their
+        jackknife intervals (``level`` as in :meth:`to_rows`)."""
         from ..maths.intervals import format_interval
 
         rows = {(row["statistic"], row["layer"]): row for row in self.to_rows(level)}
         columns = [f"probe_{score}_{target}" for target in PROBE_TARGETS for score in ("r2", "mae")]
         lines = [f"Position probe on {self.model_name}: {self.n_windows} windows of {self.context_length} tokens from "
-                 f"{self.n_documents} documents, {self.n_folds} folds, {self.level:.0%} intervals over folds",
+                 f"{self.n_documents} documents, {self.n_folds} folds, {self.level:.0%} jackknife intervals over "
+                 "groups of documents",
                  f"  {'layer':<6}" + "".join(f"{name.removeprefix('probe_'):>30}" for name in columns)]
         for layer in range(self.n_layers):
             cells = (format_interval(rows[(name, layer)]["value"], rows[(name, layer)]["low"],
                                      rows[(name, layer)]["high"], 3) for name in columns)
             lines.append(f"  {layer:<6}" + "".join(f"{cell:>30}" for cell in cells))
         return "\n".join(lines)
+
+
+def _check_score(target: str, score: str) -> None:
+    if target not in PROBE_TARGETS or score not in ("r2", "mae"):
+        raise InputError(f"target must be one of {list(PROBE_TARGETS)} and score 'r2' or 'mae'; got {target!r}, {score!r}")
+
+
+def _check_finite(features: torch.Tensor) -> None:
+    """Name the layers whose kept residual stream holds NaN or infinity, before any fit."""
+    bad = [layer for layer in range(features.shape[0]) if not bool(torch.isfinite(features[layer]).all())]
+    if bad:
+        rows = int((~torch.isfinite(features[bad[0]])).any(-1).sum())
+        raise NonFiniteActivationError(
+            f"the residual stream holds NaN or infinity at layer(s) {bad} (layer 0: the embeddings; {rows} of "
+            f"{features.shape[1]} kept rows at layer {bad[0]}); the model's weights or its dtype overflow: check the "
+            "weights for NaN, or load it in float32")
 
 
 def position_probe(
