@@ -217,7 +217,10 @@ def test_every_shared_option_has_one_spelling_and_one_meaning_and_every_command_
     declared = {flag: action for action in actions for flag in action.option_strings}
     for flag, uses in shared.items():
         assert flag in declared, f"{flag} is on {[name for name, _ in uses]} but not declared once in shared_options()"
-        meaning = {(action.dest, action.type, tuple(action.choices or ()), type(action).__name__) for _, action in uses}
+        # the argparse action a flag is stored by (Given, which also records that it was typed, stores as argparse's)
+        meaning = {(action.dest, action.type, tuple(action.choices or ()),
+                    next(kind.__name__ for kind in type(action).__mro__ if kind.__module__ == "argparse"))
+                   for _, action in uses}
         assert len(meaning) == 1, f"{flag} means different things: {meaning}"
         for name, action in uses:
             if action.default != declared[flag].default or action.help != declared[flag].help:

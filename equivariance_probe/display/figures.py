@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..result import ProbeResult
 
 __all__ = [
-    "drawn",
+    "figure_or_error",
     "persistence_figure",
     "head_curves_figure",
     "fit_by_key_figure",
@@ -405,7 +405,7 @@ def figure_formats(format: str | Sequence[str] = "png") -> tuple[str, ...]:
     return formats
 
 
-def drawn(name: str, draw: Callable[..., Any], *args: Any) -> Any:
+def figure_or_error(name: str, draw: Callable[..., Any], *args: Any) -> Any:
     """``draw(*args)``, a figure; a failure that is not already one of the package's named errors becomes a
     :class:`~equivariance_probe.errors.FigureError` that names the figure ``name`` and what failed, so that a
     caller that saved the results first can say what is kept and what was not drawn."""

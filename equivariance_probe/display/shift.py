@@ -43,7 +43,7 @@ from ..sources.shift_grid import shift_grid
 from ..statistics.shift import REPRESENTATION_LABELS, REPRESENTATIONS, counted_entries
 from .circuitsvis import (CircuitsVisFigure, attention_pattern_figure, figure_row, save_views_page, views_body_html,
                           views_html)
-from .figures import _axes_title, drawn, figure_title, one_result, pyplot
+from .figures import _axes_title, figure_or_error, figure_title, one_result, pyplot
 from .report import RenderedReport, ReportSection, figures_html, sections_page, table_html
 from .shift_mechanisms import (_has_sink_mass, shift_attribution_figure, shift_patching_figure, shift_sink_figure,
                                sink_layer_groups)
@@ -195,18 +195,18 @@ def shift_figures(result: ShiftResult, baselines: Mapping[str, ShiftResult] | No
         FigureError: a figure could not be drawn (named, with what failed).
     """
     variants = {name: result, **dict(baselines or {})}
-    figures = {"shift_layers": drawn("shift_layers", shift_layers_figure, variants),
-               "shift_heads": drawn("shift_heads", shift_heads_figure, result)}
+    figures = {"shift_layers": figure_or_error("shift_layers", shift_layers_figure, variants),
+               "shift_heads": figure_or_error("shift_heads", shift_heads_figure, result)}
     if result.config.predictions:
-        figures["shift_loss"] = drawn("shift_loss", shift_loss_figure, variants)
-        figures["shift_divergence"] = drawn("shift_divergence", shift_divergence_figure, variants)
+        figures["shift_loss"] = figure_or_error("shift_loss", shift_loss_figure, variants)
+        figures["shift_divergence"] = figure_or_error("shift_divergence", shift_divergence_figure, variants)
     with_sink = {key: value for key, value in variants.items() if _has_sink_mass(value)}
     if name in with_sink:
-        figures["shift_sink"] = drawn("shift_sink", shift_sink_figure, with_sink)
+        figures["shift_sink"] = figure_or_error("shift_sink", shift_sink_figure, with_sink)
     if result.config.components and all(other.config.components for other in variants.values()):
-        figures["shift_attribution"] = drawn("shift_attribution", shift_attribution_figure, variants)
+        figures["shift_attribution"] = figure_or_error("shift_attribution", shift_attribution_figure, variants)
     if result.config.patch_components:
-        figures["shift_patching"] = drawn("shift_patching", shift_patching_figure, result)
+        figures["shift_patching"] = figure_or_error("shift_patching", shift_patching_figure, result)
     return figures
 
 

@@ -21,6 +21,7 @@ DETAILS = (
     "scatter plot), no --analyses (run 'positional' per model), and the Hugging Face framework only, no "
     '--framework (every framework gives the same numbers); its table and figure are what it writes, so no '
     '--no-figures.'
+    ' No --sink-epsilon: its table reports no sink rate (run "show --sink-epsilon" on a model\'s results).'
 )
 
 __all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]

@@ -19,7 +19,8 @@ DETAILS = (
     'few short windows, one per document (no --pack), on the CPU in float32 as loaded (no --device, --dtype '
     'or --memory-limit-gib); no checkpoints or shards (--checkpoint-every, --resume), no --interval-groups or'
     ' --sample-size (their numbers have no intervals and no scatter plot), and no --keep-pattern (the '
-    'attention Toeplitz R² keeps the pattern always); its figures are what it writes, so no --no-figures.'
+    'attention Toeplitz R² keeps the pattern always); its figures are what it writes, so no --no-figures. No '
+    '--sink-epsilon: its analyses report no sink rate.'
 )
 
 __all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]

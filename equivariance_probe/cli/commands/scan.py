@@ -20,6 +20,7 @@ DETAILS = (
     "--sample-size (no scatter plot), no --analyses (run 'positional'), and the Hugging Face framework only, "
     'no --framework (every framework gives the same numbers); its table and figure are what it writes, so no '
     '--no-figures.'
+    ' No --sink-epsilon: its table reports no sink rate.'
 )
 
 __all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]

@@ -23,7 +23,8 @@ DETAILS = (
     "--exclude-keys, --keep-pattern, --sample-size and --analyses (they shape the study's windows and sums, "
     "not the shift grid's), --memory-limit-gib (the grid's memory is one segment's, measured in the guide) "
     "and --shard (run's only). Checkpoints every --checkpoint-every segments and goes on from the last with "
-    '--resume, as run does.'
+    '--resume, as run does. No --sink-epsilon: the shift test measures the sink mass by offset, which no '
+    'threshold cuts.'
 )
 
 __all__ = ["NAME", "ORDER", "SUMMARY", "DETAILS", "arguments", "handle"]
