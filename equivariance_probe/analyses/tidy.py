@@ -167,10 +167,8 @@ def position_probe_rows(probe: Any, identity: Mapping[str, Any]) -> list[dict[st
     ``probe_mae_{target}`` (held-out mean absolute distance, in tokens) per layer (layer 0 the embeddings), each
     pooled over the held-out rows with its jackknife interval over groups of documents; a probe written before
     those intervals existed gives its scores without bounds."""
-    from .position_probe import PROBE_TARGETS
-
     rows = []
-    for target in PROBE_TARGETS:
+    for target in probe.r2:  # the probe's targets, in its order (PROBE_TARGETS)
         for score, unit in (("r2", "R²"), ("mae", "tokens")):
             try:
                 interval = probe.interval(target, score)
