@@ -71,7 +71,7 @@ def test_the_flag_table_is_read_from_the_parser():
     # The API's arguments spelt otherwise name the flag that sets them.
     assert {api: flags[api] for api in API_NAMES} == {
         "source": "--corpus", "checkpoint_dir": "--out", "memory_limit": "--memory-limit-gib", "head": "--view-head",
-        "format": "--figure-format"}
+        "format": "--figure-format", "name": "--model"}
     assert flags["out"] == "--out" and flags["framework"] == "--framework" and flags["baselines"] == "--baselines"
 
 
