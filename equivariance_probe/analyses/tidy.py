@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import IntervalUnavailableError, MissingDependencyError, SupersededSumsError
+from ..errors import IntervalUnavailableError, MissingDependencyError
 
 __all__ = ["COLUMNS", "probe_rows", "sink_rows", "position_probe_rows", "shift_rows", "positional_rows", "rows_dataframe", "require_pandas"]
 
@@ -129,35 +129,28 @@ def probe_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[
     return rows
 
 
-def sink_rows(result: Any, identity: Mapping[str, Any], level: float, epsilon: float | None = None) -> list[dict[str, Any]]:
-    """A probe result's attention-sink rows (Gu et al., ICLR 2025), from its own methods: ``sink_rate`` (Gu et al.'s
-    per-window rate: the share of (window, layer, head) triples whose first-token weight is above ``epsilon``, a
-    fraction in ``[0, 1]``) for the model, with its interval at ``level`` where the result has one, and per layer;
+def sink_rows(sinks: Mapping[str, Any] | None, identity: Mapping[str, Any], level: float | None) -> list[dict[str, Any]]:
+    """A probe result's attention-sink rows (Gu et al., ICLR 2025), from the ``sinks`` block of its
+    :meth:`~equivariance_probe.result.ProbeResult.summary` (a loaded result reads no array for it): ``sink_rate``
+    (Gu et al.'s per-window rate: the share of (window, layer, head) triples whose first-token weight is above the
+    summary's ``epsilon``) for the model, with its interval at ``level`` where the result has one, and per layer;
     ``pooled_sink_rate`` (the share of heads whose window-averaged weight is above it) in the same splits, the only
     rate of a file written before each window's weight was kept; ``first_token_weight`` (``α₁``) for the model and
-    per head. None for a result that keeps no first-token sums (:attr:`keeps_first_token`)."""
-    from ..maths.sinks import SINK_EPSILON
-
-    if not getattr(result, "keeps_first_token", False) or not result.n_windows:
+    per head. None for a result that keeps no first-token sums."""
+    if not sinks or "unavailable" in sinks:
         return []
-    epsilon = SINK_EPSILON if epsilon is None else epsilon
     rows = []
-    for name, rate in (("sink_rate", result.sink_rate), ("pooled_sink_rate", result.pooled_sink_rate)):
-        try:
-            value = rate(epsilon)
-        except SupersededSumsError:  # a file written before each window's first-token weight was kept
+    for name, key in (("sink_rate", "rate"), ("pooled_sink_rate", "pooled_rate")):
+        if sinks.get(key) is None:  # a file written before each window's first-token weight was kept
             continue
-        try:
-            model = rate(epsilon, interval=level)
-            model = {"value": model.estimate, "low": model.low, "high": model.high, "level": model.level}
-        except IntervalUnavailableError:
-            model = {"value": value}
-        rows.append(_row(identity, name, **model, unit="share of heads"))
+        bounds = sinks.get(f"{key}_interval")
+        interval = ({"low": bounds[0], "high": bounds[1], "level": level} if bounds is not None else {})
+        rows.append(_row(identity, name, sinks[key], **interval, unit="share of heads"))
         rows += [_row(identity, name, value, split="layer", layer=layer, unit="share of heads")
-                 for layer, value in enumerate(rate(epsilon, by="layer"))]
-    rows.append(_row(identity, "first_token_weight", result.first_token_weight(None), unit="attention weight"))
+                 for layer, value in enumerate(sinks.get(f"{key}_by_layer") or [])]
+    rows.append(_row(identity, "first_token_weight", sinks["mean_weight"], unit="attention weight"))
     rows += [_row(identity, "first_token_weight", value, split="head", layer=layer, head=head, unit="attention weight")
-             for (layer, head), value in np.ndenumerate(result.first_token_weight("head"))]
+             for layer, heads in enumerate(sinks.get("weight_by_head") or []) for head, value in enumerate(heads)]
     return rows
 
 

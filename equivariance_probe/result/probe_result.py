@@ -302,7 +302,8 @@ class ProbeResult(SumsReadOnUse, ProbeNumbers, ProbeIntervals):
         from ..analyses.tidy import sink_rows
         from ..maths.sinks import SINK_EPSILON
 
-        rows = {row["statistic"]: row for row in sink_rows(self, {}, level) if row["split"] == "model"}
+        rows = {row["statistic"]: row for row in sink_rows(self.summary(level).get("sinks"), {}, level)
+                if row["split"] == "model"}
         if not rows:
             return []
         rates = [f"{label} {_cell(row['value'], [row['low'], row['high']] if row['low'] is not None else None)}"
@@ -326,7 +327,8 @@ class ProbeResult(SumsReadOnUse, ProbeNumbers, ProbeIntervals):
         from ..analyses.tidy import probe_identity, probe_rows, sink_rows
 
         identity = probe_identity(self.metadata, self.model_name)
-        return probe_rows(self.summary(level), identity) + sink_rows(self, identity, level)
+        summary = self.summary(level)
+        return probe_rows(summary, identity) + sink_rows(summary.get("sinks"), identity, level)
 
     def to_dataframe(self) -> Any:
         """:meth:`to_rows` as a pandas ``DataFrame`` (one row per statistic and split): runs concatenate
