@@ -194,6 +194,60 @@ class ShiftMechanisms:
         raise UndefinedStatisticError(f"this result holds no sink mass: {which}; run the shift test again with this "
                                       "version for it")
 
+    # -- massive activations ------------------------------------------------------------------------------
+    def massive(self, part: str = "first_ratio", interval: float | None = None) -> Any:
+        """The residual stream's largest magnitudes at the segment's tokens, per layer and offset (Sun et al. 2024's
+        massive activations, read where the segment sits).
+
+        For each window (one context at one offset) and block ``l``, with ``h`` the residual stream after the block
+        at the segment's ``m`` tokens: ``max_d |h[0, d]|`` at the segment's first token, ``max_{i ≥ 1, d} |h[i, d]|``
+        at its other tokens, and the median of the ``m·d`` magnitudes. At offset 0 the segment's first token is the
+        window's first token only without a special prefix (``config.prefix_length == 0``); with one (BOS) the
+        window's first token is the prefix, whose residual stream the test does not read. So ``first`` falling as
+        the offset grows says the first token's massive activation belongs to the window's first position, not to
+        the text's first token.
+
+        Args:
+            part: one of :data:`~equivariance_probe.maths.shift.MASSIVE_PARTS`: ``"first"``, ``"rest"``,
+                ``"median"`` (means over contexts and segments) or ``"first_ratio"``, ``"rest_ratio"`` (each mean
+                largest over the mean median).
+            interval: a confidence level (0.95) for an :class:`~equivariance_probe.Interval` over segments.
+
+        Returns:
+            ``[layer, offset]``.
+
+        Raises:
+            UndefinedStatisticError: a file written before the massive activations were kept (format 3 or older),
+                or merged with one.
+        """
+        check_choice("part", part, decomposition.MASSIVE_PARTS)
+        self._require_data()
+        windows = self.statistics.totals()["massive/windows"]
+        if not np.all(windows == self.n_segments * self.config.n_contexts):
+            which = ("it was written before the shift test kept them (a file of format "
+                     f"{self._file.format_version if self._file else '3 or older'})" if not windows.any() else
+                     "some of its segments come from a file written before the shift test kept them (a merge with an "
+                     "older file), so a mean over the rest would pass for one over every segment")
+            raise UndefinedStatisticError(f"this result holds no massive activations: {which}; run the shift test "
+                                          "again with this version for them")
+
+        def value(arrays: dict[str, np.ndarray]) -> np.ndarray:
+            return decomposition.massive_activations(arrays["massive/first"], arrays["massive/rest"],
+                                                     arrays["massive/median"], arrays["massive/windows"], part)
+
+        return self._number(value, interval)
+
+    def _massive_summary(self, with_interval: Callable[..., Any]) -> dict[str, Any] | None:
+        """:meth:`summary`'s massive activations: every part by layer and offset (with intervals where there are
+        groups), and the layer where the largest over the median peaks; ``None`` for a file written before them."""
+        try:
+            ratio = np.fmax(self.massive("first_ratio"), self.massive("rest_ratio"))
+        except UndefinedStatisticError:
+            return None
+        peak = int(np.nanargmax(np.nanmax(ratio, axis=1))) if np.isfinite(ratio).any() else 0
+        return {"peak_layer": peak, **{part: with_interval(lambda interval=None, p=part: self.massive(p, interval))
+                                       for part in decomposition.MASSIVE_PARTS}}
+
     # -- activation patching -------------------------------------------------------------------------------
     #: What :meth:`patching` measures: the share of the prediction change that patching removes, and the share
     #: of the last block's residual offset sum of squares.
