@@ -141,3 +141,15 @@ def test_a_format_3_file_loads_with_the_massive_activations_undefined(tmp_path):
     broken = write_container(tmp_path / "broken.safetensors", tensors, json.loads(json.dumps(header)))
     with pytest.raises(Exception, match="massive/first"):
         ShiftResult.load(broken)
+
+
+def test_a_file_with_a_negative_magnitude_sum_is_refused_naming_it(tmp_path):
+    path = run(embedding_gpt2("position")).save(tmp_path / "new.safetensors")
+    container = read_container(path, shift_file.SHIFT_KIND)
+    tensors = read_tensors(container)
+    tensors["massive/median"] = -tensors["massive/median"]
+    header = {key: value for key, value in container.header.items() if key not in ("digests", "header_checksum")}
+    header.update(checksum=tensor_checksum(tensors))
+    edited = ShiftResult.load(write_container(tmp_path / "edited.safetensors", tensors, json.loads(json.dumps(header))))
+    with pytest.raises(Exception, match="massive/median"):
+        edited.massive("median")
