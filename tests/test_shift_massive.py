@@ -153,3 +153,15 @@ def test_a_file_with_a_negative_magnitude_sum_is_refused_naming_it(tmp_path):
     edited = ShiftResult.load(write_container(tmp_path / "edited.safetensors", tensors, json.loads(json.dumps(header))))
     with pytest.raises(Exception, match="massive/median"):
         edited.massive("median")
+
+
+def test_the_figure_draws_both_ratios_at_the_peak_block_and_every_figure_includes_it():
+    from equivariance_probe import shift_figures, shift_massive_figure
+
+    result = run(embedding_gpt2("position"))
+    figure = shift_massive_figure(result, layer=2)
+    lines = {line.get_label(): line.get_ydata() for line in figure.axes[0].get_lines()}
+    np.testing.assert_allclose(lines["first token"], result.massive("first_ratio")[2], rtol=1e-12)
+    np.testing.assert_allclose(lines["other tokens"], result.massive("rest_ratio")[2], rtol=1e-12)
+    assert len(figure.axes[0].collections) == 2  # one interval band per line
+    assert "shift_massive" in shift_figures(result)
