@@ -67,22 +67,11 @@ def shift_sink_figure(results: ShiftResult | Mapping[str, ShiftResult],
             style = ("-", "--", ":")[number % 3]
             means = _number(result.sink_mass, part, by="layer_group", layer_groups=groups)
             for index, (group, value) in enumerate(means.items()):
-                estimate, _ = _with_interval(value)
-                colour = colours[index % len(colours)]
-                label = group if len(variants) == 1 else f"{name}: {group}"
-                ax.plot(result.offsets, estimate, style, marker="o", ms=3, color=colour, label=label)
-                if isinstance(value, Interval):
-                    ax.fill_between(result.offsets, np.asarray(value.low, dtype=np.float64),
-                                    np.asarray(value.high, dtype=np.float64), color=colour, alpha=0.15, lw=0)
-        ax.set_xlabel("offset s (tokens of context before the segment)")
-        ax.set_ylabel("mean attention weight")
+                _by_offset(ax, result.offsets, value, ..., style, colours[index % len(colours)],
+                           group if len(variants) == 1 else f"{name}: {group}")
         ax.set_ylim(bottom=0)
-        _axes_title(ax, f"on the {what}", fontsize=9)
-        ax.legend(fontsize=8)
-    figure_title(fig, f"Attention the segment puts before itself, by offset: {first.model_name} "
-                      f"({_interval_note(variants).replace('bars', 'bands')}; {_offset_meaning(first)})")
-    fig.tight_layout()
-    return fig
+        _offset_axes(ax, "mean attention weight", f"on the {what}")
+    return _offset_figure(fig, "Attention the segment puts before itself", variants)
 
 
 def shift_massive_figure(results: ShiftResult | Mapping[str, ShiftResult],
@@ -105,22 +94,38 @@ def shift_massive_figure(results: ShiftResult | Mapping[str, ShiftResult],
     for number, (name, result) in enumerate(variants.items()):
         colour = colours[number % len(colours)]
         for part, style, where in (("first_ratio", "-", "first token"), ("rest_ratio", "--", "other tokens")):
-            value = _number(result.massive, part)
-            estimate, _ = _with_interval(value)
-            label = where if len(variants) == 1 else f"{name}: {where}"
-            ax.plot(result.offsets, estimate[layer], style, marker="o", ms=3, color=colour, label=label)
-            if isinstance(value, Interval):
-                ax.fill_between(result.offsets, np.asarray(value.low, dtype=np.float64)[layer],
-                                np.asarray(value.high, dtype=np.float64)[layer], color=colour, alpha=0.15, lw=0)
+            _by_offset(ax, result.offsets, _number(result.massive, part), layer, style, colour,
+                       where if len(variants) == 1 else f"{name}: {where}")
     ax.set_yscale("log")
+    _offset_axes(ax, "largest |h| / median |h|", f"residual stream after block {layer}, at the segment's tokens")
+    return _offset_figure(fig, "Massive activations", variants)
+
+
+def _offset_axes(ax: Any, ylabel: str, title: str) -> None:
+    """A panel of lines by offset: its labels, title and legend."""
     ax.set_xlabel("offset s (tokens of context before the segment)")
-    ax.set_ylabel("largest |h| / median |h|")
-    _axes_title(ax, f"residual stream after block {layer}, at the segment's tokens", fontsize=9)
+    ax.set_ylabel(ylabel)
+    _axes_title(ax, title, fontsize=9)
     ax.legend(fontsize=8)
-    figure_title(fig, f"Massive activations by offset: {first.model_name} "
+
+
+def _offset_figure(fig: Figure, what: str, variants: Mapping[str, ShiftResult]) -> Figure:
+    """A figure of lines by offset, titled with the first variant's model, the bands' meaning and the offset's."""
+    first = next(iter(variants.values()))
+    figure_title(fig, f"{what}, by offset: {first.model_name} "
                       f"({_interval_note(variants).replace('bars', 'bands')}; {_offset_meaning(first)})")
     fig.tight_layout()
     return fig
+
+
+def _by_offset(ax: Any, offsets: Sequence[int], value: Any, pick: Any, style: str, colour: str, label: str) -> None:
+    """One line by offset, ``value[pick]`` (an estimate, or an :class:`~equivariance_probe.Interval` drawn with its
+    band)."""
+    estimate, _ = _with_interval(value)
+    ax.plot(offsets, estimate[pick], style, marker="o", ms=3, color=colour, label=label)
+    if isinstance(value, Interval):
+        ax.fill_between(offsets, np.asarray(value.low, dtype=np.float64)[pick],
+                        np.asarray(value.high, dtype=np.float64)[pick], color=colour, alpha=0.15, lw=0)
 
 
 def shift_attribution_figure(results: ShiftResult | Mapping[str, ShiftResult],

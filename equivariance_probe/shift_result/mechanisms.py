@@ -184,15 +184,22 @@ class ShiftMechanisms:
     def _require_sink_mass(self) -> None:
         """Refuse the sink mass unless every segment's rows are in its sums (``F·m`` rows per segment, layer and
         offset): a file written before it was kept has none, and a merge with such a file only some."""
-        rows = self.statistics.totals()["sink/rows"]
-        if np.all(rows == self.n_segments * self.config.n_contexts * self.config.segment_length):
+        self._require_counted("sink/rows", self.config.segment_length, "sink mass", "the attention before the segment",
+                              "it", 2)
+
+    def _require_counted(self, name: str, per_context: int, what: str, kept: str, pronoun: str, older: int) -> None:
+        """Refuse ``what`` unless count array ``name`` holds ``per_context`` per context of every segment at every
+        cell: a file written before it was kept (format ``older`` or older) has none, and a merge with such a file
+        only some."""
+        counted = self.statistics.totals()[name]
+        if np.all(counted == self.n_segments * self.config.n_contexts * per_context):
             return
-        which = ("it was written before the shift test kept the attention before the segment (a file of format "
-                 f"{self._file.format_version if self._file else '2 or older'})" if not rows.any() else
-                 "some of its segments come from a file written before the shift test kept it (a merge with an "
+        which = (f"it was written before the shift test kept {kept} (a file of format "
+                 f"{self._file.format_version if self._file else f'{older} or older'})" if not counted.any() else
+                 f"some of its segments come from a file written before the shift test kept {pronoun} (a merge with an "
                  "older file), so a mean over the rest would pass for one over every segment")
-        raise UndefinedStatisticError(f"this result holds no sink mass: {which}; run the shift test again with this "
-                                      "version for it")
+        raise UndefinedStatisticError(f"this result holds no {what}: {which}; run the shift test again with this "
+                                      f"version for {pronoun}")
 
     # -- massive activations ------------------------------------------------------------------------------
     def massive(self, part: str = "first_ratio", interval: float | None = None) -> Any:
@@ -222,14 +229,7 @@ class ShiftMechanisms:
         """
         check_choice("part", part, decomposition.MASSIVE_PARTS)
         self._require_data()
-        windows = self.statistics.totals()["massive/windows"]
-        if not np.all(windows == self.n_segments * self.config.n_contexts):
-            which = ("it was written before the shift test kept them (a file of format "
-                     f"{self._file.format_version if self._file else '3 or older'})" if not windows.any() else
-                     "some of its segments come from a file written before the shift test kept them (a merge with an "
-                     "older file), so a mean over the rest would pass for one over every segment")
-            raise UndefinedStatisticError(f"this result holds no massive activations: {which}; run the shift test "
-                                          "again with this version for them")
+        self._require_counted("massive/windows", 1, "massive activations", "them", "them", 3)
 
         def value(arrays: dict[str, np.ndarray]) -> np.ndarray:
             return decomposition.massive_activations(arrays["massive/first"], arrays["massive/rest"],
