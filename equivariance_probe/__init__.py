@@ -31,6 +31,7 @@ Measure:
   attention and residual stream, and how its predictions change; on screen: :func:`shift_figures` (each figure
   also alone: :func:`shift_layers_figure`, :func:`shift_heads_figure`, :func:`shift_loss_figure`,
   :func:`shift_divergence_figure`, :func:`shift_sink_figure` with :func:`sink_layer_groups`,
+  :func:`shift_massive_figure`,
   :func:`shift_attribution_figure`, :func:`shift_patching_figure`),
   :func:`shift_view` / :class:`ShiftView` (one head at two offsets, offline CircuitsVis),
   :func:`shift_report_section`, :func:`render_shift_report`.
@@ -87,6 +88,7 @@ from .display.shift import (
     shift_heads_figure,
     shift_layers_figure,
     shift_loss_figure,
+    shift_massive_figure,
     shift_patching_figure,
     shift_report_section,
     shift_sink_figure,
@@ -230,6 +232,7 @@ __all__ = [
     "shift_divergence_figure",
     "shift_sink_figure",
     "sink_layer_groups",
+    "shift_massive_figure",
     "shift_attribution_figure",
     "shift_patching_figure",
     "shift_report_section",

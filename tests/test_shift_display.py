@@ -153,7 +153,7 @@ def test_report_section_holds_every_figure_and_the_view_in_a_rendered_report(shi
     section = shift_report_section(variants["trained"], {"random_init": variants["random_init"]}, view=view)
     assert section.uses_circuitsvis
     assert set(shift_figures(variants["trained"])) == {"shift_layers", "shift_heads", "shift_loss", "shift_divergence",
-                                                       "shift_sink"}
+                                                       "shift_sink", "shift_massive"}
     probe_result = EquivarianceProbe(model).run(torch.randint(3, 97, (2, 16), generator=torch.Generator().manual_seed(0)),
                                                 progress=False)
     bundle = circuitsvis_bundle()
@@ -166,7 +166,8 @@ def test_report_section_holds_every_figure_and_the_view_in_a_rendered_report(shi
         assert "Offset η² by layer" in page and "Per-head offset η²" in page and "Next-token loss" in page
         assert "Jensen–Shannon divergence between offsets" in page and "<th>random_init</th>" in page
         assert "first key and on the rest of the text before the segment, by offset and layer group" in page
-        assert page.count('src="data:image/png;base64,') >= 5
+        assert "largest magnitude over its median" in page
+        assert page.count('src="data:image/png;base64,') >= 6
         difference = variants["trained"].paired_difference(variants["random_init"], "centred_logits", "offset")
         assert "<th>trained − random_init</th>" in page and f"<td>{difference}</td>" in page
     assert bundle not in str(render_shift_report(variants["trained"]))  # no view: no bundle
@@ -210,7 +211,7 @@ def test_an_encoder_s_view_shows_the_whole_block_and_its_figures_omit_prediction
     model = tiny_bert()
     result = run(model, segments, contexts)
     # An encoder makes no next-token predictions; its rows still attend to the text before the segment.
-    assert set(shift_figures(result)) == {"shift_layers", "shift_heads", "shift_sink"}
+    assert set(shift_figures(result)) == {"shift_layers", "shift_heads", "shift_sink", "shift_massive"}
     view = shift_view(model, segments, contexts, result=result)
     assert not view.causal and view.entries.all()  # every segment key is visible to every segment query
     np.testing.assert_allclose(view.conditional.sum(-1), 1.0, rtol=1e-6)

@@ -34,8 +34,10 @@ from ..statistics.engines.shift_sums import (
     ATTRIBUTION_GRAMS,
     add_component_to_state,
     SINK_SUMS,
+    MASSIVE_SUMS,
     add_prediction_sums,
     add_sink_sums,
+    add_massive_sums,
     add_to_cell,
     component_grams,
     counted_entries,
@@ -45,6 +47,7 @@ from ..statistics.engines.shift_sums import (
     new_component_state,
     new_prediction_sums,
     new_sink_sums,
+    new_massive_sums,
     segment_representations,
 )
 from ..statistics.masks import KEY_BINS
@@ -188,8 +191,9 @@ def reduce_batch_in_trace(attention: list, lengths: torch.Tensor, plan: dict) ->
 def new_segment_state(plan: dict) -> dict:
     """The running sums of one segment's grid on the server: ``cells`` (per ``(representation, layer)``,
     :func:`~equivariance_probe.statistics.engines.shift_sums.add_to_cell`), the prediction sums, each offset's
-    latest distributions, the current context's, the contexts done, each layer's counted entries, and the sink
-    sums (:func:`~equivariance_probe.statistics.engines.shift_sums.new_sink_sums`).
+    latest distributions, the current context's, the contexts done, each layer's counted entries, the sink
+    sums (:func:`~equivariance_probe.statistics.engines.shift_sums.new_sink_sums`) and the massive-activation sums
+    (:func:`~equivariance_probe.statistics.engines.shift_sums.new_massive_sums`).
 
     ``plan`` holds plain values: ``n_layers``, ``n_heads``, ``n_offsets``, ``segment_length``, ``causal``,
     ``windows`` (per layer, the sliding window or ``None``), ``predictions`` and ``hidden_size`` (the residual
@@ -204,6 +208,7 @@ def new_segment_state(plan: dict) -> dict:
         "contexts": 0,
         "entries": [counted_entries(plan["segment_length"], plan["causal"], window) for window in plan["windows"]],
         "sink": new_sink_sums(plan["n_layers"], plan["n_heads"], plan["n_offsets"]),
+        "massive": new_massive_sums(plan["n_layers"], plan["n_offsets"]),
     }
 
 
@@ -249,6 +254,7 @@ def add_segment_windows_in_trace(state: dict, attention: list, layers: list, pla
         for b, index in enumerate(batch["offsets"]):
             add_to_cell(state["cells"].setdefault(("residual", layer), {}), hidden[b].reshape(1, -1), index,
                         plan["n_offsets"])
+            add_massive_sums(state["massive"], layer, index, hidden[b])
         del scores, normaliser, sink, hidden
 
 
@@ -276,6 +282,7 @@ def segment_sums_in_trace(state: dict, plan: dict) -> dict:
     sums = grid_sums(state["cells"], plan["n_layers"], plan["n_heads"], state["contexts"], plan["n_offsets"],
                      plan["hidden_size"])
     sums.update(state["sink"])
+    sums.update(state["massive"])
     if plan["predictions"]:
         sums.update(state["predictions"])
     if plan.get("components"):
@@ -389,6 +396,8 @@ SEGMENT_FUNCTIONS = (
     "equivariance_probe.statistics.engines.shift_sums.component_grams",
     "equivariance_probe.statistics.engines.shift_sums.new_sink_sums",
     "equivariance_probe.statistics.engines.shift_sums.add_sink_sums",
+    "equivariance_probe.statistics.engines.shift_sums.new_massive_sums",
+    "equivariance_probe.statistics.engines.shift_sums.add_massive_sums",
 )
 #: The functions of the shift test's check of the recomputation, run on the server in one trace (by value).
 SEGMENT_CHECK_FUNCTIONS = (
@@ -451,12 +460,13 @@ def reply_nbytes(n_layers: int, n_heads: int, n_positions: int, keep_pattern: bo
 def segment_reply_nbytes(n_layers: int, n_heads: int, n_offsets: int, predictions: bool = True,
                          hidden_size: int = 0, components: int = 0) -> int:
     """Bytes of float64 sums one segment's session sends back, from the shapes alone:
-    ``8·(|DECOMPOSITION_SUMS|·L·(3·H + 1) + L·d + L·O·(2·H + 1) + predictions·(4·O + 2·O²) + 2·C²)`` (``d`` the
-    residual stream's width, for its sums per hidden dimension; ``L·O·(2·H + 1)`` the sink sums; ``C`` the
+    ``8·(|DECOMPOSITION_SUMS|·L·(3·H + 1) + L·d + L·O·(2·H + 5) + predictions·(4·O + 2·O²) + 2·C²)`` (``d`` the
+    residual stream's width, for its sums per hidden dimension; ``L·O·(2·H + 1)`` the sink sums and ``4·L·O`` the
+    massive-activation sums; ``C`` the
     attribution's components, for its two Gram matrices), whatever the number of contexts, the segment's length,
     the window or the vocabulary."""
     n = len(DECOMPOSITION_SUMS) * n_layers * ((len(REPRESENTATIONS) - 1) * n_heads + 1) + n_layers * hidden_size
-    n += n_layers * n_offsets * ((len(SINK_SUMS) - 1) * n_heads + 1)
+    n += n_layers * n_offsets * ((len(SINK_SUMS) - 1) * n_heads + 1 + len(MASSIVE_SUMS))
     n += len(ATTRIBUTION_GRAMS) * components**2
     if predictions:
         n += sum(n_offsets**rank for _, rank in PREDICTION_SUMS)

@@ -201,7 +201,9 @@ def shift_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[
     intervals over segments) and ``offset_rms`` (in the representation's unit) for the model;
     ``offset_eta2`` per layer and per layer group. Predictions: ``loss`` per offset (nats),
     ``js_offset``, ``js_context``, ``js_ratio``. Sink mass: ``sink_first_key``, ``sink_preceding`` and
-    ``sink_segment`` per offset (mean attention weight), for the model and per layer group.
+    ``sink_segment`` per offset (mean attention weight), for the model and per layer group. Massive
+    activations: ``massive_first``, ``massive_rest``, ``massive_median`` (residual magnitudes) and
+    ``massive_first_ratio``, ``massive_rest_ratio`` per block (``layer``) and offset.
     Attribution: ``attribution_offset`` and ``attribution_context`` per target block (``layer``: the block
     after which the residual stream is split, not the component's own, which its name says) and component,
     each a share of that residual stream's sum of squares.
@@ -243,7 +245,24 @@ def shift_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[
             for group, values in groups.items():
                 rows.append(_row(identity, f"sink_{part}", values[i], split="layer_group", layer_group=group,
                                  offset=offset, unit="attention weight"))
-    return rows + _attribution_rows(summary, identity) + _patching_rows(summary, identity)
+    return rows + _massive_rows(summary, identity) + _attribution_rows(summary, identity) + _patching_rows(summary, identity)
+
+
+def _massive_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The residual stream's largest magnitudes at the segment per block and offset, from the summary's
+    ``massive_activations`` (``{part: [layer][offset]}``, each plain or an interval's dict of them)."""
+    massive = summary.get("massive_activations") or {}
+    rows = []
+    for part in (("first", "rest", "median", "first_ratio", "rest_ratio") if massive else ()):
+        numbers = _estimate(massive.get(part))
+        unit = "ratio" if part.endswith("_ratio") else "residual magnitude"
+        for i, offset in enumerate(summary.get("offsets", [])):
+            for layer in range(len(numbers["value"] or ())):
+                picked = {key: (value[layer][i] if isinstance(value, Sequence) else value)
+                          for key, value in numbers.items()}
+                rows.append(_row(identity, f"massive_{part}", **picked, split="layer", layer=layer, offset=offset,
+                                 unit=unit))
+    return rows
 
 
 def _attribution_rows(summary: Mapping[str, Any], identity: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -14,8 +14,8 @@ shift run decomposes. matplotlib and circuitsvis are imported when something is 
 * :func:`shift_loss_figure` — the segment's next-token loss by offset, with intervals.
 * :func:`shift_divergence_figure` — Jensen–Shannon divergence between offsets against between contexts, and
   their ratio.
-* :func:`shift_sink_figure`, :func:`shift_attribution_figure`, :func:`shift_patching_figure` — the mechanisms:
-  sink mass, attribution and patching (drawn in :mod:`~equivariance_probe.display.shift_mechanisms`, importable
+* :func:`shift_sink_figure`, :func:`shift_massive_figure`, :func:`shift_attribution_figure`,
+  :func:`shift_patching_figure` — the mechanisms: sink mass, massive activations, attribution and patching (drawn in :mod:`~equivariance_probe.display.shift_mechanisms`, importable
   from here).
 * :func:`shift_view` → :class:`ShiftView` — one head's segment block at two offsets, side by side.
 * :func:`shift_report_section`, :func:`render_shift_report` — all of it in the HTML report.
@@ -45,8 +45,8 @@ from .circuitsvis import (CircuitsVisFigure, attention_pattern_figure, figure_ro
                           views_html)
 from .figures import _axes_title, figure_or_error, figure_title, one_result, pyplot
 from .report import RenderedReport, ReportSection, figures_html, sections_page, table_html
-from .shift_mechanisms import (_has_sink_mass, shift_attribution_figure, shift_patching_figure, shift_sink_figure,
-                               sink_layer_groups)
+from .shift_mechanisms import (_has_massive, _has_sink_mass, shift_attribution_figure, shift_massive_figure,
+                               shift_patching_figure, shift_sink_figure, sink_layer_groups)
 from .shift_parts import INTERVAL_LEVEL, _interval_note, _number, _offset_meaning, _titled, _variants, _with_interval
 from .shift_tables import shift_tables_html
 from .views import _token_strings, parse_heads
@@ -69,6 +69,7 @@ __all__ = [
     "render_shift_report",
     "shift_sink_figure",
     "sink_layer_groups",
+    "shift_massive_figure",
     "INTERVAL_LEVEL",
 ]
 
@@ -186,8 +187,9 @@ def _format(number: Any) -> str:
 def shift_figures(result: ShiftResult, baselines: Mapping[str, ShiftResult] | None = None,
                   name: str = "trained") -> dict[str, Figure]:
     """Every figure of a shift run: ``{"shift_layers", "shift_heads", "shift_loss", "shift_divergence",
-    "shift_sink", "shift_attribution"}`` (the loss and divergence only where the run measured predictions; the sink
-    mass only for the variants that hold it, none in a file written before it was kept; the attribution only where
+    "shift_sink", "shift_massive", "shift_attribution"}`` (the loss and divergence only where the run measured
+    predictions; the sink mass and the massive activations only for the variants that hold them, none in a file
+    written before they were kept; the attribution only where
     it split the residual stream into components), and ``"shift_patching"`` where it patched
     (:func:`shift_patching_figure`), with the baselines beside ``result`` (called ``name``).
 
@@ -203,6 +205,9 @@ def shift_figures(result: ShiftResult, baselines: Mapping[str, ShiftResult] | No
     with_sink = {key: value for key, value in variants.items() if _has_sink_mass(value)}
     if name in with_sink:
         figures["shift_sink"] = figure_or_error("shift_sink", shift_sink_figure, with_sink)
+    with_massive = {key: value for key, value in variants.items() if _has_massive(value)}
+    if name in with_massive:
+        figures["shift_massive"] = figure_or_error("shift_massive", shift_massive_figure, with_massive)
     if result.config.components and all(other.config.components for other in variants.values()):
         figures["shift_attribution"] = figure_or_error("shift_attribution", shift_attribution_figure, variants)
     if result.config.patch_components:
@@ -431,7 +436,9 @@ def _captions(result: ShiftResult, variants: Mapping[str, ShiftResult], name: st
     """Each figure's caption, saying what it draws and whether its bars are intervals, from the same variants and
     the same test (:func:`~equivariance_probe.display.shift_parts._interval_note`) as the figure's own title."""
     sinks = {key: value for key, value in variants.items() if _has_sink_mass(value)} or variants
+    massive = {key: value for key, value in variants.items() if _has_massive(value)} or variants
     drawn = {"variants": _interval_note(variants), "sinks": _interval_note(sinks).replace("bars", "bands"),
+             "massive": _interval_note(massive).replace("bars", "bands"),
              "alone": _interval_note({name: result})}
     return {
         "shift_layers": f"Offset η² by layer, centred logits and residual stream, each variant ({drawn['variants']})",
@@ -442,6 +449,8 @@ def _captions(result: ShiftResult, variants: Mapping[str, ShiftResult], name: st
                             f"({drawn['variants']})",
         "shift_sink": "Mean attention weight of the segment's rows on the window's first key and on the rest of the "
                       f"text before the segment, by offset and layer group ({drawn['sinks']})",
+        "shift_massive": "The residual stream's largest magnitude over its median at the segment's first token and at "
+                         f"its other tokens, by offset, at the block where it peaks ({drawn['massive']})",
         "shift_attribution": "Each component's share of the residual stream's offset and context sums of squares after "
                              f"the target blocks ({drawn['variants']})",
         "shift_patching": f"Activation patching, {name}: the share of the prediction change that goes away when a "

@@ -9,6 +9,8 @@ least two groups of segments.
 
 * :func:`shift_sink_figure` — the attention the segment's rows put on the window's first key and on the rest of
   the text before it, by offset, one line per layer group (:func:`sink_layer_groups`).
+* :func:`shift_massive_figure` — the residual stream's largest magnitude over its median at the segment's first
+  token and at its other tokens, by offset, at the block where it peaks (Sun et al.'s massive activations).
 * :func:`shift_attribution_figure` — each component's share of the residual stream's offset and context sums
   of squares after the target blocks (a run with attribution), with intervals.
 * :func:`shift_patching_figure` — the share of the prediction change that patching each component recovers.
@@ -31,7 +33,7 @@ from .shift_parts import _interval_note, _number, _offset_meaning, _titled, _var
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.figure import Figure
 
-__all__ = ["shift_sink_figure", "sink_layer_groups", "shift_attribution_figure", "shift_patching_figure"]
+__all__ = ["shift_sink_figure", "sink_layer_groups", "shift_massive_figure", "shift_attribution_figure", "shift_patching_figure"]
 
 
 def sink_layer_groups(result: ShiftResult) -> dict[str, tuple[int, ...]]:
@@ -65,22 +67,65 @@ def shift_sink_figure(results: ShiftResult | Mapping[str, ShiftResult],
             style = ("-", "--", ":")[number % 3]
             means = _number(result.sink_mass, part, by="layer_group", layer_groups=groups)
             for index, (group, value) in enumerate(means.items()):
-                estimate, _ = _with_interval(value)
-                colour = colours[index % len(colours)]
-                label = group if len(variants) == 1 else f"{name}: {group}"
-                ax.plot(result.offsets, estimate, style, marker="o", ms=3, color=colour, label=label)
-                if isinstance(value, Interval):
-                    ax.fill_between(result.offsets, np.asarray(value.low, dtype=np.float64),
-                                    np.asarray(value.high, dtype=np.float64), color=colour, alpha=0.15, lw=0)
-        ax.set_xlabel("offset s (tokens of context before the segment)")
-        ax.set_ylabel("mean attention weight")
+                _by_offset(ax, result.offsets, value, ..., style, colours[index % len(colours)],
+                           group if len(variants) == 1 else f"{name}: {group}")
         ax.set_ylim(bottom=0)
-        _axes_title(ax, f"on the {what}", fontsize=9)
-        ax.legend(fontsize=8)
-    figure_title(fig, f"Attention the segment puts before itself, by offset: {first.model_name} "
+        _offset_axes(ax, "mean attention weight", f"on the {what}")
+    return _offset_figure(fig, "Attention the segment puts before itself", variants)
+
+
+def shift_massive_figure(results: ShiftResult | Mapping[str, ShiftResult],
+                         baselines: Mapping[str, ShiftResult] | None = None, *, layer: int | None = None) -> Figure:
+    """The residual stream's largest magnitude over its median at the segment, by offset
+    (:meth:`~equivariance_probe.ShiftResult.massive`): at the segment's first token (solid) and at its other tokens
+    (dashed), one colour per variant, on a log scale, at block ``layer`` (default: where the first variant's
+    largest ratio peaks), with 95 % interval bands over segments. A first-token line far above the other at offset
+    0 alone is a massive activation that stays at the window's first position; one far above at every offset
+    moves with the text."""
+    plt = pyplot()
+    variants = _variants(results, baselines, where="shift_massive_figure")
+    first = next(iter(variants.values()))
+    if layer is None:
+        ratio = np.fmax(first.massive("first_ratio"), first.massive("rest_ratio"))
+        layer = int(np.nanargmax(np.nanmax(ratio, axis=1))) if np.isfinite(ratio).any() else 0
+    layer = check_indices("layer", [layer], first.config.n_layers)[0]
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for number, (name, result) in enumerate(variants.items()):
+        colour = colours[number % len(colours)]
+        for part, style, where in (("first_ratio", "-", "first token"), ("rest_ratio", "--", "other tokens")):
+            _by_offset(ax, result.offsets, _number(result.massive, part), layer, style, colour,
+                       where if len(variants) == 1 else f"{name}: {where}")
+    ax.set_yscale("log")
+    _offset_axes(ax, "largest |h| / median |h|", f"residual stream after block {layer}, at the segment's tokens")
+    return _offset_figure(fig, "Massive activations", variants)
+
+
+def _offset_axes(ax: Any, ylabel: str, title: str) -> None:
+    """A panel of lines by offset: its labels, title and legend."""
+    ax.set_xlabel("offset s (tokens of context before the segment)")
+    ax.set_ylabel(ylabel)
+    _axes_title(ax, title, fontsize=9)
+    ax.legend(fontsize=8)
+
+
+def _offset_figure(fig: Figure, what: str, variants: Mapping[str, ShiftResult]) -> Figure:
+    """A figure of lines by offset, titled with the first variant's model, the bands' meaning and the offset's."""
+    first = next(iter(variants.values()))
+    figure_title(fig, f"{what}, by offset: {first.model_name} "
                       f"({_interval_note(variants).replace('bars', 'bands')}; {_offset_meaning(first)})")
     fig.tight_layout()
     return fig
+
+
+def _by_offset(ax: Any, offsets: Sequence[int], value: Any, pick: Any, style: str, colour: str, label: str) -> None:
+    """One line by offset, ``value[pick]`` (an estimate, or an :class:`~equivariance_probe.Interval` drawn with its
+    band)."""
+    estimate, _ = _with_interval(value)
+    ax.plot(offsets, estimate[pick], style, marker="o", ms=3, color=colour, label=label)
+    if isinstance(value, Interval):
+        ax.fill_between(offsets, np.asarray(value.low, dtype=np.float64)[pick],
+                        np.asarray(value.high, dtype=np.float64)[pick], color=colour, alpha=0.15, lw=0)
 
 
 def shift_attribution_figure(results: ShiftResult | Mapping[str, ShiftResult],
@@ -187,6 +232,14 @@ def shift_patching_figure(result: ShiftResult) -> Figure:
 def _has_sink_mass(result: ShiftResult) -> bool:
     try:
         result.sink_mass()
+    except UndefinedStatisticError:
+        return False
+    return True
+
+
+def _has_massive(result: ShiftResult) -> bool:
+    try:
+        result.massive()
     except UndefinedStatisticError:
         return False
     return True

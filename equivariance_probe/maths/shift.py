@@ -64,6 +64,8 @@ __all__ = [
     "jensen_shannon",
     "SINK_PARTS",
     "sink_mass",
+    "MASSIVE_PARTS",
+    "massive_activations",
     "UNDEFINED_TOLERANCE",
     "component_grams_reference",
     "component_contributions",
@@ -343,3 +345,31 @@ def identity_difference(gram: np.ndarray, columns: Sequence[int], sum_of_squares
     if scale == 0:
         return 0.0 if found == float(sum_of_squares) else float("inf")
     return abs(found - float(sum_of_squares)) / scale
+
+
+#: What :func:`massive_activations` reports: the mean over windows of the largest residual magnitude at the segment's
+#: first token (``first``) and at its other tokens (``rest``), the mean median magnitude (``median``), and each
+#: largest over the median (``first_ratio``, ``rest_ratio``: ratios of the means, as Sun et al. 2024 report them).
+MASSIVE_PARTS = ("first", "rest", "median", "first_ratio", "rest_ratio")
+
+
+def massive_activations(first: np.ndarray, rest: np.ndarray, median: np.ndarray, windows: np.ndarray, part: str
+                        ) -> np.ndarray:
+    """One part of the residual stream's largest magnitudes at the segment, per layer and offset.
+
+    Args:
+        first, rest, median: ``[..., layer, offset]`` the sums over windows of ``max_d |h[0, d]|``, of
+            ``max_{i ≥ 1, d} |h[i, d]|`` and of the median ``|h|`` at the segment's tokens.
+        windows: ``[..., layer, offset]`` the windows behind them.
+        part: one of :data:`MASSIVE_PARTS`.
+
+    Returns:
+        ``[..., layer, offset]``; NaN where no window (or a zero median) was counted.
+    """
+    check_choice("part", part, MASSIVE_PARTS)
+    sums = {"first": first, "rest": rest, "median": median}
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if part.endswith("_ratio"):
+            numerator = sums[part.removesuffix("_ratio")]
+            return np.where(median > 0, numerator / np.where(median > 0, median, 1.0), np.nan)
+        return np.where(windows > 0, sums[part] / np.where(windows > 0, windows, 1.0), np.nan)

@@ -26,7 +26,9 @@ attention the segment's rows put on the window's first key and on the rest of th
 offset), and the attribution's Gram matrices (``attribution/offset_gram``, ``attribution/context_gram``,
 ``[group, C, C]``) with the configuration's ``components`` (empty, and the arrays ``[group, 0, 0]`` and not
 written, for a run without attribution), and activation patching's ``patch/*`` arrays with the configuration's
-``patch_components`` and ``patch_reference`` (likewise empty and not written without patching). What each version added is declared once, in :data:`SHIFT_ADDED`: an array that a file's
+``patch_components`` and ``patch_reference`` (likewise empty and not written without patching); **4** — adds the
+massive-activation sums (``massive/first``, ``massive/rest``, ``massive/median``, ``massive/windows``: the residual
+stream's largest magnitude at the segment's first token and at its other tokens, and its median, by offset). What each version added is declared once, in :data:`SHIFT_ADDED`: an array that a file's
 version predates is filled in as that table says (an empty array of the older definition, or zeros that leave
 a representation the file never measured undefined), never read as missing.
 """
@@ -55,9 +57,9 @@ __all__ = ["SHIFT_KIND", "SHIFT_FORMAT_VERSION", "SHIFT_FORMAT_VERSIONS", "SHIFT
 #: The ``kind`` of a shift result file's header.
 SHIFT_KIND = "equivariance_probe.ShiftResult"
 #: The version :func:`write_shift_file` writes.
-SHIFT_FORMAT_VERSION = 3
+SHIFT_FORMAT_VERSION = 4
 #: The format versions this package reads.
-SHIFT_FORMAT_VERSIONS = (1, 2, 3)
+SHIFT_FORMAT_VERSIONS = (1, 2, 3, 4)
 #: The tensor of the segments' fingerprints.
 FINGERPRINTS = "segment_fingerprints"
 
@@ -86,6 +88,8 @@ SHIFT_ADDED: dict[str, Added] = {
                                             "versions 1 and 2 split nothing into components: no components, empty)")
        for term in ("offset", "context")},
     "patch/": Added(3, "activation patching's sums (files before version 3 patched nothing: no items, empty arrays)"),
+    "massive/": Added(4, "the residual stream's largest magnitudes at the segment, by offset (zero windows: the "
+                         "massive activations of a file written before they were kept are undefined)"),
 }
 
 

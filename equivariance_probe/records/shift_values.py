@@ -10,7 +10,7 @@ symmetric gives shares that do not add up to 1).
 Each relation holds exactly in exact arithmetic; in float64 it holds to rounding of the sums it compares, so each
 is checked with a relative tolerance of :data:`VALUE_TOLERANCE` of the magnitude involved:
 
-* every sum of squares, count, divergence, loss and attention weight sum is non-negative;
+* every sum of squares, count, divergence, loss, attention weight and magnitude sum is non-negative;
 * per representation, ``SS_offset + SS_context ≤ SS_within`` (the offset and context effects are parts of each
   entry's variation about its own mean; the rest is their interaction, a sum of squares too), so the offset and
   context shares lie in ``[0, 1]``;
@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from ..errors import ResultFileError
-from ..statistics.engines.shift_sums import REPRESENTATIONS, SINK_SUMS
+from ..statistics.engines.shift_sums import MASSIVE_SUMS, REPRESENTATIONS, SINK_SUMS
 
 __all__ = ["VALUE_TOLERANCE", "SINK_TOLERANCE", "check_shift_values"]
 
@@ -46,7 +46,7 @@ _DIVERGENCES = {"js_offset_sum": "js_offset_count", "js_context_sum": "js_contex
                 "patch/js_sum": "patch/js_count"}
 #: Sums that are non-negative term by term (besides the sums of squares, checked per representation).
 _NON_NEGATIVE = ("nll_sum", "nll_count", *_DIVERGENCES, *_DIVERGENCES.values(), *SINK_SUMS,
-                 "patch/residual_offset", "segments")
+                 *MASSIVE_SUMS, "patch/residual_offset", "segments")
 
 
 def check_shift_values(arrays: Mapping[str, np.ndarray], source: str | os.PathLike) -> None:

@@ -426,6 +426,7 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
             "undefined": dict(self.undefined), "check": self.recorded_checks()["check"], "complete": self.complete,
         }
         out["sink_mass"] = self._sink_summary(number, with_interval)
+        out["massive_activations"] = self._massive_summary(with_interval)
         if self.config.components:  # {term: {layer: {component: share with its interval}}}, and the identity check
             out["attribution"] = {
                 "layers": list(self.attribution_layers()), "check": self.recorded_checks()["attribution"],
@@ -478,6 +479,13 @@ class ShiftResult(ShiftMechanisms, SumsReadOnUse):
             lines.append("  attention before the segment (mean weight of its rows over layers and heads), by offset:")
             lines.extend(f"    {offset}: first key {number_cell(_at(sink['first_key'], i))}, preceding text "
                          f"{number_cell(_at(sink['preceding'], i))}" for i, offset in enumerate(summary["offsets"]))
+        massive = summary.get("massive_activations")
+        if massive:
+            layer = massive["peak_layer"]
+            lines.append(f"  residual stream's largest magnitude over its median at the segment, block {layer} (where "
+                         "it peaks), by offset:")
+            lines.extend(f"    {offset}: first token {number_cell(_at(_at(massive['first_ratio'], layer), i))}, other tokens "
+                         f"{number_cell(_at(_at(massive['rest_ratio'], layer), i))}" for i, offset in enumerate(summary["offsets"]))
         patching = summary.get("patching")
         if patching:
             lines.append(f"  activation patching (reference offset {patching['reference_offset']}): "

@@ -184,15 +184,69 @@ class ShiftMechanisms:
     def _require_sink_mass(self) -> None:
         """Refuse the sink mass unless every segment's rows are in its sums (``F·m`` rows per segment, layer and
         offset): a file written before it was kept has none, and a merge with such a file only some."""
-        rows = self.statistics.totals()["sink/rows"]
-        if np.all(rows == self.n_segments * self.config.n_contexts * self.config.segment_length):
+        self._require_counted("sink/rows", self.config.segment_length, "sink mass", "the attention before the segment",
+                              "it", 2)
+
+    def _require_counted(self, name: str, per_context: int, what: str, kept: str, pronoun: str, older: int) -> None:
+        """Refuse ``what`` unless count array ``name`` holds ``per_context`` per context of every segment at every
+        cell: a file written before it was kept (format ``older`` or older) has none, and a merge with such a file
+        only some."""
+        counted = self.statistics.totals()[name]
+        if np.all(counted == self.n_segments * self.config.n_contexts * per_context):
             return
-        which = ("it was written before the shift test kept the attention before the segment (a file of format "
-                 f"{self._file.format_version if self._file else '2 or older'})" if not rows.any() else
-                 "some of its segments come from a file written before the shift test kept it (a merge with an "
+        which = (f"it was written before the shift test kept {kept} (a file of format "
+                 f"{self._file.format_version if self._file else f'{older} or older'})" if not counted.any() else
+                 f"some of its segments come from a file written before the shift test kept {pronoun} (a merge with an "
                  "older file), so a mean over the rest would pass for one over every segment")
-        raise UndefinedStatisticError(f"this result holds no sink mass: {which}; run the shift test again with this "
-                                      "version for it")
+        raise UndefinedStatisticError(f"this result holds no {what}: {which}; run the shift test again with this "
+                                      f"version for {pronoun}")
+
+    # -- massive activations ------------------------------------------------------------------------------
+    def massive(self, part: str = "first_ratio", interval: float | None = None) -> Any:
+        """The residual stream's largest magnitudes at the segment's tokens, per layer and offset (Sun et al. 2024's
+        massive activations, read where the segment sits).
+
+        For each window (one context at one offset) and block ``l``, with ``h`` the residual stream after the block
+        at the segment's ``m`` tokens: ``max_d |h[0, d]|`` at the segment's first token, ``max_{i ≥ 1, d} |h[i, d]|``
+        at its other tokens, and the median of the ``m·d`` magnitudes. At offset 0 the segment's first token is the
+        window's first token only without a special prefix (``config.prefix_length == 0``); with one (BOS) the
+        window's first token is the prefix, whose residual stream the test does not read. So ``first`` falling as
+        the offset grows says the first token's massive activation belongs to the window's first position, not to
+        the text's first token.
+
+        Args:
+            part: one of :data:`~equivariance_probe.maths.shift.MASSIVE_PARTS`: ``"first"``, ``"rest"``,
+                ``"median"`` (means over contexts and segments) or ``"first_ratio"``, ``"rest_ratio"`` (each mean
+                largest over the mean median).
+            interval: a confidence level (0.95) for an :class:`~equivariance_probe.Interval` over segments.
+
+        Returns:
+            ``[layer, offset]``.
+
+        Raises:
+            UndefinedStatisticError: a file written before the massive activations were kept (format 3 or older),
+                or merged with one.
+        """
+        check_choice("part", part, decomposition.MASSIVE_PARTS)
+        self._require_data()
+        self._require_counted("massive/windows", 1, "massive activations", "them", "them", 3)
+
+        def value(arrays: dict[str, np.ndarray]) -> np.ndarray:
+            return decomposition.massive_activations(arrays["massive/first"], arrays["massive/rest"],
+                                                     arrays["massive/median"], arrays["massive/windows"], part)
+
+        return self._number(value, interval)
+
+    def _massive_summary(self, with_interval: Callable[..., Any]) -> dict[str, Any] | None:
+        """:meth:`summary`'s massive activations: every part by layer and offset (with intervals where there are
+        groups), and the layer where the largest over the median peaks; ``None`` for a file written before them."""
+        try:
+            ratio = np.fmax(self.massive("first_ratio"), self.massive("rest_ratio"))
+        except UndefinedStatisticError:
+            return None
+        peak = int(np.nanargmax(np.nanmax(ratio, axis=1))) if np.isfinite(ratio).any() else 0
+        return {"peak_layer": peak, **{part: with_interval(lambda interval=None, p=part: self.massive(p, interval))
+                                       for part in decomposition.MASSIVE_PARTS}}
 
     # -- activation patching -------------------------------------------------------------------------------
     #: What :meth:`patching` measures: the share of the prediction change that patching removes, and the share

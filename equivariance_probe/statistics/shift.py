@@ -17,7 +17,9 @@ segment runs on the server, so :meth:`ShiftStatistics.add_segment_sums` adds sum
 from here. Predictions keep, per offset, the latest context's next-token probabilities (``S·(m−1)·V``
 float32, float64 for a float64 model; each window's overwrite the previous context's at its offset). The sink
 mass adds, per layer, head and offset, the sums of the rows' attention weights on the window's first key and on
-the rest of the text before the segment (:data:`SINK_ARRAYS`).
+the rest of the text before the segment (:data:`SINK_ARRAYS`); the massive activations add, per layer and offset,
+the residual stream's largest magnitude at the segment's first token and at its other tokens, and its median
+magnitude (:data:`MASSIVE_ARRAYS`).
 
 With attribution (:attr:`ShiftConfig.components`), a segment also keeps per component ``c`` (the embedding,
 each block's attention and MLP, chosen heads) ``Σ_f (c − c₀)`` per offset and the current context's
@@ -55,7 +57,9 @@ from .engines.shift_sums import (
     TOTAL_BY_DIM,
     VECTOR_REPRESENTATIONS,
     SINK_SUMS,
+    MASSIVE_SUMS,
     add_component_to_state,
+    add_massive_sums,
     add_prediction_sums,
     add_sink_sums,
     add_to_cell,
@@ -67,6 +71,7 @@ from .engines.shift_sums import (
     jensen_shannon_from,
     jensen_shannon_sum_to,
     new_component_state,
+    new_massive_sums,
     new_sink_sums,
     next_token_distribution,
     segment_representations,
@@ -82,6 +87,7 @@ __all__ = [
     "DECOMPOSITION_SUMS",
     "PREDICTION_ARRAYS",
     "SINK_ARRAYS",
+    "MASSIVE_ARRAYS",
     "ATTRIBUTION_ARRAYS",
     "SHIFT_ARRAYS",
     "ShiftConfig",
@@ -116,6 +122,14 @@ SINK_ARRAYS: dict[str, Sum] = dict(zip(SINK_SUMS, (
     Sum("G L H O", "Σ attention weight on the window's first key (the prefix token, else the context's first)"),
     Sum("G L H O", "Σ attention weight on the rest of the text before the segment (positions 1 .. start − 1)"),
     Sum("G L O", "segment rows behind the sink sums"),
+)))
+#: The residual stream's largest magnitudes at the segment, by offset (Sun et al. 2024's massive activations): sums
+#: over contexts of each window's values (:func:`~equivariance_probe.statistics.engines.shift_sums.add_massive_sums`).
+MASSIVE_ARRAYS: dict[str, Sum] = dict(zip(MASSIVE_SUMS, (
+    Sum("G L O", "Σ max_d |h[0, d]|: the largest magnitude at the segment's first token, per window"),
+    Sum("G L O", "Σ max over the segment's other tokens and d of |h|, per window (0 for a one-token segment)"),
+    Sum("G L O", "Σ median |h| over the segment's m·d residual coordinates, per window"),
+    Sum("G L O", "windows behind the massive-activation sums"),
 )))
 _DECOMPOSITION_MEANINGS = {
     "count": "entries (i, j) or (i, d) of every cell of the grid",
@@ -156,6 +170,7 @@ SHIFT_ARRAYS: dict[str, Sum] = {
        for rep in VECTOR_REPRESENTATIONS},
     **PREDICTION_ARRAYS,
     **SINK_ARRAYS,
+    **MASSIVE_ARRAYS,
     **ATTRIBUTION_ARRAYS,
     **PATCH_ARRAYS,
     "segments": Sum("G", "segments counted in each interval group"),
@@ -311,6 +326,9 @@ class SegmentGrid:
                             for name, shape in shapes_of(PREDICTION_ARRAYS, config.sizes(), config).items()}
         #: The attention before the segment, by offset (:data:`SINK_ARRAYS` without the group letter).
         self.sink = new_sink_sums(config.n_layers, config.n_heads, len(config.offsets))
+        #: The residual stream's largest magnitudes at the segment, by offset (:data:`MASSIVE_ARRAYS` without the
+        #: group letter).
+        self.massive = new_massive_sums(config.n_layers, len(config.offsets))
         # Patching: one segment's divergences ([P, O]) and, per item and offset, Σ_f of the last block's residual
         # stream on the patched grid ([P, O, m·d], filled on first use; the reference offset's column is the clean
         # run's, read from the residual cell when the grid is complete).
@@ -326,6 +344,8 @@ class SegmentGrid:
             raise InputError(f"{representation} of layer {layer} at offset index {offset_index} was added twice in one context")
         self._seen.add(key)
         add_to_cell(self._cells.setdefault((representation, layer), {}), values, offset_index, len(self.config.offsets))
+        if representation == "residual":
+            add_massive_sums(self.massive, layer, offset_index, values.reshape(self.config.segment_length, -1))
 
     def add_component(self, name: str, offset_index: int, values: torch.Tensor) -> None:
         """``values: [m, d]``: component ``name`` (one of :attr:`ShiftConfig.components`) at the segment's tokens,
@@ -417,13 +437,14 @@ class SegmentGrid:
 
     def sums(self) -> dict[str, np.ndarray]:
         """The segment's :data:`DECOMPOSITION_SUMS` per representation (``"{rep}/{name}": [layer, head]``), its
-        prediction sums (``[offset]``, ``[offset, offset]``) and its sink sums (:data:`SINK_ARRAYS`)."""
+        prediction sums (``[offset]``, ``[offset, offset]``), its sink sums (:data:`SINK_ARRAYS`) and its
+        massive-activation sums (:data:`MASSIVE_ARRAYS`)."""
         if self.contexts_done != self.config.n_contexts:
             raise InputError(f"the segment's grid has {self.contexts_done} contexts done of {self.config.n_contexts}")
         sums = grid_sums(self._cells, self.config.n_layers, self.config.n_heads, self.contexts_done,
                          len(self.config.offsets), self.config.sizes()["D"])
         sums = ({name: value.numpy() for name, value in sums.items()} | self.predictions
-                | {name: value.numpy() for name, value in self.sink.items()} | self._patch_sums())
+                | {name: value.numpy() for name, value in (self.sink | self.massive).items()} | self._patch_sums())
         if self.config.components:
             grams = component_grams(self._components)
             sums |= {f"attribution/{term}_gram": grams[term].numpy() for term in ATTRIBUTION_GRAMS}

@@ -13,7 +13,8 @@ cancels): ``shift = c [head, E]``, ``by_offset = Σ_f Y[f, s, e] [head, S, E]``,
 ``context_square = Σ_f (Σ_s (Y − c))²``. :func:`grid_sums` turns the cells into the segment's
 :data:`DECOMPOSITION_SUMS` (and, for the residual stream, its sums per hidden dimension);
 :func:`add_prediction_sums` adds one window's next-token predictions; :func:`add_sink_sums` adds one window's
-attention weights on the text before the segment (the sink mass by offset).
+attention weights on the text before the segment (the sink mass by offset); :func:`add_massive_sums` adds one
+window's largest residual-stream magnitudes at the segment (massive activations by offset).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ __all__ = [
     "jensen_shannon_sum_to",
     "PREDICTION_CHUNK",
     "SINK_SUMS",
+    "MASSIVE_SUMS",
+    "new_massive_sums",
+    "add_massive_sums",
     "new_sink_sums",
     "add_sink_sums",
     "ATTRIBUTION_GRAMS",
@@ -228,6 +232,31 @@ def add_sink_sums(sums: dict, layer: int, offset_index: int, sink: torch.Tensor)
     sums[first_key][layer, :, offset_index] += totals[:, 0]
     sums[preceding][layer, :, offset_index] += totals[:, 1]
     sums[rows][layer, offset_index] += sink.shape[1]
+
+
+#: One segment's sums of the residual stream's largest magnitudes at its tokens, by offset (Sun et al. 2024's
+#: massive activations, read where the segment sits): for each window (one context at one offset) and layer, with
+#: ``h`` the residual stream after the block at the segment's ``m`` tokens (``[m, d]``), ``massive/first`` sums
+#: ``max_d |h[0, d]|`` (the segment's first token), ``massive/rest`` sums ``max_{i ≥ 1, d} |h[i, d]|`` (its other
+#: tokens; 0 for a segment of one token), ``massive/median`` sums the median of the ``m·d`` magnitudes (the mean of
+#: the two middle ones when ``m·d`` is even) and ``massive/windows`` counts the windows (``[layer, offset]`` each).
+MASSIVE_SUMS = ("massive/first", "massive/rest", "massive/median", "massive/windows")
+
+
+def new_massive_sums(n_layers: int, n_offsets: int) -> dict:
+    """One segment's :data:`MASSIVE_SUMS`, zero, float64 on the CPU."""
+    return {name: torch.zeros((n_layers, n_offsets), dtype=torch.float64) for name in MASSIVE_SUMS}
+
+
+def add_massive_sums(sums: dict, layer: int, offset_index: int, hidden: torch.Tensor) -> None:
+    """Add one window's residual stream after block ``layer`` at the segment's tokens (``hidden: [m, d]``) at one
+    offset to :func:`new_massive_sums`' ``sums``."""
+    first, rest, median, windows = MASSIVE_SUMS
+    magnitude = hidden.detach().to(torch.float64).abs()
+    sums[first][layer, offset_index] += float(magnitude[0].max())
+    sums[rest][layer, offset_index] += float(magnitude[1:].max()) if magnitude.shape[0] > 1 else 0.0
+    sums[median][layer, offset_index] += float(torch.quantile(magnitude.reshape(-1), 0.5))
+    sums[windows][layer, offset_index] += 1
 
 
 def new_prediction_sums(n_offsets: int) -> dict:
