@@ -345,7 +345,8 @@ class SegmentGrid:
         self._seen.add(key)
         add_to_cell(self._cells.setdefault((representation, layer), {}), values, offset_index, len(self.config.offsets))
         if representation == "residual":
-            add_massive_sums(self.massive, layer, offset_index, values.reshape(self.config.segment_length, -1))
+            width = self.config.hidden_size or values.shape[-1] // self.config.segment_length  # [1, m·d] -> [m, d]
+            add_massive_sums(self.massive, layer, offset_index, values.reshape(-1, width))
 
     def add_component(self, name: str, offset_index: int, values: torch.Tensor) -> None:
         """``values: [m, d]``: component ``name`` (one of :attr:`ShiftConfig.components`) at the segment's tokens,
