@@ -18,7 +18,7 @@ least two groups of segments.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -229,17 +229,19 @@ def shift_patching_figure(result: ShiftResult) -> Figure:
                               f"taken from the window at offset {reference}", {result.model_name: result})
 
 
-def _has_sink_mass(result: ShiftResult) -> bool:
+def _defined(read: Callable[[], Any]) -> bool:
+    """Whether a statistic the result reads (``result.sink_mass``, ``result.massive``) is defined for it: a file
+    written before it was measured raises :class:`UndefinedStatisticError`."""
     try:
-        result.sink_mass()
+        read()
     except UndefinedStatisticError:
         return False
     return True
+
+
+def _has_sink_mass(result: ShiftResult) -> bool:
+    return _defined(result.sink_mass)
 
 
 def _has_massive(result: ShiftResult) -> bool:
-    try:
-        result.massive()
-    except UndefinedStatisticError:
-        return False
-    return True
+    return _defined(result.massive)
