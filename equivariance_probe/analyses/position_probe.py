@@ -426,9 +426,10 @@ def position_probe(
     position = positions.reshape(-1).numpy().astype(np.float64)
     folds = grouped_folds(row_groups, n_folds)  # raises before any forward pass on too few documents
     check_fold_targets(position, folds)  # and on a fold with one position
-    features = residual_samples(model, tokens, positions, batch_size=batch_size, ablation=ablation)
+    adapter = adapter_of(model)  # built once: the samples run through it, and it says the dtype without local weights
+    features = residual_samples(adapter, tokens, positions, batch_size=batch_size, ablation=ablation)
     _check_finite(features)
-    computed = adapter_of(model).dtype  # the dtype the model computes in, read without local weights too
+    computed = adapter.dtype
     eps = float(torch.finfo(computed).eps) if computed.is_floating_point else float(torch.finfo(features.dtype).eps)
     targets = np.stack([position, np.log1p(position)], axis=1)
     keys = ("r2", "mae", "alpha", "sums", "replicate_sums")
