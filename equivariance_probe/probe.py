@@ -27,7 +27,7 @@ import torch
 
 from .adapters import Adapter, get_adapter
 from .adapters.checks import FirstBatchChecks, run_first_batch_checks
-from .adapters.segments import capture_segment_grid
+from .features.segments import capture_segment_grid
 from .errors import (
     ContextLengthError,
     EmptyCorpusError,

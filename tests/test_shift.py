@@ -7,6 +7,7 @@ import torch
 from synthetic import tiny_bert, tiny_gemma3, tiny_gpt2, tiny_llama
 
 from equivariance_probe import EquivarianceProbe, ShiftResult
+from equivariance_probe.features.segments import segment_pass
 from equivariance_probe.errors import (
     ContextLengthError,
     IncompatibleResultsError,
@@ -119,8 +120,8 @@ def test_sdpa_equals_eager_and_raw_weights_equal_the_model_s_own():
     probe = EquivarianceProbe(eager)
     window = torch.tensor([contexts[0][:7] + segments[0]])
     captured = {}
-    probe.adapter.run_segment(window, torch.tensor([window.shape[1]]), M,
-                              on_attention=lambda layer, s, z, sink: captured.setdefault(layer, torch.exp(s - z[..., None])))
+    segment_pass(probe.adapter, window, torch.tensor([window.shape[1]]), M,
+                 on_attention=lambda layer, s, z, sink: captured.setdefault(layer, torch.exp(s - z[..., None])))
     weights = eager(window, output_attentions=True).attentions
     windows = probe.adapter.layout.sliding_windows
     for layer, block in captured.items():
@@ -245,7 +246,7 @@ def test_a_stopped_run_keeps_its_finished_segments_marked_partial():
     segments, contexts = design()
     probe = EquivarianceProbe(tiny_gpt2())
     calls = []
-    original = probe.adapter.run_segment
+    original = probe.adapter.run_plan
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -253,7 +254,7 @@ def test_a_stopped_run_keeps_its_finished_segments_marked_partial():
             raise KeyboardInterrupt
         return original(*args, **kwargs)
 
-    probe.adapter.run_segment = failing
+    probe.adapter.run_plan = failing
     with pytest.raises(KeyboardInterrupt) as stopped:
         probe.shift(segments, contexts, offsets=OFFSETS, segment_length=M, progress=False)
     partial = stopped.value.partial_result

@@ -22,6 +22,7 @@ from synthetic import bridged_tiny_model, save_tiny_model_with_tokenizer, tiny_g
 
 from equivariance_probe import EquivarianceProbe
 from equivariance_probe.errors import RemoteExecutionError, UnsupportedModelError
+from equivariance_probe.features.segments import segment_pass
 
 pytest.importorskip("nnsight")
 pytest.importorskip("transformer_lens")
@@ -162,7 +163,7 @@ def test_remote_check_of_the_recomputation_refuses_a_mask_other_than_the_model_s
 
 
 def test_remote_segment_blocks_are_refused_with_the_fix():
-    """The blocks themselves (what the shift view draws) stay on the server: run_segment names the fix."""
+    """The blocks themselves (what the shift view draws) stay on the server: the segment pass names the fix."""
     from nnsight.modeling.transformers import TransformersModel
 
     from equivariance_probe.adapters.nnsight import NNsightAdapter
@@ -170,7 +171,7 @@ def test_remote_segment_blocks_are_refused_with_the_fix():
     adapter = NNsightAdapter(TransformersModel(tiny_gemma3().to(torch.float64), tokenizer=tiny_tokenizer()),
                              remote="local")
     with pytest.raises(RemoteExecutionError, match="remote='local'.*remote=False"):
-        adapter.run_segment(torch.tensor([[5, 6, 7, 8]]), torch.tensor([4]), 2, on_attention=lambda *args: None)
+        segment_pass(adapter, torch.tensor([[5, 6, 7, 8]]), torch.tensor([4]), 2, on_attention=lambda *args: None)
 
 
 @pytest.fixture(scope="module", params=["gemma3", "gpt2"])
@@ -196,14 +197,14 @@ def test_transformer_bridge_shift_equals_hugging_face(bridged, mode):
 
 
 def test_bridge_segment_capture_equals_the_bridge_s_own_pattern_and_logits(bridged):
-    """run_segment straight: its blocks are the bridge's hook_pattern, its log-probabilities its full logits'."""
+    """The segment pass straight: its blocks are the bridge's hook_pattern, its log-probabilities its full logits'."""
     _, _, bridge, _ = bridged
     probe = EquivarianceProbe(bridge)
     tokens = torch.tensor([[5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49], [6, 10, 14, 18, 22, 26, 30, 34, 38, 0, 0, 0]])
     lengths = torch.tensor([12, 9])
     weights: dict[int, torch.Tensor] = {}
-    log_probs = probe.adapter.run_segment(tokens, lengths, 4, predictions=True,
-                                          on_attention=lambda layer, s, z, sink: weights.setdefault(layer, torch.exp(s - z[..., None])))
+    log_probs = segment_pass(probe.adapter, tokens, lengths, 4, predictions=True,
+                             on_attention=lambda layer, s, z, sink: weights.setdefault(layer, torch.exp(s - z[..., None])))
     _, cache = bridge.run_with_cache(tokens)
     logits = bridge(tokens)
     windows = probe.adapter.layout.sliding_windows
@@ -219,17 +220,21 @@ def test_bridge_segment_capture_equals_the_bridge_s_own_pattern_and_logits(bridg
 
 
 def test_an_adapter_without_segment_capture_names_the_frameworks_that_run_it():
-    from equivariance_probe.adapters.base import Adapter
+    from equivariance_probe.adapters.base import Adapter, AttentionLayout
 
     class Other(Adapter):
         framework = "other"
 
+        def __init__(self, model):
+            super().__init__(model)
+            self._layout = AttentionLayout(n_layers=1, n_heads=1, sliding_windows=(None,))
+
         def run_patterns(self, tokens, on_pattern):  # pragma: no cover - never reached
             raise AssertionError
 
-    with pytest.raises(UnsupportedModelError, match="framework='nnsight'"):
-        Other(torch.nn.Linear(1, 1)).run_segment(torch.zeros((1, 3), dtype=torch.long), torch.tensor([3]), 2,
-                                                 on_attention=lambda *args: None)
+    with pytest.raises(UnsupportedModelError, match="binds no sites.*a TransformerBridge or an nnsight model"):
+        segment_pass(Other(torch.nn.Linear(1, 1)), torch.zeros((1, 3), dtype=torch.long), torch.tensor([3]), 2,
+                     on_attention=lambda *args: None)
 
 
 def test_transformer_bridge_shift_equals_hugging_face_in_float32(tmp_path):
@@ -291,7 +296,7 @@ def test_the_shift_command_gives_the_same_numbers_through_every_framework(tiny_m
 
 
 def test_the_shift_view_through_a_bridge_equals_the_hugging_face_view(bridged):
-    """The CircuitsVis view captures its two blocks through run_segment too: one head's block at two offsets."""
+    """The CircuitsVis view captures its two blocks through the segment pass too: one head's block at two offsets."""
     from equivariance_probe.display.shift import shift_view
 
     _, hf, bridge, tokenizer = bridged

@@ -22,6 +22,7 @@ from synthetic import bridged_tiny_model, tiny_gemma3, tiny_gpt2, tiny_llama
 from equivariance_probe import EquivarianceProbe, ShiftResult
 from equivariance_probe.adapters.components import block_component_names
 from equivariance_probe.errors import InputError, RemoteExecutionError, UndefinedStatisticError
+from equivariance_probe.features.segments import segment_pass
 from equivariance_probe.sources.shift_grid import ShiftOptions
 
 M = 10
@@ -50,11 +51,11 @@ def test_patching_components_with_their_own_outputs_changes_nothing(build):
     adapter = EquivarianceProbe(build().to(torch.float64)).adapter
     names = [*block_component_names(adapter.layout.n_layers), "head.1.0", "head.1.3"]
     captured = {}
-    clean = adapter.run_segment(TOKENS, LENGTHS, 4, predictions=True, capture=names,
-                                on_capture=lambda name, values: captured.__setitem__(name, values))
+    clean = segment_pass(adapter, TOKENS, LENGTHS, 4, predictions=True, capture=names,
+                         on_capture=lambda name, values: captured.__setitem__(name, values))
     assert set(captured) == set(names) and captured["head.1.0"].shape == (2, 4, 8)
     for name in names:
-        patched = adapter.run_segment(TOKENS, LENGTHS, 4, predictions=True, patch={name: captured[name]})
+        patched = segment_pass(adapter, TOKENS, LENGTHS, 4, predictions=True, patch={name: captured[name]})
         assert torch.equal(patched, clean), name
 
 

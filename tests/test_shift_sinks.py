@@ -21,6 +21,7 @@ import torch
 from synthetic import tiny_gemma3
 
 from equivariance_probe import EquivarianceProbe, ShiftResult
+from equivariance_probe.features.segments import segment_pass
 from equivariance_probe.errors import UndefinedStatisticError
 from equivariance_probe.records import shift_file
 from equivariance_probe.records.container import read_container, read_tensors, tensor_checksum, write_container
@@ -202,8 +203,8 @@ def test_the_captured_sink_weights_are_the_model_s_own_attention_before_the_segm
     segments, contexts = design()
     window = torch.tensor([contexts[0][:12] + segments[0]])
     captured = {}
-    EquivarianceProbe(model).adapter.run_segment(
-        window, torch.tensor([window.shape[1]]), M,
+    segment_pass(
+        EquivarianceProbe(model).adapter, window, torch.tensor([window.shape[1]]), M,
         on_attention=lambda layer, scores, normaliser, sink: captured.setdefault(layer, (scores, normaliser, sink)))
     own = model(window, output_attentions=True).attentions
     for layer, (scores, normaliser, sink) in captured.items():

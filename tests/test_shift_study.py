@@ -195,7 +195,7 @@ def test_resume_from_a_partial_result_adds_what_the_uninterrupted_run_adds():
     options = ShiftOptions(offsets=OFFSETS, segment_length=M, interval_groups=2)
     whole = probe.shift(segments, contexts, options, progress=False)
     calls = []
-    original = probe.adapter.run_segment
+    original = probe.adapter.run_plan
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -203,12 +203,12 @@ def test_resume_from_a_partial_result_adds_what_the_uninterrupted_run_adds():
             raise ConnectionError("the connection dropped")
         return original(*args, **kwargs)
 
-    probe.adapter.run_segment = failing
+    probe.adapter.run_plan = failing
     with pytest.raises(ConnectionError) as stopped:
         probe.shift(segments, contexts, options, progress=False)
     partial = stopped.value.partial_result
     assert partial.n_segments == 2 and not partial.complete
-    probe.adapter.run_segment = original
+    probe.adapter.run_plan = original
     resumed = probe.shift(segments, contexts, options, progress=False, resume_from=partial)
     assert resumed.complete
     _assert_identical(resumed, whole)

@@ -23,9 +23,11 @@ The whole contract, all of it on :class:`Adapter` (the probe and the statistics 
   :meth:`~Adapter.first_batch_checks` and :meth:`~Adapter.use_source`, which the probe runs through
   :func:`~equivariance_probe.adapters.checks.run_first_batch_checks` and records in
   ``metadata["engine"]``;
-* the shift test: :meth:`~Adapter.run_segment` (one window's segment block, residual stream and
-  predictions, cut alike by every framework with :mod:`~equivariance_probe.adapters.segments`),
-  :meth:`~Adapter.check_segment_recompute` (the block's weights against the model's own),
+* plans: :meth:`~Adapter.plan`, :meth:`~Adapter.check_plan` and :meth:`~Adapter.run_plan` run one forward pass
+  that reads and replaces named sites (:mod:`~equivariance_probe.adapters.plan`); every feature above the
+  adapters (the shift test's passes, the positional analyses) is a plan, and :attr:`~Adapter.score_site` says
+  where this framework hands over attention scores;
+* the shift test's checks and remote sums: :meth:`~Adapter.check_segment_recompute` (the block's weights against the model's own),
   :attr:`~Adapter.segment_capture` (where the block is read, recorded in the result) and, for a model whose
   blocks cannot come back (nnsight on NDIF), :meth:`~Adapter.segment_grid_sums` (a segment's whole grid summed
   where the model runs, :attr:`~Adapter.sums_segment_grid`);
@@ -43,7 +45,7 @@ import importlib
 import inspect
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,18 +63,6 @@ LANGUAGE_MODEL_HEAD = "language_model_head"
 RUNS_REMOTELY = "runs_remotely"
 #: Capability: the adapter runs bidirectional encoders (BERT-like) as well as causal decoders.
 RUNS_ENCODERS = "runs_encoders"
-#: Callback of :meth:`Adapter.run_segment`, once per layer and batch: ``on_attention(layer, scores,
-#: log_normaliser, sink)`` with the segment block's pre-softmax ``scores: [batch, head, m, m]``,
-#: ``log_normaliser: [batch, head, m]``, each row's log-sum-exp over every key it sees in its window, and
-#: ``sink: [batch, head, m, 2]`` float64, each row's attention weight on the window's first key and on the rest
-#: of the text before the segment (:func:`~equivariance_probe.adapters.segments.sink_weights`).
-SegmentAttentionCallback = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
-#: ``on_residual(layer, x)`` with the residual stream after block ``layer`` at the segment, ``x: [batch, m, d]``.
-SegmentResidualCallback = Callable[[int, torch.Tensor], None]
-#: ``on_component(name, x)`` with a component of the residual stream (``"embedding"``, ``"attention.{l}"``,
-#: ``"mlp.{l}"``, ``"head.{l}.{h}"``, and ``"bias.{l}"``: :mod:`~equivariance_probe.adapters.components`) at the
-#: segment, ``x: [batch, m, d]``.
-SegmentComponentCallback = Callable[[str, torch.Tensor], None]
 #: ``on_capture(component, x)`` with a component's output at the segment (:mod:`~.components`' names),
 #: ``x: [batch, m, d]`` (``[batch, m, head_dim]`` for a head: its slice of the output projection's input).
 ComponentCallback = Callable[[str, torch.Tensor], None]
@@ -166,7 +156,7 @@ class Adapter(ABC):
     #: ``"recompute"`` (queries and keys, the weights recomputed by the statistics) or ``"auto"``
     #: (recompute where the first batch's check finds it exact). Adapters that only capture weights keep ``"weights"``.
     pattern_source: str = "weights"
-    #: Where :meth:`run_segment` reads the segment block, recorded in a shift result's ``metadata["capture"]``.
+    #: Where the shift test reads the segment block, recorded in a shift result's ``metadata["capture"]``.
     segment_capture: str = ""
 
     def __init__(self, model: Any, tokenizer: Any | None = None) -> None:
@@ -321,62 +311,8 @@ class Adapter(ABC):
             "calls; its statistics come from captured weights"
         )
 
-    def run_segment(
-        self,
-        tokens: torch.Tensor,
-        lengths: torch.Tensor,
-        segment_length: int,
-        *,
-        on_attention: SegmentAttentionCallback | None = None,
-        on_residual: SegmentResidualCallback | None = None,
-        position_start: torch.Tensor | None = None,
-        predictions: bool = False,
-        components: Sequence[str] = (),
-        on_component: SegmentComponentCallback | None = None,
-        capture: Sequence[str] = (),
-        on_capture: ComponentCallback | None = None,
-        patch: Mapping[str, torch.Tensor] | None = None,
-    ) -> torch.Tensor | None:
-        """Run right-padded windows whose last ``segment_length`` real tokens are a segment (the shift test).
-
-        Args:
-            tokens: ``[batch, T]`` token ids; window ``b`` has ``lengths[b]`` real tokens, and the segment
-                is its positions ``lengths[b] − m .. lengths[b] − 1``.
-            lengths: ``[batch]`` real tokens per window.
-            segment_length: ``m``.
-            on_attention: called once per layer with the segment block's scores, row normalisers and the rows'
-                weights on the text before the segment (:data:`SegmentAttentionCallback`), computed from queries
-                and keys in float32 (float64 for a float64 model), so that no weight underflows (``None``: attention
-                is not read, as in activation patching's passes).
-            on_residual: called once per layer with the residual stream after the block at the segment.
-            position_start: ``[batch]`` the first position id of each window (``None``: 0): the
-                ``"position_ids"`` mode of the shift test.
-            predictions: also return the next-token log-probabilities at the segment.
-            components: the attribution's components to read (names of
-                :mod:`~equivariance_probe.adapters.components`; heads of a layer are read together).
-            on_component: called with each of them at the segment (:data:`SegmentComponentCallback`), and with
-                ``"bias.{l}"`` where heads of layer ``l`` are read and its output projection has a bias.
-            capture: components (:mod:`~equivariance_probe.adapters.components`' names) whose outputs at the segment
-                go to ``on_capture`` (:data:`ComponentCallback`) as ``patch`` takes them back (a head: its slice of
-                the output projection's input, not its piece of the residual stream): activation patching's
-                reference outputs.
-            on_capture: see ``capture``.
-            patch: ``{component: [batch, m, d]}``: replace those components' outputs at each window's segment with
-                the given values (for a head, its slice of the output projection's input); every position outside
-                the segment, and every other component, runs as it would.
-
-        Returns:
-            ``[batch, m, vocab]`` float32 (float64 for a float64 model) log-probabilities of the next token at each segment position, or
-            ``None`` without ``predictions``.
-        """
-        raise UnsupportedModelError(
-            f"the shift test runs on Hugging Face models, nnsight models run locally and TransformerLens 4.x "
-            f"TransformerBridges; this {self.framework or type(self).__name__} model is none of them: load it as one "
-            "(load_model(name), load_model(name, framework='nnsight') or framework='transformer_lens')"
-        )
-
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
-        """Before a shift run: do the segment block's weights that :meth:`run_segment` recomputes from queries
+        """Before a shift run: do the segment block's weights that the shift test recomputes from queries
         and keys equal the model's own, on one window ``tokens: [1, T]`` (its segment the last
         ``segment_length`` tokens)?
 
@@ -387,7 +323,7 @@ class Adapter(ABC):
         return None
 
     #: Whether :meth:`segment_grid_sums` sums a segment's grid where the model runs (the blocks of
-    #: :meth:`run_segment` cannot come back); ``False``: the probe sums the blocks :meth:`run_segment` hands it.
+    #: a plan's reads cannot come back); ``False``: the probe sums the blocks its segment passes hand it.
     sums_segment_grid: bool = False
 
     def segment_grid_sums(self, contexts: Sequence[Sequence[SegmentBatch]], config: Any,
@@ -404,17 +340,22 @@ class Adapter(ABC):
         """
         raise UnsupportedModelError(
             f"this {self.framework or type(self).__name__} adapter hands the shift test its blocks window by window "
-            "(run_segment); it does not sum a segment's grid where the model runs")
+            "(plans of sites); it does not sum a segment's grid where the model runs")
 
     # -- plans: one forward pass that reads and replaces named sites ---------------------------
+    #: Where this framework hands over each layer's attention scores: ``"qk"`` (the queries and keys of the
+    #: attention call, :class:`~equivariance_probe.adapters.internals.AttentionCall`) or ``"scores"`` (scores the
+    #: framework forms itself, :class:`~equivariance_probe.adapters.internals.AttentionScores`).
+    score_site: str = "qk"
+
     def plan(self, steps: Sequence[tuple[str, Any]], *, ablation: str | None = None,
-             last_position_logits: bool = False) -> Any:
+             last_position_logits: bool = False, logits_kept: int = 0, own_kernel: bool = False) -> Any:
         """A :class:`~equivariance_probe.adapters.plan.Plan` of ``(site name, action)`` pairs, checked against
         this model's layers and heads (:meth:`~equivariance_probe.adapters.plan.Plan.of`)."""
         from .plan import Plan
 
         return Plan.of(steps, n_layers=self.layout.n_layers, n_heads=self.layout.n_heads, ablation=ablation,
-                       last_position_logits=last_position_logits)
+                       last_position_logits=last_position_logits, logits_kept=logits_kept, own_kernel=own_kernel)
 
     def check_plan(self, plan: Any) -> None:
         """Refuse, before any pass, a plan whose sites or ablation this framework cannot bind.
@@ -424,10 +365,12 @@ class Adapter(ABC):
         """
         raise self._binds_no_sites()
 
-    def run_plan(self, tokens: torch.Tensor, plan: Any) -> dict[str, Any]:
+    def run_plan(self, tokens: torch.Tensor, plan: Any, *, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
         """Run ``tokens: [batch, T]`` through the model once under ``plan``
         (:mod:`~equivariance_probe.adapters.plan`), without gradients, each site bound to this framework's hook
-        points once, and the model left as it was found.
+        points once, and the model left as it was found; ``position_ids: [batch, T]`` and an encoder's
+        ``attention_mask: [batch, T]`` go to the model where given.
 
         Returns:
             What the pass recorded of the plan's ablation (``{"ablation": (...), "rotary_calls": ...,

@@ -38,7 +38,7 @@ from .sites import parse_site
 __all__ = ["EMBEDDING", "COMPONENT_KINDS", "BlockParts", "block_parts", "block_component_names",
            "head_component_names", "parse_component", "parse_component_of", "component_layer", "components_up_to", "output_tensor",
            "with_output_tensor", "BIAS_PART", "parse_piece", "ComponentRequest", "head_pieces", "norm_epsilon", "norm_gain",
-           "post_norm_scale", "HeadPieces",
+           "post_norm_scale", "HeadWrites", "post_norms_of",
            "block_input", "unwrapped", "head_columns", "component_site"]
 
 EMBEDDING = "embedding"
@@ -287,39 +287,41 @@ def head_pieces(z: torch.Tensor, projection: torch.nn.Module, n_heads: int,
     return pieces, bias
 
 
-class HeadPieces:
-    """Assembles the heads' pieces of chosen layers from what a forward pass shows, for every framework.
+@dataclass(frozen=True)
+class HeadWrites:
+    """What block ``layer``'s attention writes into the residual stream, as a forward pass shows it, ready to be split
+    by head on the rows a feature keeps: the value of site ``"pieces.{l}"`` on every framework.
 
-    An adapter hands over, for each layer of :attr:`ComponentRequest.heads`, the output projection's input at the
-    segment's tokens (:meth:`projection_input`, which comes first in the forward pass) and then, when the
-    attention's output is known, the post-norm's input (under a post-norm) (:meth:`attention_output`), which
-    calls ``on_component("head.{l}.{h}", [batch, m, d])`` per head and ``on_component("bias.{l}", ...)`` for the
-    bias.
+    Attributes:
+        layer: the block.
+        z: ``[batch, T, head·d_head]`` the output projection's input (the heads' outputs side by side).
+        norm_input: ``[batch, T, d]`` the post-norm's input under a post-norm, else ``None``.
+        projection: the output projection (``o_proj``, or GPT-2's ``Conv1D``).
+        norm: ``(w_eff, ε)`` of the post-norm (:func:`norm_gain`, :func:`norm_epsilon`), read before the pass;
+            ``None`` without one.
+        n_heads: query heads.
     """
 
-    def __init__(self, parts: Sequence[BlockParts], n_heads: int, layers: Sequence[int], on_component: Any) -> None:
-        self.parts, self.n_heads, self.on_component = parts, n_heads, on_component
-        self._inputs: dict[int, torch.Tensor] = {}
-        #: Per layer under a post-norm, ``(w_eff, ε)``, read before the forward pass.
-        self._norms = {layer: (norm_gain(parts[layer].attention_out), norm_epsilon(parts[layer].attention_out))
-                       for layer in layers if parts[layer].post_norms}
+    layer: int
+    z: torch.Tensor
+    norm_input: torch.Tensor | None
+    projection: torch.nn.Module
+    norm: tuple[torch.Tensor, float] | None
+    n_heads: int
 
-    def projection_input(self, layer: int, z: torch.Tensor) -> None:
-        self._inputs[layer] = z
+    def pieces(self, rows: Any = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:func:`head_pieces` of the rows ``rows(tensor)`` keeps of ``z`` (and of the post-norm's input):
+        ``(pieces [..., head, d], bias [..., d] or None)``, float64, which sum to what the attention adds."""
+        cut = (lambda tensor: tensor) if rows is None else rows
+        scale = None if self.norm is None else post_norm_scale(*self.norm, cut(self.norm_input))
+        return head_pieces(cut(self.z), self.projection, self.n_heads, scale)
 
-    def attention_output(self, layer: int, norm_input: torch.Tensor | None = None) -> None:
-        z = self._inputs.pop(layer, None)
-        if z is None:
-            raise AttentionCaptureError(
-                f"layer {layer}'s output projection was not seen before its attention's output, so its heads' pieces "
-                "cannot be formed; report the architecture")
-        part = self.parts[layer]
-        scale = post_norm_scale(*self._norms[layer], norm_input) if part.post_norms else None
-        pieces, bias = head_pieces(z, part.projection, self.n_heads, scale)
-        for head in range(self.n_heads):
-            self.on_component(f"head.{layer}.{head}", pieces[..., head, :])
-        if bias is not None:
-            self.on_component(BIAS_PART.format(layer=layer), bias)
+
+def post_norms_of(parts: Sequence[BlockParts], layers: Sequence[int]) -> dict[int, tuple[torch.Tensor, float]]:
+    """Per layer of ``layers`` under a post-norm, ``(w_eff, ε)`` of the norm after its attention (read by running the
+    norm, so before a pass: :attr:`HeadWrites.norm`)."""
+    return {layer: (norm_gain(parts[layer].attention_out), norm_epsilon(parts[layer].attention_out))
+            for layer in layers if parts[layer].post_norms}
 
 
 def head_columns(width: int, n_heads: int, head: int) -> slice:

@@ -9,9 +9,13 @@ Place in the seams: *adapters* (the only code that registers hooks). Each site o
 * ``"attention.{l}"``, ``"mlp.{l}"``, ``"head.{l}.{h}"``: the outputs of
   :func:`~equivariance_probe.adapters.components.block_parts`' modules, and the head's columns of the output
   projection's input;
+* ``"pieces.{l}"``: the output projection's input and (under a post-norm) the norm's input, handed over as a
+  :class:`~equivariance_probe.adapters.components.HeadWrites` when the attention's output is known;
 * ``"qk.{l}"``, ``"weights.{l}"``: the attention call, intercepted by
-  :func:`~equivariance_probe.adapters.internals.ablate` (eager attention for the pass, as weights need);
-* ``"final"``, ``"logits"``: the language-model head's input and output.
+  :func:`~equivariance_probe.adapters.internals.ablate` (eager attention for the pass, as weights need), or, in a
+  plan that asks for the model's own kernel, by
+  :func:`~equivariance_probe.adapters.internals.intercept_attention` around that kernel;
+* ``"final"``: the language-model head's input; ``"logits"``: the model's own logits (after any final soft cap).
 
 A plan without ``"final"`` or ``"logits"`` runs the base model (no head), as the analyses always have.
 """
@@ -26,8 +30,9 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError
-from .components import block_input, block_parts, head_columns, output_tensor, with_output_tensor
-from .internals import AttentionCall, ablate
+from .components import (HeadWrites, block_input, block_parts, head_columns, output_tensor, post_norms_of,
+                         with_output_tensor)
+from .internals import AttentionCall, ablate, intercept_attention
 from .modules import find_attention_modules, parent_layer
 from .plan import Plan, apply
 from .sites import Site
@@ -54,8 +59,10 @@ def check_hf_plan(model: Any, plan: Plan) -> None:
         block_parts(model)
 
 
-def run_hf_plan(model: Any, tokens: torch.Tensor, plan: Plan, *, n_heads: int) -> dict[str, Any]:
-    """Run ``tokens: [batch, T]`` through ``model`` under ``plan``, without gradients.
+def run_hf_plan(model: Any, tokens: torch.Tensor, plan: Plan, *, n_heads: int, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """Run ``tokens: [batch, T]`` through ``model`` (in eval mode, put back as it was) under ``plan``, without
+    gradients, with ``position_ids`` and an ``attention_mask`` where given.
 
     Returns:
         What the ablation recorded (:func:`~equivariance_probe.adapters.internals.ablate`'s dict: how often the
@@ -63,50 +70,78 @@ def run_hf_plan(model: Any, tokens: torch.Tensor, plan: Plan, *, n_heads: int) -
     """
     check_hf_plan(model, plan)
     handles = []
-    layers = [parent_layer(model, module) for module in find_attention_modules(model)]
-    parts = block_parts(model) if plan.kinds() & {"attention", "mlp", "head"} else None
+    modules = find_attention_modules(model)
+    layers = [parent_layer(model, module) for module in modules]
+    parts = block_parts(model) if plan.kinds() & {"attention", "mlp", "head", "pieces"} else None
+    writes = _WritesOf(parts, plan, n_heads) if "pieces" in plan.kinds() else None
+    was_training = model.training
     try:
         for site in plan.sites():
-            if site.kind not in ("qk", "weights"):
-                handles.append(_hook(model, layers, parts, site, plan, n_heads))
-        with torch.no_grad(), intercepted_calls(model, plan) as record:
+            if site.kind not in ("qk", "weights", "logits"):
+                handles += _hooks(model, layers, parts, writes, site, plan, n_heads)
+        model.eval()
+        with torch.no_grad(), intercepted_calls(model, plan, modules) as record:
             try:
-                _forward(model, tokens, plan)
+                _forward(model, tokens, plan, position_ids, attention_mask)
             except Stopped:
                 pass
         return record
     finally:
         for handle in handles:
             handle.remove()
+        model.train(was_training)
 
 
-def _hook(model: Any, layers: list, parts: Any, site: Site, plan: Plan, n_heads: int) -> Any:
-    """The hook handle that runs ``plan``'s actions at ``site``."""
+class _WritesOf:
+    """The :class:`~equivariance_probe.adapters.components.HeadWrites` of a pass: each ``"pieces.{l}"`` layer's
+    output-projection input, kept from its pre-hook until the attention's output is known."""
+
+    def __init__(self, parts: Any, plan: Plan, n_heads: int) -> None:
+        layers = [site.layer for site in plan.sites() if site.kind == "pieces"]
+        self.parts, self.n_heads, self.norms = parts, n_heads, post_norms_of(parts, layers)
+        self.z: dict[int, torch.Tensor] = {}
+
+    def keep(self, layer: int) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            self.z[layer] = args[0]
+        return hook
+
+    def of(self, layer: int, attention_args: tuple) -> HeadWrites:
+        part = self.parts[layer]
+        return HeadWrites(layer, self.z.pop(layer), attention_args[0] if part.post_norms else None, part.projection,
+                          self.norms.get(layer), self.n_heads)
+
+
+def _hooks(model: Any, layers: list, parts: Any, writes: _WritesOf | None, site: Site, plan: Plan,
+           n_heads: int) -> list[Any]:
+    """The hook handles that run ``plan``'s actions at ``site``."""
     actions = plan.actions(site)
-    rows = plan.last_position_logits
+    rows = plan.logits_kept if site.kind == "final" else 0
 
     def after(value: Any) -> Any:
-        value, replaced, stop = apply(actions, value, head_rows=rows and site.kind in ("final", "logits"))
+        value, replaced, stop = apply(actions, value, head_rows=rows)
         if stop:
             raise Stopped
         return value if replaced else None
 
     if site.kind == "embedding":
-        return layers[0].register_forward_pre_hook(_input_hook(after), with_kwargs=True)
+        return [layers[0].register_forward_pre_hook(_input_hook(after), with_kwargs=True)]
     if site.kind == "resid":
-        return layers[site.layer].register_forward_hook(_output_hook(after))
+        return [layers[site.layer].register_forward_hook(_output_hook(after))]
     if site.kind == "attention_module":
-        return find_attention_modules(model)[site.layer].register_forward_hook(_output_hook(after))
+        return [find_attention_modules(model)[site.layer].register_forward_hook(_output_hook(after))]
     if site.kind in ("attention", "mlp"):
         part = parts[site.layer]
-        return (part.attention_out if site.kind == "attention" else part.mlp_out).register_forward_hook(
-            _output_hook(after))
+        return [(part.attention_out if site.kind == "attention" else part.mlp_out).register_forward_hook(
+            _output_hook(after))]
     if site.kind == "head":
-        return parts[site.layer].projection.register_forward_pre_hook(_head_hook(after, site.head, n_heads))
-    head = model.get_output_embeddings()
-    if site.kind == "final":
-        return head.register_forward_pre_hook(_input_hook(after), with_kwargs=True)
-    return head.register_forward_hook(_output_hook(after))
+        return [parts[site.layer].projection.register_forward_pre_hook(_head_hook(after, site.head, n_heads))]
+    if site.kind == "pieces":
+        def on_attention(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            after(writes.of(site.layer, args))
+        return [parts[site.layer].projection.register_forward_pre_hook(writes.keep(site.layer)),
+                parts[site.layer].attention_out.register_forward_hook(on_attention)]
+    return [model.get_output_embeddings().register_forward_pre_hook(_input_hook(after), with_kwargs=True)]
 
 
 def _output_hook(after: Callable[[Any], Any]) -> Callable:
@@ -139,10 +174,12 @@ def _head_hook(after: Callable[[Any], Any], head: int, n_heads: int) -> Callable
 
 
 @contextlib.contextmanager
-def intercepted_calls(model: Any, plan: Plan):
+def intercepted_calls(model: Any, plan: Plan, modules: list | None = None):
     """The attention calls of ``model`` intercepted where the plan reads them (``"qk.{l}"``, ``"weights.{l}"``) or
     an ablation is in force, else nothing; a :class:`~equivariance_probe.adapters.plan.Stop` there raises
-    :class:`Stopped`. Yields :func:`~equivariance_probe.adapters.internals.ablate`'s record."""
+    :class:`Stopped`. Under the plan's ``own_kernel`` the model runs its own attention kernel and only its inputs
+    are read (``modules``: the attention modules in layer order). Yields
+    :func:`~equivariance_probe.adapters.internals.ablate`'s record."""
     calls = [site for site in plan.sites() if site.kind in ("qk", "weights")]
     if not calls and not plan.ablation:
         yield {"ablation": ()}
@@ -158,20 +195,32 @@ def intercepted_calls(model: Any, plan: Plan):
         if stop:
             raise Stopped
 
+    if plan.own_kernel:
+        with intercept_attention(model, on_call, eager=False, layers=modules):
+            yield {"ablation": ()}
+        return
     keep = any(site.kind == "weights" for site in calls)
     with ablate(model, "+".join(plan.ablation) or None, on_call if calls else None, keep_weights=keep) as record:
         yield record
 
 
-def _forward(model: Any, tokens: torch.Tensor, plan: Plan) -> None:
-    """The base model's pass, or the whole model's where the plan needs its head (the last position only where
-    the plan asks and the model takes ``logits_to_keep``)."""
+def _forward(model: Any, tokens: torch.Tensor, plan: Plan, position_ids: torch.Tensor | None,
+             attention_mask: torch.Tensor | None) -> None:
+    """The base model's pass, or the whole model's where the plan needs its head (the last
+    :attr:`~equivariance_probe.adapters.plan.Plan.logits_kept` positions only where the plan asks and the model
+    takes ``logits_to_keep``); the actions at ``"logits"`` run on the model's own logits."""
     device = next(model.parameters()).device
+    inputs = {"input_ids": tokens.to(device), "use_cache": False}
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids.to(device)
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask.to(device)
     if not plan.needs_head():
-        model.base_model(input_ids=tokens.to(device), use_cache=False)
+        model.base_model(**inputs)
         return
-    extra = {}
-    if plan.last_position_logits and "logits_to_keep" in inspect.signature(model.forward).parameters:
-        extra["logits_to_keep"] = 1
-    model(input_ids=tokens.to(device), use_cache=False, **extra)
-
+    if plan.logits_kept and "logits_to_keep" in inspect.signature(model.forward).parameters:
+        inputs["logits_to_keep"] = plan.logits_kept
+    logits = model(**inputs).logits
+    actions = plan.actions(Site("logits"))
+    if actions and apply(actions, logits, head_rows=plan.logits_kept)[2]:
+        raise Stopped

@@ -31,23 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..errors import AttentionCaptureError, check_choice
-from .base import (
-    Adapter,
-    AttentionLayout,
-    ComponentCallback,
-    RUNS_ENCODERS,
-    PatternCallback,
-    SegmentAttentionCallback,
-    SegmentComponentCallback,
-    SegmentResidualCallback,
-)
-from .components import block_parts, component_site, head_columns, output_tensor
+from .base import Adapter, AttentionLayout, RUNS_ENCODERS, PatternCallback
 from .hf_binder import check_hf_plan, run_hf_plan
 from .internals import AttentionCall, eager_weights, intercept_attention, position_embedding_modules, recompute_tolerance
 from .modules import (
@@ -56,10 +46,9 @@ from .modules import (
     is_bidirectional,
     is_causal_lm,
     layer_windows,
-    parent_layer,
     text_config,
 )
-from .segments import check_predicts, block_difference, hook_components, judged_recompute_check, kept_positions, segment_blocks_from_call, segment_log_probs, segment_rows, segment_spans, shifted_position_ids, component_toucher
+from .segments import block_difference, judged_recompute_check, segment_blocks_from_call, segment_spans
 
 #: Accepted values of ``pattern_source``.
 PATTERN_SOURCES = ("auto", "recompute", "weights")
@@ -303,114 +292,16 @@ class HuggingFaceAdapter(Adapter):
     segment_capture = ("segment-block scores recomputed from the queries and keys the model's attention function "
                        "receives (the model runs its own kernel); row normalisers over every visible key of the window")
 
-    def run_segment(
-        self,
-        tokens: torch.Tensor,
-        lengths: torch.Tensor,
-        segment_length: int,
-        *,
-        on_attention: SegmentAttentionCallback | None = None,
-        on_residual: SegmentResidualCallback | None = None,
-        position_start: torch.Tensor | None = None,
-        predictions: bool = False,
-        components: Sequence[str] = (),
-        on_component: SegmentComponentCallback | None = None,
-        capture: Sequence[str] = (),
-        on_capture: ComponentCallback | None = None,
-        patch: Mapping[str, torch.Tensor] | None = None,
-    ) -> torch.Tensor | None:
-        """:meth:`Adapter.run_segment`: queries and keys are read from transformers' attention function while the
-        model runs its own kernel (eager, sdpa or flash), and the segment block's scores, row normalisers and the
-        rows' weights on the text before the segment are computed from them (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`), as the probe's
-        engine does for whole windows. Residual streams are the outputs of each layer's decoder block; the
-        attribution's components are read by PyTorch hooks on the modules whose outputs they are
-        (:func:`~equivariance_probe.adapters.segments.hook_components`). Activation patching's components are
-        captured and patched by hooks on :func:`~equivariance_probe.adapters.components.block_parts`' modules
-        (:func:`~equivariance_probe.adapters.components.component_site`): a forward hook on the module whose
-        output the component is, a forward pre-hook on block 0 (the embedding) or on the output projection (a
-        head's columns of its input)."""
-        spans = segment_spans(lengths, segment_length)
-        windows = self.layout.sliding_windows
-
-        def on_call(call: AttentionCall) -> None:
-            on_attention(call.layer, *segment_blocks_from_call(call, spans, windows[call.layer], self.layout.causal))
-
-        handles = self._touch_hooks(spans, capture, on_capture, patch or {})
-        if on_residual is not None:
-            def make_hook(layer: int):
-                def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-                    on_residual(layer, segment_rows(output[0] if isinstance(output, tuple) else output, spans))
-                return hook
-
-            handles += [parent_layer(self.model, module).register_forward_hook(make_hook(layer))
-                        for layer, module in enumerate(self.attention_modules)]
-        if components and on_component is not None:
-            handles += hook_components(block_parts(self.model), self.layout.n_heads, components, spans, on_component)
-        device = self.device
-        width = tokens.shape[1]
-        position_ids = None
-        if position_start is not None:
-            position_ids = shifted_position_ids(position_start, width).to(device)
-        mask = None
-        if not self.layout.causal:
-            mask = (torch.arange(width).view(1, -1) < lengths.cpu().view(-1, 1)).long().to(device)
-        was_training = self.model.training
-        log_probs = None
-        try:
-            self.model.eval()
-            reading = (intercept_attention(self.model, on_call, eager=False, layers=self.attention_modules)
-                       if on_attention is not None else contextlib.nullcontext(None))
-            with torch.no_grad(), reading as seen:
-                if predictions:
-                    check_predicts(self.model, self.layout.causal)
-                    logits = self.model(input_ids=tokens.to(device), attention_mask=mask, position_ids=position_ids,
-                                        use_cache=False, logits_to_keep=kept_positions(spans, width)).logits
-                    log_probs = segment_log_probs(logits, spans, width)
-                else:
-                    self.model.base_model(input_ids=tokens.to(device), attention_mask=mask, position_ids=position_ids,
-                                          use_cache=False)
-        finally:
-            for handle in handles:
-                handle.remove()
-            self.model.train(was_training)
-        if seen is not None:
-            self.check_layers_seen(sorted(set(seen)))
-        return log_probs
-
-    def _touch_hooks(self, spans: list[tuple[int, int]], capture: Sequence[str], on_capture: ComponentCallback | None,
-                     patch: Mapping[str, torch.Tensor]) -> list[Any]:
-        """Hooks that capture (``on_capture``) and patch (``patch``) components at the segment
-        (:func:`~equivariance_probe.adapters.segments.component_toucher`); their handles, to be removed."""
-        if not capture and not patch:
-            return []
-        parts = block_parts(self.model)
-        touch = component_toucher(spans, capture, on_capture, patch)
-        handles = []
-        for name in dict.fromkeys([*capture, *patch]):
-            module, reads_input, head = component_site(parts, name)
-            if reads_input:
-                def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict, name: str = name,
-                             head: int | None = head) -> None:
-                    hidden = args[0] if args else kwargs["hidden_states"]
-                    touch(name, hidden, None if head is None else head_columns(hidden.shape[-1], self.layout.n_heads,
-                                                                               head))
-
-                handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            else:
-                def hook(module: torch.nn.Module, args: Any, output: Any, name: str = name) -> None:
-                    touch(name, output_tensor(output))  # in place: the module's output is what the block adds
-
-                handles.append(module.register_forward_hook(hook))
-        return handles
-
     def check_plan(self, plan: Any) -> None:
         """:meth:`Adapter.check_plan` (:func:`~equivariance_probe.adapters.hf_binder.check_hf_plan`)."""
         check_hf_plan(self.model, plan)
 
-    def run_plan(self, tokens: torch.Tensor, plan: Any) -> dict[str, Any]:
+    def run_plan(self, tokens: torch.Tensor, plan: Any, *, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
         """:meth:`Adapter.run_plan` with hooks on the model's modules
         (:func:`~equivariance_probe.adapters.hf_binder.run_hf_plan`)."""
-        return run_hf_plan(self.model, tokens, plan, n_heads=self.layout.n_heads)
+        return run_hf_plan(self.model, tokens, plan, n_heads=self.layout.n_heads, position_ids=position_ids,
+                           attention_mask=attention_mask)
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
         """Run one window ``tokens: [1, T]`` (its segment the last ``segment_length`` tokens) under eager attention

@@ -45,6 +45,7 @@ from ..statistics.engines.in_trace import attention_scores, repeat_kv
 __all__ = [
     "ABLATIONS",
     "AttentionCall",
+    "AttentionScores",
     "intercept_attention",
     "replaced_by",
     "check_read_through",
@@ -89,6 +90,25 @@ class AttentionCall:
     def scores(self) -> torch.Tensor:
         """``[batch, head, query, key]`` pre-softmax, pre-mask scores ``softcap(q·kᵀ·scaling)``."""
         return attention_scores(self.query, self.key, self.scaling, self.softcap)
+
+
+@dataclass(frozen=True)
+class AttentionScores:
+    """Block ``layer``'s pre-softmax scores as a framework that forms them itself hands them (a TransformerBridge's
+    ``hook_attn_scores``): the value of site ``"scores.{l}"``.
+
+    Attributes:
+        layer: the block.
+        scores: ``[batch, head, query, key]`` what the framework's hook carried.
+        rows: ``rows(b, start, length)``: window ``b``'s query rows ``start .. length − 1`` over keys
+            ``0 .. length − 1`` as scores ``[head, length − start, length]``, float32 (float64 for a float64 model),
+            as the framework defines them (where its hook carries post-softmax weights, their logarithm, which is
+            the score up to each row's log-normaliser).
+    """
+
+    layer: int
+    scores: torch.Tensor
+    rows: Callable[[int, int, int], torch.Tensor]
 
 
 def visible_from_mask(mask: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor:

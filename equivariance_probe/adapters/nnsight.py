@@ -34,7 +34,7 @@ much real attention: run float16 models in bf16 or float32. Eager bf16 weights c
 bf16's 8-bit mantissa (relative error 2^-9); recomputed weights are float32 softmaxes of
 scores the server computed in bf16, so the two agree to bf16 rounding of the scores.
 
-The shift test (:meth:`EquivarianceProbe.shift`) runs locally through :meth:`NNsightAdapter.run_segment`,
+The shift test (:meth:`EquivarianceProbe.shift`) runs locally through plans of sites (:meth:`NNsightAdapter.run_plan`),
 and remotely through :meth:`NNsightAdapter.segment_grid_sums`: one nnsight session per segment, one trace per
 batch of its windows, the segment's running sums kept on the server between the traces and only its float64
 sums returned; its check of the recomputation compares attention outputs on the server
@@ -418,10 +418,11 @@ class NNsightAdapter(NNsightSegments, Adapter):
         """:meth:`Adapter.check_plan` (:func:`~equivariance_probe.adapters.nnsight_binder.check_nnsight_plan`)."""
         check_nnsight_plan(self, plan)
 
-    def run_plan(self, tokens: torch.Tensor, plan: Any) -> dict[str, Any]:
+    def run_plan(self, tokens: torch.Tensor, plan: Any, *, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
         """:meth:`Adapter.run_plan` with the envoys of one local trace
         (:func:`~equivariance_probe.adapters.nnsight_binder.run_nnsight_plan`)."""
-        return run_nnsight_plan(self, tokens, plan)
+        return run_nnsight_plan(self, tokens, plan, position_ids=position_ids, attention_mask=attention_mask)
 
     @property
     def sends_requests(self) -> bool:  # type: ignore[override]

@@ -5,8 +5,9 @@ wrapped model's own module tree), read and assigned inside ``model.trace`` in th
 them: ``"embedding"`` is block 0's input, ``"resid.{l}"`` block ``l``'s output, ``"attention_module.{l}"`` its
 attention module's output, ``"attention.{l}"`` and
 ``"mlp.{l}"`` the outputs of :func:`~equivariance_probe.adapters.components.block_parts`' modules,
-``"head.{l}.{h}"`` the head's columns of the output projection's input, ``"final"`` and ``"logits"`` the head's
-input and output. The attention call (``"qk.{l}"``, ``"weights.{l}"``) and the ablations are the Hugging Face
+``"head.{l}.{h}"`` the head's columns of the output projection's input, ``"pieces.{l}"`` that input with the
+post-norm's input where the block has one (a :class:`~equivariance_probe.adapters.components.HeadWrites`),
+``"final"`` the head's input and ``"logits"`` the trace's own logits. The attention call (``"qk.{l}"``, ``"weights.{l}"``) and the ablations are the Hugging Face
 interception of the wrapped model (:func:`~equivariance_probe.adapters.internals.ablate`), which runs inside the
 trace, so both frameworks hand a feature the same call, mask included. Plans run where the model is local; a
 remote model is refused before any request.
@@ -20,10 +21,12 @@ from typing import Any
 import torch
 
 from ..errors import RemoteExecutionError
-from .components import block_input, block_parts, head_columns, output_tensor, with_output_tensor
+from .components import (HeadWrites, block_input, block_parts, head_columns, output_tensor, post_norms_of,
+                         with_output_tensor)
 from .hf_binder import Stopped, check_hf_plan, intercepted_calls
 from .nnsight_remote import read_sites_in_trace
 from .plan import Plan, Read, Replace, Stop, apply
+from .modules import find_attention_modules
 from .sites import Site
 
 __all__ = ["run_nnsight_plan", "check_nnsight_plan"]
@@ -49,13 +52,15 @@ def check_nnsight_plan(adapter: Any, plan: Plan) -> None:
     for site, action in plan.steps:
         if site.kind == "qk" or isinstance(action, Replace):
             raise RemoteExecutionError(
-                f"a remote model's plan reads tensor sites only; {type(action).__name__} at site {site.name!r} "
-                "needs the model here: run the analysis on a local nnsight model (remote=False) or the Hugging "
+                f"a remote model's plan (remote={adapter.remote!r}) reads tensor sites only; {type(action).__name__} "
+                f"at site {site.name!r} needs the model here: run the analysis on a local nnsight model (remote=False) or the Hugging "
                 "Face model")
 
 
-def run_nnsight_plan(adapter: Any, tokens: torch.Tensor, plan: Plan) -> dict[str, Any]:
-    """Run ``tokens: [batch, T]`` through the nnsight model ``adapter.model`` under ``plan``, without gradients.
+def run_nnsight_plan(adapter: Any, tokens: torch.Tensor, plan: Plan, *, position_ids: torch.Tensor | None = None,
+                     attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """Run ``tokens: [batch, T]`` through the nnsight model ``adapter.model`` under ``plan``, without gradients,
+    ``position_ids`` and an ``attention_mask`` passed to the trace where given.
 
     Returns:
         What the ablation recorded, as :func:`~equivariance_probe.adapters.hf_binder.run_hf_plan`.
@@ -65,22 +70,41 @@ def run_nnsight_plan(adapter: Any, tokens: torch.Tensor, plan: Plan) -> dict[str
         return _run_remote(adapter, tokens, plan)
     hf = adapter.hf_model
     paths = {id(module): name for name, module in hf.named_modules()}
-    parts = block_parts(hf) if plan.kinds() & {"attention", "mlp", "head"} else None
+    parts = block_parts(hf) if plan.kinds() & {"attention", "mlp", "head", "pieces"} else None
     envoys = _EnvoysOf(adapter, paths, parts)
-    options: dict[str, Any] = {"use_cache": False}
-    if plan.needs_head() and plan.last_position_logits and "logits_to_keep" in inspect.signature(hf.forward).parameters:
-        options["logits_to_keep"] = 1
-    sites = [site for site in plan.sites() if site.kind not in ("qk", "weights")]
-    with adapter._local_run("recompute"), intercepted_calls(hf, plan) as record:
+    if "pieces" in plan.kinds():
+        envoys.norms = post_norms_of(parts, [site.layer for site in plan.sites() if site.kind == "pieces"])
+    options = _trace_inputs(hf, plan, position_ids, attention_mask, adapter.device)
+    sites = [site for site in plan.sites() if site.kind not in ("qk", "weights", "logits")]
+    logits = plan.actions(Site("logits"))
+    with adapter._local_run("recompute"), intercepted_calls(hf, plan, find_attention_modules(hf)) as record:
         try:
             with adapter.model.trace(tokens.to(adapter.device), **options) as tracer:
+                stopped = False
                 for site in sites:
                     if _visit(envoys, site, plan, adapter.layout.n_heads):
+                        stopped = True
                         tracer.stop()
                         break
+                if logits and not stopped:
+                    apply(logits, adapter.model.output.logits, head_rows=plan.logits_kept)
         except Stopped:
             pass
     return record
+
+
+def _trace_inputs(hf: Any, plan: Plan, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                  device: Any) -> dict[str, Any]:
+    """The keyword inputs of a local trace: the position ids, the attention mask, and ``logits_to_keep`` where the
+    plan keeps the last positions only and the model takes it."""
+    options: dict[str, Any] = {"use_cache": False}
+    if position_ids is not None:
+        options["position_ids"] = position_ids.to(device)
+    if attention_mask is not None:
+        options["attention_mask"] = attention_mask.to(device)
+    if plan.needs_head() and plan.logits_kept and "logits_to_keep" in inspect.signature(hf.forward).parameters:
+        options["logits_to_keep"] = plan.logits_kept
+    return options
 
 
 class _EnvoysOf:
@@ -88,6 +112,8 @@ class _EnvoysOf:
 
     def __init__(self, adapter: Any, paths: dict[int, str], parts: Any) -> None:
         self.adapter, self.paths, self.parts = adapter, paths, parts
+        #: ``(w_eff, ε)`` of each ``"pieces.{l}"`` layer's post-norm, read before the trace.
+        self.norms: dict[int, Any] = {}
 
     def of(self, module: torch.nn.Module) -> Any:
         return self.adapter.model.get(self.paths[id(module)])
@@ -117,14 +143,14 @@ def _run_remote(adapter: Any, tokens: torch.Tensor, plan: Plan) -> dict[str, Any
         kept = [action for action in actions if isinstance(action, Read)]
         envoy, place, columns = _place(envoys, site, adapter.layout.n_heads)
         if kept:
-            reads.append((envoy, place, columns, plan.last_position_logits and site.kind in ("final", "logits"),
+            reads.append((envoy, place, columns, plan.logits_kept == 1 and site.kind in ("final", "logits"),
                           [action.reduce for action in kept]))
             fns.append([action.fn for action in kept])
         if any(isinstance(action, Stop) for action in actions):
             break
     options: dict[str, Any] = {"use_cache": False, **adapter._trace_options()}
-    if plan.needs_head() and plan.last_position_logits and "logits_to_keep" in inspect.signature(hf.forward).parameters:
-        options["logits_to_keep"] = 1
+    if plan.needs_head() and plan.logits_kept and "logits_to_keep" in inspect.signature(hf.forward).parameters:
+        options["logits_to_keep"] = plan.logits_kept
     values = None
     with adapter._translate_errors("recompute"), adapter._shipped_by_value():
         # The block reads only these locals, the shipped function and nnsight.
@@ -164,7 +190,13 @@ def _place(envoys: _EnvoysOf, site: Site, n_heads: int) -> tuple[Any, Any, tuple
 def _visit(envoys: _EnvoysOf, site: Site, plan: Plan, n_heads: int) -> bool:
     """Run the plan's actions at ``site`` inside the trace; whether to stop after it."""
     actions = plan.actions(site)
-    rows = plan.last_position_logits and site.kind in ("final", "logits")
+    rows = plan.logits_kept if site.kind == "final" else 0
+    if site.kind == "pieces":
+        part = envoys.parts[site.layer]
+        z = envoys.of(part.projection).input
+        norm_input = envoys.of(part.attention_out).input if part.post_norms else None
+        return apply(actions, HeadWrites(site.layer, z, norm_input, part.projection, envoys.norms.get(site.layer),
+                                         n_heads))[2]
     if site.kind in ("embedding", "final", "head"):
         envoy = envoys.layer(0) if site.kind == "embedding" else envoys.head() if site.kind == "final" \
             else envoys.of(envoys.parts[site.layer].projection)

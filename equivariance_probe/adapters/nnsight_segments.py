@@ -1,5 +1,6 @@
-"""The shift test on an nnsight model: segment blocks read inside local traces, and a remote model's whole grid
-summed on the server in one session per segment.
+"""The shift test on a remote nnsight model: a segment's whole grid summed on the server in one session, and the
+check of the recomputed segment block (locally: the Hugging Face adapter's; a local model's segment passes are
+plans, :mod:`~equivariance_probe.adapters.nnsight_binder`).
 
 Place in the seams: *adapters*, beside :mod:`~equivariance_probe.adapters.nnsight`, whose adapter takes these
 methods (:class:`NNsightSegments`); what runs inside the server's session is
@@ -9,28 +10,23 @@ methods (:class:`NNsightSegments`); what runs inside the server's session is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from time import perf_counter
 from typing import Any
 
 import torch
 
 from ..errors import RemoteExecutionError
-from .base import ComponentCallback, SegmentAttentionCallback, SegmentBatch, SegmentComponentCallback, SegmentResidualCallback
-from .components import (EMBEDDING, ComponentRequest, HeadPieces, block_input, block_parts, component_site,
-                         head_columns, output_tensor, parse_component)
+from .base import SegmentBatch
+from .components import block_parts
 from .internals import AttentionCall, recompute_tolerance
 from .request_sizes import plan_requests
 from .segments import (
     check_predicts,
     judged_recompute_check,
     kept_positions,
-    segment_blocks_from_call,
-    segment_log_probs,
-    segment_rows,
     segment_spans,
     shifted_position_ids,
-    component_toucher,
 )
 from .nnsight_remote import (
     ATTENTION_CALL,
@@ -59,107 +55,6 @@ class NNsightSegments:
                 "inside a local nnsight trace (the model runs its own kernel); row normalisers over every "
                 "visible key of the window")
 
-    def run_segment(
-        self,
-        tokens: torch.Tensor,
-        lengths: torch.Tensor,
-        segment_length: int,
-        *,
-        on_attention: SegmentAttentionCallback | None = None,
-        on_residual: SegmentResidualCallback | None = None,
-        position_start: torch.Tensor | None = None,
-        predictions: bool = False,
-        components: Sequence[str] = (),
-        on_component: SegmentComponentCallback | None = None,
-        capture: Sequence[str] = (),
-        on_capture: ComponentCallback | None = None,
-        patch: Mapping[str, torch.Tensor] | None = None,
-    ) -> torch.Tensor | None:
-        """:meth:`Adapter.run_segment` inside a local nnsight trace of the model.
-
-        The numbers are nnsight's: the trace runs the model with its own attention kernel, and each layer's queries
-        and keys are read at its attention call (``self_attn.source.attention_interface_1``) exactly where the
-        probe's ``"recompute"`` source reads them; the segment block is cut from them as the Hugging Face adapter
-        cuts it (:func:`~equivariance_probe.adapters.segments.segment_blocks_from_call`). The residual stream is
-        each decoder layer envoy's output; the predictions are the trace's own logits, for the last
-        :func:`~equivariance_probe.adapters.segments.kept_positions` positions (``logits_to_keep``). Position ids
-        (``position_start``) go to the model as the trace's ``position_ids``. The attribution's components are the
-        envoys' inputs and outputs of :func:`~equivariance_probe.adapters.components.block_parts`' modules, read in
-        the order the model runs them (block 0's input; in each layer the output projection's input, the
-        attention's or its post-norm's output, the MLP's or its post-norm's output). Activation patching's
-        components are captured and patched at the same envoys, in the same order, each written in place inside
-        the trace (never in the same pass as the attribution's: the probe captures them in a pass of its own).
-
-        Raises:
-            RemoteExecutionError: a remote model (``remote`` set, ``"local"`` included): its blocks, residual streams
-                and distributions stay on the server; the shift test sums them there (:meth:`segment_grid_sums`).
-            AttentionCaptureError: ``predictions`` on a model without a language-model head.
-        """
-        self._check_segments_local()
-        if predictions:
-            check_predicts(self.hf_model)
-        device = self.device
-        tokens, options, batch = self._segment_trace_inputs(
-            SegmentBatch(tokens, lengths, tuple(range(len(lengths))), position_start), segment_length, predictions)
-        spans, width = batch["spans"], batch["width"]
-        if "position_ids" in options:
-            options["position_ids"] = options["position_ids"].to(device)
-        attention = self._attention_envoys()
-        layers = [self.model.get(path) for path in self.layer_paths]
-        windows = self.layout.sliding_windows
-        seen: list[int] = []
-        reader = self._component_reader(components, spans, on_component) if components and on_component else None
-        sites = self._component_sites([*capture, *(patch or {})])
-        touch = component_toucher(spans, capture, on_capture, patch or {})
-
-        # Filled in the trace: nnsight hands back only objects that outlive it (a name bound inside is not).
-        kept: dict[str, torch.Tensor] = {}
-        with self._local_run("recompute"), self._translate_errors("recompute"):
-            with self.model.trace(tokens.to(device), **options) as tracer:
-                if EMBEDDING in sites:
-                    touch(EMBEDDING, layers[0].input)
-                for layer, module in enumerate(attention):
-                    if reader is not None and layer == 0:
-                        reader.embedding()
-                    if on_attention is not None:
-                        on_attention(layer, *segment_blocks_from_call(attention_call(layer, module), spans,
-                                                                      windows[layer], causal=True))
-                    if reader is not None:
-                        reader.layer(layer)
-                    self._touch_sites(sites.get(layer, []), touch)
-                    if on_residual is not None:
-                        output = layers[layer].output
-                        on_residual(layer, segment_rows(output[0] if isinstance(output, tuple) else output, spans))
-                    seen.append(layer)
-                if predictions:
-                    kept["log_probs"] = segment_log_probs(self.model.output.logits.detach(), spans, width)
-                else:
-                    tracer.stop()  # nothing after the last block is read
-        self.check_layers_seen(seen)
-        return kept.get("log_probs")
-
-    def _touch_sites(self, layer_sites: Sequence[tuple[Any, Any]], touch: Callable[..., None]) -> None:
-        """Capture and patch one layer's components inside the trace, at their envoys (:meth:`_component_sites`):
-        heads at their columns of the output projection's input, the rest at the envoy's output."""
-        for envoy, names in layer_sites:
-            if names[0][1] is not None:  # heads: their columns of the output projection's input
-                hidden = envoy.input
-                for name, head in names:
-                    touch(name, hidden, head_columns(hidden.shape[-1], self.layout.n_heads, head))
-            else:
-                touch(names[0][0], output_tensor(envoy.output))
-
-    def _component_reader(self, components: Sequence[str], spans: Any, on_component: SegmentComponentCallback
-                          ) -> _ComponentReader:
-        """What reads the attribution's components inside a local trace (built before it: a post-norm's gain is read
-        by running the norm, :func:`~equivariance_probe.adapters.components.norm_gain`)."""
-        inner = self._hf.model
-        paths = {id(module): name for name, module in inner.named_modules()}
-        parts = block_parts(inner)
-        request = ComponentRequest.of(components)
-        return _ComponentReader(self.model, paths, parts, request, spans, on_component,
-                                HeadPieces(parts, self.layout.n_heads, request.heads, on_component))
-
     def _component_envoys(self) -> list[tuple[Any, Any]]:
         """Per layer, the envoys of :func:`~equivariance_probe.adapters.components.block_parts`' ``attention_out`` and
         ``mlp_out`` (what the attribution reads in a remote session)."""
@@ -167,28 +62,6 @@ class NNsightSegments:
         paths = {id(module): name for name, module in inner.named_modules()}
         return [(self.model.get(paths[id(part.attention_out)]), self.model.get(paths[id(part.mlp_out)]))
                 for part in block_parts(inner)]
-
-    def _component_sites(self, names: Sequence[str]) -> dict[Any, Any]:
-        """Where the components ``names`` are read in a trace: ``{"embedding": None}`` for block 0's input, and per
-        layer ``[(envoy, [(name, head)])]`` in the order the model runs them (the output projection, whose input
-        holds the heads, then the attention's and the MLP's output modules)."""
-        if not names:
-            return {}
-        parts = block_parts(self.hf_model)
-        paths = {id(module): name for name, module in self.hf_model.named_modules()}
-        sites: dict[Any, Any] = {}
-        by_layer: dict[int, dict[int, list[tuple[str, int | None]]]] = {}
-        order = {"head": 0, "attention": 1, "mlp": 2}
-        for name in dict.fromkeys(names):
-            module, _, head = component_site(parts, name)
-            kind, layer, _ = parse_component(name)
-            if kind == EMBEDDING:
-                sites[EMBEDDING] = None
-                continue
-            by_layer.setdefault(layer, {}).setdefault((order[kind], id(module)), []).append((name, head))
-        for layer, groups in by_layer.items():
-            sites[layer] = [(self.model.get(paths[module]), group) for (_, module), group in sorted(groups.items())]
-        return sites
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
         """:meth:`Adapter.check_segment_recompute`.
@@ -321,46 +194,6 @@ class NNsightSegments:
         if predictions:
             options["logits_to_keep"] = kept_positions(spans, width)
         return batch.tokens, options, {"spans": spans, "offsets": list(batch.offset_indices), "width": width}
-
-    def _check_segments_local(self) -> None:
-        """Per-window segment blocks come back only from a local model (the CircuitsVis view of the shift test
-        needs them); a remote model's shift run sums its grid on the server (:meth:`segment_grid_sums`)."""
-        if self.remote:
-            raise RemoteExecutionError(
-                f"the segment blocks of a remote nnsight model (remote={self.remote!r}) stay on the server: only the "
-                "shift test's sums come back (probe.shift runs remotely). For the blocks themselves (the shift "
-                "view), pass remote=False (a model whose weights are here) or use the Hugging Face model directly")
-
-
-class _ComponentReader:
-    """Reads the attribution's components from a local trace's envoys, layer by layer, in the order the model
-    runs them (nnsight hands over a module's input and output only in that order)."""
-
-    def __init__(self, model: Any, paths: dict, parts: Sequence[Any], request: ComponentRequest, spans: Any,
-                 on_component: SegmentComponentCallback, heads: HeadPieces) -> None:
-        self.model, self.paths, self.parts, self.request = model, paths, parts, request
-        self.spans, self.on_component, self.heads = spans, on_component, heads
-
-    def _envoy(self, module: torch.nn.Module) -> Any:
-        return self.model.get(self.paths[id(module)])
-
-    def embedding(self) -> None:
-        if self.request.embedding:
-            args, kwargs = self._envoy(self.parts[0].layer).inputs
-            self.on_component("embedding", segment_rows(block_input(args, kwargs), self.spans))
-
-    def layer(self, layer: int) -> None:
-        if layer not in self.request.blocks and layer not in self.request.heads:
-            return
-        part = self.parts[layer]
-        with_heads = layer in self.request.heads
-        if with_heads:
-            self.heads.projection_input(layer, segment_rows(self._envoy(part.projection).input, self.spans))
-        attention = self._envoy(part.attention_out)
-        if with_heads:
-            self.heads.attention_output(layer, segment_rows(attention.input, self.spans) if part.post_norms else None)
-        self.on_component(f"attention.{layer}", segment_rows(output_tensor(attention.output), self.spans))
-        self.on_component(f"mlp.{layer}", segment_rows(output_tensor(self._envoy(part.mlp_out).output), self.spans))
 
 
 def _nbytes(sums: dict[str, torch.Tensor]) -> int:

@@ -16,8 +16,12 @@ Actions:
 * :class:`Stop` ends the pass once the site has been reached and its other actions done.
 
 A plan also carries what holds for the whole pass: an ablation of
-:func:`~equivariance_probe.adapters.internals.ablate` in force, and whether the language-model head projects
-the last position only (``"final"`` and ``"logits"`` are then ``[batch, 1, ...]`` on every framework).
+:func:`~equivariance_probe.adapters.internals.ablate` in force; how many of the last positions the
+language-model head projects (``"final"`` and ``"logits"`` are then ``[batch, k, ...]`` on every framework, as
+transformers' ``logits_to_keep`` gives them); and whether the attention calls read at ``"qk.{l}"`` run the
+model's own kernel (``sdpa``, flash, the Triton engine) rather than eager attention, which ``"weights.{l}"`` and
+the ablations need. The inputs of one pass beside its tokens (position ids, an encoder's attention mask) go to
+:meth:`~equivariance_probe.adapters.base.Adapter.run_plan`.
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ class Stop:
 
 Action = Union[Read, Replace, Stop]
 #: Sites whose value is not one tensor in the model's flow, so they can be read and not replaced.
-READ_ONLY = ("qk", "weights")
+READ_ONLY = ("qk", "scores", "weights", "pieces")
 
 
 @dataclass(frozen=True)
@@ -77,24 +81,34 @@ class Plan:
         steps: ``(site, action)`` pairs, sites parsed (``"head.{l}.*"`` expanded), in the order given; at one site
             the actions run in this order.
         ablation: ``()`` or the parsed ablation of :func:`~equivariance_probe.adapters.internals.ablate` in force.
-        last_position_logits: the language-model head projects the last position only.
+        logits_kept: the language-model head projects the last ``logits_kept`` positions only (0: every position).
         n_layers: blocks of the model the sites were checked against.
+        own_kernel: the attention calls read at ``"qk.{l}"`` run the model's own kernel (no ``"weights.{l}"``
+            and no ablation then: both need eager attention).
     """
 
     steps: tuple[tuple[Site, Action], ...]
     ablation: tuple[str, ...] = ()
-    last_position_logits: bool = False
+    logits_kept: int = 0
     n_layers: int = 0
+    own_kernel: bool = False
+
+    @property
+    def last_position_logits(self) -> bool:
+        """Whether the head projects the last position only."""
+        return self.logits_kept == 1
 
     @classmethod
     def of(cls, steps: Sequence[tuple[str, Action]], *, n_layers: int, n_heads: int, ablation: str | None = None,
-           last_position_logits: bool = False) -> Plan:
-        """A plan of named sites, checked against a model of ``n_layers`` blocks of ``n_heads`` heads.
+           last_position_logits: bool = False, logits_kept: int = 0, own_kernel: bool = False) -> Plan:
+        """A plan of named sites, checked against a model of ``n_layers`` blocks of ``n_heads`` heads
+        (``last_position_logits`` is ``logits_kept=1``).
 
         Raises:
             SiteError: a name that is not a site, or a block or head the model does not have.
             InputError: an action that is not a :class:`Read`, :class:`Replace` or :class:`Stop`, a replacement of
-                a read-only site (``"qk.{l}"``, ``"weights.{l}"``), or an unknown ablation.
+                a read-only site (``"qk.{l}"``, ``"scores.{l}"``, ``"weights.{l}"``, ``"pieces.{l}"``), an unknown
+                ablation, or the model's own kernel asked for beside eager attention's weights or an ablation.
         """
         parsed = []
         for name, action in steps:
@@ -106,7 +120,12 @@ class Plan:
                     raise InputError(f"site {site.name!r} can be read, not replaced; replace 'head.<l>.<h>', "
                                      "'attention.<l>', 'mlp.<l>', 'resid.<l>', 'embedding', 'final' or 'logits'")
                 parsed.append((site, action))
-        return cls(tuple(parsed), _parse_ablation(ablation), bool(last_position_logits), int(n_layers))
+        kept = 1 if last_position_logits else int(logits_kept)
+        plan = cls(tuple(parsed), _parse_ablation(ablation), kept, int(n_layers), bool(own_kernel))
+        if plan.own_kernel and (plan.ablation or "weights" in plan.kinds()):
+            raise InputError("a plan that reads 'weights.<l>' or ablates runs eager attention; ask for the model's "
+                             "own kernel (own_kernel=True) only in a plan that does neither")
+        return plan
 
     def sites(self) -> list[Site]:
         """Each site of the plan once, in the order the forward pass reaches them."""
@@ -126,12 +145,12 @@ class Plan:
         return bool(self.kinds() & {"final", "logits"})
 
 
-def apply(actions: Sequence[Action], value: Any, *, head_rows: bool = False) -> tuple[Any, bool, bool]:
+def apply(actions: Sequence[Action], value: Any, *, head_rows: int = 0) -> tuple[Any, bool, bool]:
     """Run ``actions`` on ``value``: ``(value after the replacements, whether one was made, whether to stop)``.
-    ``head_rows``: keep the last position only (a plan's :attr:`Plan.last_position_logits` at ``"final"`` or
-    ``"logits"``, on a framework that projected every position)."""
-    if head_rows and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-2] != 1:
-        value = value[..., -1:, :]
+    ``head_rows``: keep the last ``head_rows`` positions only (a plan's :attr:`Plan.logits_kept` at ``"final"``
+    or ``"logits"``, on a framework that projected every position; 0: all)."""
+    if head_rows and isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[-2] != head_rows:
+        value = value[..., -head_rows:, :]
     replaced = stop = False
     for action in actions:
         if isinstance(action, Read):

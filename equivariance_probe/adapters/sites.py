@@ -17,7 +17,13 @@ residual stream (:mod:`~equivariance_probe.adapters.components`) are sites of th
 * ``"resid.{l}"``: the residual stream after block ``l`` ``[batch, T, d]``;
 * ``"qk.{l}"``: the queries and keys as block ``l``'s attention call receives them, with its scaling, soft cap
   and mask (an :class:`~equivariance_probe.adapters.internals.AttentionCall`);
+* ``"scores.{l}"``: block ``l``'s pre-softmax scores as a framework that forms them itself hands them (an
+  :class:`~equivariance_probe.adapters.internals.AttentionScores`; a TransformerBridge's ``hook_attn_scores``), where
+  ``"qk.{l}"`` does not exist;
 * ``"weights.{l}"``: block ``l``'s post-softmax attention weights ``[batch, head, query, key]``;
+* ``"pieces.{l}"``: what block ``l``'s attention writes into the residual stream, split by head (a
+  :class:`~equivariance_probe.adapters.components.HeadWrites`: each head's piece formed from its columns of the
+  output projection's input and the projection's weights, on the rows a feature keeps);
 * ``"final"``: the last hidden state as the language-model head reads it (after the final norm);
 * ``"logits"``: the language-model head's output ``[batch, T, vocab]``.
 
@@ -36,14 +42,15 @@ from ..errors import SiteError
 __all__ = ["SITE_KINDS", "Site", "parse_site", "parse_sites", "head_site", "every_head", "site_order", "expand"]
 
 #: The kinds of site, in the order a forward pass reaches them within a block.
-SITE_KINDS = ("embedding", "qk", "weights", "head", "attention_module", "attention", "mlp", "resid", "final", "logits")
+SITE_KINDS = ("embedding", "qk", "scores", "weights", "head", "pieces", "attention_module", "attention", "mlp", "resid",
+              "final", "logits")
 #: Kinds that name one block: ``"{kind}.{layer}"``.
-LAYER_KINDS = ("qk", "weights", "attention_module", "attention", "mlp", "resid")
+LAYER_KINDS = ("qk", "scores", "weights", "pieces", "attention_module", "attention", "mlp", "resid")
 _WHOLE = ("embedding", "final", "logits")
-_NAME = re.compile(r"^(?:(embedding|final|logits)|(qk|weights|attention_module|attention|mlp|resid)\.(\d+)|head\.(\d+)\.(\d+|\*)"
+_NAME = re.compile(r"^(?:(embedding|final|logits)|(qk|scores|weights|pieces|attention_module|attention|mlp|resid)\.(\d+)|head\.(\d+)\.(\d+|\*)"
                    r"|L(\d+)H(\d+))$")
 _SPELLINGS = ("'embedding'", "'attention.<layer>'", "'attention_module.<layer>'", "'mlp.<layer>'", "'head.<layer>.<head>'", "'head.<layer>.*'",
-              "'resid.<layer>'", "'qk.<layer>'", "'weights.<layer>'", "'final'", "'logits'")
+              "'resid.<layer>'", "'qk.<layer>'", "'scores.<layer>'", "'weights.<layer>'", "'pieces.<layer>'", "'final'", "'logits'")
 
 
 @dataclass(frozen=True)

@@ -14,32 +14,18 @@ neither ``return_type=None`` nor ``stop_at_layer`` skips the unembedding (measur
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from ..errors import AttentionCaptureError, require_extra
-from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout, PatternCallback, SegmentAttentionCallback, SegmentResidualCallback
-from .base import ComponentCallback, SegmentComponentCallback
+from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout, PatternCallback
 from .tl_binder import check_bridge_plan, run_bridge_plan
-from .components import ComponentRequest, HeadPieces, block_parts, head_columns, parse_component_of
+from .components import parse_component_of
 from .internals import recompute_tolerance
 from .modules import layer_windows
-from .segments import (
-    block_difference,
-    check_predicts,
-    hidden_keys,
-    judged_recompute_check,
-    kept_positions,
-    segment_block,
-    segment_blocks,
-    segment_log_probs,
-    segment_rows,
-    segment_spans,
-    shifted_position_ids,
-    component_toucher,
-)
+from .segments import block_difference, hidden_keys, judged_recompute_check, segment_block, segment_spans
 
 PATTERN_HOOK = "blocks.{layer}.attn.hook_pattern"
 #: The bridge's pre-softmax scores, ``[batch, head, query, key]``, after soft-capping and its mask (hidden
@@ -202,6 +188,7 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         return _config_windows(self.model.cfg, n_layers)
 
     # -- the shift test ----------------------------------------------------------------------
+    score_site = "scores"
     segment_capture = ("segment-block scores from the bridge's hook_attn_scores (the pre-softmax scores its own "
                        "attention computes; log-weights where it keeps the model's own attention, whose "
                        "hook_attn_scores carries the weights); row normalisers over every visible key of the window")
@@ -221,144 +208,6 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         if self.weights_as_scores[layer]:
             return scores_from_weights(rows, start, self._layout.sliding_windows[layer], layer)
         return rows
-
-    def run_segment(
-        self,
-        tokens: torch.Tensor,
-        lengths: torch.Tensor,
-        segment_length: int,
-        *,
-        on_attention: SegmentAttentionCallback | None = None,
-        on_residual: SegmentResidualCallback | None = None,
-        position_start: torch.Tensor | None = None,
-        predictions: bool = False,
-        components: Sequence[str] = (),
-        on_component: SegmentComponentCallback | None = None,
-        capture: Sequence[str] = (),
-        on_capture: ComponentCallback | None = None,
-        patch: Mapping[str, torch.Tensor] | None = None,
-    ) -> torch.Tensor | None:
-        """:meth:`Adapter.run_segment` through the bridge's own hooks, in one ``run_with_hooks`` pass.
-
-        The numbers are the bridge's: its attention components compute the scores themselves (they do not call
-        transformers' attention function), and ``hook_attn_scores`` hands over the very scores their softmax
-        turns into ``hook_pattern``, the pattern the main probe reads. Where the bridge keeps the model's own
-        attention (:attr:`weights_as_scores`), the hook carries the module's post-softmax weights instead, and their
-        logarithm stands for the scores (:func:`scores_from_weights`: equal up to each row's log-normaliser, which
-        nothing the shift test reads depends on). The segment block, its row normalisers and the rows' weights on
-        the text before the segment are cut from them as every adapter cuts them (:func:`~equivariance_probe.adapters.segments.segment_block`),
-        in float32 (float64 for a float64 model); in half precision the scores carry the model dtype's rounding,
-        where the Hugging Face adapter recomputes them in float32 from half-precision queries and keys. The
-        residual stream is ``hook_resid_post``; the attribution's components are the bridge's hooks of
-        :data:`COMPONENT_HOOKS` (the heads' pieces formed from ``attn.o.hook_in`` with the projection's weights, as
-        every adapter forms them); the predictions are the bridge's logits for the last
-        :func:`~equivariance_probe.adapters.segments.kept_positions` positions (``logits_to_keep`` and
-        ``position_ids`` go through the bridge to the Hugging Face model it runs). Components are captured and
-        patched at the bridge's hook points (:data:`COMPONENT_HOOKS`, :meth:`component_hook`).
-
-        Raises:
-            AttentionCaptureError: ``predictions`` on a bridge around a model without a language-model head.
-        """
-        if predictions:
-            check_predicts(self.model.original_model)
-        spans = segment_spans(lengths, segment_length)
-        width = int(tokens.shape[1])
-        windows = self._layout.sliding_windows
-        last = self._layout.n_layers - 1
-        seen: list[int] = []
-
-        def on_scores(scores: torch.Tensor, hook: Any) -> None:
-            layer = int(hook.name.split(".")[1])
-            rows = [self._segment_rows(scores, layer, b, start, length) for b, (start, length) in enumerate(spans)]
-            on_attention(layer, *segment_blocks(rows, spans, windows[layer], causal=True))
-            seen.append(layer)
-
-        def on_block(hidden: torch.Tensor, hook: Any) -> None:
-            layer = int(hook.name.split(".")[1])
-            if on_residual is not None:
-                on_residual(layer, segment_rows(hidden, spans))
-            if layer == last and not predictions:
-                raise _LastPatternSeen  # nothing after the last block is read
-
-        hooks = [(SCORES_HOOK.format(layer=i), on_scores) for i in range(self._layout.n_layers)] \
-            if on_attention is not None else []
-        hooks += [(RESIDUAL_HOOK.format(layer=i), on_block) for i in range(self._layout.n_layers)]
-        hooks += self._component_hooks(components, spans, on_component) if components and on_component else []
-        hooks += self._touch_hooks(spans, capture, on_capture, patch or {})
-        options: dict[str, Any] = {"use_cache": False}
-        if position_start is not None:
-            options["position_ids"] = shifted_position_ids(position_start, width).to(self.device)
-        if predictions:
-            options["logits_to_keep"] = kept_positions(spans, width)
-        log_probs = None
-        with self._eval(), torch.no_grad():
-            try:
-                logits = self.model.run_with_hooks(tokens.to(self.device), return_type="logits" if predictions else None,
-                                                   fwd_hooks=hooks, **options)
-                if predictions:
-                    log_probs = segment_log_probs(logits, spans, width)
-            except _LastPatternSeen:
-                pass
-        if on_attention is not None:
-            self.check_layers_seen(seen)
-        return log_probs
-
-    def _touch_hooks(self, spans: Any, capture: Sequence[str], on_capture: ComponentCallback | None,
-                     patch: Mapping[str, torch.Tensor]) -> list[tuple[str, Any]]:
-        """``(hook name, function)`` pairs that capture and patch components at the segment, at the bridge's hook
-        points (:meth:`component_hook`; a head is its columns of the output projection's input)."""
-        touch = component_toucher(spans, capture, on_capture, patch)
-        hooks = []
-        for name in dict.fromkeys([*capture, *patch]):
-            hook_name, head = self.component_hook(name)
-
-            def on_patched(hidden: torch.Tensor, hook: Any, name: str = name, head: int | None = head) -> torch.Tensor:
-                if head is not None and hidden.dim() == 4:  # [batch, position, head, head_dim] (Gemma 3's bridge)
-                    touch(name, hidden[:, :, head])  # a view: replaced in place
-                    return hidden
-                return touch(name, hidden, None if head is None else head_columns(hidden.shape[-1],
-                                                                                  self._layout.n_heads, head))
-
-            hooks.append((hook_name, on_patched))
-        return hooks
-
-    def _component_hooks(self, components: Sequence[str], spans: Any, on_component: SegmentComponentCallback
-                         ) -> list[tuple[str, Any]]:
-        """``(hook name, function)`` pairs that hand ``on_component`` the attribution's components at the segment."""
-        request = ComponentRequest.of(components)
-        parts = block_parts(self.model.original_model)
-        heads = HeadPieces(parts, self._layout.n_heads, request.heads, on_component)
-        hooks: list[tuple[str, Any]] = []
-        if request.embedding:
-            hooks.append((COMPONENT_HOOKS["embedding"],
-                          lambda hidden, hook: on_component("embedding", segment_rows(hidden, spans))))
-
-        def reader(name: str):
-            return lambda hidden, hook: on_component(name, segment_rows(hidden, spans))
-
-        def projection_input(layer: int):  # some bridges hand the heads unflattened, [batch, T, head, d_head]
-            return lambda z, hook: heads.projection_input(layer, segment_rows(z.flatten(2) if z.dim() == 4 else z, spans))
-
-        def attention(layer: int, post: bool, with_heads: bool):
-            def hook(hidden: torch.Tensor, hook: Any) -> None:
-                if with_heads and not post:
-                    heads.attention_output(layer)
-                on_component(f"attention.{layer}", segment_rows(hidden, spans))
-            return hook
-
-        def post_norm_input(layer: int):
-            return lambda hidden, hook: heads.attention_output(layer, segment_rows(hidden, spans))
-
-        for layer in sorted(set(request.blocks) | set(request.heads)):
-            post = parts[layer].post_norms
-            hooks.append((COMPONENT_HOOKS["attention_post" if post else "attention"].format(layer=layer),
-                          attention(layer, post, layer in request.heads)))
-            hooks.append((COMPONENT_HOOKS["mlp_post" if post else "mlp"].format(layer=layer), reader(f"mlp.{layer}")))
-            if layer in request.heads:
-                hooks.append((COMPONENT_HOOKS["projection_in"].format(layer=layer), projection_input(layer)))
-                if post:
-                    hooks.append((COMPONENT_HOOKS["attention_post_in"].format(layer=layer), post_norm_input(layer)))
-        return hooks
 
     def component_hook(self, name: str) -> tuple[str, int | None]:
         """``(hook point, head)`` where the bridge exposes component ``name`` (:data:`COMPONENT_HOOKS`; a head is
@@ -381,10 +230,11 @@ class TransformerBridgeAdapter(_TransformerLensAdapter):
         """:meth:`Adapter.check_plan` (:func:`~equivariance_probe.adapters.tl_binder.check_bridge_plan`)."""
         check_bridge_plan(self, plan)
 
-    def run_plan(self, tokens: torch.Tensor, plan: Any) -> dict[str, Any]:
+    def run_plan(self, tokens: torch.Tensor, plan: Any, *, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
         """:meth:`Adapter.run_plan` through the bridge's hook points
         (:func:`~equivariance_probe.adapters.tl_binder.run_bridge_plan`)."""
-        return run_bridge_plan(self, tokens, plan)
+        return run_bridge_plan(self, tokens, plan, position_ids=position_ids, attention_mask=attention_mask)
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
         """:meth:`Adapter.check_segment_recompute`: on one window ``tokens: [1, T]``, the weights

@@ -5,7 +5,7 @@ Place in the seams: *display*, drawing only. Every number comes from the result'
 (:meth:`~equivariance_probe.ShiftResult.share`, :meth:`~equivariance_probe.ShiftResult.loss_by_offset`,
 :meth:`~equivariance_probe.ShiftResult.divergence`) with its jackknife interval over segments where the result
 has at least two groups of segments; the view's attention comes from a forward pass of the model through the
-adapter's segment capture (:meth:`~equivariance_probe.adapters.base.Adapter.run_segment`), the same capture the
+adapter's segment capture (:func:`~equivariance_probe.features.segments.segment_pass`), the same capture the
 shift run decomposes. matplotlib and circuitsvis are imported when something is drawn.
 
 * :func:`shift_layers_figure` — offset η² by layer (centred logits and residual stream), the trained model
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..adapters.segments import capture_segment_batch
+from ..features.segments import capture_segment_batch
 from ..errors import (IncompatibleResultsError, InputError, IntervalUnavailableError, NotRunError,
                       SupersededSumsError, UndefinedStatisticError, check_index, option)
 from ..markup import Markup
@@ -337,7 +337,7 @@ def shift_view(model: Any, segments: Sequence[Any], contexts: Sequence[Any] | No
     The windows are the shift test's (:class:`~equivariance_probe.ShiftGrid`): the tokenizer's special prefix,
     the first ``s`` tokens of context ``context`` and segment ``segment`` (``mode="position_ids"``: the prefix and
     segment with position ids from ``s``). The block is captured as the shift run captures it
-    (:func:`~equivariance_probe.adapters.segments.capture_segment_batch`, the run's own capture loop: scores from the
+    (:func:`~equivariance_probe.features.segments.capture_segment_batch`, the run's own capture loop: scores from the
     queries and keys the model's own kernel receives, turned into the run's representations).
 
     Args:
