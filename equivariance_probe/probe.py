@@ -20,14 +20,15 @@ which of these protocols a run used.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .adapters import Adapter, get_adapter
 from .adapters.checks import FirstBatchChecks, run_first_batch_checks
-from .features.segments import capture_segment_grid
+from .features.mechanisms import MechanismSums, SegmentMechanism
+from .features.segments import capture_segment_grid, read_mechanisms
 from .errors import (
     ContextLengthError,
     EmptyCorpusError,
@@ -426,6 +427,7 @@ class EquivarianceProbe:
         progress: bool | str = True,
         resume_from: ShiftResult | None = None,
         on_segment: Callable[[ShiftResult], None] | None = None,
+        mechanisms: Sequence[SegmentMechanism] = (),
         **shift_options: Any,
     ) -> ShiftResult:
         """Move the same texts through the window and measure what changes (the shift test).
@@ -454,6 +456,11 @@ class EquivarianceProbe:
                 :mod:`~equivariance_probe.runs.shift`): its segments are kept and the run goes on from the next,
                 adding exactly what an uninterrupted run adds.
             on_segment: called with the result after each segment is added (a checkpoint writes it).
+            mechanisms: :class:`~equivariance_probe.features.mechanisms.SegmentMechanism` s of one's own, each a
+                site and a measure of the segment's rows there, read in the run's own passes (on a model whose grid
+                is summed where it runs, in one more request per batch) and summed by offset into
+                ``metadata["mechanisms"]`` (:func:`~equivariance_probe.features.mechanisms.mechanism_by_offset`);
+                not with ``resume_from`` (the sums are not checkpointed).
             **shift_options: any field of ``ShiftOptions`` by name (``offsets=[0, 256, 512], segment_length=64``).
 
         Returns:
@@ -475,6 +482,10 @@ class EquivarianceProbe:
                           mode=options.mode, max_context=self.adapter.layout.max_context)
         self._check_vocabulary(grid.segments, "the segments' token ids")
         self._check_vocabulary(grid.contexts, "the contexts' token ids")
+        if mechanisms and resume_from is not None:
+            raise InputError("mechanisms are summed in memory, not checkpointed, so a resumed run would miss the "
+                             "first run's segments; run them without resume_from")
+        sums = MechanismSums(mechanisms, grid.offsets) if mechanisms else None
         result = self._shift_result(grid, options, resume_from)
         self.last_result = result
         window, _ = grid.window(0, 0, grid.offsets[-1])  # the recomputed block against the model's own weights
@@ -488,7 +499,9 @@ class EquivarianceProbe:
         with keeping_partial(result, bar):
             for g in range(done, n_segments):
                 _stop_if_requested()
-                heads.append(self._shift_segment(grid, g, options.batch_size, result.statistics))
+                heads.append(self._shift_segment(grid, g, options.batch_size, result.statistics, sums))
+                if sums is not None:
+                    result.metadata["mechanisms"] = sums.to_dict()
                 bar.update(1)
                 if on_segment is not None:
                     on_segment(result)
@@ -553,7 +566,8 @@ class EquivarianceProbe:
         layout = self.adapter.layout
         return block_component_names(layout.n_layers) + head_component_names(options.attribution_heads, layout.n_heads)
 
-    def _shift_segment(self, grid: Any, g: int, batch_size: int, statistics: ShiftStatistics) -> float | None:
+    def _shift_segment(self, grid: Any, g: int, batch_size: int, statistics: ShiftStatistics,
+                       mechanisms: MechanismSums | None = None) -> float | None:
         """Run segment ``g``'s whole grid and add it to ``statistics`` (in its interval group); returns the largest
         relative difference between the attribution heads' pieces and their attention's output (0 without heads;
         ``None`` where the grid was summed where the model runs)."""
@@ -565,9 +579,11 @@ class EquivarianceProbe:
         group = int(group_of([fingerprint], config.rows)[0])
         if self.adapter.sums_segment_grid:  # summed where the model runs: only the sums come back
             statistics.add_segment_sums(fingerprint, group, self.adapter.segment_grid_sums(batches, config, targets))
+            if mechanisms is not None:
+                read_mechanisms(self.adapter, batches, config.segment_length, mechanisms)
             return None
         entries = [segment_entries(config, layer) for layer in range(config.n_layers)]
-        capture_segment_grid(self.adapter, batches, state, entries, targets)
+        capture_segment_grid(self.adapter, batches, state, entries, targets, mechanisms)
         statistics.add_segment(fingerprint, group, state)
         return state.heads_difference
 

@@ -67,7 +67,8 @@ def run_nnsight_plan(adapter: Any, tokens: torch.Tensor, plan: Plan, *, position
     """
     check_nnsight_plan(adapter, plan)
     if adapter.remote:
-        return _run_remote(adapter, tokens, plan)
+        return _run_remote(adapter, tokens, plan, _trace_inputs(adapter.hf_model, plan, position_ids, attention_mask,
+                                                                 "cpu"))
     hf = adapter.hf_model
     paths = {id(module): name for name, module in hf.named_modules()}
     parts = block_parts(hf) if plan.kinds() & {"attention", "mlp", "head", "pieces"} else None
@@ -128,7 +129,7 @@ class _EnvoysOf:
         return self.of(self.adapter.hf_model.get_output_embeddings())
 
 
-def _run_remote(adapter: Any, tokens: torch.Tensor, plan: Plan) -> dict[str, Any]:
+def _run_remote(adapter: Any, tokens: torch.Tensor, plan: Plan, options: dict[str, Any]) -> dict[str, Any]:
     """A plan of reads in one remote trace: each read's ``reduce`` runs on the server
     (:func:`~equivariance_probe.adapters.nnsight_remote.read_sites_in_trace`), only what it returns comes back, and
     each ``fn`` is called here with it; the trace stops after the last read (or the plan's first stop)."""
@@ -148,9 +149,7 @@ def _run_remote(adapter: Any, tokens: torch.Tensor, plan: Plan) -> dict[str, Any
             fns.append([action.fn for action in kept])
         if any(isinstance(action, Stop) for action in actions):
             break
-    options: dict[str, Any] = {"use_cache": False, **adapter._trace_options()}
-    if plan.needs_head() and plan.logits_kept and "logits_to_keep" in inspect.signature(hf.forward).parameters:
-        options["logits_to_keep"] = plan.logits_kept
+    options = {**options, **adapter._trace_options()}
     values = None
     with adapter._translate_errors("recompute"), adapter._shipped_by_value():
         # The block reads only these locals, the shipped function and nnsight.

@@ -26,7 +26,7 @@ A window ``b`` is described by its span ``(start, length)``: the segment is posi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ from .modules import is_causal_lm
 
 __all__ = ["Spans", "check_predicts", "segment_spans", "shifted_position_ids", "block_difference", "judged_recompute_check",
            "segment_block", "hidden_keys", "sink_weights", "segment_blocks", "segment_blocks_at",
-           "segment_blocks_from_call", "segment_blocks_from_qk", "segment_rows", "kept_positions", "segment_log_probs"]
+           "segment_blocks_from_call", "segment_blocks_from_qk", "segment_rows", "segment_measure", "kept_positions", "segment_log_probs"]
 
 #: ``(start, length)`` of each window's segment: positions ``start .. length − 1``.
 Spans = Sequence[tuple[int, int]]
@@ -183,6 +183,15 @@ def segment_blocks_from_qk(query: torch.Tensor, key: torch.Tensor, scaling: floa
 def segment_rows(hidden: torch.Tensor, spans: Spans) -> torch.Tensor:
     """``[batch, m, d]``: each window's segment positions of ``hidden: [batch, T, d]``, detached."""
     return torch.stack([hidden[b, start:length].detach() for b, (start, length) in enumerate(spans)])
+
+
+def segment_measure(measure: Callable[[torch.Tensor], torch.Tensor], spans: Spans
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A plan's ``reduce``: ``measure`` of each window's segment rows of ``hidden: [batch, T, width]``, stacked
+    ``[batch, ...]``. Torch alone, so that it runs where the model runs (a remote request ships it by value)."""
+    def reduce(hidden: torch.Tensor) -> torch.Tensor:
+        return torch.stack([measure(hidden[b, start:length]) for b, (start, length) in enumerate(spans)])
+    return reduce
 
 
 def kept_positions(spans: Spans, width: int) -> int:

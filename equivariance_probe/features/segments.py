@@ -35,7 +35,8 @@ from ..errors import AttentionCaptureError
 from ..statistics.engines.shift_sums import segment_representations
 from ..statistics.shift import patch_parts
 
-__all__ = ["segment_pass", "segment_steps", "capture_segment_grid", "capture_segment_batch", "patch_segment_context",
+__all__ = ["segment_pass", "segment_steps", "capture_segment_grid", "capture_segment_batch", "read_mechanisms",
+           "patch_segment_context",
            "patched_components", "only_offset", "without_offset", "HeadsCheck"]
 
 #: ``(site, action)`` pairs that a caller adds to a segment pass, given each window's segment (:data:`Spans`).
@@ -185,7 +186,7 @@ def _segment_writer(values: torch.Tensor, spans: Spans) -> Callable[[torch.Tenso
 
 
 def capture_segment_grid(adapter: Any, contexts: Sequence[Sequence[Any]], grid: Any, entries: Sequence[torch.Tensor],
-                         targets: torch.Tensor | None) -> None:
+                         targets: torch.Tensor | None, mechanisms: Any = None) -> None:
     """Run one segment's whole grid here, context by context, into ``grid`` (a
     :class:`~equivariance_probe.statistics.shift.SegmentGrid`): what
     :meth:`~equivariance_probe.adapters.base.Adapter.segment_grid_sums` does where the model runs.
@@ -197,6 +198,8 @@ def capture_segment_grid(adapter: Any, contexts: Sequence[Sequence[Any]], grid: 
         grid: the segment's running sums (``add``, ``add_predictions``, ``add_sink``, ``end_context``).
         entries: per layer, the ``[m, m]`` entries that count.
         targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
+        mechanisms: a :class:`~equivariance_probe.features.mechanisms.MechanismSums` read in the same passes, or
+            ``None``.
     """
     config = grid.config
     components = config.components
@@ -207,7 +210,8 @@ def capture_segment_grid(adapter: Any, contexts: Sequence[Sequence[Any]], grid: 
             capture_segment_batch(adapter, batch, config.segment_length, entries, grid.add, targets=targets,
                                   add_predictions=grid.add_predictions, add_sink=grid.add_sink, components=components,
                                   add_component=grid.add_component if components else None,
-                                  on_heads_difference=grid.add_heads_difference if components else None)
+                                  on_heads_difference=grid.add_heads_difference if components else None,
+                                  more=None if mechanisms is None else mechanisms.steps(batch.offset_indices))
         if patched:
             window = next(only_offset(batch, reference) for batch in context if reference in batch.offset_indices)
             captured: dict[str, torch.Tensor] = {}  # each patched component's output at the segment, reference window
@@ -216,6 +220,16 @@ def capture_segment_grid(adapter: Any, contexts: Sequence[Sequence[Any]], grid: 
                          on_capture=lambda name, values: captured.__setitem__(name, values[0]))
             patch_segment_context(adapter, context, grid, captured, targets)
         grid.end_context()
+
+
+def read_mechanisms(adapter: Any, contexts: Sequence[Sequence[Any]], segment_length: int, mechanisms: Any) -> None:
+    """Read ``mechanisms`` (a :class:`~equivariance_probe.features.mechanisms.MechanismSums`) in passes of their own
+    over a segment's grid: on a model whose grid is summed where it runs, the mechanisms' measures run there too (a
+    plan's ``reduce``), one request per batch."""
+    for context in contexts:
+        for batch in context:
+            segment_pass(adapter, batch.tokens, batch.lengths, segment_length, position_start=batch.position_start,
+                         more=mechanisms.steps(batch.offset_indices))
 
 
 def patched_components(items: Sequence[str]) -> tuple[str, ...]:
@@ -236,6 +250,8 @@ def patch_segment_context(adapter: Any, context: Sequence[Any], grid: Any, captu
         grid: the segment's :class:`~equivariance_probe.statistics.shift.SegmentGrid`.
         captured: ``{component: [m, d]}`` (``[m, head_dim]`` for a head) at the reference offset.
         targets: ``[m − 1]`` the segment's own next tokens, or ``None`` to measure no predictions.
+        mechanisms: a :class:`~equivariance_probe.features.mechanisms.MechanismSums` read in the same passes, or
+            ``None``.
     """
     config = grid.config
     last = config.n_layers - 1
@@ -290,7 +306,8 @@ def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries
                           add_sink: Callable[[int, int, torch.Tensor], None] | None = None,
                           components: Sequence[str] = (),
                           add_component: Callable[[str, int, torch.Tensor], None] | None = None,
-                          on_heads_difference: Callable[[float], None] | None = None) -> None:
+                          on_heads_difference: Callable[[float], None] | None = None,
+                          more: MoreSteps | None = None) -> None:
     """Run one forward pass of a segment's grid and hand over what the shift test measures of each window.
 
     The one capture loop of the shift test: the probe's run (into a
@@ -314,6 +331,7 @@ def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries
         components: the attribution's components (names of :mod:`~equivariance_probe.adapters.components`).
         add_component: called as ``add_component(name, offset_index, values[m, d])`` for each of ``components``.
         on_heads_difference: called with :meth:`HeadsCheck.difference` per forward pass, where heads are read.
+        more: further reads of the same pass (:func:`segment_pass`).
     """
     indices = batch.offset_indices
 
@@ -342,7 +360,7 @@ def capture_segment_batch(adapter: Any, batch: Any, segment_length: int, entries
         options = {"components": tuple(components), "on_component": on_component}
     log_probs = segment_pass(adapter, batch.tokens, batch.lengths, segment_length, on_attention=on_attention,
                              on_residual=on_residual, position_start=batch.position_start,
-                             predictions=targets is not None, **options)
+                             predictions=targets is not None, more=more, **options)
     if options and on_heads_difference is not None and check.layers:
         on_heads_difference(check.difference())
     if targets is not None and add_predictions is not None:

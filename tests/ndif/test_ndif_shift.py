@@ -139,3 +139,26 @@ def test_the_block_level_attribution_on_the_server_equals_the_local_run(ndif_ser
         value = np.asarray(expected.statistics.arrays[name])
         np.testing.assert_allclose(remote.statistics.arrays[name], value, rtol=0, atol=1e-5 * np.abs(value).max())
     assert remote.metadata["attribution_check"]["passed"] is True
+
+
+def test_a_mechanism_of_one_s_own_runs_on_the_server_and_equals_the_local_run(ndif_server):
+    """A toy mechanism (the mean norm of an MLP's output at the segment, by offset), added without touching an
+    adapter: on the server its measure runs where the model runs (one more request per batch), and only a number
+    per window comes back; it equals the Hugging Face run here to float32 rounding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toy_mechanism import mean_norm
+
+    from equivariance_probe.features.mechanisms import SegmentMechanism, mechanism_by_offset
+
+    folder = ndif_server.folders["gemma"]
+    mechanism = SegmentMechanism("mlp_norm", "mlp.1", mean_norm)
+    segments, contexts = design()
+    options = dict(offsets=OFFSETS, segment_length=M, batch_size=3, progress=False, interval_groups=3,
+                   mechanisms=[mechanism])
+    remote = EquivarianceProbe(NNsightAdapter(client_model(folder), remote=True)).shift(segments, contexts, **options)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    local = EquivarianceProbe(model, tokenizer=AutoTokenizer.from_pretrained(folder)).shift(segments, contexts, **options)
+    got, expected = (mechanism_by_offset(run.metadata, "mlp_norm") for run in (remote, local))
+    assert (got["count"] == expected["count"]).all() and got["count"].sum() == 3 * 2 * len(OFFSETS)
+    np.testing.assert_allclose(got["mean"], expected["mean"], rtol=1e-5)
