@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from equivariance_probe.adapters.base import Adapter, AttentionLayout, PatternCallback
+from equivariance_probe.adapters.base import Adapter, AttentionLayout
+from equivariance_probe.adapters.passes import pattern_pass
 
 #: pattern_fn(layer, tokens [batch, T]) -> pattern [batch, head, T, T]
 PatternFunction = Callable[[int, torch.Tensor], torch.Tensor]
@@ -37,9 +38,24 @@ class SyntheticAdapter(Adapter):
     def vocab_size(self) -> int:
         return self._vocab
 
-    def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback) -> None:
+    # Its binder: the only site it has is each layer's pattern, "weights.{l}".
+    def check_plan(self, plan) -> None:
+        from equivariance_probe.errors import SiteError
+
+        for site in plan.sites():
+            if site.kind != "weights":
+                raise SiteError(f"the synthetic adapter has only 'weights.<layer>' sites, not {site.name!r}")
+
+    def run_plan(self, tokens: torch.Tensor, plan, *, position_ids=None, attention_mask=None) -> dict:
+        from equivariance_probe.adapters.plan import apply
+        from equivariance_probe.adapters.sites import Site
+
+        self.check_plan(plan)
         for layer in range(self._layout.n_layers):
-            on_pattern(layer, self.pattern_fn(layer, tokens))
+            actions = plan.actions(Site("weights", layer))
+            if actions and apply(actions, self.pattern_fn(layer, tokens))[2]:
+                break
+        return {"ablation": ()}
 
 
 def causal_mask(n: int, window: int | None = None) -> torch.Tensor:
@@ -149,7 +165,7 @@ def tiny_bert(seed: int = 0, zero: bool = False, max_positions: int = 64, attn_i
 def collect_patterns(adapter: Adapter, tokens: torch.Tensor) -> dict[int, torch.Tensor]:
     """Every layer's full pattern (only for tests: the probe never does this)."""
     patterns: dict[int, torch.Tensor] = {}
-    adapter.run_patterns(tokens, lambda layer, p: patterns.__setitem__(layer, p.detach().clone()))
+    pattern_pass(adapter, tokens, lambda layer, p: patterns.__setitem__(layer, p.detach().clone()))
     return patterns
 
 

@@ -7,6 +7,7 @@ import torch
 
 from equivariance_probe import AttentionCaptureError, EquivarianceProbe
 from equivariance_probe.adapters.huggingface import HuggingFaceAdapter, layer_windows
+from equivariance_probe.adapters.passes import pattern_pass
 
 from synthetic import collect_patterns, tiny_gemma3, tiny_gpt2, tiny_llama
 
@@ -78,4 +79,4 @@ def test_attention_that_cannot_be_captured_is_refused_with_the_fix():
     adapter = HuggingFaceAdapter(model)
     adapter.attention_modules[0].forward = lambda *args, **kwargs: (torch.zeros(1), None)
     with pytest.raises(AttentionCaptureError, match="attn_implementation='eager'"):
-        adapter.run_patterns(torch.zeros((1, 4), dtype=torch.long), lambda layer, pattern: None)
+        pattern_pass(adapter, torch.zeros((1, 4), dtype=torch.long), lambda layer, pattern: None)

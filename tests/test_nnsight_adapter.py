@@ -112,6 +112,7 @@ def assert_same_statistics(got, expected):
 @pytest.mark.parametrize("source", ["weights", "recompute"])
 @pytest.mark.parametrize("remote", [False, "local"], ids=["local", "remote-simulated"])
 @pytest.mark.parametrize("name", list(BUILDERS))
+
 def test_nnsight_statistics_equal_huggingface_statistics(name, remote, source):
     hf_model = eager(BUILDERS[name])
     # Uneven lengths: right padding, and a last batch narrower than the context.
@@ -129,7 +130,7 @@ def test_recomputed_pattern_equals_eager_weights_layer_by_layer(name):
     model = nnsight.NNsight(hf_model)
     tokens = token_windows(3, 24)
     weights = collect_patterns(NNsightAdapter(model, pattern_source="weights"), tokens)
-    recomputed = collect_patterns(NNsightAdapter(model, pattern_source="recompute"), tokens)
+    recomputed = recomputed_patterns(NNsightAdapter(model, pattern_source="recompute"), tokens)
     reference = collect_patterns(get_adapter(hf_model), tokens)
     assert sorted(weights) == sorted(recomputed) == list(range(hf_model.config.num_hidden_layers))
     for layer in weights:
@@ -187,7 +188,7 @@ def test_bfloat16_weights_and_recomputed_pattern_agree_to_bf16_rounding_and_shar
     model = nnsight.NNsight(hf_model)
     tokens = token_windows(2, 16)
     weights = collect_patterns(NNsightAdapter(model, pattern_source="weights"), tokens)
-    recomputed = collect_patterns(NNsightAdapter(model, pattern_source="recompute"), tokens)
+    recomputed = recomputed_patterns(NNsightAdapter(model, pattern_source="recompute"), tokens)
     for layer in weights:
         assert weights[layer].dtype == torch.bfloat16 and recomputed[layer].dtype == torch.float32
         assert torch.allclose(recomputed[layer], weights[layer].float(), atol=2e-2)
@@ -418,3 +419,16 @@ def test_unreachable_server_keeps_complete_batches(monkeypatch):
     assert caught.value.partial_result is probe.last_result
     assert probe.last_result.metadata["complete"] is False
     assert_same_statistics(probe.last_result, run(hf_model, rows[:2], context_length=16))
+
+
+def recomputed_patterns(adapter, tokens):
+    """Each layer's pattern recomputed from the queries and keys its attention call receives inside the trace
+    (the function a remote request runs on the server), under the layer's own window."""
+    from equivariance_probe.adapters.nnsight_remote import recompute_pattern
+    from equivariance_probe.adapters.passes import call_pass
+
+    patterns = {}
+    windows = adapter.layout.sliding_windows
+    call_pass(adapter, tokens, lambda call: patterns.__setitem__(
+        call.layer, recompute_pattern(call.query, call.key, call.scaling, call.softcap, windows[call.layer])))
+    return patterns

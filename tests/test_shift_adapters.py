@@ -229,8 +229,6 @@ def test_an_adapter_without_segment_capture_names_the_frameworks_that_run_it():
             super().__init__(model)
             self._layout = AttentionLayout(n_layers=1, n_heads=1, sliding_windows=(None,))
 
-        def run_patterns(self, tokens, on_pattern):  # pragma: no cover - never reached
-            raise AssertionError
 
     with pytest.raises(UnsupportedModelError, match="binds no sites.*a TransformerBridge or an nnsight model"):
         segment_pass(Other(torch.nn.Linear(1, 1)), torch.zeros((1, 3), dtype=torch.long), torch.tensor([3]), 2,

@@ -251,8 +251,6 @@ def test_an_adapter_that_binds_no_sites_is_refused_by_name_before_any_pass():
             super().__init__(torch.nn.Linear(2, 2))
             self._layout = AttentionLayout(n_layers=2, n_heads=4, sliding_windows=(None, None))
 
-        def run_patterns(self, tokens, on_pattern):
-            raise AssertionError("no pass may run")
 
     tokens = _windows(2)
     with pytest.raises(UnsupportedModelError, match="the bare adapter binds no sites"):

@@ -15,9 +15,8 @@ The whole contract, all of it on :class:`Adapter` (the probe and the statistics 
   ``end_batch``; the adapter calls ``statistics.update(layer, pattern)`` or
   ``statistics.update_from_scores(layer, query, key, scaling=, softcap=)`` once per layer, or, when
   the reduction runs elsewhere, ``statistics.reduction_plan`` and ``statistics.add_batch_sums``), built
-  on :meth:`~Adapter.run_patterns` (post-softmax patterns) and, where the framework lets the adapter
-  read queries and keys, :meth:`~Adapter.run_attention_calls` (one
-  :class:`~equivariance_probe.adapters.internals.AttentionCall` per layer);
+  on the two standard plans of :mod:`~equivariance_probe.adapters.passes` (each layer's post-softmax pattern
+  at ``"weights.{l}"``, or its :class:`~equivariance_probe.adapters.internals.AttentionCall` at ``"qk.{l}"``);
 * where attention comes from: :attr:`~Adapter.pattern_source` (what was asked),
   :meth:`~Adapter.resolved_source` (what runs), and the first batch's checks that decide it,
   :meth:`~Adapter.first_batch_checks` and :meth:`~Adapter.use_source`, which the probe runs through
@@ -44,7 +43,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,7 +129,8 @@ class Adapter(ABC):
     """Base class of the framework adapters.
 
     Subclasses set :attr:`framework` and ``self._layout`` (an :class:`AttentionLayout`)
-    and implement :meth:`run_patterns`. ``self._tokenizer`` is the tokenizer given, else
+    and bind sites (:meth:`check_plan` and :meth:`run_plan`, one binder module): every analysis runs on that.
+    ``self._tokenizer`` is the tokenizer given, else
     the model's own ``tokenizer`` attribute (TransformerLens, nnsight), else ``None``.
     """
 
@@ -247,18 +247,6 @@ class Adapter(ABC):
         return type(self.model).__name__
 
     # -- running ----------------------------------------------------------------
-    @abstractmethod
-    def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback) -> None:
-        """Run ``tokens: [batch, query]`` through the model and stream attention out.
-
-        Calls ``on_pattern(layer, pattern)`` once per layer with the post-softmax
-        ``pattern: [batch, head, query, key]`` while the forward pass runs, skips the
-        projection to the vocabulary where the framework allows, keeps no gradients and
-        no pattern after the callback returns, and leaves the user's model as it found it.
-        Windows are right-padded; under a causal mask padding keys are never visible to
-        real queries, so no attention mask is passed.
-        """
-
     #: What the adapter planned for its remote requests from the first one's measured time
     #: (:class:`~equivariance_probe.adapters.request_sizes.RequestPlan`), or ``None`` (a local model, or
     #: nothing sent yet). Settable, so that a resumed run sends the requests the interrupted one planned.
@@ -281,35 +269,14 @@ class Adapter(ABC):
         """Run a batch and add its attention to ``statistics`` (an ``AttentionStatistics``
         on which ``begin_batch`` was called).
 
-        The default streams each layer's pattern to ``statistics.update``. Adapters that
-        cannot bring patterns home (remote nnsight) override this to reduce where the
-        model runs and add only the sums.
+        The default streams each layer's pattern to ``statistics.update`` through this framework's binder
+        (:func:`~equivariance_probe.adapters.passes.pattern_pass`, site ``"weights.{l}"``). Adapters that
+        cannot bring patterns home (remote nnsight) override this to reduce where the model runs and add only the
+        sums.
         """
-        self.run_patterns(tokens, statistics.update)
+        from .passes import pattern_pass
 
-    def run_attention_calls(
-        self, tokens: torch.Tensor, on_call: Callable[[Any], None], *, eager: bool = False,
-        keep_weights: bool = False, lengths: torch.Tensor | None = None,
-    ) -> None:
-        """Run ``tokens: [batch, query]`` through the model with every attention call intercepted.
-
-        Calls ``on_call(call)`` once per layer with an
-        :class:`~equivariance_probe.adapters.internals.AttentionCall` (the layer's queries and keys as
-        its attention function receives them, its scaling and soft cap), keeping no gradients, and
-        raises :class:`~equivariance_probe.errors.AttentionCaptureError` unless every layer was seen.
-
-        Args:
-            eager: run eager attention (the model's own weights exist), else the model's own kernel.
-            keep_weights: hand over the weights eager attention computed (``call.weights``).
-            lengths: ``[batch]`` real tokens per window, which an encoder's attention mask needs.
-
-        The default raises :class:`~equivariance_probe.errors.AttentionCaptureError`: the adapter cannot read
-        queries and keys (its statistics come from captured weights).
-        """
-        raise AttentionCaptureError(
-            f"the {self.framework or type(self).__name__} adapter cannot read the queries and keys of attention "
-            "calls; its statistics come from captured weights"
-        )
+        pattern_pass(self, tokens, statistics.update, getattr(statistics, "batch_lengths", None))
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
         """Before a shift run: do the segment block's weights that the shift test recomputes from queries

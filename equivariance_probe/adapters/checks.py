@@ -4,7 +4,7 @@ Place in the seams: *adapters*, between an adapter and the statistics. An adapte
 the statistics recompute from queries and keys (:meth:`Adapter.first_batch_checks
 <equivariance_probe.adapters.base.Adapter.first_batch_checks>` is not empty) is checked on the
 first batch of a run, before the batch is reduced: the first window's first :data:`CHECK_TOKENS`
-tokens run once more under eager attention (:meth:`~equivariance_probe.adapters.base.Adapter.run_attention_calls`),
+tokens run once more under eager attention (:func:`~equivariance_probe.adapters.passes.call_pass`),
 and every layer's call is checked twice:
 
 * ``"source"``: the weights recomputed from the call's queries and keys
@@ -33,6 +33,7 @@ from ..errors import AttentionCaptureError, EquivarianceProbeError, ReplacedAtte
 from ..statistics.engine_check import EngineCheck
 from .base import Adapter
 from .internals import AttentionCall, eager_weights, recompute_tolerance
+from .passes import call_pass
 
 __all__ = ["CHECK_TOKENS", "FirstBatchChecks", "run_first_batch_checks"]
 
@@ -101,7 +102,7 @@ def run_first_batch_checks(adapter: Adapter, tokens: torch.Tensor, statistics: A
     tolerance = recompute_tolerance(adapter.dtype)
     decision: dict[str, Any] = {"tokens": int(sample.shape[1]), "tolerance": tolerance}
     try:
-        adapter.run_attention_calls(sample, on_call, eager=True, keep_weights=True)
+        call_pass(adapter, sample, on_call, eager=True, keep_weights=True)
     except ReplacedAttentionFunctionError:
         raise  # the weights path would run the same replacement: nothing here measures the model transformers ships
     except AttentionCaptureError as error:

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, check_choice
-from .base import Adapter, AttentionLayout, RUNS_ENCODERS, PatternCallback
+from .base import Adapter, AttentionLayout, RUNS_ENCODERS
 from .hf_binder import check_hf_plan, run_hf_plan
-from .internals import AttentionCall, eager_weights, intercept_attention, position_embedding_modules, recompute_tolerance
+from .passes import call_pass, pattern_pass
+from .internals import AttentionCall, eager_weights, position_embedding_modules, recompute_tolerance
 from .modules import (
     config_max_context,
     find_attention_modules,
@@ -62,10 +63,6 @@ def _positions_in_table(model: Any) -> int | None:
             offset = table.padding_idx + 1 if table.padding_idx is not None else 0
         return int(table.num_embeddings) - int(offset)
     return None
-
-
-class _LastPatternSeen(Exception):
-    """Raised from the last layer's hook to stop the forward pass early."""
 
 
 class HuggingFaceAdapter(Adapter):
@@ -191,49 +188,6 @@ class HuggingFaceAdapter(Adapter):
                     )
             self.model.train(was_training)
 
-    def _forward(self, tokens: torch.Tensor, lengths: torch.Tensor | None) -> None:
-        """The base model's forward pass over right-padded ``tokens``. A causal model needs no mask (no
-        real query sees a padding key); an encoder gets the attention mask of its windows' real tokens."""
-        mask = None
-        if not self.layout.causal and lengths is not None:
-            lengths = lengths.to(self.device)
-            mask = (torch.arange(tokens.shape[1], device=self.device).view(1, -1) < lengths.view(-1, 1)).long()
-        self.model.base_model(input_ids=tokens.to(self.device), attention_mask=mask, use_cache=False)
-
-    def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback, lengths: torch.Tensor | None = None) -> None:
-        """:meth:`Adapter.run_patterns`; ``lengths: [batch]`` real tokens per window, which an encoder's
-        attention mask needs (``None``: every window is ``tokens.shape[1]`` long)."""
-        seen: list[int] = []
-        last = len(self.attention_modules) - 1
-
-        def make_hook(layer: int):
-            def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-                weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
-                if weights is None:
-                    raise AttentionCaptureError(
-                        f"layer {layer}'s attention module ({type(module).__name__}) returned no attention "
-                        f"weights under attn_implementation={self.attn_implementation()!r}. "
-                        + self.capture_hint()
-                    )
-                seen.append(layer)
-                on_pattern(layer, weights.detach())
-                if layer == last:
-                    # Nothing after the last pattern is read: stop the forward pass here.
-                    raise _LastPatternSeen
-
-            return hook
-
-        with self.eager_eval(), torch.no_grad():
-            handles = [m.register_forward_hook(make_hook(i)) for i, m in enumerate(self.attention_modules)]
-            try:
-                self._forward(tokens, lengths)
-            except _LastPatternSeen:
-                pass
-            finally:
-                for handle in handles:
-                    handle.remove()
-        self.check_layers_seen(seen)
-
     # -- statistics from queries and keys ---------------------------------------------------------
     def first_batch_checks(self) -> tuple[str, ...]:
         """The source and the engine, unless the statistics come from the model's own weights."""
@@ -247,9 +201,8 @@ class HuggingFaceAdapter(Adapter):
         the model runs its own kernel, or from eager weights (see the module docstring)."""
         lengths = statistics.batch_lengths
         if self.resolved_source() == "weights":
-            self.run_patterns(tokens, statistics.update, lengths)
+            pattern_pass(self, tokens, statistics.update, lengths)
             return
-        last = len(self.attention_modules) - 1
         windows = self.layout.sliding_windows
 
         def on_call(call: AttentionCall) -> None:
@@ -261,32 +214,8 @@ class HuggingFaceAdapter(Adapter):
                     "statistics would read the wrong mask. Report the architecture, or use pattern_source='weights'"
                 )
             statistics.update_from_scores(call.layer, call.query, call.key, scaling=call.scaling, softcap=call.softcap)
-            if call.layer == last:
-                raise _LastPatternSeen  # nothing after the last layer's attention is read
 
-        self.run_attention_calls(tokens, on_call, eager=False, lengths=lengths)
-
-    def run_attention_calls(
-        self, tokens: torch.Tensor, on_call: Any, *, eager: bool = False, keep_weights: bool = False,
-        lengths: torch.Tensor | None = None,
-    ) -> None:
-        """:meth:`Adapter.run_attention_calls`: the base model's forward with every attention call intercepted
-        (:func:`~equivariance_probe.adapters.internals.intercept_attention`)."""
-        was_training = self.model.training
-        seen: list[int] = []
-        try:
-            self.model.eval()
-            with torch.no_grad(), intercept_attention(
-                self.model, on_call, eager=eager, keep_weights=keep_weights, layers=self.attention_modules
-            ) as seen:
-                try:
-                    self._forward(tokens, lengths)
-                except _LastPatternSeen:
-                    pass
-        finally:
-            self.model.train(was_training)
-        self.check_layers_seen(sorted(set(seen)))
-
+        call_pass(self, tokens, on_call, eager=False, lengths=lengths)
 
     # -- the shift test: one segment block per window ----------------------------------------------
     segment_capture = ("segment-block scores recomputed from the queries and keys the model's attention function "
@@ -339,7 +268,7 @@ class HuggingFaceAdapter(Adapter):
         tolerance = recompute_tolerance(self.dtype)
         check: dict[str, Any] = {"tokens": int(tokens.shape[1]), "tolerance": tolerance}
         try:
-            self.run_attention_calls(tokens, on_call, eager=True, keep_weights=True)
+            call_pass(self, tokens, on_call, eager=True, keep_weights=True)
         except (ValueError, ImportError, NotImplementedError) as error:
             return {**check, "max_difference": None, "passed": None, "reason": f"not checked: {error!s:.200}"}
         how = (f"computed as eager attention computes them (scores in {str(self.dtype).replace('torch.', '')})"

@@ -75,12 +75,13 @@ from ..errors import (
     require_extra,
 )
 from ..statistics.masks import default_log_floor
-from .base import LANGUAGE_MODEL_HEAD, RUNS_REMOTELY, Adapter, AttentionLayout, ModelInfo, PatternCallback
+from .base import LANGUAGE_MODEL_HEAD, RUNS_REMOTELY, Adapter, AttentionLayout, ModelInfo
 from .huggingface import PATTERN_SOURCES, HuggingFaceAdapter
 from .modules import inner_module, parent_layer
 from .nnsight_binder import check_nnsight_plan, run_nnsight_plan
 from .request_sizes import RequestLimits, RequestPlan, plan_requests
-from .nnsight_segments import NNsightSegments, _nbytes, attention_call
+from .nnsight_segments import NNsightSegments, _nbytes
+from .passes import call_pass, pattern_pass
 from .nnsight_remote import (
     ATTENTION_CALL,
     NO_WEIGHTS,
@@ -91,7 +92,6 @@ from .nnsight_remote import (
     is_remote_failure,
     is_source_failure,
     remote_failure_kind,
-    layer_pattern,
     reduce_batch_in_trace,
 )
 
@@ -364,55 +364,10 @@ class NNsightAdapter(NNsightSegments, Adapter):
         return [self.model.get(path) for path in self.attention_paths]
 
     # -- running -------------------------------------------------------------------------
-    def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback) -> None:
-        """Stream each layer's pattern to ``on_pattern`` from inside a local trace.
-
-        Only one layer's pattern is alive at a time. Remote models cannot stream
-        patterns (they stay on the server); :meth:`run_statistics` reduces them there.
-        """
-        if self.remote:
-            raise RemoteExecutionError(
-                "patterns of a remote model cannot be streamed here (they would be gigabytes per document); "
-                "EquivarianceProbe.run reduces them on the server (run_statistics), or pass remote=False"
-            )
-        source = self.resolved_source()
-        model = self.model
-        attention = self._attention_envoys()
-        windows = list(self.layout.sliding_windows)
-        seen: list[int] = []
-        with self._local_run(source), self._translate_errors(source):
-            with model.trace(tokens.to(self.device), use_cache=False) as tracer:
-                for layer, module in enumerate(attention):
-                    on_pattern(layer, layer_pattern(module, source, windows[layer]))
-                    seen.append(layer)
-                tracer.stop()
-        self.check_layers_seen(seen)
-
     def first_batch_checks(self) -> tuple[str, ...]:
         """The engine, for a local run that recomputes (checked on the wrapped model, outside any trace);
         nothing remotely, where the reduction runs on the server, or from captured weights."""
         return ("engine",) if not self.remote and self.resolved_source() != "weights" else ()
-
-    def run_attention_calls(
-        self, tokens: torch.Tensor, on_call: Any, *, eager: bool = False, keep_weights: bool = False,
-        lengths: torch.Tensor | None = None,
-    ) -> None:
-        """:meth:`Adapter.run_attention_calls` on the wrapped transformers model, outside any trace."""
-        self._hf.run_attention_calls(tokens, on_call, eager=eager, keep_weights=keep_weights, lengths=lengths)
-
-    def _run_scores(self, tokens: torch.Tensor, statistics: Any) -> None:
-        """Locally, hand each layer's queries and keys (read at its attention call inside the trace)
-        to the statistics, which recompute the weights in query blocks: no pattern is formed."""
-        attention = self._attention_envoys()
-        seen: list[int] = []
-        with self._local_run("recompute"), self._translate_errors("recompute"):
-            with self.model.trace(tokens.to(self.device), use_cache=False) as tracer:
-                for layer, module in enumerate(attention):
-                    call = attention_call(layer, module)
-                    statistics.update_from_scores(layer, call.query, call.key, scaling=call.scaling, softcap=call.softcap)
-                    seen.append(layer)
-                tracer.stop()
-        self.check_layers_seen(seen)
 
     def check_plan(self, plan: Any) -> None:
         """:meth:`Adapter.check_plan` (:func:`~equivariance_probe.adapters.nnsight_binder.check_nnsight_plan`)."""
@@ -468,9 +423,10 @@ class NNsightAdapter(NNsightSegments, Adapter):
         """
         if not self.remote:
             if self.resolved_source() == "weights":
-                self.run_patterns(tokens, statistics.update)
+                pattern_pass(self, tokens, statistics.update)
             else:
-                self._run_scores(tokens, statistics)
+                call_pass(self, tokens, lambda call: statistics.update_from_scores(
+                    call.layer, call.query, call.key, scaling=call.scaling, softcap=call.softcap))
             return
         if statistics.sample is not None:
             # A sample needs individual entries, which stay on the server.

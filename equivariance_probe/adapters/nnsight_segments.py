@@ -19,7 +19,7 @@ import torch
 from ..errors import RemoteExecutionError
 from .base import SegmentBatch
 from .components import block_parts
-from .internals import AttentionCall, recompute_tolerance
+from .internals import recompute_tolerance
 from .request_sizes import plan_requests
 from .segments import (
     check_predicts,
@@ -29,7 +29,6 @@ from .segments import (
     shifted_position_ids,
 )
 from .nnsight_remote import (
-    ATTENTION_CALL,
     add_segment_predictions_in_trace,
     add_segment_windows_in_trace,
     end_segment_context,
@@ -38,7 +37,7 @@ from .nnsight_remote import (
     segment_sums_in_trace,
 )
 
-__all__ = ["NNsightSegments", "attention_call"]
+__all__ = ["NNsightSegments"]
 
 
 class NNsightSegments:
@@ -66,7 +65,7 @@ class NNsightSegments:
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any] | None:
         """:meth:`Adapter.check_segment_recompute`.
 
-        Locally, on the wrapped transformers model outside any trace (as :meth:`run_attention_calls`): the
+        Locally, on the wrapped transformers model outside any trace (as :func:`~equivariance_probe.adapters.passes.call_pass``): the
         queries and keys the trace reads are the ones its attention call receives, so the check of the model's
         attention is the Hugging Face adapter's (eager weights). Remotely the weights are on the server, which
         picks its own kernel (eager weights may not exist there): one trace of the window compares, in each
@@ -199,11 +198,3 @@ class NNsightSegments:
 def _nbytes(sums: dict[str, torch.Tensor]) -> int:
     """Bytes of the float64 sums a request sent back (before nnsight's compression)."""
     return sum(int(value.numel()) * value.element_size() for value in sums.values() if isinstance(value, torch.Tensor))
-
-
-def attention_call(layer: int, module: Any) -> AttentionCall:
-    """Inside a local trace, what attention module ``module`` (an envoy) hands its attention function: the
-    queries and keys (detached), its scaling and soft cap."""
-    args, kwargs = getattr(module.source, ATTENTION_CALL).inputs
-    return AttentionCall(layer=layer, query=args[1].detach(), key=args[2].detach(), attention_mask=None,
-                         scaling=kwargs.get("scaling"), softcap=kwargs.get("softcap"))

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, require_extra
-from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout, PatternCallback
+from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout
+from .hooked_binder import check_hooked_plan, run_hooked_plan
 from .tl_binder import check_bridge_plan, run_bridge_plan
 from .components import parse_component_of
 from .internals import recompute_tolerance
@@ -76,10 +77,6 @@ def scores_from_weights(weights: torch.Tensor, start: int, window: int | None, l
     return scores
 
 
-class _LastPatternSeen(Exception):
-    """Raised from the last layer's hook to stop the forward pass early."""
-
-
 class _TransformerLensAdapter(Adapter):
     """What the bridge and HookedTransformer share: hooks on ``hook_pattern``."""
 
@@ -127,27 +124,6 @@ class _TransformerLensAdapter(Adapter):
             yield
         finally:
             self.model.train(was_training)
-
-    def run_patterns(self, tokens: torch.Tensor, on_pattern: PatternCallback) -> None:
-        seen: list[int] = []
-        last = self._layout.n_layers - 1
-
-        def hook(pattern: torch.Tensor, hook: Any) -> None:
-            layer = int(hook.name.split(".")[1])
-            seen.append(layer)
-            on_pattern(layer, pattern.detach())
-            if layer == last:
-                raise _LastPatternSeen
-
-        names = [PATTERN_HOOK.format(layer=i) for i in range(self._layout.n_layers)]
-        with self._eval(), torch.no_grad():
-            try:
-                self.model.run_with_hooks(
-                    tokens.to(self.device), return_type=None, fwd_hooks=[(name, hook) for name in names]
-                )
-            except _LastPatternSeen:
-                pass
-        self.check_layers_seen(seen)
 
 
 class TransformerBridgeAdapter(_TransformerLensAdapter):
@@ -285,6 +261,18 @@ class HookedTransformerAdapter(_TransformerLensAdapter):
 
     model_types = (("transformer_lens", ("HookedTransformer",)),)
     supported_models = "transformer_lens.HookedTransformer (TransformerLens 2.x)"
+
+    score_site = "scores"
+
+    def check_plan(self, plan: Any) -> None:
+        """:meth:`Adapter.check_plan` (:func:`~equivariance_probe.adapters.hooked_binder.check_hooked_plan`)."""
+        check_hooked_plan(self, plan)
+
+    def run_plan(self, tokens: torch.Tensor, plan: Any, *, position_ids: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
+        """:meth:`Adapter.run_plan` through the model's hook points
+        (:func:`~equivariance_probe.adapters.hooked_binder.run_hooked_plan`)."""
+        return run_hooked_plan(self, tokens, plan, position_ids=position_ids, attention_mask=attention_mask)
 
     def _windows(self, n_layers: int) -> tuple[int | None, ...]:
         windows = []

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..adapters.passes import pattern_pass
 from ..errors import InputError, check_integer
 from ..markup import Markup, json_script
 
@@ -199,7 +200,7 @@ def capture_head_blocks(
                 start, stop = detail
                 pattern[index] = one[start:stop, start:stop].to("cpu", torch.float64).numpy()
 
-    adapter.run_patterns(tokens.reshape(1, -1), keep)
+    pattern_pass(adapter, tokens.reshape(1, -1), keep)
     return sums, pattern
 
 

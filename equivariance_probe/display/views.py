@@ -1,7 +1,7 @@
 """CircuitsVis views of individual heads on one document, rendered offline.
 
 For a document and a few heads, :func:`head_views` runs the document once through the
-probe's adapter (``adapter.run_patterns`` streams ``pattern: [batch, head, query, key]``
+probe's adapter (:func:`~equivariance_probe.adapters.passes.pattern_pass` streams ``pattern: [batch, head, query, key]``
 layer by layer; only the chosen heads are kept) and builds, over a window of positions
 ``start <= q, k < stop``:
 
@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..adapters.passes import pattern_pass
 from ..analyses.heads import HeadRanking
 from ..errors import InputError, ModelNotFoundError, check_index, check_integer, is_integer, option
 from ..markup import Markup
@@ -96,7 +97,7 @@ def capture_head_patterns(adapter: Any, tokens: torch.Tensor, heads: Sequence[tu
         for index in wanted.get(layer, ()):
             out[index] = pattern[0, heads[index][1]].to("cpu", torch.float64).numpy()
 
-    adapter.run_patterns(tokens.reshape(1, -1), keep)
+    pattern_pass(adapter, tokens.reshape(1, -1), keep)
     return out
 
 

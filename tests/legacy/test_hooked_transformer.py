@@ -12,6 +12,7 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from equivariance_probe import EquivarianceProbe
 from equivariance_probe.adapters import get_adapter
+from equivariance_probe.adapters.passes import pattern_pass
 from equivariance_probe.adapters.transformer_lens import HookedTransformerAdapter
 
 
@@ -32,7 +33,7 @@ def test_patterns_match_run_with_cache_and_layout():
     assert adapter.layout.sliding_windows == (None, None, None) and adapter.layout.max_context == 32
     tokens = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(1))
     captured = {}
-    adapter.run_patterns(tokens, lambda layer, pattern: captured.__setitem__(layer, pattern.clone()))
+    pattern_pass(adapter, tokens, lambda layer, pattern: captured.__setitem__(layer, pattern.clone()))
     _, cache = model.run_with_cache(tokens)
     for layer in range(3):
         assert torch.allclose(captured[layer], cache["pattern", layer], atol=1e-6)
