@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -15,7 +16,12 @@ import pytest
 
 nnsight = pytest.importorskip("nnsight")
 
-from equivariance_probe import EquivarianceProbe, RemoteExecutionError, RemoteVersionError  # noqa: E402
+from equivariance_probe import (  # noqa: E402
+    EquivarianceProbe,
+    RemoteExecutionError,
+    RemoteVersionError,
+    ServerUnreachableError,
+)
 from equivariance_probe.adapters.nnsight import NNsightAdapter  # noqa: E402
 from equivariance_probe.adapters.nnsight_remote import ATTENTION_CALL  # noqa: E402
 from equivariance_probe.adapters.server_versions import attention_call_label, release  # noqa: E402
@@ -173,3 +179,17 @@ def test_local_and_simulated_runs_ask_no_server(remote_adapter):
     result = EquivarianceProbe(adapter).run(token_windows(2, 12), context_length=12, batch_size=2, progress=False)
     assert adapter.server is None and "server" not in result.metadata["model"]
     assert result.statistics.n_windows == 2
+
+
+def test_a_server_not_reached_before_the_run_is_met_by_its_first_request(remote_adapter):
+    """The run's metadata is taken before its first request; a server that cannot be reached then is named by that
+    request, where the run keeps what it finished (here nothing)."""
+    with socket.socket() as probe_socket:  # a port nothing listens on once it is closed
+        probe_socket.bind(("127.0.0.1", 0))
+        port = probe_socket.getsockname()[1]
+    adapter = remote_adapter()
+    adapter.remote = f"http://127.0.0.1:{port}"
+    probe = EquivarianceProbe(adapter)
+    with pytest.raises(ServerUnreachableError, match="cannot be reached") as caught:
+        probe.run(token_windows(2, 12), context_length=12, batch_size=2, progress=False)
+    assert caught.value.partial_result.statistics.n_windows == 0 and adapter.server is None

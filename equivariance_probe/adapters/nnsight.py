@@ -258,8 +258,9 @@ class NNsightAdapter(NNsightSegments, Adapter):
         )
         if not self.is_remote:
             info.extra["attn_implementation"] = self._hf.attn_implementation()
-        else:  # a run records its metadata before its first request
-            info.extra["server"] = self.check_server().to_dict()
+        else:  # taken before a run's first request; a server not reached now is met by that request
+            with contextlib.suppress(ServerUnreachableError):
+                info.extra["server"] = self.check_server().to_dict()
         return info
 
     def capture_hint(self) -> str:
@@ -325,8 +326,8 @@ class NNsightAdapter(NNsightSegments, Adapter):
         return options
 
     def check_server(self) -> ServerVersions:
-        """What the server runs, asked once per host and checked against the attention call the remote traces
-        read, before the first request (:func:`~equivariance_probe.adapters.server_versions.checked_server`)."""
+        """What the server runs, asked once per host before the first request and checked
+        (:func:`~equivariance_probe.adapters.server_versions.checked_server`)."""
         host = self.remote if isinstance(self.remote, str) else configured_host()
         if self.server is None or self.server.host != host:
             with self._translate_errors("recompute"):
