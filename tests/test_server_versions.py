@@ -24,6 +24,7 @@ from equivariance_probe import (  # noqa: E402
 )
 from equivariance_probe.adapters.nnsight import NNsightAdapter  # noqa: E402
 from equivariance_probe.adapters.nnsight_remote import ATTENTION_CALL  # noqa: E402
+from equivariance_probe.adapters.plan import Read  # noqa: E402
 from equivariance_probe.adapters.server_versions import attention_call_label, release  # noqa: E402
 from equivariance_probe.errors import InputError  # noqa: E402
 
@@ -131,9 +132,14 @@ def test_a_server_whose_releases_name_the_call_otherwise_is_refused_before_any_w
             probe.run(token_windows(2, 12), context_length=12, batch_size=2, progress=False)
         assert isinstance(caught.value, RemoteExecutionError)
         with pytest.raises(RemoteVersionError, match=ATTENTION_CALL):  # the shift test's grid sums: the same
-            probe.shift([list(range(3, 9))], [list(range(10, 18)), list(range(20, 28))], offsets=[0, 4], segment_length=6,
-                        batch_size=2, progress=False)
-    assert stand_in.requests == ["GET /env", "GET /env"]  # asked, refused, asked again: no work sent
+            probe.shift([list(range(3, 9))], [list(range(10, 18)), list(range(20, 28))], offsets=[0, 4],
+                        segment_length=6, batch_size=2, progress=False)
+        read = []  # a plan's reads (the positional analyses'), and the shift test's check of its recomputation
+        with pytest.raises(RemoteVersionError):
+            adapter.run_plan(token_windows(1, 12), adapter.plan([("resid.0", Read(read.append))]))
+        with pytest.raises(RemoteVersionError):
+            adapter.check_segment_recompute(token_windows(1, 12), 6)
+    assert stand_in.requests == ["GET /env"] * 4 and read == []  # asked, refused, asked again: no work sent
     assert probe.last_result is None
 
 
@@ -176,7 +182,7 @@ def test_a_server_that_does_not_report_is_refused_unless_its_versions_are_stated
 def test_local_and_simulated_runs_ask_no_server(remote_adapter):
     adapter = remote_adapter()  # remote="local": nnsight's simulation runs here
     assert "server" not in adapter.info().extra and adapter.server is None
-    result = EquivarianceProbe(adapter).run(token_windows(2, 12), context_length=12, batch_size=2, progress=False)
+    result = EquivarianceProbe(adapter).run(token_windows(2, 12), context_length=12, batch_size=1, progress=False)
     assert adapter.server is None and "server" not in result.metadata["model"]
     assert result.statistics.n_windows == 2
 
