@@ -48,6 +48,7 @@ __all__ = [
     "RemoteTimeoutError",
     "RequestTooLongError",
     "RemoteResultTooLargeError",
+    "RemoteVersionError",
     # results, files and checkpoints
     "NotRunError",
     "UndefinedStatisticError",
@@ -196,6 +197,11 @@ class RequestTooLongError(RemoteTimeoutError):
 
 class RemoteResultTooLargeError(RemoteExecutionError):
     """The reply is over the server's inline cap (Redis pub/sub) and it has no object store to stage it."""
+
+
+class RemoteVersionError(RemoteExecutionError):
+    """The NDIF server's nnsight and transformers do not give the sites the nnsight adapter binds (the attention
+    call's operation label), or the server does not say which releases it runs; raised before any work is sent."""
 
 
 # -- results, files and checkpoints -----------------------------------------------------------------

@@ -80,6 +80,7 @@ from .huggingface import PATTERN_SOURCES, HuggingFaceAdapter
 from .modules import inner_module, parent_layer
 from .nnsight_binder import check_nnsight_plan, run_nnsight_plan
 from .request_sizes import RequestLimits, RequestPlan, plan_requests
+from .server_versions import ServerVersions, checked_server, stated_versions
 from .nnsight_segments import NNsightSegments, _nbytes
 from .passes import call_pass, pattern_pass
 from .nnsight_remote import (
@@ -118,6 +119,8 @@ class NNsightAdapter(NNsightSegments, Adapter):
             :class:`~equivariance_probe.adapters.request_sizes.RequestLimits` ``()``: a request is planned
             to take at most 150 s, a quarter of nnsight's 600 s read timeout
             (:mod:`~equivariance_probe.adapters.request_sizes` states the rule).
+        server_versions: the server's ``{"nnsight": ..., "transformers": ...}``, stated where it does not report
+            them; ``None``: asked once before the first request (:mod:`~equivariance_probe.adapters.server_versions`).
 
     Raises:
         MissingAPIKeyError: ``remote`` is ``True`` or a URL and no NDIF API key is set.
@@ -165,6 +168,7 @@ class NNsightAdapter(NNsightSegments, Adapter):
         remote: bool | str = False,
         pattern_source: str = "auto",
         request_limits: RequestLimits | None = None,
+        server_versions: dict[str, str] | None = None,
     ) -> None:
         super().__init__(model, tokenizer)
         check_choice("pattern_source", pattern_source, PATTERN_SOURCES)
@@ -176,6 +180,8 @@ class NNsightAdapter(NNsightSegments, Adapter):
         self.remote = remote
         self.pattern_source = pattern_source
         self.request_limits = request_limits if request_limits is not None else RequestLimits()
+        self.server_versions = stated_versions(server_versions)
+        self.server: ServerVersions | None = None
         #: What was planned from the first segment's request of the shift test (see :attr:`request_plan`), and the
         #: grid it was measured on (contexts, offsets, segment length): another grid is measured again.
         self.segment_plan: RequestPlan | None = None
@@ -252,6 +258,9 @@ class NNsightAdapter(NNsightSegments, Adapter):
         )
         if not self.is_remote:
             info.extra["attn_implementation"] = self._hf.attn_implementation()
+        else:  # taken before a run's first request; a server not reached now is met by that request
+            with contextlib.suppress(ServerUnreachableError):
+                info.extra["server"] = self.check_server().to_dict()
         return info
 
     def capture_hint(self) -> str:
@@ -313,7 +322,17 @@ class NNsightAdapter(NNsightSegments, Adapter):
             # nnsight reads NDIF_API_KEY into CONFIG at import only.
             if not CONFIG.API.APIKEY:
                 CONFIG.API.APIKEY = api_key()
+            self.check_server()
         return options
+
+    def check_server(self) -> ServerVersions:
+        """What the server runs, asked once per host before the first request and checked
+        (:func:`~equivariance_probe.adapters.server_versions.checked_server`)."""
+        host = self.remote if isinstance(self.remote, str) else configured_host()
+        if self.server is None or self.server.host != host:
+            with self._translate_errors("recompute"):
+                self.server = checked_server(host, api_key(), self.server_versions, ATTENTION_CALL)
+        return self.server
 
     @contextlib.contextmanager
     def _shipped_by_value(self) -> Iterator[None]:

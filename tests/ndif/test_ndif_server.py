@@ -11,6 +11,8 @@ traced block lock-step with the actor's forward pass over a Unix socket). No obj
 
 from __future__ import annotations
 
+import importlib.metadata
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +20,8 @@ from conftest import client_model, tiny_tokenizer, token_windows
 
 from equivariance_probe import EquivarianceProbe, ModelSource, RequestLimits, RequestTooLongError, run_study
 from equivariance_probe.adapters.nnsight import NNsightAdapter
-from equivariance_probe.adapters.nnsight_remote import reply_nbytes
+from equivariance_probe.adapters.nnsight_remote import ATTENTION_CALL, reply_nbytes
+from equivariance_probe.adapters.server_versions import attention_call_label
 from equivariance_probe.errors import (
     ModelNotDeployedError,
     RemoteResultTooLargeError,
@@ -61,6 +64,12 @@ def test_probe_on_the_server_equals_the_local_run(ndif_server, sent_and_received
     remote = remote_probe(folder).run(tokens, batch_size=1, progress=False, exclude_keys=[0])
     local = local_run(folder, tokens, batch_size=1, exclude_keys=[0])
     assert remote.metadata["complete"] is True
+    # The server reported its releases (ndif's /env) before the first request, and they give the attention call.
+    server = remote.metadata["model"]["server"]
+    assert (server["host"], server["source"]) == (ndif_server.url, "reported")
+    assert {name: server[name] for name in ("nnsight", "transformers", "torch")} == {
+        name: importlib.metadata.version(name) for name in ("nnsight", "transformers", "torch")}
+    assert attention_call_label(server["nnsight"], server["transformers"]) == ATTENTION_CALL
     assert remote.statistics.sliding_windows == (8, 8, None)
     assert_same_statistics(remote, local)
     assert np.array_equal(remote.statistics.groups.ids, local.statistics.groups.ids)
