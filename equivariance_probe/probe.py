@@ -27,6 +27,7 @@ import torch
 
 from .adapters import Adapter, get_adapter
 from .adapters.checks import FirstBatchChecks, run_first_batch_checks
+from .adapters.request_sizes import windows_per_pass
 from .features.mechanisms import MechanismSums, SegmentMechanism
 from .features.segments import capture_segment_grid, read_mechanisms
 from .errors import (
@@ -62,8 +63,8 @@ DEFAULT_CONTEXT_LENGTH = 1024
 
 def _record_requests(metadata: dict[str, Any], adapter: Adapter) -> None:
     """Record in ``metadata["requests"]`` what a remote adapter planned for its requests (nothing for local ones)."""
-    if adapter.request_plan is not None:
-        metadata["requests"] = adapter.request_plan.to_dict()
+    if adapter.requests is not None and adapter.requests.plan is not None:
+        metadata["requests"] = adapter.requests.plan.to_dict()
 
 
 class EquivarianceProbe:
@@ -101,7 +102,7 @@ class EquivarianceProbe:
     def __repr__(self) -> str:
         layout = self.adapter.layout
         return (
-            f"EquivarianceProbe({self.adapter.framework}: {self.adapter.model_name()!r}, "
+            f"EquivarianceProbe({self.adapter.framework}: {self.adapter.model_name!r}, "
             f"{layout.n_layers} layers × {layout.n_heads} heads)"
         )
 
@@ -314,7 +315,7 @@ class EquivarianceProbe:
             first_tokens[int(row[0])] = first_tokens.get(int(row[0]), 0) + 1
             if options.max_windows is not None and statistics.n_windows + len(batch) >= options.max_windows:
                 break
-            if len(batch) >= self.adapter.request_windows(options.batch_size, context_length):
+            if len(batch) >= windows_per_pass(self.adapter, options.batch_size, context_length):
                 yield batch, batch_keys
                 batch, batch_keys = [], []
         else:
@@ -392,7 +393,7 @@ class EquivarianceProbe:
         against a float64 reduction of the model's own weights, and how many layer-batches each path reduced (``torch``/``triton`` from queries and keys, ``weights``, ``remote``)."""
         checks = self.checks or FirstBatchChecks()
         return {
-            "source": self.adapter.resolved_source(),
+            "source": self.adapter.source.resolved(),
             "check": dict(checks.source),
             "engine_check": dict(checks.engine),
             "paths": dict(statistics.paths),
@@ -410,8 +411,8 @@ class EquivarianceProbe:
         # Each window's fingerprint goes with its sums (kept only if the batch is added), so that
         # results that share a window refuse to merge, whichever path reduced the batch.
         statistics.begin_batch(lengths, fingerprints=window_fingerprints(rows), resampling_keys=keys)
-        if statistics.n_windows == 0 and self.adapter.first_batch_checks() and (
-            self.checks is None or not self.checks.covers(statistics.engine, self.adapter.resolved_source())
+        if statistics.n_windows == 0 and self.adapter.source.checks() and (
+            self.checks is None or not self.checks.covers(statistics.engine, self.adapter.source.resolved())
         ):
             self.checks = run_first_batch_checks(self.adapter, tokens, statistics)
         self.adapter.run_statistics(tokens, statistics)
@@ -518,7 +519,7 @@ class EquivarianceProbe:
         layout = self.adapter.layout
         predictions = options.predictions
         if predictions is None:  # a causal language model's head; a bare decoder (Gemma3TextModel) has none
-            predictions = layout.causal and self.adapter.has_language_model_head()
+            predictions = layout.causal and self.adapter.has_language_model_head
         config = ShiftConfig(n_layers=layout.n_layers, n_heads=layout.n_heads, offsets=grid.offsets,
                              n_contexts=grid.n_contexts, segment_length=grid.segment_length,
                              prefix_length=len(grid.prefix), mode=grid.mode, interval_groups=options.interval_groups,

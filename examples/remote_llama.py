@@ -80,7 +80,7 @@ def main() -> None:
         model, remote, context = local_model(), False, args.context or 128
     adapter = NNsightAdapter(model, remote=remote, pattern_source=args.pattern_source)
     probe = EquivarianceProbe(adapter)
-    print(probe, "remote" if remote else "local", f"pattern from {adapter.resolved_source()}")
+    print(probe, "remote" if remote else "local", f"pattern from {adapter.source.resolved()}")
 
     docs = documents(args.docs, context, adapter.vocab_size or 512)
     try:

@@ -50,8 +50,8 @@ def test_a_hugging_face_model_wraps_and_unwraps_to_itself_and_its_head_decides_p
     model = _gpt2()
     assert wrap_model(model, None, framework="huggingface", source="tiny", dtype=torch.float32, device="cpu") is model
     assert unwrap_model(model) == (model, "huggingface")
-    assert get_adapter(model).has_language_model_head()
-    assert not get_adapter(model.transformer).has_language_model_head()  # a bare decoder: no head
+    assert get_adapter(model).has_language_model_head
+    assert not get_adapter(model.transformer).has_language_model_head  # a bare decoder: no head
 
 
 def test_an_unknown_framework_or_model_type_is_refused_naming_the_known_ones():

@@ -148,7 +148,7 @@ def test_recompute_works_where_the_model_runs_sdpa_and_leaves_it_so():
     tokens = token_windows()
     expected = run(eager(lambda: tiny_gemma3(window=8)), tokens)
     adapter = NNsightAdapter(transformers_model(hf_model), remote="local")  # auto -> recompute
-    assert adapter.resolved_source() == "recompute"
+    assert adapter.source.resolved() == "recompute"
     assert_same_statistics(run(adapter, tokens), expected)
     assert hf_model.config._attn_implementation == "sdpa"
 

@@ -17,9 +17,8 @@ The whole contract, all of it on :class:`Adapter` (the probe and the statistics 
   the reduction runs elsewhere, ``statistics.reduction_plan`` and ``statistics.add_batch_sums``), built
   on the two standard plans of :mod:`~equivariance_probe.adapters.passes` (each layer's post-softmax pattern
   at ``"weights.{l}"``, or its :class:`~equivariance_probe.adapters.internals.AttentionCall` at ``"qk.{l}"``);
-* where attention comes from: :attr:`~Adapter.pattern_source` (what was asked),
-  :meth:`~Adapter.resolved_source` (what runs), and the first batch's checks that decide it,
-  :meth:`~Adapter.first_batch_checks` and :meth:`~Adapter.use_source`, which the probe runs through
+* where attention comes from: :attr:`~Adapter.source` (an :class:`AttentionSource`: what was asked, what runs,
+  and the first batch's checks that decide it), which the probe runs through
   :func:`~equivariance_probe.adapters.checks.run_first_batch_checks` and records in
   ``metadata["engine"]``;
 * plans: :meth:`~Adapter.plan`, :meth:`~Adapter.check_plan` and :meth:`~Adapter.run_plan` run one forward pass
@@ -30,7 +29,7 @@ The whole contract, all of it on :class:`Adapter` (the probe and the statistics 
   :attr:`~Adapter.segment_capture` (where the block is read, recorded in the result) and, for a model whose
   blocks cannot come back (nnsight on NDIF), :meth:`~Adapter.segment_grid_sums` (a segment's whole grid summed
   where the model runs, :attr:`~Adapter.sums_segment_grid`);
-* errors: :meth:`~Adapter.check_layers_seen` and :meth:`~Adapter.capture_hint`;
+* errors: :func:`check_layers_seen`, with the framework's :attr:`~Adapter.capture_fix`;
 * the registry's declarations (:mod:`~equivariance_probe.adapters.registry` reads them, the way einops
   finds its backends): :attr:`~Adapter.framework`, :attr:`~Adapter.model_types` (checked without importing
   a framework), :attr:`~Adapter.capabilities`, :meth:`~Adapter.wrap` and :meth:`~Adapter.unwrap`.
@@ -125,6 +124,40 @@ class ModelInfo:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class AttentionSource:
+    """Where the main probe's attention comes from, for one adapter: what was asked (``"weights"``: the model's own
+    post-softmax weights; ``"recompute"``: queries and keys, the weights recomputed by the statistics; ``"auto"``),
+    which of the first batch's checks decide it (:func:`~equivariance_probe.adapters.checks.run_first_batch_checks`:
+    ``"source"``, that recomputed weights are the model's own; ``"engine"``, that the engine's sums equal a float64
+    reduction of the model's weights), and what they decided.
+
+    This default is an adapter with one source, its captured weights: nothing to check. Adapters that read queries
+    and keys subclass it (:meth:`auto`, :meth:`checks`).
+    """
+
+    def __init__(self, asked: str = "weights") -> None:
+        self.asked = asked
+        self.decided: str | None = None
+
+    def resolved(self) -> str:
+        """``"weights"`` or ``"recompute"``: what runs (so far)."""
+        if self.asked != "auto":
+            return self.asked
+        return self.decided or self.auto()
+
+    def auto(self) -> str:
+        """What ``"auto"`` means before a check has decided."""
+        return "recompute"
+
+    def checks(self) -> tuple[str, ...]:
+        """What the probe checks on a run's first batch, before reducing it (empty: nothing is recomputed)."""
+        return ()
+
+    def use(self, decided: str) -> None:
+        """Take the source the first batch's ``"source"`` check decided."""
+        self.decided = decided
+
+
 class Adapter(ABC):
     """Base class of the framework adapters.
 
@@ -152,10 +185,11 @@ class Adapter(ABC):
     #: The attention implementation a Hugging Face model must be loaded with to be wrapped for this
     #: framework (``None``: any); a TransformerBridge replaces the attention modules with its own eager ones.
     load_attention: str | None = None
-    #: Where attention comes from, as asked: ``"weights"`` (captured post-softmax patterns),
-    #: ``"recompute"`` (queries and keys, the weights recomputed by the statistics) or ``"auto"``
-    #: (recompute where the first batch's check finds it exact). Adapters that only capture weights keep ``"weights"``.
-    pattern_source: str = "weights"
+    #: Where the main probe's attention comes from (:class:`AttentionSource`; adapters that read queries and keys
+    #: set their own in ``__init__``).
+    source: AttentionSource
+    #: How to make attention capturable for this framework (appended to capture errors).
+    capture_fix: str = ""
     #: Where the shift test reads the segment block, recorded in a shift result's ``metadata["capture"]``.
     segment_capture: str = ""
 
@@ -163,6 +197,7 @@ class Adapter(ABC):
         self.model = model
         self._tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self._layout: AttentionLayout | None = None
+        self.source = AttentionSource()
 
     # -- the registry's declarations ---------------------------------------------
     @classmethod
@@ -199,6 +234,7 @@ class Adapter(ABC):
         """The ``transformers`` model inside ``model`` (one of :attr:`model_types`), ``None`` if there is none."""
         return None
 
+    @property
     def has_language_model_head(self) -> bool:
         """Whether the model predicts the next token (:data:`LANGUAGE_MODEL_HEAD`)."""
         return LANGUAGE_MODEL_HEAD in self.capabilities
@@ -237,33 +273,23 @@ class Adapter(ABC):
     def info(self) -> ModelInfo:
         """Identity of the model for the result's metadata."""
         return ModelInfo(
-            name=self.model_name(),
+            name=self.model_name,
             framework=self.framework,
             dtype=str(self.dtype).replace("torch.", ""),
             device=str(self.device),
         )
 
+    @property
     def model_name(self) -> str:
+        """The model's name (its repository or class), as results record it."""
         return type(self.model).__name__
 
     # -- running ----------------------------------------------------------------
-    #: What the adapter planned for its remote requests from the first one's measured time
-    #: (:class:`~equivariance_probe.adapters.request_sizes.RequestPlan`), or ``None`` (a local model, or
-    #: nothing sent yet). Settable, so that a resumed run sends the requests the interrupted one planned.
-    request_plan: Any = None
-
-    #: Whether a run's batches go to a server as requests (a remote nnsight model), so that a checkpointed run
-    #: keeps each finished request (:mod:`~equivariance_probe.runs.checkpoint`).
-    sends_requests: bool = False
-
-    def restore_request_plan(self, values: dict[str, Any]) -> None:
-        """Take up the plan an interrupted run recorded (:meth:`RequestPlan.to_dict`); nothing for a local model."""
-
-    def request_windows(self, batch_size: int, context_length: int | None = None) -> int:
-        """Windows the next forward pass (for a remote model: the next request) carries when ``batch_size``
-        was asked for, for windows of ``context_length`` tokens: ``batch_size`` here; a remote adapter plans it
-        from its first request's time."""
-        return batch_size
+    #: How the batches of a run are sized as requests to a server
+    #: (:class:`~equivariance_probe.adapters.request_sizes.Requests`: a remote nnsight model), or ``None`` for a
+    #: model that runs here. A checkpointed run keeps each finished request, and the plan it was sent under
+    #: (:mod:`~equivariance_probe.runs.checkpoint`).
+    requests: Any = None
 
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Run a batch and add its attention to ``statistics`` (an ``AttentionStatistics``
@@ -354,23 +380,6 @@ class Adapter(ABC):
             "insides (position probes, permutation sensitivity, representation sums) cannot run on it; use a "
             "Hugging Face model, a TransformerBridge or an nnsight model")
 
-    def resolved_source(self) -> str:
-        """Where this adapter's attention comes from: ``"weights"`` (captured patterns, the default)
-        or ``"recompute"`` (queries and keys, the weights recomputed by the statistics)."""
-        return "weights"
-
-    def first_batch_checks(self) -> tuple[str, ...]:
-        """What the probe checks on a run's first batch, before reducing it
-        (:func:`~equivariance_probe.adapters.checks.run_first_batch_checks`): ``"source"`` (that recomputed
-        weights are the model's own, which decides :meth:`resolved_source`) and ``"engine"`` (that the
-        engine's sums equal a float64 reduction of the model's weights). Empty (the default) for an adapter
-        whose statistics come from captured weights: nothing is recomputed."""
-        return ()
-
-    def use_source(self, source: str) -> None:
-        """Take the source the first batch's ``"source"`` check decided (``"weights"`` or ``"recompute"``);
-        the default, for adapters with one source, ignores it."""
-
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with the tokenizer's own special tokens (e.g. BOS)."""
         tokenizer = self.tokenizer
@@ -382,21 +391,16 @@ class Adapter(ABC):
             )
         return token_ids(tokenizer, text, add_special_tokens=True)
 
-    # -- shared checks ------------------------------------------------------------
-    def check_layers_seen(self, seen: Sequence[int]) -> None:
-        """Raise if a forward pass did not hand over every layer's pattern exactly once."""
-        expected = list(range(self.layout.n_layers))
-        if sorted(seen) != expected:
-            missing = sorted(set(expected) - set(seen))
-            raise AttentionCaptureError(
-                f"the {self.framework} adapter captured attention from layers {sorted(set(seen))} "
-                f"but the model has {self.layout.n_layers} layers (missing: {missing}). "
-                + self.capture_hint()
-            )
 
-    def capture_hint(self) -> str:
-        """How to make attention capturable for this framework (appended to errors)."""
-        return ""
+def check_layers_seen(adapter: Adapter, seen: Sequence[int]) -> None:
+    """Raise :class:`~equivariance_probe.errors.AttentionCaptureError` unless a forward pass handed over every layer of
+    ``adapter``'s model exactly once (``seen``: the layers it handed over), with the framework's fix."""
+    expected = list(range(adapter.layout.n_layers))
+    if sorted(seen) != expected:
+        missing = sorted(set(expected) - set(seen))
+        raise AttentionCaptureError(
+            f"the {adapter.framework} adapter captured attention from layers {sorted(set(seen))} "
+            f"but the model has {adapter.layout.n_layers} layers (missing: {missing}). " + adapter.capture_fix)
 
 
 def token_ids(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:

@@ -1,8 +1,8 @@
 """The first batch's checks of an adapter that reduces queries and keys: one home, run by the probe.
 
 Place in the seams: *adapters*, between an adapter and the statistics. An adapter whose attention
-the statistics recompute from queries and keys (:meth:`Adapter.first_batch_checks
-<equivariance_probe.adapters.base.Adapter.first_batch_checks>` is not empty) is checked on the
+the statistics recompute from queries and keys (:meth:`AttentionSource.checks
+<equivariance_probe.adapters.base.AttentionSource.checks>` is not empty) is checked on the
 first batch of a run, before the batch is reduced: the first window's first :data:`CHECK_TOKENS`
 tokens run once more under eager attention (:func:`~equivariance_probe.adapters.passes.call_pass`),
 and every layer's call is checked twice:
@@ -68,7 +68,7 @@ def run_first_batch_checks(adapter: Adapter, tokens: torch.Tensor, statistics: A
     """Check the recomputation and the engine on the first window of a batch (see the module docstring).
 
     Args:
-        adapter: the run's adapter; what it wants checked is :meth:`~.base.Adapter.first_batch_checks`.
+        adapter: the run's adapter; what it wants checked is :meth:`~.base.AttentionSource.checks`.
         tokens: the batch, ``[batch, query]``.
         statistics: the run's ``AttentionStatistics``, inside ``begin_batch`` (their configuration and
             engine are those checked).
@@ -77,7 +77,7 @@ def run_first_batch_checks(adapter: Adapter, tokens: torch.Tensor, statistics: A
         AttentionCaptureError: ``pattern_source="recompute"`` and the recomputation is not the model's attention.
         EngineCheckError: the engine's sums differ from the reference's.
     """
-    wanted = adapter.first_batch_checks()
+    wanted = adapter.source.checks()
     decides = "source" in wanted
     length = int(statistics.batch_lengths[0]) if statistics.batch_lengths is not None else tokens.shape[1]
     sample = tokens[:1, : max(2, min(length, CHECK_TOKENS))]
@@ -98,7 +98,7 @@ def run_first_batch_checks(adapter: Adapter, tokens: torch.Tensor, statistics: A
             except EquivarianceProbeError as error:  # judged below, once the source is decided
                 engine_failure.append(error)
 
-    required = decides and adapter.pattern_source == "recompute"
+    required = decides and adapter.source.asked == "recompute"
     tolerance = recompute_tolerance(adapter.dtype)
     decision: dict[str, Any] = {"tokens": int(sample.shape[1]), "tolerance": tolerance}
     try:
@@ -145,7 +145,7 @@ def _decided(adapter: Adapter, decides: bool, decision: dict[str, Any],
     """The checks' outcome; where the check decides the adapter's source, the adapter takes it."""
     if not decides:
         return FirstBatchChecks(engine=engine or {})
-    adapter.use_source(decision["source"])
+    adapter.source.use(decision["source"])
     if decision["source"] == "weights":
         warnings.warn(
             f"{type(adapter.model).__name__}: {decision['reason']}; its statistics come from eager "

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, check_choice
-from .base import Adapter, AttentionLayout, RUNS_ENCODERS
+from .base import Adapter, AttentionLayout, AttentionSource, RUNS_ENCODERS
 from .hf_binder import check_hf_plan, run_hf_plan
 from .passes import call_pass, pattern_pass
 from .internals import AttentionCall, eager_weights, position_embedding_modules, recompute_tolerance
@@ -63,6 +63,15 @@ def _positions_in_table(model: Any) -> int | None:
             offset = table.padding_idx + 1 if table.padding_idx is not None else 0
         return int(table.num_embeddings) - int(offset)
     return None
+
+
+class QueriesAndKeys(AttentionSource):
+    """The source of an adapter that reads queries and keys: ``"auto"`` recomputes until the first batch's
+    ``"source"`` check decides, and the first batch checks the source and the engine unless the model's own weights
+    were asked for."""
+
+    def checks(self) -> tuple[str, ...]:
+        return () if self.asked == "weights" else ("source", "engine")
 
 
 class HuggingFaceAdapter(Adapter):
@@ -96,6 +105,7 @@ class HuggingFaceAdapter(Adapter):
 
         return model if isinstance(model, PreTrainedModel) else None
 
+    @property
     def has_language_model_head(self) -> bool:
         """Whether the model's class is a causal LM (``...ForCausalLM``, GPT-2's ``...LMHeadModel``); a bare
         decoder (``Gemma3TextModel``) or an encoder has no head."""
@@ -104,9 +114,7 @@ class HuggingFaceAdapter(Adapter):
     def __init__(self, model: Any, tokenizer: Any | None = None, *, pattern_source: str = "auto") -> None:
         super().__init__(model, tokenizer)
         check_choice("pattern_source", pattern_source, PATTERN_SOURCES)
-        self.pattern_source = pattern_source
-        #: What ``"auto"`` turned out to mean for this model (decided on the first batch's checks), or ``None``.
-        self._checked_source: str | None = None
+        self.source = QueriesAndKeys(pattern_source)
         self.attention_modules = find_attention_modules(model)
         config = text_config(model.config)
         n_heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
@@ -133,6 +141,7 @@ class HuggingFaceAdapter(Adapter):
         embeddings = self.model.get_input_embeddings()
         return int(embeddings.num_embeddings) if embeddings is not None else None
 
+    @property
     def model_name(self) -> str:
         return str(getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__)
 
@@ -143,20 +152,16 @@ class HuggingFaceAdapter(Adapter):
         info.extra["pattern_source"] = self.pattern_source
         return info
 
-    def resolved_source(self) -> str:
-        """``"recompute"`` or ``"weights"``: what ``pattern_source`` means for this model (so far)."""
-        if self.pattern_source != "auto":
-            return self.pattern_source
-        return self._checked_source or "recompute"
+    @property
+    def pattern_source(self) -> str:
+        """Where attention comes from, as asked (``self.source.asked``)."""
+        return self.source.asked
 
     def attn_implementation(self) -> str | None:
         return getattr(self.model.config, "_attn_implementation", None)
 
-    def capture_hint(self) -> str:
-        return (
-            "Load the model with attn_implementation='eager' "
-            "(AutoModelForCausalLM.from_pretrained(..., attn_implementation='eager'))."
-        )
+    capture_fix = ("Load the model with attn_implementation='eager' "
+                   "(AutoModelForCausalLM.from_pretrained(..., attn_implementation='eager')).")
 
     @contextlib.contextmanager
     def eager_eval(self) -> Iterator[None]:
@@ -172,7 +177,7 @@ class HuggingFaceAdapter(Adapter):
                 except Exception as error:  # noqa: BLE001 - any refusal means the same thing to the user
                     raise AttentionCaptureError(
                         f"this model runs attention {original!r}, which does not expose attention weights, "
-                        f"and could not be switched to eager ({error}). " + self.capture_hint()
+                        f"and could not be switched to eager ({error}). " + self.capture_fix
                     ) from error
             self.model.eval()
             yield
@@ -189,18 +194,11 @@ class HuggingFaceAdapter(Adapter):
             self.model.train(was_training)
 
     # -- statistics from queries and keys ---------------------------------------------------------
-    def first_batch_checks(self) -> tuple[str, ...]:
-        """The source and the engine, unless the statistics come from the model's own weights."""
-        return () if self.pattern_source == "weights" else ("source", "engine")
-
-    def use_source(self, source: str) -> None:
-        self._checked_source = source
-
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Run a batch and add its attention to ``statistics``: recomputed from queries and keys while
         the model runs its own kernel, or from eager weights (see the module docstring)."""
         lengths = statistics.batch_lengths
-        if self.resolved_source() == "weights":
+        if self.source.resolved() == "weights":
             pattern_pass(self, tokens, statistics.update, lengths)
             return
         windows = self.layout.sliding_windows

@@ -75,11 +75,11 @@ from ..errors import (
     require_extra,
 )
 from ..statistics.masks import default_log_floor
-from .base import LANGUAGE_MODEL_HEAD, RUNS_REMOTELY, Adapter, AttentionLayout, ModelInfo
+from .base import LANGUAGE_MODEL_HEAD, RUNS_REMOTELY, Adapter, AttentionLayout, AttentionSource, ModelInfo
 from .huggingface import PATTERN_SOURCES, HuggingFaceAdapter
 from .modules import inner_module, parent_layer
 from .nnsight_binder import check_nnsight_plan, run_nnsight_plan
-from .request_sizes import RequestLimits, RequestPlan, plan_requests
+from .request_sizes import RequestLimits, RequestPlan, Requests
 from .server_versions import ServerVersions, checked_server, stated_versions
 from .nnsight_segments import NNsightSegments, _nbytes
 from .passes import call_pass, pattern_pass
@@ -97,6 +97,24 @@ from .nnsight_remote import (
 )
 
 __all__ = ["NNsightAdapter", "PATTERN_SOURCES"]
+
+
+class NNsightSource(AttentionSource):
+    """Where an nnsight model's attention comes from: ``"auto"`` recomputes remotely, and locally reads the model's
+    own weights where it runs eager attention; the first batch checks the engine of a local run that recomputes
+    (on the wrapped model), nothing remotely, where the reduction runs on the server, or from captured weights."""
+
+    def __init__(self, asked: str, adapter: Any) -> None:
+        super().__init__(asked)
+        self._adapter = adapter
+
+    def auto(self) -> str:
+        if self._adapter.remote:
+            return "recompute"
+        return "weights" if self._adapter._hf.attn_implementation() == "eager" else "recompute"
+
+    def checks(self) -> tuple[str, ...]:
+        return ("engine",) if not self._adapter.remote and self.resolved() != "weights" else ()
 
 
 class NNsightAdapter(NNsightSegments, Adapter):
@@ -178,11 +196,13 @@ class NNsightAdapter(NNsightSegments, Adapter):
             raise InputError(f"request_limits must be a RequestLimits, not {type(request_limits).__name__}; pass "
                              "e.g. request_limits=RequestLimits(execution_timeout=600, request_seconds=60)")
         self.remote = remote
-        self.pattern_source = pattern_source
+        self.source = NNsightSource(pattern_source, self)
         self.request_limits = request_limits if request_limits is not None else RequestLimits()
+        #: Each batch of a remote run is a request (``"local"`` included), sized by what the first one measured.
+        self.requests = Requests(self.request_limits) if remote else None
         self.server_versions = stated_versions(server_versions)
         self.server: ServerVersions | None = None
-        #: What was planned from the first segment's request of the shift test (see :attr:`request_plan`), and the
+        #: What was planned from the first segment's request of the shift test (see :attr:`requests`), and the
         #: grid it was measured on (contexts, offsets, segment length): another grid is measured again.
         self.segment_plan: RequestPlan | None = None
         self._segment_grid: tuple[int, int, int] | None = None
@@ -245,8 +265,9 @@ class NNsightAdapter(NNsightSegments, Adapter):
             return config_dtype  # what the server loads; the meta copy here is float32
         return self._hf.dtype
 
+    @property
     def model_name(self) -> str:
-        return str(getattr(self.model, "repo_id", None) or self._hf.model_name())
+        return str(getattr(self.model, "repo_id", None) or self._hf.model_name)
 
     def info(self) -> ModelInfo:
         info = super().info()
@@ -254,7 +275,7 @@ class NNsightAdapter(NNsightSegments, Adapter):
             architecture=type(self.hf_model).__name__,
             wrapper=type(self.model).__name__,
             remote=self.remote if isinstance(self.remote, str) else bool(self.remote),
-            pattern_source=self.resolved_source(),
+            pattern_source=self.source.resolved(),
         )
         if not self.is_remote:
             info.extra["attn_implementation"] = self._hf.attn_implementation()
@@ -263,19 +284,13 @@ class NNsightAdapter(NNsightSegments, Adapter):
                 info.extra["server"] = self.check_server().to_dict()
         return info
 
-    def capture_hint(self) -> str:
-        return (
-            "Load the model with attn_implementation='eager', or pass pattern_source='recompute' "
-            "(EquivarianceProbe(model, pattern_source='recompute'))."
-        )
+    capture_fix = ("Load the model with attn_implementation='eager', or pass pattern_source='recompute' "
+                   "(EquivarianceProbe(model, pattern_source='recompute')).")
 
-    def resolved_source(self) -> str:
-        """``"weights"`` or ``"recompute"``: what ``"auto"`` means for this model."""
-        if self.pattern_source != "auto":
-            return self.pattern_source
-        if self.remote:
-            return "recompute"
-        return "weights" if self._hf.attn_implementation() == "eager" else "recompute"
+    @property
+    def pattern_source(self) -> str:
+        """Where attention comes from, as asked (``self.source.asked``)."""
+        return self.source.asked
 
     # -- remote readiness ----------------------------------------------------------------
     def _check_remote_ready(self) -> None:
@@ -383,11 +398,6 @@ class NNsightAdapter(NNsightSegments, Adapter):
         return [self.model.get(path) for path in self.attention_paths]
 
     # -- running -------------------------------------------------------------------------
-    def first_batch_checks(self) -> tuple[str, ...]:
-        """The engine, for a local run that recomputes (checked on the wrapped model, outside any trace);
-        nothing remotely, where the reduction runs on the server, or from captured weights."""
-        return ("engine",) if not self.remote and self.resolved_source() != "weights" else ()
-
     def check_plan(self, plan: Any) -> None:
         """:meth:`Adapter.check_plan` (:func:`~equivariance_probe.adapters.nnsight_binder.check_nnsight_plan`)."""
         check_nnsight_plan(self, plan)
@@ -398,40 +408,6 @@ class NNsightAdapter(NNsightSegments, Adapter):
         (:func:`~equivariance_probe.adapters.nnsight_binder.run_nnsight_plan`)."""
         return run_nnsight_plan(self, tokens, plan, position_ids=position_ids, attention_mask=attention_mask)
 
-    @property
-    def sends_requests(self) -> bool:  # type: ignore[override]
-        """Whether each batch is a request (remote, ``"local"`` included)."""
-        return bool(self.remote)
-
-    def restore_request_plan(self, values: dict[str, Any]) -> None:
-        """:meth:`Adapter.restore_request_plan`: the interrupted run's measurement, planned again under this
-        adapter's limits (the same plan where the limits are the same, so the resumed run sends the same
-        requests; a plan that was refused is lifted by larger limits)."""
-        measured = RequestPlan.from_dict(values)
-        self.request_plan = self._plan_windows(measured.measured_seconds, measured.measured_documents,
-                                               measured.reply_bytes, measured.context_length)
-
-    def _plan_windows(self, seconds: float, windows: int, reply_bytes: int, context_length: int | None
-                      ) -> RequestPlan:
-        """The main run's plan after a first request of ``windows`` windows of ``context_length`` tokens (the
-        batch size asked for bounds it in :meth:`request_windows`). Its reply's sums have fixed shapes
-        (:func:`reply_nbytes`), so the reply is recorded, not planned."""
-        return plan_requests(seconds, windows, reply_bytes, self.request_limits, unit="window",
-                             fix="a shorter context_length", context_length=context_length)
-
-    def request_windows(self, batch_size: int, context_length: int | None = None) -> int:
-        """:meth:`Adapter.request_windows`: remotely (``"local"`` included), one request is one batch, and after the
-        first request of windows of ``context_length`` tokens its windows are what
-        :func:`~equivariance_probe.adapters.request_sizes.plan_requests` planned from that request's wall time
-        (never more than ``batch_size``, unless ``documents_per_request`` says so). Another window length is
-        measured again."""
-        if not self.remote:
-            return batch_size
-        plan, explicit = self.request_plan, self.request_limits.documents_per_request
-        if plan is None or plan.refused is not None or plan.context_length != context_length:
-            return explicit or batch_size  # a refused plan stops the next request when it is sent
-        return plan.documents if explicit else min(batch_size, plan.documents)
-
     def run_statistics(self, tokens: torch.Tensor, statistics: Any) -> None:
         """Run a batch and add it to ``statistics`` (between ``begin_batch``/``end_batch``).
 
@@ -441,7 +417,7 @@ class NNsightAdapter(NNsightSegments, Adapter):
         sums of :func:`reply_nbytes` bytes come back, however many windows the batch has.
         """
         if not self.remote:
-            if self.resolved_source() == "weights":
+            if self.source.resolved() == "weights":
                 pattern_pass(self, tokens, statistics.update)
             else:
                 call_pass(self, tokens, lambda call: statistics.update_from_scores(
@@ -462,18 +438,19 @@ class NNsightAdapter(NNsightSegments, Adapter):
         if statistics.log_floor is None:
             # What an eager run of this model would use, so the sums merge with local ones.
             statistics.log_floor = default_log_floor(self.dtype)
-        if self.request_plan is not None and self.request_plan.context_length != statistics.n_positions:
-            self.request_plan = None  # measured at another window length: measure this one
-        self._refuse_if_planned(self.request_plan, "batch")
-        source = self.resolved_source()
+        requests = self.requests
+        if requests.plan is not None and requests.plan.context_length != statistics.n_positions:
+            requests.plan = None  # measured at another window length: measure this one
+        self._refuse_if_planned(requests.plan, "batch")
+        source = self.source.resolved()
         width = int(tokens.shape[1])
         plan = {"source": source, "model_windows": list(self.layout.sliding_windows), **statistics.reduction_plan(width)}
         started = perf_counter()
         sums = self._trace_statistics(tokens, lengths.cpu(), plan, source)
         elapsed = perf_counter() - started
         statistics.add_batch_sums(sums, width)
-        if self.request_plan is None:
-            self.request_plan = self._plan_windows(elapsed, int(tokens.shape[0]), _nbytes(sums), statistics.n_positions)
+        if requests.plan is None:
+            requests.plan = requests.planned(elapsed, int(tokens.shape[0]), _nbytes(sums), statistics.n_positions)
 
     @staticmethod
     def _refuse_if_planned(plan: RequestPlan | None, unit: str) -> None:
@@ -522,7 +499,7 @@ class NNsightAdapter(NNsightSegments, Adapter):
             if isinstance(error, ValueError) and NO_WEIGHTS in str(error):
                 raise AttentionCaptureError(
                     f"the attention modules returned no attention weights (pattern_source={source!r} needs eager "
-                    f"attention). {self.capture_hint()}"
+                    f"attention). {self.capture_fix}"
                 ) from error
             if self.is_remote and is_remote_failure(error):
                 host = self.remote if isinstance(self.remote, str) else configured_host()

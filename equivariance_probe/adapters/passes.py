@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..errors import RemoteExecutionError
+from .base import check_layers_seen
 from .plan import Read, Stop
 
 __all__ = ["pattern_pass", "call_pass", "encoder_mask"]
@@ -39,7 +40,7 @@ def pattern_pass(adapter: Any, tokens: torch.Tensor, on_pattern: Callable[[int, 
             probe reduces them there, :meth:`~equivariance_probe.adapters.base.Adapter.run_statistics`).
         AttentionCaptureError: a layer whose pattern was not handed over.
     """
-    if adapter.sends_requests:
+    if adapter.requests is not None:
         raise RemoteExecutionError(
             "patterns of a remote model cannot be streamed here (they would be gigabytes per document); "
             "EquivarianceProbe.run reduces them on the server (run_statistics), or pass remote=False")
@@ -55,7 +56,7 @@ def pattern_pass(adapter: Any, tokens: torch.Tensor, on_pattern: Callable[[int, 
     steps: list[tuple[str, Any]] = [(f"weights.{layer}", read(layer)) for layer in range(last + 1)]
     adapter.run_plan(tokens, adapter.plan([*steps, (f"weights.{last}", Stop())]),
                      attention_mask=encoder_mask(adapter, tokens, lengths))
-    adapter.check_layers_seen(seen)
+    check_layers_seen(adapter, seen)
 
 
 def call_pass(adapter: Any, tokens: torch.Tensor, on_call: Callable[[Any], None], *, eager: bool = False,
@@ -87,4 +88,4 @@ def call_pass(adapter: Any, tokens: torch.Tensor, on_call: Callable[[Any], None]
     steps.append((f"qk.{layers[-1]}", Stop()))
     adapter.run_plan(tokens, adapter.plan(steps, own_kernel=not eager),
                      attention_mask=encoder_mask(adapter, tokens, lengths))
-    adapter.check_layers_seen(sorted(set(seen)))
+    check_layers_seen(adapter, sorted(set(seen)))

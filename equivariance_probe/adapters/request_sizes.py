@@ -37,6 +37,8 @@ __all__ = [
     "RequestLimits",
     "RequestPlan",
     "plan_requests",
+    "Requests",
+    "windows_per_pass",
     "NDIF_EXECUTION_TIMEOUT_SECONDS",
     "NNSIGHT_READ_TIMEOUT_SECONDS",
     "INLINE_REPLY_BYTES",
@@ -214,3 +216,51 @@ def _target_words(limits: RequestLimits) -> str:
     if limits.read_timeout is not None:
         parts.append(f"nnsight's read timeout {limits.read_timeout:g} s")
     return f"{limits.fraction:g} of the smaller of {' and '.join(parts)}"
+
+
+class Requests:
+    """How a remote adapter sizes the requests of a run: its limits, and what it planned from the first request of a
+    window length (:func:`plan_requests`). An adapter whose batches are requests to a server carries one
+    (:attr:`~equivariance_probe.adapters.base.Adapter.requests`); a local adapter carries none.
+
+    Attributes:
+        limits: what a request is sized against.
+        plan: what was planned from the first request's measured time (``None``: nothing sent yet). Settable, so
+            that a resumed run sends the requests the interrupted one planned (:meth:`restore`).
+    """
+
+    def __init__(self, limits: RequestLimits) -> None:
+        self.limits = limits
+        self.plan: RequestPlan | None = None
+
+    def planned(self, seconds: float, windows: int, reply_bytes: int, context_length: int | None) -> RequestPlan:
+        """The main run's plan after a first request of ``windows`` windows of ``context_length`` tokens (the batch
+        size asked for bounds it in :meth:`windows`). Its reply's sums have fixed shapes, so the reply is recorded,
+        not planned."""
+        return plan_requests(seconds, windows, reply_bytes, self.limits, unit="window", fix="a shorter context_length",
+                             context_length=context_length)
+
+    def restore(self, values: dict[str, Any]) -> None:
+        """Take up the plan an interrupted run recorded (:meth:`RequestPlan.to_dict`), planned again under these
+        limits (the same plan where the limits are the same, so the resumed run sends the same requests; a plan that
+        was refused is lifted by larger limits)."""
+        measured = RequestPlan.from_dict(values)
+        self.plan = self.planned(measured.measured_seconds, measured.measured_documents, measured.reply_bytes,
+                                 measured.context_length)
+
+    def windows(self, batch_size: int, context_length: int | None = None) -> int:
+        """Windows the next request carries when ``batch_size`` was asked for, for windows of ``context_length``
+        tokens: after the first request of that length, what :func:`plan_requests` planned from its wall time (never
+        more than ``batch_size``, unless ``documents_per_request`` says so). Another window length is measured
+        again."""
+        plan, explicit = self.plan, self.limits.documents_per_request
+        if plan is None or plan.refused is not None or plan.context_length != context_length:
+            return explicit or batch_size  # a refused plan stops the next request when it is sent
+        return plan.documents if explicit else min(batch_size, plan.documents)
+
+
+def windows_per_pass(adapter: Any, batch_size: int, context_length: int | None = None) -> int:
+    """Windows the next forward pass carries: ``batch_size`` for a local model, what a remote adapter's
+    :class:`Requests` planned for one whose passes are requests."""
+    requests = getattr(adapter, "requests", None)
+    return batch_size if requests is None else requests.windows(batch_size, context_length)

@@ -110,11 +110,11 @@ class _TransformerLensAdapter(Adapter):
     def vocab_size(self) -> int | None:
         return int(self.model.cfg.d_vocab)
 
+    @property
     def model_name(self) -> str:
         return str(getattr(self.model.cfg, "model_name", "") or type(self.model).__name__)
 
-    def capture_hint(self) -> str:
-        return "Check that the model's hook points include blocks.{l}.attn.hook_pattern for every layer."
+    capture_fix = "Check that the model's hook points include blocks.{l}.attn.hook_pattern for every layer."
 
     @contextlib.contextmanager
     def _eval(self) -> Iterator[None]:

@@ -238,7 +238,7 @@ def permutation_sensitivity(
         if "no_positions" in plan.ablation and calls == 0:
             raise AttentionCaptureError(
                 f"ablation {name!r}: found no rotary embedding and no position-embedding table to remove in "
-                f"{adapter.model_name()}; if the model has no position encoding, leave 'no_positions' out"
+                f"{adapter.model_name}; if the model has no position encoding, leave 'no_positions' out"
             )
         if plan.ablation and max(deltas) == 0.0:
             raise AttentionCaptureError(f"ablation {name!r} did not change the model's output: it did not take effect")

@@ -408,7 +408,7 @@ def shift_view(model: Any, segments: Sequence[Any], contexts: Sequence[Any] | No
     where = "position ids moved" if mode == "position_ids" else f"after context {context}"
     return ShiftView(tokens=_token_strings(adapter, grid.segments[0].tolist()), head=(layer, index), offsets=offsets,
                      conditional=conditional, centred=centred, entries=entries[layer].numpy(), causal=layout.causal,
-                     title=f"Model {result.model_name if result is not None else adapter.model_name()}, segment "
+                     title=f"Model {result.model_name if result is not None else adapter.model_name}, segment "
                            f"{segment} ({where}).", decimals=decimals)
 
 

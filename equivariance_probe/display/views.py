@@ -377,7 +377,7 @@ def head_views(
         start=start,
         log_floor=log_floor,
         decimals=decimals,
-        title=f"Model {_display_name(adapter.model_name())}, one document of {len(ids)} tokens.",
+        title=f"Model {_display_name(adapter.model_name)}, one document of {len(ids)} tokens.",
         scores=_rank_labels(ranking, heads),
         overview=block_overview,
     )

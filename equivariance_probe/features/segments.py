@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..adapters.base import SegmentBatch
+from ..adapters.base import SegmentBatch, check_layers_seen
 from ..adapters.components import ComponentRequest, parse_piece
 from ..adapters.plan import Read, Replace, Stop
 from ..adapters.segments import (Spans, kept_positions, segment_blocks_at, segment_log_probs, segment_rows,
@@ -112,7 +112,7 @@ def segment_pass(adapter: Any, tokens: torch.Tensor, lengths: torch.Tensor, segm
     adapter.run_plan(tokens, plan, position_ids=None if position_start is None
                      else shifted_position_ids(position_start, width), attention_mask=mask)
     if on_attention is not None:
-        adapter.check_layers_seen(sorted(set(seen)))
+        check_layers_seen(adapter, sorted(set(seen)))
     return kept.get("log_probs")
 
 

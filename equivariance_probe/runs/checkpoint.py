@@ -363,16 +363,16 @@ class CheckpointedRun:
         # A remote model's batches are requests to a server: each is its own chunk, so that every finished
         # request is in the checkpoint, and its size is what the adapter planned from the first request's time
         # (recorded in the state, so a resumed run sends the requests the interrupted one would have).
-        per_request = adapter.sends_requests
-        if per_request and self.current is not None and self.current.get("requests"):
-            adapter.restore_request_plan(self.current["requests"])
+        requests = adapter.requests
+        if requests is not None and self.current is not None and self.current.get("requests"):
+            requests.restore(self.current["requests"])
         unit = counted(docs)
         bar = progress_bar(progress, len(docs), f"{name}: {unit}", unit)
         bar.update(position)
         try:
             start = position
             while start < len(docs):
-                chunk = docs[start : start + (adapter.request_windows(options.batch_size, options.context_length) if per_request else every)]
+                chunk = docs[start : start + (requests.windows(options.batch_size, options.context_length) if requests else every)]
                 try:
                     part = probe.run(chunk, options.replace(sample_seed=chunk_seed(*seed_parts, start // every)),
                                      progress=False)
@@ -393,7 +393,7 @@ class CheckpointedRun:
                 position = start = start + len(chunk)
                 bar.update(len(chunk))
                 if self.folder is not None and position < len(docs):
-                    self.save_progress(name, position, skipped, total, adapter.request_plan)
+                    self.save_progress(name, position, skipped, total, requests and requests.plan)
         finally:
             bar.close()
         if total is None:
@@ -403,8 +403,8 @@ class CheckpointedRun:
             )
         total.metadata["skipped_windows"] = skipped
         total.metadata["complete"] = True
-        if per_request and adapter.request_plan is not None:  # the plan the last requests were sent under
-            total.metadata["requests"] = adapter.request_plan.to_dict()
+        if requests is not None and requests.plan is not None:  # the plan the last requests were sent under
+            total.metadata["requests"] = requests.plan.to_dict()
         return self.finish(name, total, metadata)
 
     def resume_point(self, name: str) -> tuple[int, int, Any]:

@@ -180,7 +180,7 @@ def test_requests_are_sized_to_a_quarter_of_a_short_server_timeout(short_timeout
         with pytest.warns(UserWarning, match="interval groups dropped"):
             result = probe.run(tokens, batch_size=4, progress=False)
     except RequestTooLongError as refused:
-        plan = probe.adapter.request_plan
+        plan = probe.adapter.requests.plan
         assert plan.predicted_seconds > SHORT_TIMEOUT / 4 and plan.measured_documents == 4
         assert refused.partial_result.statistics.n_windows == 4 and len(sent_and_received["received"]) == 1
         return
