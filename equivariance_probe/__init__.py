@@ -33,7 +33,8 @@ Measure:
   :func:`shift_divergence_figure`, :func:`shift_sink_figure` with :func:`sink_layer_groups`,
   :func:`shift_massive_figure`,
   :func:`shift_attribution_figure`, :func:`shift_patching_figure`),
-  :func:`shift_view` / :class:`ShiftView` (one head at two offsets, offline CircuitsVis),
+  :func:`shift_view` / :class:`ShiftView` (one head at two offsets, offline CircuitsVis); a mechanism of one's own,
+  :class:`SegmentMechanism` (a site and a measure, read by offset: :func:`mechanism_by_offset`),
   :func:`shift_report_section`, :func:`render_shift_report`.
 * :func:`get_adapter`, :class:`Adapter`, :class:`AttentionLayout`, :data:`SUPPORTED_MODELS` —
   the framework seam.
@@ -142,6 +143,7 @@ from .records.provenance import window_fingerprint
 from .records.sharding import Shard
 from .maths.intervals import Interval
 from .result import PersistenceCurves, ProbeResult, paired_difference
+from .features.mechanisms import SegmentMechanism, mechanism_by_offset
 from .shift_result import ShiftResult
 from .sources.shift_grid import ShiftGrid, ShiftOptions, split_documents
 from .statistics.shift import ShiftStatistics
@@ -236,6 +238,8 @@ __all__ = [
     "shift_massive_figure",
     "shift_attribution_figure",
     "shift_patching_figure",
+    "SegmentMechanism",
+    "mechanism_by_offset",
     "shift_report_section",
     "render_shift_report",
     # further analyses

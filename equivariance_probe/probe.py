@@ -508,7 +508,10 @@ class EquivarianceProbe:
                     on_segment(result)
         result.metadata["complete"] = True
         # Every adapter that runs the shift test holds a Hugging Face model (raw weights) inside.
-        record_checks(result, has_rotary=bool(rotary_modules(hf_model_of(self.adapter.model))),
+        rotary = self.adapter.layout.rotary
+        if rotary is None:  # an adapter that does not say: the Hugging Face model inside
+            rotary = bool(rotary_modules(hf_model_of(self.adapter.model)))
+        record_checks(result, has_rotary=rotary,
                       dtype=str(self.adapter.dtype).replace("torch.", ""), head_differences=heads)
         return result
 
@@ -524,7 +527,7 @@ class EquivarianceProbe:
                              n_contexts=grid.n_contexts, segment_length=grid.segment_length,
                              prefix_length=len(grid.prefix), mode=grid.mode, interval_groups=options.interval_groups,
                              causal=layout.causal, sliding_windows=tuple(layout.sliding_windows),
-                             predictions=bool(predictions), hidden_size=residual_width(self.adapter.model),
+                             predictions=bool(predictions), hidden_size=layout.hidden_size or residual_width(self.adapter.model),
                              components=self._attribution_components(options),
                              patch_components=tuple(options.patch), patch_reference=options.patch_reference)
         statistics = ShiftStatistics(config)
@@ -551,20 +554,22 @@ class EquivarianceProbe:
             UnsupportedModelError: attribution heads on a model whose segment grid is summed where it runs (nnsight
                 remote), which reads block-level components only.
         """
-        from .adapters.components import block_component_names, block_parts, head_component_names
-        from .adapters.modules import hf_model_of
+        from .adapters.components import block_component_names, head_component_names
+        from .adapters.plan import Read
 
-        if options.attribution or options.patch:  # refuses, before any window runs, a block it cannot split
-            block_parts(hf_model_of(self.adapter.model))
-        if not options.attribution:
-            return ()
-        if self.adapter.sums_segment_grid and options.attribution_heads:
+        if options.attribution and self.adapter.sums_segment_grid and options.attribution_heads:
             raise UnsupportedModelError(
                 f"attribution_heads={list(options.attribution_heads)}: a head's part is formed from its output and the "
                 "output projection's weights, which a remote nnsight session (the segment's grid summed on the server) "
                 "does not read; ask the remote model for the block-level attribution (attribution=True alone), or "
                 "run the heads on a local model (remote=False)")
         layout = self.adapter.layout
+        if options.attribution or options.patch:  # refuses, before any window runs, a block it cannot split
+            sites = [*block_component_names(layout.n_layers),
+                     *(f"pieces.{layer}" for layer in (options.attribution_heads if options.attribution else ()))]
+            self.adapter.check_plan(self.adapter.plan([(site, Read(lambda value: None)) for site in sites]))
+        if not options.attribution:
+            return ()
         return block_component_names(layout.n_layers) + head_component_names(options.attribution_heads, layout.n_heads)
 
     def _shift_segment(self, grid: Any, g: int, batch_size: int, statistics: ShiftStatistics,

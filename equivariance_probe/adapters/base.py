@@ -97,6 +97,9 @@ class AttentionLayout:
         max_context: the longest window the model accepts, or ``None`` if unbounded.
         causal: ``False`` for a bidirectional encoder (BERT): query ``q`` sees every real key of
             its window, and padding keys are hidden by the attention mask the adapter passes.
+        hidden_size: ``d``, the residual stream's width (``None``: the framework does not say).
+        rotary: whether positions enter as rotations of the queries and keys (``None``: not said), which decides
+            the shift test's built-in check.
     """
 
     n_layers: int
@@ -104,6 +107,8 @@ class AttentionLayout:
     sliding_windows: tuple[int | None, ...]
     max_context: int | None = None
     causal: bool = True
+    hidden_size: int | None = None
+    rotary: bool | None = None
 
     def __post_init__(self) -> None:
         if len(self.sliding_windows) != self.n_layers:

@@ -40,7 +40,7 @@ from ..errors import AttentionCaptureError, check_choice
 from .base import Adapter, AttentionLayout, AttentionSource, RUNS_ENCODERS
 from .hf_binder import check_hf_plan, run_hf_plan
 from .passes import call_pass, pattern_pass
-from .internals import AttentionCall, eager_weights, position_embedding_modules, recompute_tolerance
+from .internals import AttentionCall, eager_weights, position_embedding_modules, recompute_tolerance, rotary_modules
 from .modules import (
     config_max_context,
     find_attention_modules,
@@ -134,6 +134,8 @@ class HuggingFaceAdapter(Adapter):
             else layer_windows(model.config, len(self.attention_modules)),
             max_context=int(max_context) if max_context else None,
             causal=not bidirectional,
+            hidden_size=int(config.hidden_size) if getattr(config, "hidden_size", None) else None,
+            rotary=bool(rotary_modules(model)),
         )
 
     @property

@@ -24,7 +24,7 @@ from .base import LANGUAGE_MODEL_HEAD, Adapter, AttentionLayout
 from .hooked_binder import check_hooked_plan, run_hooked_plan
 from .tl_binder import check_bridge_plan, run_bridge_plan
 from .components import parse_component_of
-from .internals import recompute_tolerance
+from .internals import recompute_tolerance, rotary_modules
 from .modules import layer_windows
 from .segments import block_difference, hidden_keys, judged_recompute_check, segment_block, segment_spans
 
@@ -101,7 +101,17 @@ class _TransformerLensAdapter(Adapter):
             n_heads=int(model.cfg.n_heads),
             sliding_windows=self._windows(n_layers),
             max_context=int(model.cfg.n_ctx) if getattr(model.cfg, "n_ctx", None) else None,
+            hidden_size=int(model.cfg.d_model),
+            rotary=self._rotary(),
         )
+
+    def _rotary(self) -> bool:
+        """Whether positions enter as rotations: the wrapped transformers model's rotary modules where there is one
+        (a bridge), else the config's ``positional_embedding_type``."""
+        original = getattr(self.model, "original_model", None)
+        if original is not None:
+            return bool(rotary_modules(original))
+        return getattr(self.model.cfg, "positional_embedding_type", None) == "rotary"
 
     def _windows(self, n_layers: int) -> tuple[int | None, ...]:
         raise NotImplementedError

@@ -359,7 +359,7 @@ class SegmentGrid:
         add_component_to_state(self._components, name, offset_index, values)
 
     def add_heads_difference(self, value: float) -> None:
-        """Note one forward pass's :class:`~equivariance_probe.adapters.segments.HeadsCheck` difference (the largest
+        """Note one forward pass's :class:`~equivariance_probe.features.segments.HeadsCheck` difference (the largest
         is kept in :attr:`heads_difference`; a NaN, heads that were not all seen, is kept for good)."""
         if not math.isnan(self.heads_difference):
             self.heads_difference = value if math.isnan(value) else max(self.heads_difference, value)

@@ -64,3 +64,44 @@ def test_zero_weights_give_r2_one():
     for scale in ("log", "raw"):
         for form in ("prior", "fitted", "eta2"):
             assert result.query_position_r2(scale, form) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_the_shift_test_and_a_mechanism_run_through_the_hook_points():
+    """The shift test runs on a HookedTransformer through its binder (scores at ``attn.hook_attn_scores``, the
+    residual stream, the logits it returns): a mechanism of one's own, the mean norm of block 1's MLP output at the
+    segment, equals the one read by hand from ``run_with_cache`` at every offset."""
+    from equivariance_probe.features.mechanisms import SegmentMechanism, mechanism_by_offset
+    from equivariance_probe.sources.shift_grid import shift_grid
+
+    model = tiny()
+    generator = torch.Generator().manual_seed(2)
+    segments = [torch.randint(0, 50, (5,), generator=generator).tolist() for _ in range(2)]
+    contexts = [torch.randint(0, 50, (12,), generator=generator).tolist() for _ in range(2)]
+    offsets = [0, 4, 9]
+
+    def norm(rows):
+        return rows.to(torch.float64).norm(dim=-1).mean()
+
+    result = EquivarianceProbe(model).shift(segments, contexts, offsets=offsets, segment_length=5, batch_size=2,
+                                            progress=False, interval_groups=2,
+                                            mechanisms=[SegmentMechanism("mlp", "mlp.1", norm)])
+    assert result.metadata["complete"] is True and np.isfinite(result.share("residual", "offset"))
+    grid = shift_grid(segments, contexts, None, offsets=offsets, segment_length=5)
+    by_hand = []
+    for offset in offsets:
+        values = []
+        for g in range(2):
+            for c in range(2):
+                window, _ = grid.window(g, c, offset)
+                _, cache = model.run_with_cache(torch.tensor([window]))
+                values.append(float(norm(cache["blocks.1.hook_mlp_out"][0, -5:])))
+        by_hand.append(np.mean(values))
+    np.testing.assert_allclose(mechanism_by_offset(result.metadata, "mlp")["mean"], by_hand, rtol=1e-5)
+
+
+def test_what_a_hooked_transformer_cannot_give_is_refused_by_name():
+    from equivariance_probe.errors import AttentionCaptureError
+
+    with pytest.raises(AttentionCaptureError, match="takes no position ids"):
+        EquivarianceProbe(tiny()).shift([[1, 2, 3, 4, 5]], None, mode="position_ids", offsets=[0, 3],
+                                        segment_length=5, progress=False)
