@@ -201,7 +201,10 @@ class HuggingFaceAdapter(Adapter):
         the model runs its own kernel, or from eager weights (see the module docstring)."""
         lengths = statistics.batch_lengths
         if self.source.resolved() == "weights":
-            pattern_pass(self, tokens, statistics.update, lengths)
+            # Switched here rather than by the pass's interception: a model that cannot be switched to eager is
+            # refused with the fix, and one that cannot be switched back keeps its complete statistics, with a warning.
+            with self.eager_eval():
+                pattern_pass(self, tokens, statistics.update, lengths)
             return
         windows = self.layout.sliding_windows
 

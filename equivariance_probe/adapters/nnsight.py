@@ -418,7 +418,8 @@ class NNsightAdapter(NNsightSegments, Adapter):
         """
         if not self.remote:
             if self.source.resolved() == "weights":
-                pattern_pass(self, tokens, statistics.update)
+                with self._local_run("weights"):  # eager attention switched as the Hugging Face adapter switches it
+                    pattern_pass(self, tokens, statistics.update)
             else:
                 call_pass(self, tokens, lambda call: statistics.update_from_scores(
                     call.layer, call.query, call.key, scaling=call.scaling, softcap=call.softcap))
