@@ -62,7 +62,8 @@ def check_nnsight_plan(adapter: Any, plan: Plan) -> None:
             raise RemoteExecutionError(
                 f"a remote model's plan (remote={adapter.remote!r}) reads site {site.name!r} (every query and key of "
                 "the layer) only through a reduce that runs on the server: give Read(fn, reduce=...), a torch-only "
-                "function of the attention call that returns what fn needs")
+                "function of the attention call that returns what fn needs, or run the analysis on a local nnsight "
+                "model (remote=False) or the Hugging Face model")
 
 
 def run_nnsight_plan(adapter: Any, tokens: torch.Tensor, plan: Plan, *, position_ids: torch.Tensor | None = None,

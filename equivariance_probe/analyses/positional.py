@@ -1,10 +1,11 @@
 """Where position enters attention: position-embedding Gram matrices, positional logits, TISA kernels.
 
 Place in the seams: *analyses*. Tensor maths (:func:`gram_toeplitz`,
-:func:`diagonal_profile_sums`) on top of :mod:`~equivariance_probe.maths` (Toeplitz R², TISA's
-kernel fit), plus thin functions that read a Hugging Face model (raw weights: TransformerLens
-bridges and nnsight models are unwrapped, so no TransformerLens weight processing, whose
-centring would change the Gram matrix) through :mod:`~equivariance_probe.adapters.internals`.
+:func:`diagonal_profile_sums`, a torch-only kernel of :mod:`~equivariance_probe.statistics.engines.in_trace`) on
+top of :mod:`~equivariance_probe.maths` (Toeplitz R², TISA's kernel fit), plus thin functions that read a Hugging
+Face model's weights (raw: TransformerLens bridges and nnsight models are unwrapped, so no TransformerLens weight
+processing, whose centring would change the Gram matrix) through :mod:`~equivariance_probe.adapters.internals`;
+:func:`score_profile` reads attention calls through a plan (site ``"qk.{l}"``), so it runs on every framework.
 docs/methods.md#toeplitz;
 Wennberg & Henter, "The Case for Translation-Invariant Self-Attention" (TISA), Fig. 1-2,
 eq. 9-12 and appendix B.
@@ -273,8 +274,11 @@ def score_profile(
 ) -> ScoreProfile:
     """Diagonal profiles of each head's mean pre-softmax scores over token windows.
 
+    Each layer's attention call (site ``"qk.{l}"``) is reduced to its sums and counts by lag where the model runs,
+    so a remote nnsight model sends back ``2·H·(2T − 1)`` numbers per layer and batch.
+
     Args:
-        model: a ``transformers`` model (or wrapped; see module docstring).
+        model: a ``transformers`` model, a TransformerBridge, an nnsight model (local or remote) or a probe.
         tokens: ``[n_windows, T]`` token ids (equal-length windows, no padding).
         batch_size: windows per forward pass.
         exclude_keys: key positions left out (e.g. ``[0]``: a BOS attention sink, which
