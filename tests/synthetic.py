@@ -186,6 +186,7 @@ def save_tiny_model_with_tokenizer(folder, kind: str = "gpt2", n_positions: int 
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", bos_token="<bos>", eos_token="<eos>")
     builders = {"gpt2": lambda: tiny_gpt2(n_positions=n_positions),
                 "gemma3": lambda: tiny_gemma3(window=8, max_positions=n_positions),
+                "llama": tiny_llama,
                 "jetmoe": lambda: tiny_jetmoe(max_positions=n_positions)}
     model = builders[kind]()
     model.save_pretrained(folder)

@@ -134,15 +134,16 @@ def test_wrapped_models_and_probes_use_the_raw_hugging_face_weights(tmp_path):
     wrapped = {backend: load_model(path, framework=backend)[0] for backend in ("transformer_lens", "nnsight")}
     for backend, model in wrapped.items():
         assert gram_toeplitz(position_embedding_table(model)[0]).r2_whole == reference.r2_whole, backend
-    # nnsight runs the Hugging Face modules; the bridge replaces the attention modules with its own,
-    # which bypass transformers' attention functions: a clear refusal instead of empty numbers.
-    from equivariance_probe.errors import AttentionCaptureError
+    # nnsight runs the Hugging Face modules; the bridge's own hooks carry the queries and keys transformers'
+    # attention call would receive, so both give the Hugging Face model's profile.
     from equivariance_probe.analyses.positional import score_profile
 
     tokens = torch.randint(3, 60, (1, 8))
-    assert score_profile(wrapped["nnsight"], tokens).sums.shape == (2, 4, 15)
-    with pytest.raises(AttentionCaptureError, match="TransformerBridge replaces the attention modules"):
-        score_profile(wrapped["transformer_lens"], tokens)
+    expected = score_profile(hf, tokens)
+    for backend, model in wrapped.items():
+        got = score_profile(model, tokens)
+        assert got.sums.shape == (2, 4, 15) and np.array_equal(got.counts, expected.counts), backend
+        np.testing.assert_allclose(got.sums, expected.sums, rtol=1e-5, atol=1e-6, err_msg=backend)
     probe = EquivarianceProbe(copy.deepcopy(hf), tokenizer=tokenizer)
     study = run_positional(probe, docs=["the a of and to in is was for on as with by at from that " * 3] * 2,
                              analyses=("gram", "permutation"), n_prompts=1, prompt_length=12, n_permutations=2,

@@ -108,15 +108,15 @@ def test_residual_samples_and_permutation_sensitivity_through_a_bridge_equal_hug
     assert mine.upper_mass["none"] == theirs.upper_mass["none"] == 0.0  # causal weights: nothing above the diagonal
 
 
-def test_a_bridge_refuses_ablations_and_queries_before_any_pass(bridged):
+def test_a_bridge_refuses_ablations_before_any_pass(bridged):
     _, bridge = bridged
     fired = []
     handle = bridge.blocks[0].register_forward_hook(lambda *args: fired.append(1))
     try:
         with pytest.raises(AttentionCaptureError, match="'no_mask' acts on transformers' attention call"):
             permutation_sensitivity(bridge, _windows(2), n_permutations=2, ablations=("none", "no_mask"))
-        with pytest.raises(AttentionCaptureError, match="TransformerBridge replaces the attention modules"):
-            adapter_of(bridge).check_plan(adapter_of(bridge).plan([("qk.0", Read(len))]))
+        with pytest.raises(AttentionCaptureError, match="'no_positions' acts on transformers' attention call"):
+            adapter_of(bridge).check_plan(adapter_of(bridge).plan([("qk.0", Read(len))], ablation="no_positions"))
     finally:
         handle.remove()
     assert not fired
@@ -193,10 +193,12 @@ def test_the_position_probe_samples_on_the_remote_path_equal_hugging_face_and_re
     positions = probe_positions(len(tokens), tokens.shape[1], 4, seed=3)
     expected = residual_samples(hf, tokens, positions, batch_size=2)
     assert torch.equal(residual_samples(adapter, tokens, positions, batch_size=2), expected)
-    for plan_steps, ablation in (([("resid.0", Read(len))], "no_mask"), ([("qk.0", Read(len))], None),
-                                 ([("resid.0", Replace(torch.zeros(1)))], None)):
+    for plan_steps, ablation in (([("resid.0", Read(len))], "no_mask"), ([("resid.0", Replace(torch.zeros(1)))], None)):
         with pytest.raises(RemoteExecutionError, match="local nnsight model"):
             adapter.check_plan(adapter.plan(plan_steps, ablation=ablation))
+    # A layer's queries and keys do not travel whole: a read of the attention call needs a reduce on the server.
+    with pytest.raises(RemoteExecutionError, match="'qk.0'.*reduce="):
+        adapter.check_plan(adapter.plan([("qk.0", Read(len))]))
 
 
 def test_a_remote_plan_ships_its_reducers_by_value_and_brings_back_only_what_they_pick(monkeypatch):

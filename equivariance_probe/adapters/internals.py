@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..errors import AttentionCaptureError, InputError, ReplacedAttentionFunctionError
-from ..statistics.engines.in_trace import attention_scores, repeat_kv
+from ..statistics.engines.in_trace import attention_scores, repeat_kv, visible_from_mask
 
 __all__ = [
     "ABLATIONS",
@@ -109,21 +109,6 @@ class AttentionScores:
     layer: int
     scores: torch.Tensor
     rows: Callable[[int, int, int], torch.Tensor]
-
-
-def visible_from_mask(mask: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor:
-    """Boolean ``[batch, 1 or head, query, key]`` of the entries a mask lets through.
-
-    ``None`` means every entry; a boolean mask is used as is; an additive float mask counts
-    an entry as visible unless it holds a large negative value (transformers fills hidden
-    entries with the dtype's minimum).
-    """
-    if mask is None:
-        return torch.ones(tuple(shape), dtype=torch.bool)
-    mask = mask[..., : shape[-2], : shape[-1]]
-    if mask.dtype == torch.bool:
-        return mask.expand(*mask.shape[:-2], shape[-2], shape[-1])
-    return mask > torch.finfo(mask.dtype).min / 2
 
 
 def _eager_function(module: torch.nn.Module) -> Callable:

@@ -9,8 +9,10 @@ attention module's output, ``"attention.{l}"`` and
 post-norm's input where the block has one (a :class:`~equivariance_probe.adapters.components.HeadWrites`),
 ``"final"`` the head's input and ``"logits"`` the trace's own logits. The attention call (``"qk.{l}"``, ``"weights.{l}"``) and the ablations are the Hugging Face
 interception of the wrapped model (:func:`~equivariance_probe.adapters.internals.ablate`), which runs inside the
-trace, so both frameworks hand a feature the same call, mask included. Plans run where the model is local; a
-remote model is refused before any request.
+trace, so both frameworks hand a feature the same call, mask included. On a remote model a plan reads sites in one
+trace, each read reduced on the server (:func:`_run_remote`; ``"qk.{l}"`` is the attention call's inputs read there,
+:func:`~equivariance_probe.adapters.nnsight_remote.attention_call_in_trace`); replacements and ablations are refused
+before any request.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ def check_nnsight_plan(adapter: Any, plan: Plan) -> None:
     """Refuse, before any pass, a plan the nnsight model cannot run here.
 
     Raises:
-        RemoteExecutionError: on a remote model, an ablation, a replacement or ``"qk.{l}"`` (a remote request reads
-            tensors and reduces them where the model runs; it does not change the model; ``"weights.{l}"`` is
-            recomputed there from the queries and keys).
+        RemoteExecutionError: on a remote model, an ablation, a replacement, or a read of ``"qk.{l}"`` without a
+            ``reduce`` (a remote request reads sites and reduces them where the model runs; it does not change the
+            model, and a layer's queries and keys do not travel whole; ``"weights.{l}"`` is recomputed there from
+            them).
         AttentionCaptureError: as :func:`~equivariance_probe.adapters.hf_binder.check_hf_plan`.
     """
     check_hf_plan(adapter.hf_model, plan)
@@ -50,11 +53,17 @@ def check_nnsight_plan(adapter: Any, plan: Plan) -> None:
             "does not let a request do; run the analysis on a local nnsight model (remote=False) or the Hugging "
             "Face model")
     for site, action in plan.steps:
-        if site.kind == "qk" or isinstance(action, Replace):
+        if isinstance(action, Replace):
             raise RemoteExecutionError(
-                f"a remote model's plan (remote={adapter.remote!r}) reads tensor sites only; {type(action).__name__} "
+                f"a remote model's plan (remote={adapter.remote!r}) reads sites only; {type(action).__name__} "
                 f"at site {site.name!r} needs the model here: run the analysis on a local nnsight model (remote=False) or the Hugging "
                 "Face model")
+        if site.kind == "qk" and isinstance(action, Read) and action.reduce is None:
+            raise RemoteExecutionError(
+                f"a remote model's plan (remote={adapter.remote!r}) reads site {site.name!r} (every query and key of "
+                "the layer) only through a reduce that runs on the server: give Read(fn, reduce=...), a torch-only "
+                "function of the attention call that returns what fn needs, or run the analysis on a local nnsight "
+                "model (remote=False) or the Hugging Face model")
 
 
 def run_nnsight_plan(adapter: Any, tokens: torch.Tensor, plan: Plan, *, position_ids: torch.Tensor | None = None,
@@ -176,8 +185,10 @@ def _place(envoys: _EnvoysOf, site: Site, n_heads: int) -> tuple[Any, Any, tuple
         width = getattr(projection, "in_features", None) or getattr(projection, "nx", None)
         columns = head_columns(int(width), n_heads, site.head)
         return envoys.of(projection), "input", (columns.start, columns.stop)
-    if site.kind == "weights":
-        return envoys.attention(site.layer), ("weights", envoys.adapter.layout.sliding_windows[site.layer]), None
+    if site.kind in ("weights", "qk"):
+        window = envoys.adapter.layout.sliding_windows[site.layer]
+        return envoys.attention(site.layer), ("weights", window) if site.kind == "weights" else \
+            ("call", site.layer, window), None
     if site.kind in ("resid", "attention_module"):
         return (envoys.layer if site.kind == "resid" else envoys.attention)(site.layer), "output", None
     if site.kind == "logits":

@@ -22,6 +22,7 @@ raise builtins and the adapter translates them (:func:`is_remote_failure`,
 
 from __future__ import annotations
 
+import collections
 import os
 
 import torch
@@ -81,6 +82,7 @@ __all__ = [
     "REMOTE_MODULES",
     "PLAN_FUNCTIONS",
     "read_sites_in_trace",
+    "attention_call_in_trace",
 ]
 
 
@@ -318,14 +320,34 @@ def segment_check_in_trace(attention: list, plan: dict, span: tuple) -> torch.Te
     return torch.stack(differences)
 
 
+def attention_call_in_trace(attention: object, layer: int, window: int | None) -> tuple:
+    """Inside a trace, what the attention module's call of transformers' attention function (``ATTENTION_CALL``)
+    receives, with the fields of :class:`~equivariance_probe.adapters.internals.AttentionCall` (a named tuple: the
+    class itself is not on the server; no weights): ``layer``, ``query`` ``[batch, head, T, d]``, ``key``
+    ``[batch, kv_head, T, d]``, ``attention_mask``, ``scaling``, ``softcap``.
+
+    A kernel that masks causally itself (sdpa's ``is_causal``, flash attention's window) receives no mask; the
+    mask is then the causal one, within the layer's sliding ``window``, as a boolean ``[1, 1, T, T]``.
+    """
+    args, kwargs = getattr(attention.source, ATTENTION_CALL).inputs
+    query, key = args[1].detach(), args[2].detach()
+    mask = args[4] if len(args) > 4 else kwargs.get("attention_mask")
+    if mask is None:
+        n_positions = query.shape[-2]
+        mask = visible_mask(n_positions, window, torch.full((1,), n_positions, device=query.device)).unsqueeze(1)
+    call = collections.namedtuple("AttentionCall", ["layer", "query", "key", "attention_mask", "scaling", "softcap"])
+    return call(layer, query, key, mask.detach(), kwargs.get("scaling"), kwargs.get("softcap"))
+
+
 def read_sites_in_trace(reads: list) -> list:
     """Inside a trace, each read site's value, reduced where the model runs.
 
     Args:
         reads: per site, in the order the forward pass reaches them, ``(envoy, place, columns, last_row,
-            reducers)``: the module's envoy; ``"input"`` or ``"output"`` (the site is the module's), or
+            reducers)``: the module's envoy; ``"input"`` or ``"output"`` (the site is the module's),
             ``("weights", window)`` (the attention module's post-softmax weights, recomputed from the queries
-            and keys its attention call receives: :func:`layer_pattern`, whatever kernel the server runs); the
+            and keys its attention call receives: :func:`layer_pattern`, whatever kernel the server runs), or
+            ``("call", layer, window)`` (that call itself: :func:`attention_call_in_trace`); the
             site's ``(start, stop)`` columns or ``None``; whether to keep the last position only; and one
             function (or ``None``: the value itself) per read of the site.
 
@@ -334,6 +356,10 @@ def read_sites_in_trace(reads: list) -> list:
     """
     values = []
     for envoy, place, columns, last_row, reducers in reads:
+        if isinstance(place, tuple) and place[0] == "call":
+            call = attention_call_in_trace(envoy, place[1], place[2])
+            values.append([call if reduce is None else reduce(call) for reduce in reducers])
+            continue
         if isinstance(place, tuple):
             value = layer_pattern(envoy, "recompute", place[1])
         elif place == "input":
@@ -356,9 +382,11 @@ def read_sites_in_trace(reads: list) -> list:
 PLAN_FUNCTIONS = (
     "equivariance_probe.adapters.nnsight_remote.read_sites_in_trace",
     "equivariance_probe.adapters.nnsight_remote.layer_pattern",
+    "equivariance_probe.adapters.nnsight_remote.attention_call_in_trace",
     "equivariance_probe.statistics.engines.in_trace.recompute_pattern",
     "equivariance_probe.statistics.engines.in_trace.attention_scores",
     "equivariance_probe.statistics.engines.in_trace.repeat_kv",
+    "equivariance_probe.statistics.engines.in_trace.visible_mask",
 )
 
 

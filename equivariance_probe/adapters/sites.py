@@ -18,8 +18,8 @@ residual stream (:mod:`~equivariance_probe.adapters.components`) are sites of th
 * ``"qk.{l}"``: the queries and keys as block ``l``'s attention call receives them, with its scaling, soft cap
   and mask (an :class:`~equivariance_probe.adapters.internals.AttentionCall`);
 * ``"scores.{l}"``: block ``l``'s pre-softmax scores as a framework that forms them itself hands them (an
-  :class:`~equivariance_probe.adapters.internals.AttentionScores`; a TransformerBridge's ``hook_attn_scores``), where
-  ``"qk.{l}"`` does not exist;
+  :class:`~equivariance_probe.adapters.internals.AttentionScores`; a TransformerBridge's ``hook_attn_scores``, the
+  scores its own attention formed);
 * ``"weights.{l}"``: block ``l``'s post-softmax attention weights ``[batch, head, query, key]``;
 * ``"pieces.{l}"``: what block ``l``'s attention writes into the residual stream, split by head (a
   :class:`~equivariance_probe.adapters.components.HeadWrites`: each head's piece formed from its columns of the

@@ -3,10 +3,15 @@ TransformerBridge's own hook points, in one ``run_with_hooks`` pass.
 
 Place in the seams: *adapters*. Each site is one hook point (:data:`SITE_HOOKS`; the components' hooks are the
 bridge adapter's :meth:`~equivariance_probe.adapters.transformer_lens.TransformerBridgeAdapter.component_hook`).
-The numbers are the bridge's own: its attention components compute the scores themselves, so ``"qk.{l}"`` (the
-call of transformers' attention function) does not exist here, nor do the ablations, which act on that call
-and on the Hugging Face model's position modules; both are refused before any pass. The scores are
-``"scores.{l}"`` instead (``hook_attn_scores``, an :class:`~equivariance_probe.adapters.internals.AttentionScores`);
+The numbers are the bridge's own: its attention components compute the scores themselves, bypassing transformers'
+attention function. ``"qk.{l}"`` is what that function would receive, formed from the bridge's own hook points
+(:data:`QK_HOOKS`): the rotated queries and keys of a rotary attention (``hook_rot_q``/``hook_rot_k``, after a
+Gemma 3 q/k-norm, before the keys' heads are repeated), the projections of a joint-QKV one (GPT-2), the mask
+the bridge added to the scores (read at ``hook_attn_scores``, as transformers' additive mask), and the Hugging Face
+module's ``scaling`` and ``attn_logit_softcapping``; an attention component whose hooks do not give that call
+exactly is refused by name. The ablations act on transformers' call and on the Hugging Face model's position
+modules, which the bridge replaces, so they are refused before any pass. The scores are also
+``"scores.{l}"`` (``hook_attn_scores``, an :class:`~equivariance_probe.adapters.internals.AttentionScores`);
 ``"pieces.{l}"`` is formed from ``attn.o.hook_in`` with the projection's weights, and the post-norm's input where
 the block has one; ``"logits"`` is what ``run_with_hooks`` returns, for the last positions the plan keeps
 (``logits_to_keep`` and ``position_ids`` go through the bridge to the Hugging Face model it runs).
@@ -14,23 +19,29 @@ the block has one; ``"logits"`` is what ``run_with_hooks`` returns, for the last
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from ..errors import AttentionCaptureError
 from .components import HeadWrites, block_parts, head_columns, post_norms_of
-from .internals import AttentionScores
+from .internals import AttentionCall, AttentionScores
 from .plan import Plan, apply
 from .sites import Site
 
-__all__ = ["SITE_HOOKS", "run_bridge_plan", "bridge_hook"]
+__all__ = ["SITE_HOOKS", "QK_HOOKS", "run_bridge_plan", "bridge_hook"]
 
 #: The bridge's hook point of each site kind that is not a component of the residual stream.
 SITE_HOOKS = {"embedding": "blocks.0.hook_resid_pre", "resid": "blocks.{layer}.hook_resid_post",
               "attention_module": "blocks.{layer}.attn.hook_out",
               "scores": "blocks.{layer}.attn.hook_attn_scores", "weights": "blocks.{layer}.attn.hook_pattern",
               "final": "unembed.hook_in", "logits": "unembed.hook_out"}
+
+#: Per attention component of the bridge, the hook points of the queries and keys transformers' attention function
+#: would receive: after rotary embeddings (and a q/k-norm before them) where the component applies them itself.
+QK_HOOKS = {"PositionEmbeddingsAttentionBridge": ("hook_rot_q", "hook_rot_k"),
+            "JointQKVAttentionBridge": ("hook_q", "hook_k")}
 
 
 class _Stopped(Exception):
@@ -41,14 +52,11 @@ def bridge_hook(adapter: Any, site: Site) -> tuple[str, int | None]:
     """``(hook point, head)`` of ``site`` on the bridge ``adapter.model``.
 
     Raises:
-        AttentionCaptureError: ``"qk.{l}"`` (the bridge replaces the attention modules), or a hook point the
-            bridge lacks.
+        AttentionCaptureError: ``"qk.{l}"`` on an attention component that does not give transformers' call
+            (:func:`qk_hooks`), or a hook point the bridge lacks.
     """
     if site.kind == "qk":
-        raise AttentionCaptureError(
-            f"site {site.name!r}: the TransformerBridge replaces the attention modules with its own, which bypass "
-            "transformers' attention functions, so the queries and keys as that call receives them do not exist "
-            "here; run the Hugging Face model inside (bridge.original_model) or an nnsight model")
+        return qk_hooks(adapter, site)[0], None
     if site.kind in ("attention", "mlp", "head"):
         return adapter.component_hook(site.name)
     if site.kind == "pieces":
@@ -61,7 +69,8 @@ def bridge_hook(adapter: Any, site: Site) -> tuple[str, int | None]:
 
 
 def check_bridge_plan(adapter: Any, plan: Plan) -> None:
-    """Refuse, before any pass, what the bridge cannot bind: an ablation, ``"qk.{l}"``, a missing hook point.
+    """Refuse, before any pass, what the bridge cannot bind: an ablation, a ``"qk.{l}"`` that its attention component
+    does not give, a missing hook point.
 
     Raises:
         AttentionCaptureError: naming the site or the ablation.
@@ -93,6 +102,8 @@ def run_bridge_plan(adapter: Any, tokens: torch.Tensor, plan: Plan, *, position_
     for site in plan.sites():
         if site.kind == "scores":
             hooks.append((SITE_HOOKS["scores"].format(layer=site.layer), _scores_hook(adapter, plan, site)))
+        elif site.kind == "qk":
+            hooks += _qk_hooks(adapter, plan, site)
         elif site.kind == "pieces":
             hooks += _pieces_hooks(adapter, plan, site)
         elif site.kind != "logits":
@@ -128,6 +139,71 @@ def _scores_hook(adapter: Any, plan: Plan, site: Site) -> Any:
             raise _Stopped
 
     return hook
+
+
+def qk_hooks(adapter: Any, site: Site) -> tuple[str, str, Any]:
+    """``(query hook, key hook, Hugging Face attention module)`` of site ``"qk.{l}"`` on the bridge ``adapter.model``.
+
+    Raises:
+        AttentionCaptureError: an attention component whose hooks do not carry the queries and keys transformers'
+            call would receive (not in :data:`QK_HOOKS`, a q/k-norm after the rotation, a scale or soft cap of its
+            own), naming it.
+    """
+    attention = adapter.model.blocks[site.layer].attn
+    kind, module = type(attention).__name__, getattr(attention, "original_component", None)
+    names = QK_HOOKS.get(kind)
+    hooks = None if names is None else tuple(f"blocks.{site.layer}.attn.{name}" for name in names)
+    why = None
+    if hooks is None or module is None or any(name not in adapter.model.hook_dict for name in hooks):
+        why = "its hooks do not carry the queries and keys as transformers' attention call receives them"
+    elif getattr(attention.config, "qk_norm_after_rope", False) and "q_norm" in attention.submodules:
+        why = "it normalises the queries and keys after hook_rot_q/hook_rot_k"
+    elif kind == "JointQKVAttentionBridge" and (getattr(module, "attn_logit_softcapping", None) is not None
+                                                or not math.isclose(_joint_scale(attention, module), module.scaling)):
+        why = "its scores use a scale or soft cap of its own, not the Hugging Face module's"
+    if why is not None:
+        raise AttentionCaptureError(
+            f"site {site.name!r}: this TransformerBridge's attention component {kind} replaces transformers' "
+            f"attention call, and {why}; read 'scores.{site.layer}' (hook_attn_scores), or run the Hugging Face "
+            "model inside (bridge.original_model) or an nnsight model")
+    return hooks[0], hooks[1], module
+
+
+def _joint_scale(attention: Any, module: Any) -> float:
+    """The score scale a joint-QKV bridge component applies itself: ``d_head^(-1/2)``, over ``l + 1`` where the
+    config scales by the inverse layer index (as TransformerLens' ``_reconstruct_attention``)."""
+    scale = float(module.head_dim) ** -0.5
+    if getattr(attention.config, "scale_attn_by_inverse_layer_idx", False) and attention._layer_idx is not None:
+        scale /= float(attention._layer_idx + 1)
+    return scale
+
+
+def _qk_hooks(adapter: Any, plan: Plan, site: Site) -> list[tuple[str, Any]]:
+    """The hooks that hand the plan block ``l``'s :class:`~equivariance_probe.adapters.internals.AttentionCall`:
+    the queries and keys kept (the bridge's hooks carry ``[batch, position, head, d_head]``; transformers' call
+    takes ``[batch, head, position, d_head]``), then handed over at ``hook_attn_scores`` with the mask the bridge
+    added there, as transformers' additive mask ``[batch, 1, query, key]`` (0 where visible, the dtype's minimum
+    where hidden)."""
+    query_hook, key_hook, module = qk_hooks(adapter, site)
+    actions, kept = plan.actions(site), {}
+    scaling, softcap = float(module.scaling), getattr(module, "attn_logit_softcapping", None)
+
+    def keep(name: str) -> Any:
+        def hook(value: torch.Tensor, hook: Any) -> None:
+            heads = value.unflatten(-1, (-1, int(module.head_dim))) if value.dim() == 3 else value
+            kept[name] = heads.transpose(1, 2).detach()
+        return hook
+
+    def hand_over(scores: torch.Tensor, hook: Any) -> None:
+        minimum = torch.finfo(scores.dtype).min
+        zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
+        mask = torch.where(scores[:, :1] > minimum / 2, zero, zero + minimum)
+        call = AttentionCall(site.layer, kept.pop("query"), kept.pop("key"), mask, scaling, softcap)
+        if apply(actions, call)[2]:
+            raise _Stopped
+
+    return [(query_hook, keep("query")), (key_hook, keep("key")),
+            (SITE_HOOKS["scores"].format(layer=site.layer), hand_over)]
 
 
 def _pieces_hooks(adapter: Any, plan: Plan, site: Site) -> list[tuple[str, Any]]:

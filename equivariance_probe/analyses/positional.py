@@ -1,10 +1,11 @@
 """Where position enters attention: position-embedding Gram matrices, positional logits, TISA kernels.
 
 Place in the seams: *analyses*. Tensor maths (:func:`gram_toeplitz`,
-:func:`diagonal_profile_sums`) on top of :mod:`~equivariance_probe.maths` (Toeplitz R², TISA's
-kernel fit), plus thin functions that read a Hugging Face model (raw weights: TransformerLens
-bridges and nnsight models are unwrapped, so no TransformerLens weight processing, whose
-centring would change the Gram matrix) through :mod:`~equivariance_probe.adapters.internals`.
+:func:`diagonal_profile_sums`, a torch-only kernel of :mod:`~equivariance_probe.statistics.engines.in_trace`) on
+top of :mod:`~equivariance_probe.maths` (Toeplitz R², TISA's kernel fit), plus thin functions that read a Hugging
+Face model's weights (raw: TransformerLens bridges and nnsight models are unwrapped, so no TransformerLens weight
+processing, whose centring would change the Gram matrix) through :mod:`~equivariance_probe.adapters.internals`;
+:func:`score_profile` reads attention calls through a plan (site ``"qk.{l}"``), so it runs on every framework.
 docs/methods.md#toeplitz;
 Wennberg & Henter, "The Case for Translation-Invariant Self-Attention" (TISA), Fig. 1-2,
 eq. 9-12 and appendix B.
@@ -27,17 +28,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import einops
 import numpy as np
 import torch
 
-from ..adapters.internals import intercept_attention, position_embedding_modules, visible_from_mask
+from ..adapters.internals import intercept_attention, position_embedding_modules
 from ..adapters import adapter_of
 from ..adapters.modules import hf_model_of
 from ..adapters.plan import Read
 from ..errors import InputError, UnsupportedModelError
 from ..maths.fitting import KernelFit, fit_tisa_kernel
 from ..maths.metrics import toeplitz_r2
+from ..statistics.engines.in_trace import attention_scores, diagonal_profile_sums, visible_from_mask
 
 __all__ = [
     "AttentionToeplitz",
@@ -241,32 +242,6 @@ def positional_logits(model: Any, n_positions: int | None = None, layer: int = 0
 
 
 # -- diagonal profiles of mean pre-softmax scores ------------------------------------------
-def diagonal_profile_sums(scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per head, the sum and count of visible scores on each diagonal ``k = q - key``.
-
-    Args:
-        scores: ``[batch, head, query, key]``.
-        visible: bool, broadcastable to ``scores``.
-
-    Returns:
-        ``(sums [head, 2T-1], counts [head, 2T-1])`` float64, index ``k + T - 1`` for
-        ``k = -(T-1) .. T-1``.
-    """
-    batch, heads, n_query, n_key = scores.shape
-    visible = visible.expand_as(scores)
-    index = (torch.arange(n_query).view(-1, 1) - torch.arange(n_key).view(1, -1) + n_key - 1).to(scores.device)
-    index = index.expand(batch, heads, n_query, n_key)
-    width = n_query + n_key - 1
-    values = torch.where(visible, scores.to(torch.float64), torch.zeros((), dtype=torch.float64, device=scores.device))
-    sums = torch.zeros(heads, width, dtype=torch.float64, device=scores.device)
-    counts = torch.zeros(heads, width, dtype=torch.float64, device=scores.device)
-    by_head = "batch head query key -> head (batch query key)"
-    flat_index = einops.rearrange(index, by_head)
-    sums.scatter_add_(1, flat_index, einops.rearrange(values, by_head))
-    counts.scatter_add_(1, flat_index, einops.rearrange(visible, by_head).to(torch.float64))
-    return sums.cpu(), counts.cpu()
-
-
 @dataclass
 class ScoreProfile:
     """Mean pre-softmax score per layer, head and lag ``k = q - key``, over documents and positions.
@@ -299,8 +274,11 @@ def score_profile(
 ) -> ScoreProfile:
     """Diagonal profiles of each head's mean pre-softmax scores over token windows.
 
+    Each layer's attention call (site ``"qk.{l}"``) is reduced to its sums and counts by lag where the model runs,
+    so a remote nnsight model sends back ``2·H·(2T − 1)`` numbers per layer and batch.
+
     Args:
-        model: a ``transformers`` model (or wrapped; see module docstring).
+        model: a ``transformers`` model, a TransformerBridge, an nnsight model (local or remote) or a probe.
         tokens: ``[n_windows, T]`` token ids (equal-length windows, no padding).
         batch_size: windows per forward pass.
         exclude_keys: key positions left out (e.g. ``[0]``: a BOS attention sink, which
@@ -314,23 +292,29 @@ def score_profile(
     tokens = torch.as_tensor(tokens, dtype=torch.long)
     n_positions = tokens.shape[-1]
     per_layer: dict[int, list[torch.Tensor]] = {}
+    excluded = tuple(int(k) for k in exclude_keys)
 
-    def on_call(call) -> None:
-        scores = call.scores()
+    def profile(call, excluded=excluded):
+        # Runs where the model runs (a remote request ships it by value, with the torch-only kernels it calls), so
+        # only [layer, (head, 2T − 1) sums and counts] travel: no annotations, nothing but torch and the kernels.
+        scores = attention_scores(call.query, call.key, call.scaling, call.softcap)
         visible = visible_from_mask(call.attention_mask, scores.shape).to(scores.device)
-        if exclude_keys:
+        if excluded:
             keep = torch.ones(scores.shape[-1], dtype=torch.bool, device=scores.device)
-            keep[[k for k in exclude_keys if 0 <= k < scores.shape[-1]]] = False
+            keep[[k for k in excluded if 0 <= k < scores.shape[-1]]] = False
             visible = visible & keep
-        sums, counts = diagonal_profile_sums(scores, visible)
-        if call.layer in per_layer:
-            per_layer[call.layer][0] += sums
-            per_layer[call.layer][1] += counts
+        return call.layer, diagonal_profile_sums(scores, visible)
+
+    def add(reduced: tuple[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        layer, (sums, counts) = reduced
+        if layer in per_layer:
+            per_layer[layer][0] += sums
+            per_layer[layer][1] += counts
         else:
-            per_layer[call.layer] = [sums, counts]
+            per_layer[layer] = [sums, counts]
 
     # The queries and keys as every layer's attention call receives them, with its mask.
-    plan = adapter.plan([(f"qk.{layer}", Read(on_call)) for layer in range(adapter.layout.n_layers)])
+    plan = adapter.plan([(f"qk.{layer}", Read(add, reduce=profile)) for layer in range(adapter.layout.n_layers)])
     adapter.check_plan(plan)
     for start in range(0, len(tokens), batch_size):
         adapter.run_plan(tokens[start : start + batch_size], plan)

@@ -241,6 +241,27 @@ def test_the_position_probe_samples_on_the_server_equal_the_local_run(ndif_serve
     assert max(sent_and_received["received"]) < remote.numel() * 4 + 20_000
 
 
+def test_the_score_profile_on_the_server_equals_the_local_run(ndif_server, sent_and_received):
+    """Each layer's attention call read on the server and reduced there to its diagonal sums and counts: a reply of
+    ``2·L·H·(2T − 1)`` numbers per batch, whatever the queries' and keys' size."""
+    from transformers import AutoModelForCausalLM
+
+    from equivariance_probe.analyses.positional import score_profile
+
+    folder = ndif_server.folders["gemma"]
+    tokens = token_windows(3, WIDTH)
+    remote = score_profile(NNsightAdapter(client_model(folder), remote=True), tokens, batch_size=3, exclude_keys=[0])
+    local = score_profile(AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval(), tokens,
+                          batch_size=3, exclude_keys=[0])
+    assert remote.sums.shape == local.sums.shape == (3, 4, 2 * WIDTH - 1)
+    np.testing.assert_array_equal(remote.counts, local.counts)  # the sliding windows of layers 0 and 1 included
+    assert not remote.counts[:2, :, WIDTH - 1 + 8:].any() and remote.counts[2, :, WIDTH - 1 + 8:].any()
+    # The server runs its own attention kernel in float32: equal to float32 rounding.
+    np.testing.assert_allclose(remote.sums, local.sums, rtol=1e-4, atol=1e-5)
+    assert len(sent_and_received["received"]) == 1
+    assert max(sent_and_received["received"]) < remote.sums.nbytes + remote.counts.nbytes + 20_000
+
+
 def test_permutation_sensitivity_on_the_server_equals_the_local_run(ndif_server):
     """The last position's logits and final state come back, and per layer one number: the largest attention
     mass on later keys, from weights recomputed on the server."""

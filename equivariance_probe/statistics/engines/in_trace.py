@@ -26,6 +26,8 @@ __all__ = [
     "default_log_floor",
     "uniform_prior",
     "visible_mask",
+    "visible_from_mask",
+    "diagonal_profile_sums",
     "entry_moments",
     "diagonal_sums",
     "reduce_layer",
@@ -58,6 +60,47 @@ def visible_mask(
             allowed[:, excluded] = False
     real_query = query.view(1, -1) < lengths.view(-1, 1)
     return allowed.unsqueeze(0) & real_query.unsqueeze(-1)
+
+
+def visible_from_mask(mask: torch.Tensor | None, shape: Sequence[int]) -> torch.Tensor:
+    """Boolean ``[batch, 1 or head, query, key]`` of the entries a mask lets through.
+
+    ``None`` means every entry; a boolean mask is used as is; an additive float mask counts
+    an entry as visible unless it holds a large negative value (transformers fills hidden
+    entries with the dtype's minimum).
+    """
+    if mask is None:
+        return torch.ones(tuple(shape), dtype=torch.bool)
+    mask = mask[..., : shape[-2], : shape[-1]]
+    if mask.dtype == torch.bool:
+        return mask.expand(*mask.shape[:-2], shape[-2], shape[-1])
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def diagonal_profile_sums(scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per head, the sum and count of visible scores on each diagonal ``k = q - key``.
+
+    Args:
+        scores: ``[batch, head, query, key]``.
+        visible: bool, broadcastable to ``scores``.
+
+    Returns:
+        ``(sums [head, 2T-1], counts [head, 2T-1])`` float64, index ``k + T - 1`` for
+        ``k = -(T-1) .. T-1``.
+    """
+    batch, heads, n_query, n_key = scores.shape
+    visible = visible.expand_as(scores)
+    index = (torch.arange(n_query).view(-1, 1) - torch.arange(n_key).view(1, -1) + n_key - 1).to(scores.device)
+    index = index.expand(batch, heads, n_query, n_key)
+    width = n_query + n_key - 1
+    values = torch.where(visible, scores.to(torch.float64), torch.zeros((), dtype=torch.float64, device=scores.device))
+    sums = torch.zeros(heads, width, dtype=torch.float64, device=scores.device)
+    counts = torch.zeros(heads, width, dtype=torch.float64, device=scores.device)
+    by_head = "batch head query key -> head (batch query key)"
+    flat_index = einops.rearrange(index, by_head)
+    sums.scatter_add_(1, flat_index, einops.rearrange(values, by_head))
+    counts.scatter_add_(1, flat_index, einops.rearrange(visible, by_head).to(torch.float64))
+    return sums.cpu(), counts.cpu()
 
 
 def entry_moments(
