@@ -29,7 +29,8 @@ The whole contract, all of it on :class:`Adapter` (the probe and the statistics 
   :attr:`~Adapter.segment_capture` (where the block is read, recorded in the result) and, for a model whose
   blocks cannot come back (nnsight on NDIF), :meth:`~Adapter.segment_grid_sums` (a segment's whole grid summed
   where the model runs, :attr:`~Adapter.sums_segment_grid`);
-* errors: :func:`check_layers_seen`, with the framework's :attr:`~Adapter.capture_fix`;
+* errors: :func:`~equivariance_probe.adapters.passes.check_layers_seen`, with the framework's
+  :attr:`~Adapter.capture_fix`;
 * the registry's declarations (:mod:`~equivariance_probe.adapters.registry` reads them, the way einops
   finds its backends): :attr:`~Adapter.framework`, :attr:`~Adapter.model_types` (checked without importing
   a framework), :attr:`~Adapter.capabilities`, :meth:`~Adapter.wrap` and :meth:`~Adapter.unwrap`.
@@ -49,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ..errors import AttentionCaptureError, InputError, UnsupportedModelError
+from ..errors import InputError, UnsupportedModelError
 
 #: Callback an adapter calls once per layer and batch: ``on_pattern(layer, pattern)``
 #: with ``pattern: [batch, head, query, key]``.
@@ -395,17 +396,6 @@ class Adapter(ABC):
                 "to the model"
             )
         return token_ids(tokenizer, text, add_special_tokens=True)
-
-
-def check_layers_seen(adapter: Adapter, seen: Sequence[int]) -> None:
-    """Raise :class:`~equivariance_probe.errors.AttentionCaptureError` unless a forward pass handed over every layer of
-    ``adapter``'s model exactly once (``seen``: the layers it handed over), with the framework's fix."""
-    expected = list(range(adapter.layout.n_layers))
-    if sorted(seen) != expected:
-        missing = sorted(set(expected) - set(seen))
-        raise AttentionCaptureError(
-            f"the {adapter.framework} adapter captured attention from layers {sorted(set(seen))} "
-            f"but the model has {adapter.layout.n_layers} layers (missing: {missing}). " + adapter.capture_fix)
 
 
 def token_ids(tokenizer: Any, text: str, *, add_special_tokens: bool) -> list[int]:

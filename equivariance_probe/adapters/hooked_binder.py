@@ -20,7 +20,7 @@ from ..errors import AttentionCaptureError
 from .internals import AttentionScores
 from .plan import Plan, apply
 from .sites import Site
-from .tl_binder import _hook, _Stopped
+from .tl_binder import _hook, _Stopped, run_with_hooks
 
 __all__ = ["HOOKED_SITES", "check_hooked_plan", "run_hooked_plan"]
 
@@ -69,16 +69,7 @@ def run_hooked_plan(adapter: Any, tokens: torch.Tensor, plan: Plan, *, position_
         name = HOOKED_SITES[site.kind].format(layer=site.layer)
         hooks.append((name, _scores(adapter, plan, site) if site.kind == "scores"
                       else _hook(plan, site, site.head, adapter.layout.n_heads)))
-    logits_actions = plan.actions(Site("logits"))
-    with adapter._eval(), torch.no_grad():
-        try:
-            logits = adapter.model.run_with_hooks(tokens.to(adapter.device), fwd_hooks=hooks,
-                                                  return_type="logits" if logits_actions else None)
-            if logits_actions:
-                apply(logits_actions, logits, head_rows=plan.logits_kept)
-        except _Stopped:
-            pass
-    return {"ablation": ()}
+    return run_with_hooks(adapter, tokens, plan, hooks)
 
 
 def _scores(adapter: Any, plan: Plan, site: Site) -> Any:

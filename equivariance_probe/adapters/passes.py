@@ -9,16 +9,15 @@ model) overrides :meth:`~equivariance_probe.adapters.base.Adapter.run_statistics
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from ..errors import RemoteExecutionError
-from .base import check_layers_seen
+from ..errors import AttentionCaptureError, RemoteExecutionError
 from .plan import Read, Stop
 
-__all__ = ["pattern_pass", "call_pass", "encoder_mask"]
+__all__ = ["pattern_pass", "call_pass", "encoder_mask", "check_layers_seen"]
 
 
 def encoder_mask(adapter: Any, tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor | None:
@@ -89,3 +88,14 @@ def call_pass(adapter: Any, tokens: torch.Tensor, on_call: Callable[[Any], None]
     adapter.run_plan(tokens, adapter.plan(steps, own_kernel=not eager),
                      attention_mask=encoder_mask(adapter, tokens, lengths))
     check_layers_seen(adapter, sorted(set(seen)))
+
+
+def check_layers_seen(adapter: Any, seen: Sequence[int]) -> None:
+    """Raise :class:`~equivariance_probe.errors.AttentionCaptureError` unless a forward pass handed over every layer of
+    ``adapter``'s model exactly once (``seen``: the layers it handed over), with the framework's fix."""
+    expected = list(range(adapter.layout.n_layers))
+    if sorted(seen) != expected:
+        missing = sorted(set(expected) - set(seen))
+        raise AttentionCaptureError(
+            f"the {adapter.framework} adapter captured attention from layers {sorted(set(seen))} "
+            f"but the model has {adapter.layout.n_layers} layers (missing: {missing}). " + adapter.capture_fix)

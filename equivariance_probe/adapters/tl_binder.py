@@ -114,6 +114,13 @@ def run_bridge_plan(adapter: Any, tokens: torch.Tensor, plan: Plan, *, position_
         options["position_ids"] = position_ids.to(adapter.device)
     if plan.needs_head() and plan.logits_kept:
         options["logits_to_keep"] = plan.logits_kept
+    return run_with_hooks(adapter, tokens, plan, hooks, **options)
+
+
+def run_with_hooks(adapter: Any, tokens: torch.Tensor, plan: Plan, hooks: list, **options: Any) -> dict[str, Any]:
+    """One ``run_with_hooks`` pass of a TransformerLens model under ``hooks`` (the plan's sites bound), in eval mode
+    and without gradients, the plan's ``"logits"`` actions run on the logits it returns and a
+    :class:`~equivariance_probe.adapters.plan.Stop` ending it. Returns ``{"ablation": ()}``."""
     logits_actions = plan.actions(Site("logits"))
     with adapter._eval(), torch.no_grad():
         try:

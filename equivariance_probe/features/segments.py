@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from ..adapters.base import SegmentBatch, check_layers_seen
+from ..adapters.base import SegmentBatch
+from ..adapters.passes import check_layers_seen
 from ..adapters.components import ComponentRequest, parse_piece
 from ..adapters.plan import Read, Replace, Stop
 from ..adapters.segments import (Spans, kept_positions, segment_blocks_at, segment_log_probs, segment_rows,
