@@ -199,6 +199,9 @@ def test_the_position_probe_samples_on_the_remote_path_equal_hugging_face_and_re
     # A layer's queries and keys do not travel whole: a read of the attention call needs a reduce on the server.
     with pytest.raises(RemoteExecutionError, match="'qk.0'.*reduce="):
         adapter.check_plan(adapter.plan([("qk.0", Read(len))]))
+    # The heads' pieces are formed with the output projection's weights, which stay on the server.
+    with pytest.raises(RemoteExecutionError, match="'pieces.1'.*output projection's weights.*remote=False"):
+        adapter.check_plan(adapter.plan([("pieces.1", Read(len))]))
 
 
 def test_a_remote_plan_ships_its_reducers_by_value_and_brings_back_only_what_they_pick(monkeypatch):

@@ -44,9 +44,17 @@ class Stopped(Exception):
     """Raised from a hook to end the forward pass at a plan's :class:`~equivariance_probe.adapters.plan.Stop`."""
 
 
-def check_hf_plan(model: Any, plan: Plan) -> None:
+#: Site kinds found among :func:`~equivariance_probe.adapters.components.block_parts`' modules.
+PART_KINDS = frozenset({"attention", "mlp", "head", "pieces"})
+
+
+def check_hf_plan(model: Any, plan: Plan) -> list | None:
     """Refuse, before any pass, a plan that ``model`` cannot run: the head's sites on a model without a
     language-model head, or a block it cannot split into components.
+
+    Returns:
+        The model's :func:`~equivariance_probe.adapters.components.block_parts` where the plan's sites need them,
+        else ``None``.
 
     Raises:
         AttentionCaptureError: the reason, naming the site.
@@ -55,30 +63,29 @@ def check_hf_plan(model: Any, plan: Plan) -> None:
         raise AttentionCaptureError(
             f"{type(model).__name__} has no language-model head, so the plan's 'final'/'logits' sites do not exist; "
             "load the model with AutoModelForCausalLM")
-    if plan.kinds() & {"attention", "mlp", "head"}:
-        block_parts(model)
+    return block_parts(model) if plan.kinds() & PART_KINDS else None
 
 
-def run_hf_plan(model: Any, tokens: torch.Tensor, plan: Plan, *, n_heads: int, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
+def run_hf_plan(model: Any, tokens: torch.Tensor, plan: Plan, *, n_heads: int, modules: list | None = None,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
     """Run ``tokens: [batch, T]`` through ``model`` (in eval mode, put back as it was) under ``plan``, without
-    gradients, with ``position_ids`` and an ``attention_mask`` where given.
+    gradients, with ``position_ids`` and an ``attention_mask`` where given; ``modules``: the attention modules in
+    layer order where the caller has found them once (else found here).
 
     Returns:
         What the ablation recorded (:func:`~equivariance_probe.adapters.internals.ablate`'s dict: how often the
         ablated modules ran), ``{"ablation": ()}`` without interception.
     """
-    check_hf_plan(model, plan)
+    parts = check_hf_plan(model, plan)
     handles = []
-    modules = find_attention_modules(model)
+    modules = modules if modules is not None else find_attention_modules(model)
     layers = [parent_layer(model, module) for module in modules]
-    parts = block_parts(model) if plan.kinds() & {"attention", "mlp", "head", "pieces"} else None
     writes = _WritesOf(parts, plan, n_heads) if "pieces" in plan.kinds() else None
     was_training = model.training
     try:
         for site in plan.sites():
             if site.kind not in ("qk", "weights", "logits"):
-                handles += _hooks(model, layers, parts, writes, site, plan, n_heads)
+                handles += _hooks(model, modules, layers, parts, writes, site, plan, n_heads)
         model.eval()
         with torch.no_grad(), intercepted_calls(model, plan, modules) as record:
             try:
@@ -112,7 +119,7 @@ class _WritesOf:
                           self.norms.get(layer), self.n_heads)
 
 
-def _hooks(model: Any, layers: list, parts: Any, writes: _WritesOf | None, site: Site, plan: Plan,
+def _hooks(model: Any, modules: list, layers: list, parts: Any, writes: _WritesOf | None, site: Site, plan: Plan,
            n_heads: int) -> list[Any]:
     """The hook handles that run ``plan``'s actions at ``site``."""
     actions = plan.actions(site)
@@ -129,7 +136,7 @@ def _hooks(model: Any, layers: list, parts: Any, writes: _WritesOf | None, site:
     if site.kind == "resid":
         return [layers[site.layer].register_forward_hook(_output_hook(after))]
     if site.kind == "attention_module":
-        return [find_attention_modules(model)[site.layer].register_forward_hook(_output_hook(after))]
+        return [modules[site.layer].register_forward_hook(_output_hook(after))]
     if site.kind in ("attention", "mlp"):
         part = parts[site.layer]
         return [(part.attention_out if site.kind == "attention" else part.mlp_out).register_forward_hook(

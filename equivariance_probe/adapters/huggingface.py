@@ -232,8 +232,8 @@ class HuggingFaceAdapter(Adapter):
                  attention_mask: torch.Tensor | None = None) -> dict[str, Any]:
         """:meth:`Adapter.run_plan` with hooks on the model's modules
         (:func:`~equivariance_probe.adapters.hf_binder.run_hf_plan`)."""
-        return run_hf_plan(self.model, tokens, plan, n_heads=self.layout.n_heads, position_ids=position_ids,
-                           attention_mask=attention_mask)
+        return run_hf_plan(self.model, tokens, plan, n_heads=self.layout.n_heads, modules=self.attention_modules,
+                           position_ids=position_ids, attention_mask=attention_mask)
 
     def check_segment_recompute(self, tokens: torch.Tensor, segment_length: int) -> dict[str, Any]:
         """Run one window ``tokens: [1, T]`` (its segment the last ``segment_length`` tokens) under eager attention

@@ -25,33 +25,43 @@ import torch
 from ..errors import RemoteExecutionError
 from .components import (HeadWrites, block_input, block_parts, head_columns, output_tensor, post_norms_of,
                          with_output_tensor)
-from .hf_binder import Stopped, check_hf_plan, intercepted_calls
+from .hf_binder import PART_KINDS, Stopped, check_hf_plan, intercepted_calls
 from .nnsight_remote import read_sites_in_trace
 from .plan import Plan, Read, Replace, Stop, apply
-from .modules import find_attention_modules
 from .sites import Site
 
 __all__ = ["run_nnsight_plan", "check_nnsight_plan"]
 
 
-def check_nnsight_plan(adapter: Any, plan: Plan) -> None:
+def check_nnsight_plan(adapter: Any, plan: Plan) -> list | None:
     """Refuse, before any pass, a plan the nnsight model cannot run here.
 
+    Returns:
+        The wrapped model's block parts where the plan's sites need them (as
+        :func:`~equivariance_probe.adapters.hf_binder.check_hf_plan`).
+
     Raises:
-        RemoteExecutionError: on a remote model, an ablation, a replacement, or a read of ``"qk.{l}"`` without a
+        RemoteExecutionError: on a remote model, an ablation, a replacement, ``"pieces.{l}"`` (formed with the
+            output projection's weights, which stay on the server), or a read of ``"qk.{l}"`` without a
             ``reduce`` (a remote request reads sites and reduces them where the model runs; it does not change the
             model, and a layer's queries and keys do not travel whole; ``"weights.{l}"`` is recomputed there from
             them).
         AttentionCaptureError: as :func:`~equivariance_probe.adapters.hf_binder.check_hf_plan`.
     """
-    check_hf_plan(adapter.hf_model, plan)
+    parts = check_hf_plan(adapter.hf_model, plan)
     if not adapter.remote:
-        return
+        return parts
     if plan.ablation:
         raise RemoteExecutionError(
             f"ablation {'+'.join(plan.ablation)!r} changes the model's modules, which a remote model's server "
             "does not let a request do; run the analysis on a local nnsight model (remote=False) or the Hugging "
             "Face model")
+    for site in plan.sites():
+        if site.kind == "pieces":
+            raise RemoteExecutionError(
+                f"site {site.name!r} is formed with the output projection's weights, which a remote model keeps on "
+                f"its server (remote={adapter.remote!r}); read 'attention.<l>' remotely, or run the heads on a local "
+                "nnsight model (remote=False) or the Hugging Face model")
     for site, action in plan.steps:
         if isinstance(action, Replace):
             raise RemoteExecutionError(
@@ -74,20 +84,19 @@ def run_nnsight_plan(adapter: Any, tokens: torch.Tensor, plan: Plan, *, position
     Returns:
         What the ablation recorded, as :func:`~equivariance_probe.adapters.hf_binder.run_hf_plan`.
     """
-    check_nnsight_plan(adapter, plan)
+    parts = check_nnsight_plan(adapter, plan)
     if adapter.remote:
         return _run_remote(adapter, tokens, plan, _trace_inputs(adapter.hf_model, plan, position_ids, attention_mask,
                                                                  "cpu"))
     hf = adapter.hf_model
     paths = {id(module): name for name, module in hf.named_modules()}
-    parts = block_parts(hf) if plan.kinds() & {"attention", "mlp", "head", "pieces"} else None
     envoys = _EnvoysOf(adapter, paths, parts)
     if "pieces" in plan.kinds():
         envoys.norms = post_norms_of(parts, [site.layer for site in plan.sites() if site.kind == "pieces"])
     options = _trace_inputs(hf, plan, position_ids, attention_mask, adapter.device)
     sites = [site for site in plan.sites() if site.kind not in ("qk", "weights", "logits")]
     logits = plan.actions(Site("logits"))
-    with adapter._local_run("recompute"), intercepted_calls(hf, plan, find_attention_modules(hf)) as record:
+    with adapter._local_run("recompute"), intercepted_calls(hf, plan, adapter._hf.attention_modules) as record:
         try:
             with adapter.model.trace(tokens.to(adapter.device), **options) as tracer:
                 stopped = False
@@ -146,7 +155,7 @@ def _run_remote(adapter: Any, tokens: torch.Tensor, plan: Plan, options: dict[st
 
     hf = adapter.hf_model
     paths = {id(module): name for name, module in hf.named_modules()}
-    envoys = _EnvoysOf(adapter, paths, block_parts(hf) if plan.kinds() & {"attention", "mlp", "head"} else None)
+    envoys = _EnvoysOf(adapter, paths, block_parts(hf) if plan.kinds() & PART_KINDS else None)
     reads, fns = [], []
     for site in plan.sites():
         actions = plan.actions(site)

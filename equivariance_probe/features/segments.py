@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..adapters.base import SegmentBatch
-from ..adapters.passes import check_layers_seen
+from ..adapters.passes import check_layers_seen, encoder_mask
 from ..adapters.components import ComponentRequest, parse_piece
 from ..adapters.plan import Read, Replace, Stop
 from ..adapters.segments import (Spans, kept_positions, segment_blocks_at, segment_log_probs, segment_rows,
@@ -107,11 +107,9 @@ def segment_pass(adapter: Any, tokens: torch.Tensor, lengths: torch.Tensor, segm
         steps += list(more(spans))
     plan = adapter.plan(steps, logits_kept=kept_positions(spans, width) if predictions else 0,
                         own_kernel=adapter.score_site == "qk")
-    mask = None
-    if not layout.causal:
-        mask = (torch.arange(width).view(1, -1) < lengths.cpu().view(-1, 1)).long()
     adapter.run_plan(tokens, plan, position_ids=None if position_start is None
-                     else shifted_position_ids(position_start, width), attention_mask=mask)
+                     else shifted_position_ids(position_start, width),
+                     attention_mask=encoder_mask(adapter, tokens, lengths))
     if on_attention is not None:
         check_layers_seen(adapter, sorted(set(seen)))
     return kept.get("log_probs")
